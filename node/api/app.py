@@ -1,0 +1,87 @@
+"""The aiohttp application: routes, auth and error middlewares, and the node's lifetime."""
+
+from __future__ import annotations
+
+import hmac
+import time
+
+import structlog
+from aiohttp import web
+
+from node.api.errors import APIError, error_response
+from node.api.openai import NODE_KEY, chat_completions, completions
+from node.config import NodeConfig
+from node.runtime.node import Node
+
+log = structlog.get_logger("shiftnode.api")
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    """Every failure leaves as an OpenAI error body; nothing a client sends can produce a bare 500."""
+    try:
+        return await handler(request)
+    except APIError as e:
+        return error_response(e.status, e.message, e.param, e.code, e.headers)
+    except web.HTTPRequestEntityTooLarge as e:
+        return error_response(413, f"request body too large: {e.text}")
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return error_response(e.status, e.reason or e.text or "error", headers={k: v for k, v in e.headers.items() if k == "Allow"})
+    except Exception as e:  # noqa: BLE001 - a bug: log it, answer 500, keep serving
+        log.exception("unhandled_error", path=request.path, error=str(e))
+        return error_response(500, f"internal server error: {type(e).__name__}", code="internal_error")
+
+
+def auth_middleware(api_key: str | None):
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if api_key and request.path.startswith("/v1/"):
+            got = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+                return error_response(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
+        return await handler(request)
+
+    return check
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def models(request: web.Request) -> web.Response:
+    node = request.app[NODE_KEY]
+    return web.json_response({"object": "list", "data": [{
+        "id": node.config.model_name, "object": "model", "created": int(node.started_wall_s), "owned_by": "shiftnode",
+        "root": node.config.model or "embedded-default", "max_model_len": node.max_model_len,
+    }]})
+
+
+async def node_status(request: web.Request) -> web.Response:
+    node = request.app[NODE_KEY]
+    return web.json_response(node.status())
+
+
+def create_app(config: NodeConfig, node: Node | None = None) -> web.Application:
+    """Build the application. With ``node=None`` the node is created on startup and closed on cleanup."""
+    app = web.Application(
+        middlewares=[errors_middleware, auth_middleware(config.api_key)],
+        client_max_size=config.max_body_bytes,
+    )
+
+    async def node_ctx(app: web.Application):
+        n = node or await Node.create(config)
+        n.started_wall_s = time.time()
+        n.start()
+        app[NODE_KEY] = n
+        yield
+        await n.close()
+
+    app.cleanup_ctx.append(node_ctx)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/node", node_status)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    return app

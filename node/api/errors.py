@@ -1,0 +1,54 @@
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with the right status."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error to return to the client.
+
+    Args:
+        status: HTTP status (400, 401, 404, 413, 503, ...).
+        message: human-readable explanation.
+        param: the offending request field, if any.
+        code: a short machine-readable code.
+        headers: extra response headers (e.g. ``Retry-After``).
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(error_body(status, message, param, code), status=status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value" if param else None)

@@ -1,0 +1,306 @@
+"""Handlers of ``/v1/completions`` and ``/v1/chat/completions``, streaming (SSE) or whole.
+
+A request becomes one engine request per prompt (``n`` choices each). Their deltas are merged into
+one stream; choice ``i`` of prompt ``p`` has index ``p * n + i``. When the client goes away the
+handler is cancelled and every engine request is aborted, so its KV blocks return at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+import msgspec
+from aiohttp import web
+
+from node.api.errors import APIError, bad_request, error_body
+from node.api.responses import ChoiceState, chat_logprobs, completion_logprobs, envelope, usage
+from node.api.sse import SSEWriter
+from node.api.validate import chat_prompt, check_model, completion_prompts, sampling_params
+from node.core.sequence import SamplingParams
+from node.protocol import ChatCompletionRequest, CompletionRequest, decode_request
+from node.runtime.node import Node, QueueFullError
+from node.runtime.output import SeqDelta
+
+NODE_KEY = web.AppKey("node", Node)
+KEEPALIVE_S = 10.0  # SSE comment lines while a stream waits (e.g. through a role switch)
+
+
+async def read_json(request: web.Request, kind: type) -> object:
+    node = request.app[NODE_KEY]
+    if request.content_length is not None and request.content_length > node.config.max_body_bytes:
+        raise APIError(413, f"request body of {request.content_length} bytes exceeds the limit of {node.config.max_body_bytes} bytes")
+    body = await request.read()  # aiohttp raises 413 past client_max_size without Content-Length
+    try:
+        return decode_request(body, kind)
+    except msgspec.ValidationError as e:
+        path = str(e).rpartition("at `$.")[2].rstrip("`") or None
+        raise bad_request(f"invalid request: {e}", param=path) from e
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"request body is not valid JSON: {e}") from e
+
+
+@dataclass
+class Job:
+    """One prompt of a request: its ids, sampling parameters and first choice index."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    index0: int
+
+
+async def merged_deltas(node: Node, request_id: str, jobs: list[Job], n: int) -> AsyncIterator[SeqDelta | None]:
+    """Deltas of all jobs with global choice indexes; ``None`` every ``KEEPALIVE_S`` of silence.
+
+    Raises:
+        QueueFullError: the node's queue is full (before anything was yielded).
+    """
+    if node.num_waiting + len(jobs) > node.config.max_queue:
+        raise QueueFullError(f"{node.num_waiting} requests are queued (limit {node.config.max_queue})")
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(job_no: int, job: Job) -> None:
+        seen: set[int] = set()
+        try:
+            async for state, d in node.generate(f"{request_id}-p{job_no}", job.prompt_ids, job.params, n):
+                if job.params.prompt_logprobs is not None and d.index not in seen:
+                    d.prompt_logprobs = list(state.prompt_logprobs)  # echo: the first delta carries them
+                seen.add(d.index)
+                d.index += job.index0
+                queue.put_nowait(d)
+        except Exception as e:  # noqa: BLE001 - surfaced to the client as an error delta
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(StopAsyncIteration)
+
+    tasks = [asyncio.create_task(pump(i, j)) for i, j in enumerate(jobs)]
+    running = len(tasks)
+    getter: asyncio.Task | None = None
+    try:
+        while running:
+            if getter is None:
+                getter = asyncio.create_task(queue.get())
+            done, _ = await asyncio.wait({getter}, timeout=KEEPALIVE_S)
+            if not done:
+                yield None
+                continue
+            item, getter = getter.result(), None
+            if item is StopAsyncIteration:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        if getter is not None:
+            getter.cancel()
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with suppress(asyncio.CancelledError, Exception):
+                await t
+
+
+def _queue_full(e: QueueFullError) -> APIError:
+    return APIError(503, f"server is overloaded: {e}", code="overloaded", headers={"Retry-After": "1"})
+
+
+async def run_request(request: web.Request, *, request_id: str, jobs: list[Job], n: int, stream: bool,
+                      include_usage: bool, on_delta: Callable[[ChoiceState, SeqDelta], dict | None],
+                      first_chunks: Callable[[list[ChoiceState]], list[dict]], final_body: Callable[[list[ChoiceState], dict], dict],
+                      chunk_envelope: dict) -> web.StreamResponse:
+    """Drive a request to its end, as SSE chunks or one JSON body.
+
+    ``on_delta`` folds a delta into its choice and returns the stream chunk's choice entry (or None
+    to send nothing); ``first_chunks`` gives chunks sent before any token (e.g. the chat role);
+    ``final_body`` builds the non-streamed body.
+    """
+    node = request.app[NODE_KEY]
+    choices = [ChoiceState(i) for i in range(len(jobs) * n)]
+    prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
+    deltas = merged_deltas(node, request_id, jobs, n)
+    if not stream:
+        try:
+            async for d in deltas:
+                if d is None:
+                    continue
+                if d.error:
+                    raise APIError(500, d.error, code="internal_error")
+                on_delta(choices[d.index], d)
+        except QueueFullError as e:
+            raise _queue_full(e) from e
+        finally:
+            await deltas.aclose()
+        completion = sum(len(c.token_ids) for c in choices)
+        return web.json_response(final_body(choices, usage(prompt_tokens, completion)))
+    # Streaming: check admission before the 200 goes out, so overload is a proper 503.
+    first = None
+    try:
+        first = await anext(deltas, None)
+    except QueueFullError as e:
+        await deltas.aclose()
+        raise _queue_full(e) from e
+    sse = SSEWriter(request)
+    await sse.prepare()
+    try:
+        for c in first_chunks(choices):
+            await sse.send({**chunk_envelope, **c})
+        pending = [first] if first is not None else []
+        async def items() -> AsyncIterator[SeqDelta | None]:
+            for p in pending:
+                yield p
+            async for d in deltas:
+                yield d
+        async for d in items():
+            if d is None:
+                await sse.comment("keep-alive")
+                continue
+            if d.error:
+                await sse.send(error_body(500, d.error, code="internal_error"))
+                break
+            entry = on_delta(choices[d.index], d)
+            if entry is not None:
+                await sse.send({**chunk_envelope, "choices": [entry], **({"usage": None} if include_usage else {})})
+        if include_usage:
+            completion = sum(len(c.token_ids) for c in choices)
+            await sse.send({**chunk_envelope, "choices": [], "usage": usage(prompt_tokens, completion)})
+        await sse.done()
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    finally:
+        await deltas.aclose()
+    return sse.response
+
+
+# --- /v1/completions --------------------------------------------------------------------------------
+async def completions(request: web.Request) -> web.StreamResponse:
+    node = request.app[NODE_KEY]
+    req: CompletionRequest = await read_json(request, CompletionRequest)  # type: ignore[assignment]
+    check_model(req, node.config.model_name)
+    if req.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of other than n is not supported", param="best_of")
+    tok = node.tokenizer
+    vocab = node.info.cfg.vocab_size
+    prompts = completion_prompts(req, tok, vocab)
+    echo_lp = req.logprobs if req.echo else None
+    jobs = []
+    for p, ids in enumerate(prompts):
+        params = sampling_params(req, prompt_len=len(ids), max_model_len=node.max_model_len, max_tokens=req.max_tokens,
+                                 default_max_tokens=16, vocab_size=vocab, logprobs=req.logprobs, prompt_logprobs=echo_lp)
+        jobs.append(Job(ids, params, p * req.n))
+    request_id = node.new_request_id("cmpl")
+    env = envelope("text_completion", request_id, node.config.model_name)
+    n = req.n
+    states: dict[int, RequestEcho] = {}
+
+    def echo_for(c: ChoiceState) -> RequestEcho:
+        if c.index not in states:
+            job = jobs[c.index // n]
+            states[c.index] = RequestEcho(job.prompt_ids, tok.decode(job.prompt_ids))
+        return states[c.index]
+
+    def on_delta(c: ChoiceState, d: SeqDelta) -> dict | None:
+        text, ids, lps = d.text, list(d.token_ids), list(d.logprobs)
+        if req.echo and not c.token_ids and not c.text:
+            e = echo_for(c)
+            text = e.text + text
+            if req.logprobs is not None:
+                ids = e.prompt_ids + ids
+                lps = [None, *(d.prompt_logprobs or [])] + lps
+        c.text += text
+        c.token_ids += d.token_ids
+        c.finish_reason = d.finish_reason
+        lp_body = None
+        if req.logprobs is not None:
+            lp_body, c.text_offset = completion_logprobs(tok, lps, ids, c.text_offset)
+            c.logprobs += lps
+        if not text and d.finish_reason is None and lp_body is None and not req.return_token_ids:
+            return None
+        entry = {"index": c.index, "text": text, "logprobs": lp_body, "finish_reason": d.finish_reason}
+        if req.return_token_ids:
+            entry["token_ids"] = list(d.token_ids)
+        return entry
+
+    def final_body(choices: list[ChoiceState], use: dict) -> dict:
+        out = []
+        for c in choices:
+            lp = None
+            if req.logprobs is not None:
+                ids = (echo_for(c).prompt_ids if req.echo else []) + c.token_ids
+                lp = completion_logprobs(tok, c.logprobs, ids, 0)[0]
+            entry = {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+            if req.return_token_ids:
+                entry |= {"token_ids": c.token_ids, "prompt_token_ids": jobs[c.index // n].prompt_ids}
+            out.append(entry)
+        return {**env, "choices": out, "usage": use}
+
+    return await run_request(
+        request, request_id=request_id, jobs=jobs, n=n, stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        on_delta=on_delta, first_chunks=lambda _: [], final_body=final_body, chunk_envelope=env,
+    )
+
+
+@dataclass
+class RequestEcho:
+    prompt_ids: list[int]
+    text: str
+
+
+# --- /v1/chat/completions ------------------------------------------------------------------------
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    node = request.app[NODE_KEY]
+    req: ChatCompletionRequest = await read_json(request, ChatCompletionRequest)  # type: ignore[assignment]
+    check_model(req, node.config.model_name)
+    if req.tools:
+        raise bad_request("tools are not supported by this server", param="tools")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
+    tok = node.tokenizer
+    ids = chat_prompt(req, tok)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = sampling_params(req, prompt_len=len(ids), max_model_len=node.max_model_len, max_tokens=max_tokens,
+                             default_max_tokens=None, vocab_size=node.info.cfg.vocab_size,
+                             logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_logprobs=None)
+    request_id = node.new_request_id("chatcmpl")
+    env = envelope("chat.completion.chunk", request_id, node.config.model_name)
+
+    def on_delta(c: ChoiceState, d: SeqDelta) -> dict | None:
+        c.text += d.text
+        c.token_ids += d.token_ids
+        c.logprobs += d.logprobs
+        c.finish_reason = d.finish_reason
+        if not d.text and d.finish_reason is None and not (req.logprobs and d.logprobs) and not req.return_token_ids:
+            return None
+        delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+        entry = {"index": c.index, "delta": delta,
+                 "logprobs": chat_logprobs(tok, d.logprobs) if req.logprobs else None,
+                 "finish_reason": d.finish_reason}
+        if req.return_token_ids:
+            entry["token_ids"] = list(d.token_ids)
+        return entry
+
+    def first_chunks(choices: list[ChoiceState]) -> list[dict]:
+        return [{"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}]} for c in choices]
+
+    def final_body(choices: list[ChoiceState], use: dict) -> dict:
+        out = []
+        for c in choices:
+            entry = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                     "logprobs": chat_logprobs(tok, [e for e in c.logprobs if e is not None]) if req.logprobs else None,
+                     "finish_reason": c.finish_reason}
+            if req.return_token_ids:
+                entry |= {"token_ids": c.token_ids, "prompt_token_ids": ids}
+            out.append(entry)
+        return {**env, "object": "chat.completion", "choices": out, "usage": use}
+
+    return await run_request(
+        request, request_id=request_id, jobs=[Job(ids, params, 0)], n=req.n, stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        on_delta=on_delta, first_chunks=first_chunks, final_body=final_body, chunk_envelope=env,
+    )

@@ -1,0 +1,58 @@
+"""Builds OpenAI response bodies from accumulated choice state (completions and chat, whole or chunked)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from node.worker.sampler import TokenLogprobs
+from node.worker.tokenizer import TextTokenizer
+
+
+@dataclass
+class ChoiceState:
+    """Text, tokens and logprobs of one choice as they accumulate."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    text_offset: int = 0  # characters before the next token (completions logprobs)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_logprobs(tok: TextTokenizer, entries: list[TokenLogprobs | None], token_ids: list[int],
+                        offset0: int) -> tuple[dict, int]:
+    """Legacy completions logprobs ``{tokens, token_logprobs, top_logprobs, text_offset}``.
+
+    ``entries[i] is None`` marks the first prompt token under echo (it has no logprob). Returns the
+    body and the text offset after the last token.
+    """
+    tokens, lps, tops, offsets = [], [], [], []
+    off = offset0
+    for tid, e in zip(token_ids, entries):
+        text = tok.token_text(tid)
+        tokens.append(text)
+        offsets.append(off)
+        off += len(text)
+        lps.append(None if e is None else e.logprob)
+        tops.append(None if e is None else {tok.token_text(t): lp for t, lp in e.top})
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, off
+
+
+def chat_logprobs(tok: TextTokenizer, entries: list[TokenLogprobs]) -> dict:
+    """Chat logprobs ``{"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}``."""
+    def item(t: int, lp: float) -> dict:
+        s = tok.token_text(t)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
+
+
+def envelope(kind: str, request_id: str, model: str, created: int | None = None) -> dict:
+    return {"id": request_id, "object": kind, "created": created or int(time.time()), "model": model}

@@ -1,0 +1,144 @@
+"""Checks of request values and their translation into prompts and :class:`SamplingParams`.
+
+Every rule here answers a client mistake with a 400 that names the field, before anything is
+queued, so a bad request can never reach the engine.
+"""
+
+from __future__ import annotations
+
+from node.api.errors import APIError, bad_request
+from node.core.sequence import SamplingParams
+from node.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from node.worker.tokenizer import TextTokenizer, TokenizerError
+
+MAX_N = 64
+MAX_LOGPROBS = 20
+
+
+def check_model(req: _SamplingFields, served: str) -> None:
+    if req.model is not None and req.model != served:
+        raise APIError(404, f"The model `{req.model}` does not exist. This node serves `{served}`.",
+                       param="model", code="model_not_found")
+
+
+def _range(name: str, value: float | int | None, lo: float, hi: float, lo_open: bool = False) -> None:
+    if value is None:
+        return
+    if value != value or value < lo or value > hi or (lo_open and value == lo):  # NaN fails too
+        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise bad_request(f"{name} must be in {bound}, got {value}", param=name)
+
+
+def completion_prompts(req: CompletionRequest, tok: TextTokenizer, vocab_size: int) -> list[list[int]]:
+    """Token ids of each prompt of a completion request (a string, strings, ids, or id lists)."""
+    p = req.prompt
+    if isinstance(p, str):
+        prompts = [tok.encode(p)]
+    elif not p:
+        raise bad_request("prompt must not be an empty list", param="prompt")
+    elif all(isinstance(x, str) for x in p):
+        prompts = [tok.encode(x) for x in p]
+    elif all(isinstance(x, int) for x in p):
+        prompts = [list(p)]
+    elif all(isinstance(x, list) for x in p):
+        prompts = [list(x) for x in p]
+    else:
+        raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids", param="prompt")
+    for ids in prompts:
+        if not ids:
+            raise bad_request("prompt is empty (it has no tokens)", param="prompt")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise bad_request(f"prompt token id {bad[0]} is out of range [0, {vocab_size})", param="prompt")
+    return prompts
+
+
+def chat_prompt(req: ChatCompletionRequest, tok: TextTokenizer) -> list[int]:
+    """Render the chat template and tokenize it (the template carries BOS itself)."""
+    if not req.messages:
+        raise bad_request("messages must not be empty", param="messages")
+    messages = []
+    for m in req.messages:
+        if m.role not in ("system", "user", "assistant", "tool", "developer"):
+            raise bad_request(f"unknown message role {m.role!r}", param="messages")
+        content = m.content
+        if isinstance(content, list):
+            if any(part.type != "text" for part in content):
+                raise bad_request("only text content parts are supported", param="messages")
+            content = "".join(part.text or "" for part in content)
+        messages.append({"role": m.role, "content": content or ""})
+    try:
+        text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+    except TokenizerError as e:
+        raise bad_request(str(e), param="messages") from e
+    ids = tok.encode(text, add_special_tokens=False)
+    if not ids:
+        raise bad_request("the rendered chat prompt is empty", param="messages")
+    return ids
+
+
+def sampling_params(req: _SamplingFields, *, prompt_len: int, max_model_len: int, max_tokens: int | None,
+                    default_max_tokens: int | None, vocab_size: int, logprobs: int | None,
+                    prompt_logprobs: int | None) -> SamplingParams:
+    """Validate sampling fields for one prompt of ``prompt_len`` tokens.
+
+    ``max_tokens=None`` means "not given": ``default_max_tokens`` capped by the room left in the
+    context (``None``: all of it). An explicit ``max_tokens`` that does not fit is a 400 naming both
+    lengths, as OpenAI and vLLM answer.
+    """
+    if req.n < 1 or req.n > MAX_N:
+        raise bad_request(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
+    if prompt_len >= max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt is "
+            f"{prompt_len} tokens, which leaves no room for output.", param="prompt")
+    room = max_model_len - prompt_len
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        if max_tokens > room:
+            raise bad_request(
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion).",
+                param="max_tokens")
+    else:
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    temperature = 1.0 if req.temperature is None else req.temperature
+    _range("temperature", temperature, 0.0, 100.0)
+    _range("top_p", req.top_p, 0.0, 1.0, lo_open=True)
+    _range("min_p", req.min_p, 0.0, 1.0)
+    _range("presence_penalty", req.presence_penalty, -2.0, 2.0)
+    _range("frequency_penalty", req.frequency_penalty, -2.0, 2.0)
+    _range("repetition_penalty", req.repetition_penalty, 0.0, 100.0, lo_open=True)
+    if req.top_k is not None and req.top_k < -1:
+        raise bad_request(f"top_k must be -1 (off) or positive, got {req.top_k}", param="top_k")
+    _range("logprobs", logprobs, 0, MAX_LOGPROBS)
+    if req.min_tokens < 0 or req.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens must be in [0, max_tokens={max_tokens}], got {req.min_tokens}", param="min_tokens")
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if any(s == "" for s in stops):
+        raise bad_request("stop strings must not be empty", param="stop")
+    stop_ids = list(req.stop_token_ids or [])
+    if any(not 0 <= t < vocab_size for t in stop_ids):
+        raise bad_request(f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported by this server", param="logit_bias")
+    if req.seed is not None and not -(2**63) <= req.seed < 2**63:
+        raise bad_request("seed must fit in 64 bits", param="seed")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k in (None, -1) else req.top_k,
+        min_p=req.min_p or 0.0,
+        repetition_penalty=req.repetition_penalty or 1.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        seed=req.seed,
+        stop=tuple(stops),
+        stop_token_ids=tuple(stop_ids),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        min_tokens=req.min_tokens,
+    )

@@ -1,0 +1,96 @@
+"""``shiftnode`` command line: ``serve`` starts a node; ``plan`` sizes KV memory for a config."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import sys
+
+from node.config import NodeConfig
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"512MiB"``, ``"2G"``, ``"1048576"`` → bytes. Raises ``argparse.ArgumentTypeError``."""
+    m = _SIZE.match(text)
+    if not m or (m.group(2) or "").lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 512MiB, 2GiB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="start a node (OpenAI-compatible HTTP API)")
+    p.add_argument("--model", default=None, help="Hugging Face model folder (default: the embedded random-weight model)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--device", default=None, help="one device: cpu, cpu:N or cuda:N")
+    p.add_argument("--devices", default=None, help="comma-separated devices, e.g. cuda:0,cuda:1 or cpu:0,cpu:1")
+    p.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length in tokens (default: the model's)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV cache bytes per device, e.g. 2GiB")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory for weights + KV")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="new tokens per step (chunked-prefill budget)")
+    p.add_argument("--max-queue", type=int, default=1024, help="queued requests before answering 503")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--log-format", default="console", choices=["console", "json"])
+
+
+def config_from_args(a: argparse.Namespace) -> NodeConfig:
+    devices = (a.devices or a.device or "cpu:0").split(",")
+    devices = [d.strip() if ":" in d else f"{d.strip()}:0" for d in devices if d.strip()]
+    return NodeConfig(
+        model=a.model, served_model_name=a.served_model_name, load_format=a.load_format, devices=devices,
+        dtype=a.dtype, host=a.host, port=a.port, api_key=a.api_key, max_model_len=a.max_model_len,
+        block_size=a.block_size, kv_cache_memory_bytes=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization,
+        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, max_queue=a.max_queue,
+        seed=a.seed, attention_backend=a.attention_backend, log_format=a.log_format,
+    )
+
+
+def run_serve(config: NodeConfig) -> int:
+    import uvloop
+    from aiohttp import web
+
+    from node.api.app import create_app
+    from node.log import configure_logging
+
+    from node.worker.loader import StartupError
+    from node.worker.model_config import ModelConfigError
+    from node.worker.tokenizer import TokenizerError
+    from node.worker.weights import WeightLoadError
+
+    configure_logging(config.log_format)
+    loop = uvloop.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        web.run_app(create_app(config), host=config.host, port=config.port, loop=loop, handler_cancellation=True,
+                    print=lambda msg: print(f"shiftnode: serving on http://{config.host}:{config.port}", file=sys.stderr),
+                    access_log=None, shutdown_timeout=5)
+    except (StartupError, ModelConfigError, WeightLoadError, TokenizerError, OSError) as e:
+        print(f"shiftnode: cannot start: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shiftnode", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return run_serve(config_from_args(args))
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

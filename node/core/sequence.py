@@ -1,0 +1,101 @@
+"""Per-sequence state shared by the policies and the shell (pure data)."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    """How one sequence samples and when it stops (OpenAI/vLLM semantics).
+
+    ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` and ``min_p == 0`` disable those
+    filters. ``seed`` makes sampling reproducible per sequence regardless of batching (the sampler
+    derives each token's randomness from ``(seed, output index)``). ``logprobs``: number of top
+    alternatives to return per sampled token (``None``: no logprobs). ``prompt_logprobs``: the same
+    for prompt tokens (``echo`` with ``logprobs``).
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    min_tokens: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One generated continuation (a request with ``n`` choices has ``n`` sequences).
+
+    ``token_ids`` holds prompt then output tokens; ``num_computed`` counts leading tokens whose K/V are
+    in the cache; ``block_ids`` is the block table in logical order. After a preemption the sequence
+    is recomputed from scratch: ``num_computed`` returns to 0 and its output so far is prefilled too.
+    """
+
+    __slots__ = (
+        "seq_id", "request_id", "index", "arrival_s", "token_ids", "prompt_len", "params",
+        "max_len", "num_computed", "block_ids", "status", "num_preemptions", "device_id",
+        "last_token_s", "first_token_s",
+    )
+
+    def __init__(self, seq_id: str, request_id: str, index: int, arrival_s: float,
+                 prompt_ids: list[int], params: SamplingParams, max_model_len: int):
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.index = index
+        self.arrival_s = arrival_s
+        self.token_ids = list(prompt_ids)
+        self.prompt_len = len(prompt_ids)
+        self.params = params
+        self.max_len = min(self.prompt_len + params.max_tokens, max_model_len)
+        self.num_computed = 0
+        self.block_ids: list[int] = []
+        self.status = SeqStatus.WAITING
+        self.num_preemptions = 0
+        self.device_id: str | None = None
+        self.last_token_s: float | None = None
+        self.first_token_s: float | None = None
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens whose K/V must still be computed (1 for a decoding sequence)."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        """All but the last sampled token are cached: the next step is one decode token."""
+        return self.num_output > 0 and self.num_uncomputed == 1
+
+    def sort_key(self) -> tuple[float, str]:
+        return (self.arrival_s, self.seq_id)
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.seq_id}, {self.status.value}, computed={self.num_computed}/{len(self.token_ids)})"

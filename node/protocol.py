@@ -1,0 +1,81 @@
+"""OpenAI-compatible request types (msgspec Structs, decoded strictly: a wrong type is a 400).
+
+Fields follow the OpenAI API, plus the vLLM extensions that users of open servers expect
+(``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``).
+Responses are plain dicts built in ``node.api.responses``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    return_token_ids: bool = False  # vLLM extension: choices carry "token_ids" (and the prompt's ids)
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    """``POST /v1/completions``. ``prompt``: a string, a list of strings, a list of token ids, or a
+    list of token-id lists. ``logprobs``: number of alternatives (0–20) per token."""
+
+    prompt: str | list[str | int | list[int]]
+    max_tokens: int | None = None  # None: 16, capped by the room left in the context
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    """``POST /v1/chat/completions``. ``logprobs``: whether to return them; ``top_logprobs``: 0–20."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+
+
+def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    """Decode ``body`` as JSON into ``kind``. Raises ``msgspec.DecodeError``/``ValidationError``."""
+    return _decoders[kind].decode(body)
+
+
+_decoders = {k: msgspec.json.Decoder(k) for k in (CompletionRequest, ChatCompletionRequest)}

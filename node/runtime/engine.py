@@ -1,0 +1,170 @@
+"""The step loop of one device: schedule → run (in the device's worker thread) → postprocess.
+
+The loop lives on the node's event loop; only ``ModelRunner.execute`` runs in the worker thread, so
+the API keeps answering while a step runs. Membership changes (new sequences, aborts) happen between
+steps only, so a step in flight never sees its blocks freed under it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import structlog
+
+from node.core.batcher import Batcher, StepKind, StepPlan
+from node.core.sequence import Sequence
+from node.runtime.request import RequestState
+from node.worker.runner import ModelRunner, SeqInput, SeqOutput, StepInput
+from node.worker.sampler import SampleRequest
+
+log = structlog.get_logger("shiftnode.engine")
+
+
+def build_step_input(plan: StepPlan) -> StepInput:
+    """Snapshot the plan into plain data for the worker thread."""
+    seqs = []
+    for it in plan.items:
+        s = it.seq
+        start = s.num_computed
+        toks = s.token_ids[start : start + it.num_tokens]
+        sample = None
+        if it.samples:
+            sample = SampleRequest(s.params, s.token_ids[: s.prompt_len], s.output_ids, s.num_output)
+        targets: list[int] = []
+        top = 0
+        if s.params.prompt_logprobs is not None and start < s.prompt_len and s.num_output == 0:
+            # Rows start..start+n-1 predict tokens start+1..start+n (within the prompt).
+            targets = s.token_ids[start + 1 : min(start + it.num_tokens + 1, s.prompt_len)]
+            top = s.params.prompt_logprobs
+        seqs.append(SeqInput(s.seq_id, toks, start, list(s.block_ids), sample, targets, top))
+    return StepInput(seqs)
+
+
+class DeviceEngine:
+    """Runs continuous batching on one device.
+
+    Args:
+        device_id: e.g. ``"cpu:0"`` or ``"cuda:0"``.
+        runner: the device's model runner (weights + KV pool).
+        batcher: the device's pure batch former (owns the block ledger).
+        step_kind: called before each step; returns the kind of step the device's role allows.
+        clock: monotonic seconds.
+    """
+
+    def __init__(self, device_id: str, runner: ModelRunner, batcher: Batcher,
+                 step_kind: Callable[[], StepKind], clock: Callable[[], float]):
+        self.device_id = device_id
+        self.runner = runner
+        self.batcher = batcher
+        self.step_kind = step_kind
+        self.clock = clock
+        self.requests: dict[str, RequestState] = {}  # request id → state, for sequences on this device
+        self._by_seq: dict[str, tuple[RequestState, int]] = {}
+        self._aborts: list[str] = []
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"worker-{device_id}")
+        self._task: asyncio.Task | None = None
+        self.steps = 0
+        self.step_listeners: list[Callable[[StepPlan, float], None]] = []
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"engine-{self.device_id}")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # --- membership ------------------------------------------------------------------------------
+    def add(self, req: RequestState) -> None:
+        self.requests[req.request_id] = req
+        for i, seq in enumerate(req.seqs):
+            seq.device_id = self.device_id
+            self._by_seq[seq.seq_id] = (req, i)
+            self.batcher.add(seq)
+        self.wake()
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request at the next step boundary; its blocks return to the ledger."""
+        if request_id in self.requests:
+            self._aborts.append(request_id)
+            self.wake()
+
+    def _apply_aborts(self) -> None:
+        while self._aborts:
+            req = self.requests.get(self._aborts.pop())
+            if req is not None:
+                req.aborted = True
+                self._finish_request(req)
+
+    def _finish_seq(self, seq: Sequence) -> None:
+        if seq.seq_id in self._by_seq:
+            self.batcher.remove(seq)
+            del self._by_seq[seq.seq_id]
+
+    def _finish_request(self, req: RequestState) -> None:
+        for seq in req.seqs:
+            self._finish_seq(seq)
+        self.requests.pop(req.request_id, None)
+
+    # --- the loop --------------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._apply_aborts()
+            kind = self.step_kind()
+            plan = self.batcher.schedule(kind) if self.batcher.has_work(kind) else StepPlan(kind)
+            if not plan:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            t0 = self.clock()
+            try:
+                outs = await loop.run_in_executor(self._executor, self.runner.execute, build_step_input(plan))
+            except Exception as e:  # a failed step fails its requests, never the node
+                log.exception("step_failed", device=self.device_id, error=str(e))
+                for req in {id(it.seq): self._by_seq[it.seq.seq_id][0] for it in plan.items}.values():
+                    req.fail(f"internal error while running the model: {e}")
+                    self._finish_request(req)
+                continue
+            self.batcher.commit(plan)
+            self.steps += 1
+            self._postprocess(plan, outs)
+            for listener in self.step_listeners:
+                listener(plan, self.clock() - t0)
+
+    def _postprocess(self, plan: StepPlan, outs: dict[str, SeqOutput]) -> None:
+        now = self.clock()
+        for it in plan.items:
+            seq = it.seq
+            entry = self._by_seq.get(seq.seq_id)
+            if entry is None:
+                continue
+            req, i = entry
+            out = outs[seq.seq_id]
+            if out.prompt_logprobs:  # rows start.. predict prompt tokens start+1..; idempotent on recompute
+                start = seq.num_computed - it.num_tokens
+                req.prompt_logprobs[start : start + len(out.prompt_logprobs)] = out.prompt_logprobs
+            if out.token_id is None:
+                continue
+            seq.token_ids.append(out.token_id)
+            if req.stats.first_token_s is None:
+                req.stats.first_token_s = now
+            seq.last_token_s = now
+            delta = req.outputs[i].on_token(out.token_id, out.logprobs)
+            if delta.finish_reason is not None:
+                self._finish_seq(seq)
+            req.emit(delta)
+            if req.done:
+                req.stats.finished_s = now
+                self.requests.pop(req.request_id, None)

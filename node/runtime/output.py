@@ -1,0 +1,88 @@
+"""Per-sequence output processing: stop conditions, incremental text with stop-string hold-back.
+
+Text that could still become the start of a stop string is held back until it cannot (so a stream
+never shows text that the final answer omits); a stop string that spans several tokens, or ends
+mid-token, is found in the decoded text and cut off together with everything after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from node.core.sequence import Sequence
+from node.worker.sampler import TokenLogprobs
+from node.worker.tokenizer import IncrementalDetokenizer, TextTokenizer
+
+
+@dataclass
+class SeqDelta:
+    """What one step adds to one choice: text, tokens (with logprobs when asked), maybe the end."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # echo: logprobs of prompt tokens 1..L-1
+
+
+def _held_suffix(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+class OutputState:
+    """Tracks one sequence's text and decides when it finishes.
+
+    Args:
+        eos_token_ids: ids that end generation unless ``ignore_eos``.
+    """
+
+    def __init__(self, seq: Sequence, tokenizer: TextTokenizer, eos_token_ids: list[int]):
+        self.seq = seq
+        self.detok = IncrementalDetokenizer(tokenizer, seq.token_ids[: seq.prompt_len])
+        self.eos = set(eos_token_ids)
+        self.text = ""  # all final text so far (emitted + held back)
+        self.emitted = 0  # characters of ``text`` already sent
+        self.finish_reason: str | None = None
+
+    def on_token(self, token_id: int, logprobs: TokenLogprobs | None) -> SeqDelta:
+        """Account for a token already appended to ``seq.token_ids``; return the delta to send."""
+        seq, p = self.seq, self.seq.params
+        delta = SeqDelta(index=seq.index, token_ids=[token_id], logprobs=[logprobs] if logprobs else [])
+        stop_token = (token_id in self.eos and not p.ignore_eos) or token_id in p.stop_token_ids
+        if stop_token and seq.num_output > p.min_tokens - 1:
+            self.finish_reason = "stop"
+            delta.text = self._release(self.detok.flush(), final=True)
+        else:
+            new = self.detok.add(token_id)
+            length = seq.num_output >= p.max_tokens or len(seq.token_ids) >= seq.max_len
+            if length:
+                new += self.detok.flush()
+            delta.text = self._release(new, final=length)
+            if length and self.finish_reason is None:
+                self.finish_reason = "length"
+        delta.finish_reason = self.finish_reason
+        return delta
+
+    def _release(self, new: str, final: bool) -> str:
+        stops = self.seq.params.stop
+        start = max(0, len(self.text) - max((len(s) for s in stops), default=0))
+        self.text += new
+        if stops:
+            hits = [i for i in (self.text.find(s, start) for s in stops) if i >= 0]
+            if hits and self.seq.num_output >= self.seq.params.min_tokens:
+                self.text = self.text[: min(hits)]
+                self.finish_reason = "stop"
+                final = True
+        end = len(self.text) if final else len(self.text) - _held_suffix(self.text, stops)
+        out = self.text[self.emitted : end]
+        self.emitted = max(self.emitted, end)
+        return out

@@ -1,0 +1,70 @@
+"""A request in flight: its sequences (one per choice), their output state and its event stream."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import msgspec
+
+from node.core.sequence import SamplingParams, Sequence
+from node.runtime.output import OutputState, SeqDelta
+from node.worker.sampler import TokenLogprobs
+from node.worker.tokenizer import TextTokenizer
+
+
+@dataclass
+class RequestStats:
+    """Wall-clock marks of one request, seconds on the node's monotonic clock."""
+
+    arrival_s: float
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+
+class RequestState:
+    """Everything the node tracks for one API request.
+
+    ``n`` choices become ``n`` sequences ``{request_id}-{i}``; a seeded request gives choice ``i`` the
+    seed ``seed + i`` so the choices differ but each is reproducible. Deltas for all choices arrive on
+    ``queue`` as :class:`SeqDelta` in production order; ``None`` is never sent (the consumer stops when
+    every choice has a finish reason or an error).
+    """
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int,
+                 tokenizer: TextTokenizer, eos_token_ids: list[int], max_model_len: int, now_s: float):
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.queue: asyncio.Queue[SeqDelta] = asyncio.Queue()
+        self.stats = RequestStats(arrival_s=now_s, prompt_tokens=len(prompt_ids))
+        self.seqs: list[Sequence] = []
+        self.outputs: list[OutputState] = []
+        for i in range(n):
+            p = params if params.seed is None or i == 0 else msgspec.structs.replace(params, seed=params.seed + i)
+            if i > 0:
+                p = msgspec.structs.replace(p, prompt_logprobs=None)  # computed once, for choice 0
+            seq = Sequence(f"{request_id}-{i}", request_id, i, now_s, prompt_ids, p, max_model_len)
+            self.seqs.append(seq)
+            self.outputs.append(OutputState(seq, tokenizer, eos_token_ids))
+        # Logprobs of prompt tokens 1..L-1 (token 0 has none), filled as prefill chunks run.
+        self.prompt_logprobs: list[TokenLogprobs | None] = [None] * max(len(prompt_ids) - 1, 0)
+        self.finished = [False] * n
+        self.aborted = False
+
+    @property
+    def done(self) -> bool:
+        return all(self.finished)
+
+    def emit(self, delta: SeqDelta) -> None:
+        if delta.finish_reason is not None or delta.error is not None:
+            self.finished[delta.index] = True
+        self.queue.put_nowait(delta)
+
+    def fail(self, message: str) -> None:
+        """End every unfinished choice with an error (the node keeps serving)."""
+        for i, fin in enumerate(self.finished):
+            if not fin:
+                self.emit(SeqDelta(index=i, error=message))

@@ -1,0 +1,120 @@
+"""Turn a :class:`NodeConfig` into a loaded model runner per device (weights, tokenizer, KV pool)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from node.config import NodeConfig
+from node.worker.model_config import ModelConfig
+from node.worker.runner import ModelRunner, free_device_bytes, plan_kv_blocks, weight_bytes
+from node.worker.tokenizer import TextTokenizer
+from node.worker.weights import build_model, dtype_from_name
+
+log = structlog.get_logger("shiftnode.loader")
+
+# The embedded default: a small Llama-architecture model over the byte-level tokenizer.
+DEFAULT_MODEL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 128,
+    "intermediate_size": 344,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 16,
+    "vocab_size": 320,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float32",
+}
+CPU_DEFAULT_KV_BYTES = 512 * 1024 * 1024
+
+
+class StartupError(RuntimeError):
+    """The node cannot start with this configuration (the message gives the numbers)."""
+
+
+@dataclass
+class LoadedModel:
+    cfg: ModelConfig
+    tokenizer: TextTokenizer
+    max_model_len: int
+    dtype: torch.dtype
+
+
+def load_model_info(config: NodeConfig) -> LoadedModel:
+    """Read the model's config and tokenizer (no weights yet)."""
+    if config.model is None:
+        cfg = ModelConfig.from_dict(DEFAULT_MODEL_CONFIG)
+        tok = TextTokenizer.byte_level()
+    else:
+        cfg = ModelConfig.from_folder(config.model)
+        tok = TextTokenizer.from_folder(config.model)
+    if tok.vocab_size > cfg.vocab_size:
+        raise StartupError(f"tokenizer has {tok.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}")
+    max_len = config.max_model_len or cfg.max_position_embeddings
+    if max_len > cfg.max_position_embeddings:
+        raise StartupError(f"--max-model-len {max_len} exceeds the model's max_position_embeddings {cfg.max_position_embeddings}")
+    return LoadedModel(cfg, tok, max_len, dtype_from_name(config.dtype, cfg))
+
+
+def torch_device(device_id: str) -> torch.device:
+    """``cpu:N`` (an emulated device on the CPU) → ``cpu``; ``cuda:N`` → that GPU."""
+    kind, _, _ = device_id.partition(":")
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise StartupError(f"device {device_id} requested but CUDA is not available")
+        return torch.device(device_id)
+    raise StartupError(f"unknown device {device_id!r} (cpu:N or cuda:N)")
+
+
+def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: object) -> ModelRunner:
+    """Load weights on one device and size its KV pool.
+
+    The KV budget is ``--kv-cache-memory`` bytes when given; on CUDA otherwise
+    ``gpu_memory_utilization * total - (total - free after loading)``; on the CPU 512 MiB.
+
+    Raises:
+        StartupError: the budget holds fewer than ``max_model_len`` tokens (one full sequence).
+    """
+    dev = torch_device(device_id)
+    cfg = info.cfg
+    fmt = config.load_format
+    if fmt == "auto":
+        fmt = "dummy" if config.model is None else "safetensors"
+    model = build_model(cfg, folder=config.model, load_format=fmt, dtype=info.dtype, device=dev,
+                        max_positions=info.max_model_len, ops=ops, seed=config.seed)
+    wbytes = weight_bytes(model)
+    if config.kv_cache_memory_bytes is not None:
+        kv_bytes = config.kv_cache_memory_bytes
+    elif dev.type == "cuda":
+        free, total = free_device_bytes(dev)
+        kv_bytes = int(config.gpu_memory_utilization * total) - (total - free)
+    else:
+        kv_bytes = CPU_DEFAULT_KV_BYTES
+    num_blocks = plan_kv_blocks(cfg, info.dtype, config.block_size, max(kv_bytes, 0))
+    per_token = cfg.kv_bytes_per_token(info.dtype)
+    if num_blocks * config.block_size < info.max_model_len:
+        raise StartupError(
+            f"KV budget of {kv_bytes} bytes on {device_id} holds {num_blocks * config.block_size} tokens "
+            f"({per_token} bytes/token after {wbytes} bytes of weights), fewer than one max-length sequence "
+            f"of {info.max_model_len} tokens; lower --max-model-len or raise the KV budget"
+        )
+    log.info(
+        "model_loaded", device=device_id, model=config.model_name, architecture=cfg.architecture,
+        load_format=fmt, random_weights=fmt == "dummy", dtype=str(info.dtype).removeprefix("torch."),
+        weight_bytes=wbytes, kv_blocks=num_blocks, block_size=config.block_size, kv_bytes_per_token=per_token,
+        max_model_len=info.max_model_len,
+    )
+    if fmt == "dummy":
+        log.warning("random_weights", device=device_id, seed=config.seed,
+                    message="weights are random (fixed seed): outputs are meaningless text")
+    return ModelRunner(model, cfg, dev, num_blocks, config.block_size, info.dtype, seed=config.seed)

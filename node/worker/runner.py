@@ -1,0 +1,151 @@
+"""The model runner of one device: owns the weights and the KV tensor pool, runs one step at a time.
+
+It is called from the device's worker thread, never from the event loop. Its input is a plain-data
+:class:`StepInput` (built on the loop from a :class:`~node.core.batcher.StepPlan`), its output plain
+data too, so the loop and the thread share no mutable state.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+import torch
+
+from node.worker.model import AttentionMetadata, CausalLM
+from node.worker.model_config import ModelConfig
+from node.worker.sampler import SampleRequest, TokenLogprobs, logprobs_of, sample
+
+
+@dataclass
+class SeqInput:
+    """One sequence's part of a step.
+
+    Attributes:
+        seq_id: the sequence.
+        token_ids: the new tokens to compute (``len == q_len``).
+        start: position of the first new token (tokens already cached).
+        block_ids: the block table, covering ``start + q_len`` tokens.
+        sample: set when this step reaches the end of the known tokens and draws the next one.
+        prompt_targets: for prompt logprobs, the prompt tokens at positions ``start+1 ..`` that the
+            new rows predict (may be shorter than ``token_ids``); empty when not wanted.
+        prompt_top: number of alternatives for prompt logprobs.
+    """
+
+    seq_id: str
+    token_ids: list[int]
+    start: int
+    block_ids: list[int]
+    sample: SampleRequest | None = None
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_top: int = 0
+
+
+@dataclass
+class StepInput:
+    seqs: list[SeqInput]
+
+
+@dataclass
+class SeqOutput:
+    token_id: int | None = None
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+class ModelRunner:
+    """Weights, KV pool and step execution for one device.
+
+    Args:
+        model: the loaded :class:`CausalLM`.
+        num_blocks, block_size: KV pool geometry; the pool is
+            ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` in ``kv_dtype``.
+        seed: seed of the generator used by unseeded sampling.
+    """
+
+    def __init__(self, model: CausalLM, cfg: ModelConfig, device: torch.device, num_blocks: int,
+                 block_size: int, kv_dtype: torch.dtype, seed: int = 0):
+        self.model = model
+        self.cfg = cfg
+        self.device = device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kv_cache = torch.zeros(
+            (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim), dtype=kv_dtype, device=device
+        )
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self._lock = threading.Lock()  # one step at a time, also against KV copies from transfers
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        return self.kv_cache.numel() * self.kv_cache.element_size()
+
+    def execute(self, step: StepInput) -> dict[str, SeqOutput]:
+        """Run one forward pass over the packed batch and sample. Returns outputs by ``seq_id``."""
+        with self._lock, torch.inference_mode():
+            return self._execute(step)
+
+    def _execute(self, step: StepInput) -> dict[str, SeqOutput]:
+        dev = self.device
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        cu = [0]
+        seq_lens: list[int] = []
+        for s in step.seqs:
+            n = len(s.token_ids)
+            ids.extend(s.token_ids)
+            p = range(s.start, s.start + n)
+            pos.extend(p)
+            slots.extend(s.block_ids[i // bs] * bs + i % bs for i in p)
+            cu.append(cu[-1] + n)
+            seq_lens.append(s.start + n)
+        width = max(len(s.block_ids) for s in step.seqs)
+        table = [s.block_ids + [0] * (width - len(s.block_ids)) for s in step.seqs]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(table, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            max_seqlen_q=max(len(s.token_ids) for s in step.seqs),
+        )
+        hidden = self.model(
+            torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
+            self.kv_cache, meta,
+        )
+        outputs = {s.seq_id: SeqOutput() for s in step.seqs}
+        # Rows whose logits are needed: the last row of each sampling sequence.
+        samplers = [(i, s) for i, s in enumerate(step.seqs) if s.sample is not None]
+        if samplers:
+            rows = torch.tensor([cu[i + 1] - 1 for i, _ in samplers], device=dev)
+            logits = self.model.compute_logits(hidden[rows])
+            raw = logits.clone() if any(s.sample.params.logprobs is not None for _, s in samplers) else None
+            tokens = sample(logits, [s.sample for _, s in samplers], self.generator)
+            for j, (_, s) in enumerate(samplers):
+                out = outputs[s.seq_id]
+                out.token_id = int(tokens[j])
+                k = s.sample.params.logprobs
+                if k is not None and raw is not None:
+                    out.logprobs = logprobs_of(raw[j : j + 1], tokens[j : j + 1], k)[0]
+        for i, s in enumerate(step.seqs):
+            if s.prompt_targets:
+                rows = torch.arange(cu[i], cu[i] + len(s.prompt_targets), device=dev)
+                logits = self.model.compute_logits(hidden[rows])
+                targets = torch.tensor(s.prompt_targets, dtype=torch.int64, device=dev)
+                outputs[s.seq_id].prompt_logprobs = logprobs_of(logits, targets, s.prompt_top)
+        return outputs
+
+
+def plan_kv_blocks(cfg: ModelConfig, kv_dtype: torch.dtype, block_size: int, kv_bytes: int) -> int:
+    """Blocks that fit in ``kv_bytes``: ``kv_bytes // (block_size * kv_bytes_per_token)``."""
+    return kv_bytes // (block_size * cfg.kv_bytes_per_token(kv_dtype))
+
+
+def free_device_bytes(device: torch.device) -> tuple[int, int]:
+    """``(free, total)`` bytes of a CUDA device (``torch.cuda.mem_get_info``)."""
+    return torch.cuda.mem_get_info(device)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+

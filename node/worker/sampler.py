@@ -1,0 +1,117 @@
+"""Token sampling: penalties, temperature, top-k/top-p/min-p, per-sequence seeds, logprobs.
+
+Order (vLLM's): repetition penalty (CTRL, Keskar et al. 2019: positive logits divided, negative
+multiplied, over prompt and output tokens) → presence/frequency penalties (OpenAI: subtract
+``frequency * count + presence * (count > 0)`` over output tokens) → greedy argmax, or temperature →
+top-k → top-p (nucleus, Holtzman et al. 2020) → min-p (Nguyen et al. 2024) → draw.
+
+A seeded sequence draws its token with a generator seeded from ``(seed, output index)``, so its
+output does not depend on which other sequences share the batch, on preemption or on migration.
+Logprobs are those of the model's raw distribution (log-softmax of the unprocessed logits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from node.core.sequence import SamplingParams
+
+_SEED_STRIDE = 1_000_003  # a prime, so (seed, index) pairs map to distinct generator seeds
+
+
+@dataclass
+class SampleRequest:
+    """One row of logits to sample from.
+
+    Attributes:
+        params: the sequence's sampling parameters.
+        prompt_ids / output_ids: token history (penalties need them; empty lists when unused).
+        output_index: index of the token being drawn among the sequence's outputs (seeds use it).
+    """
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_index: int
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of a chosen token and the ``top`` most likely alternatives: ``[(token_id, logprob)]``."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[TokenLogprobs]:
+    """Raw-distribution logprobs of ``token_ids [N]`` under ``logits [N, V]`` float32, with top-``k``."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, token_ids.view(-1, 1)).squeeze(1).tolist()
+    if k > 0:
+        vals, idx = lp.topk(min(k, lp.shape[-1]), dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+    else:
+        tops = [[] for _ in chosen]
+    return [TokenLogprobs(int(t), c, top) for t, c, top in zip(token_ids.tolist(), chosen, tops)]
+
+
+def _apply_penalties(logits: torch.Tensor, reqs: list[SampleRequest]) -> None:
+    for row, r in enumerate(reqs):
+        p = r.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.long, device=logits.device)
+            if seen.numel():
+                vals = logits[row, seen]
+                logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and r.output_ids:
+            out = torch.tensor(r.output_ids, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(out, minlength=logits.shape[-1]).to(logits.dtype)
+            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Mask a ``[V]`` row of temperature-scaled logits to its top-k / top-p / min-p set."""
+    if 0 < p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
+    if p.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, reqs: list[SampleRequest], generator: torch.Generator) -> torch.Tensor:
+    """Draw one token per row.
+
+    Args:
+        logits: ``[N, V]`` float32 (modified in place by penalties).
+        reqs: ``N`` sample requests, one per row.
+        generator: CPU generator for unseeded rows (the node's own stream).
+
+    Returns:
+        ``[N]`` int64 token ids on the CPU.
+    """
+    if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty for r in reqs):
+        _apply_penalties(logits, reqs)
+    out = logits.argmax(dim=-1).cpu()
+    for row, r in enumerate(reqs):
+        p = r.params
+        if p.greedy:
+            continue
+        row_logits = _filter(logits[row].float() / p.temperature, p)
+        probs = torch.softmax(row_logits, dim=-1).cpu()
+        gen = generator
+        if p.seed is not None:
+            gen = torch.Generator(device="cpu").manual_seed((p.seed * _SEED_STRIDE + r.output_index) % (2**63))
+        out[row] = torch.multinomial(probs, 1, generator=gen)[0]
+    return out

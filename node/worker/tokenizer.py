@@ -1,0 +1,179 @@
+"""Tokenizer, chat template and incremental detokenizer, on the ``tokenizers`` library and jinja2.
+
+Hugging Face folders are read as transformers 4.x reads a fast tokenizer: ``tokenizer.json`` as
+written (its post-processor adds BOS), ``tokenizer_config.json`` for special tokens and the
+``chat_template`` (or ``chat_template.jinja``), ``generation_config.json`` for EOS ids. Chat
+templates render in a sandboxed jinja2 environment with ``trim_blocks``/``lstrip_blocks``, like
+transformers' ``apply_chat_template``.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'system' %}{{ message['content'] }}\n\n"
+    "{% elif message['role'] == 'user' %}User: {{ message['content'] }}\n"
+    "{% elif message['role'] == 'assistant' %}Assistant: {{ message['content'] }}\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+class TokenizerError(ValueError):
+    """Tokenizer files are missing or a chat template failed to render."""
+
+
+def _token_str(v: Any) -> str | None:
+    if isinstance(v, dict):
+        return v.get("content")
+    return v
+
+
+class TextTokenizer:
+    """Encode/decode text and render chat prompts.
+
+    Attributes:
+        bos_token / eos_token: special token strings (may be None).
+        eos_token_ids: ids at which generation stops (``generation_config.json`` first, then the
+            tokenizer's EOS).
+        vocab_size: size of the tokenizer's vocabulary (tokens).
+    """
+
+    def __init__(self, tok: Tokenizer, config: dict[str, Any], chat_template: str | None, eos_token_ids: list[int]):
+        self._tok = tok
+        self.bos_token = _token_str(config.get("bos_token"))
+        self.eos_token = _token_str(config.get("eos_token"))
+        self.chat_template = chat_template
+        eos_id = tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.eos_token_ids = list(eos_token_ids) or ([eos_id] if eos_id is not None else [])
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.special_ids = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+        self._anchor_id = tok.encode("a", add_special_tokens=False).ids[-1]
+        self._anchor_text = tok.decode([self._anchor_id], skip_special_tokens=False)
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "TextTokenizer":
+        """Load from a Hugging Face model folder. Raises :class:`TokenizerError` when files are missing."""
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerError(f"no tokenizer.json in {folder} (only fast tokenizers are supported)")
+        tok = Tokenizer.from_file(str(path))
+        cfg_path = folder / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: take "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja_path = folder / "chat_template.jinja"
+        if template is None and jinja_path.is_file():
+            template = jinja_path.read_text()
+        eos: list[int] = []
+        gen_path = folder / "generation_config.json"
+        if gen_path.is_file():
+            e = json.loads(gen_path.read_text()).get("eos_token_id")
+            eos = e if isinstance(e, list) else ([] if e is None else [e])
+        return cls(tok, cfg, template, eos)
+
+    @classmethod
+    def byte_level(cls) -> "TextTokenizer":
+        """A byte-level tokenizer with no merges: ids 0-2 are ``<unk> <s> </s>``, 3..258 the 256 bytes.
+
+        Used by the embedded default model so a node starts with no files.
+        """
+        alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+        vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{ch: i + 3 for i, ch in enumerate(alphabet)}}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+        cfg = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+        return cls(tok, cfg, DEFAULT_CHAT_TEMPLATE, [2])
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str:
+        return self._tok.id_to_token(token_id) or ""
+
+    def token_text(self, token_id: int) -> str:
+        """Text of one token as it reads inside a sequence (for logprob listings; special tokens kept).
+
+        Decoded after an anchor token and the anchor's text removed, so decoders that strip a leading
+        space at the start of a text (sentencepiece's ``Strip``) still show the token's own space.
+        """
+        anchor = self._anchor_text
+        return self._tok.decode([self._anchor_id, token_id], skip_special_tokens=False)[len(anchor) :]
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` with the model's chat template.
+
+        Raises:
+            TokenizerError: the model has no chat template, or rendering failed (e.g. the template
+                raised for an unsupported role).
+        """
+        if not self.chat_template:
+            raise TokenizerError("this model has no chat template; use /v1/completions")
+        try:
+            return _compile(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            )
+        except jinja2.TemplateError as e:
+            raise TokenizerError(f"chat template failed: {e}") from e
+
+
+def _raise(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+@lru_cache(maxsize=8)
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    return env.from_string(template)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token list into text deltas that never split a UTF-8 character.
+
+    The window method of vLLM/TGI: decode ``ids[prefix:]`` and ``ids[prefix:read]`` and emit the
+    difference; decoding from a few tokens back keeps leading-space rules (sentencepiece ``Strip``)
+    and byte-fallback pieces right. A delta ending in U+FFFD (an incomplete byte sequence) is held
+    back until the character completes, or until :meth:`flush` at the end.
+    """
+
+    def __init__(self, tokenizer: TextTokenizer, prompt_ids: list[int]):
+        self.tok = tokenizer
+        self.ids = list(prompt_ids)
+        self.prefix = max(len(self.ids) - 6, 0)
+        self.read = len(self.ids)
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the text that became final."""
+        self.ids.append(token_id)
+        prefix_text = self.tok.decode(self.ids[self.prefix : self.read])
+        new_text = self.tok.decode(self.ids[self.prefix :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(prefix_text) :]
+            self.prefix, self.read = self.read, len(self.ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Text still held back (an incomplete character at the very end becomes U+FFFD)."""
+        prefix_text = self.tok.decode(self.ids[self.prefix : self.read])
+        new_text = self.tok.decode(self.ids[self.prefix :])
+        self.prefix = self.read = len(self.ids)
+        return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""

@@ -1,0 +1,152 @@
+"""Build a :class:`CausalLM` and fill it from Hugging Face safetensors, or with seeded random weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+
+from node.worker.model import CausalLM
+from node.worker.model_config import ModelConfig, ModelConfigError, rope_inv_freq
+from kernels.reference import rope_cos_sin_cache
+
+
+class WeightLoadError(ValueError):
+    """Checkpoint files are missing, or a tensor is missing or has the wrong shape."""
+
+
+def build_model(
+    cfg: ModelConfig,
+    *,
+    folder: str | Path | None,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    ops: Any,
+    seed: int = 0,
+) -> CausalLM:
+    """Create the model on ``device`` without initialising it, then load or randomise weights.
+
+    Args:
+        load_format: ``"safetensors"`` (read ``folder``) or ``"dummy"`` (normal(0, 0.02) weights from
+            ``seed``; norms set to 1), as vLLM's ``--load-format dummy``.
+        max_positions: rows of the rotary table (tokens).
+
+    Raises:
+        WeightLoadError: missing files, tensors, or shape mismatch.
+    """
+    with torch.device("meta"):
+        model = CausalLM(cfg, dtype, torch.device("meta"), max_positions, ops)
+    model = model.to_empty(device=device)
+    model.cos_sin = rope_cos_sin_cache(rope_inv_freq(cfg).to(device), max_positions)
+    if load_format == "dummy":
+        _randomise(model, seed)
+    elif load_format == "safetensors":
+        if folder is None:
+            raise WeightLoadError("--load-format safetensors needs a model folder")
+        _load_safetensors(model, cfg, Path(folder))
+    else:
+        raise WeightLoadError(f"unknown load format {load_format!r} (safetensors, dummy)")
+    return model.eval()
+
+
+@torch.no_grad()
+def _randomise(model: CausalLM, seed: int) -> None:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.dim() == 1 and "bias" not in name:  # norm weights
+            p.fill_(1.0)
+        else:
+            p.copy_((torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype))
+
+
+def _tensor_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / n for n in names]
+    elif (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]
+    else:
+        raise WeightLoadError(f"no model.safetensors or model.safetensors.index.json in {folder}")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise WeightLoadError(f"checkpoint shards missing: {missing}")
+    return files
+
+
+def _iter_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for f in _tensor_files(folder):
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():
+                yield name, fh.get_tensor(name)
+
+
+@torch.no_grad()
+def _load_safetensors(model: CausalLM, cfg: ModelConfig, folder: Path) -> None:
+    """Copy HF-named tensors into the fused layout, checking every shape."""
+    layer_params = {}
+    for i, layer in enumerate(model.layers):
+        d = cfg.head_dim
+        q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+        inter = cfg.intermediate_size
+        w = layer.qkv_proj.weight
+        pre = f"model.layers.{i}."
+        layer_params.update({
+            pre + "self_attn.q_proj.weight": w[:q],
+            pre + "self_attn.k_proj.weight": w[q : q + kv],
+            pre + "self_attn.v_proj.weight": w[q + kv :],
+            pre + "self_attn.o_proj.weight": layer.o_proj.weight,
+            pre + "mlp.gate_proj.weight": layer.gate_up_proj.weight[:inter],
+            pre + "mlp.up_proj.weight": layer.gate_up_proj.weight[inter:],
+            pre + "mlp.down_proj.weight": layer.down_proj.weight,
+            pre + "input_layernorm.weight": layer.input_layernorm,
+            pre + "post_attention_layernorm.weight": layer.post_attention_layernorm,
+        })
+        if cfg.attention_bias:
+            b = layer.qkv_proj.bias
+            layer_params.update({
+                pre + "self_attn.q_proj.bias": b[:q],
+                pre + "self_attn.k_proj.bias": b[q : q + kv],
+                pre + "self_attn.v_proj.bias": b[q + kv :],
+            })
+        if cfg.qk_norm:
+            layer_params[pre + "self_attn.q_norm.weight"] = layer.q_norm
+            layer_params[pre + "self_attn.k_norm.weight"] = layer.k_norm
+    targets = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm, **layer_params}
+    if model.lm_head is not None:
+        targets["lm_head.weight"] = model.lm_head.weight
+    seen: set[str] = set()
+    for name, tensor in _iter_tensors(folder):
+        dst = targets.get(name)
+        if dst is None:
+            if name == "lm_head.weight" or "rotary_emb" in name:
+                continue  # tied head stored anyway, or precomputed rotary buffers
+            raise WeightLoadError(f"unexpected tensor {name!r} in checkpoint {folder}")
+        if tuple(tensor.shape) != tuple(dst.shape):
+            raise WeightLoadError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(dst.shape)}")
+        dst.copy_(tensor.to(dst.dtype))
+        seen.add(name)
+    missing = sorted(set(targets) - seen)
+    if missing:
+        raise WeightLoadError(f"checkpoint {folder} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def dtype_from_name(name: str, cfg: ModelConfig | None = None) -> torch.dtype:
+    """Map ``auto|float32|float16|bfloat16`` (and short forms) to a torch dtype.
+
+    ``auto`` takes the checkpoint's ``torch_dtype``/``dtype``. Raises :class:`ModelConfigError`.
+    """
+    table = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if name == "auto":
+        raw = (cfg.raw if cfg else {}).get("torch_dtype") or (cfg.raw if cfg else {}).get("dtype") or "float32"
+        name = raw
+    if name not in table:
+        raise ModelConfigError(f"unknown dtype {name!r} (auto, float32, float16, bfloat16)")
+    return table[name]

@@ -1,0 +1,121 @@
+"""Shared test helpers: locating ../shared, starting node processes on free loopback ports, SSE parsing."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("SHIFTNODE_SHARED", REPO.parent / "shared"))
+STORIES = SHARED / "models" / "stories260k"
+
+
+def require_shared() -> Path:
+    """The shared data folder; a missing one fails the test (it is never skipped)."""
+    assert (STORIES / "model.safetensors").is_file(), f"shared model missing at {STORIES} (set SHIFTNODE_SHARED)"
+    return SHARED
+
+
+def reference_cases() -> list[dict]:
+    return json.loads((require_shared() / "models" / "stories260k" / "reference_greedy.json").read_text())["cases"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class NodeProcess:
+    """A ``shiftnode serve`` subprocess on a free loopback port; stops on ``close()``."""
+
+    def __init__(self, *args: str, timeout_s: float = 120.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "node.cli", "serve", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"node exited with {self.proc.returncode}:\n{self.logs()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        else:
+            self.close()
+            raise RuntimeError(f"node did not start in {timeout_s}s:\n{self.logs()}")
+        self.client = httpx.Client(base_url=self.url, timeout=120)
+
+    def logs(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None and httpx.get(self.url + "/health", timeout=5).status_code == 200
+
+    def status(self) -> dict:
+        return self.client.get("/v1/node").json()
+
+    def wait_idle(self, timeout_s: float = 10.0) -> dict:
+        """Wait until no device holds KV blocks or sequences; return the final status."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            st = self.status()
+            if all(d["kv_blocks_used"] == 0 and d["running"] == 0 and d["waiting"] == 0 for d in st["devices"]):
+                return st
+            if time.monotonic() > deadline:
+                raise AssertionError(f"node not idle after {timeout_s}s: {st}")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def sse_events(lines) -> list:
+    """Parse SSE ``data:`` lines into JSON objects; ``"[DONE]"`` stays a string. Asserts the shape."""
+    events = []
+    for line in lines:
+        if not line or line.startswith(":"):
+            continue
+        assert line.startswith("data: "), line
+        payload = line[len("data: "):]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    assert events and events[-1] == "[DONE]", f"stream did not end with [DONE]: {events[-3:]}"
+    assert events.count("[DONE]") == 1
+    return events
+
+
+def stream(client: httpx.Client, path: str, body: dict) -> list:
+    with client.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        return sse_events(list(r.iter_lines()))
+
+
+def stream_text(events: list) -> dict[int, str]:
+    """Concatenated text per choice index of a completions or chat stream."""
+    out: dict[int, str] = {}
+    for e in events:
+        if e == "[DONE]":
+            continue
+        for c in e.get("choices", []):
+            t = c.get("text")
+            if t is None:
+                t = c.get("delta", {}).get("content") or ""
+            out[c["index"]] = out.get(c["index"], "") + t
+    return out
