@@ -1,0 +1,76 @@
+"""Checkpoint loading: sharded files, clear errors for bad folders, and the KV start-up check."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import kernels.reference as ops
+from node.config import NodeConfig
+from node.worker.loader import StartupError, build_runner, load_model_info
+from node.worker.model_config import ModelConfig, ModelConfigError
+from node.worker.weights import WeightLoadError, build_model
+from support import STORIES, NodeProcess, require_shared
+
+
+def _copy(tmp_path):
+    require_shared()
+    dst = tmp_path / "m"
+    shutil.copytree(STORIES, dst, ignore=shutil.ignore_patterns("tiny_configs"))
+    return dst
+
+
+def _load(folder):
+    cfg = ModelConfig.from_folder(folder)
+    return build_model(cfg, folder=folder, load_format="safetensors", dtype=torch.float32,
+                       device=torch.device("cpu"), max_positions=64, ops=ops)
+
+
+def test_sharded_checkpoint_loads_identically(tmp_path):
+    folder = _copy(tmp_path)
+    tensors = load_file(folder / "model.safetensors")
+    names = sorted(tensors)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    for fname, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, folder / fname)
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}))
+    sharded = _load(folder)
+    whole = _load(STORIES)
+    for (n1, p1), (n2, p2) in zip(sharded.named_parameters(), whole.named_parameters()):
+        assert n1 == n2 and torch.equal(p1, p2)
+
+
+def test_clear_errors(tmp_path):
+    folder = _copy(tmp_path)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelConfigError, match="unsupported architecture"):
+        ModelConfig.from_folder(folder)
+    (folder / "config.json").write_text(json.dumps({**cfg, "hidden_size": 72}))
+    with pytest.raises(WeightLoadError, match="shape mismatch"):
+        _load(folder)
+    (folder / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4}}))
+    with pytest.raises(ModelConfigError, match="yarn"):
+        ModelConfig.from_folder(folder)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(WeightLoadError, match="no model.safetensors"):
+        _load(folder)
+    with pytest.raises(ModelConfigError, match="no config.json"):
+        ModelConfig.from_folder(tmp_path / "nowhere")
+
+
+def test_refuses_kv_budget_below_one_sequence():
+    config = NodeConfig(model=str(STORIES), kv_cache_memory_bytes=100_000)
+    with pytest.raises(StartupError, match=r"holds 64 tokens .* 512 tokens"):
+        build_runner(config, load_model_info(config), "cpu:0", ops)
+
+
+def test_cli_reports_startup_error_and_exits(tmp_path):
+    with pytest.raises(RuntimeError, match="cannot start: .*fewer than one max-length sequence"):
+        NodeProcess("--model", str(STORIES), "--kv-cache-memory", "100000", timeout_s=60)
