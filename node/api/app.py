@@ -63,6 +63,11 @@ async def node_status(request: web.Request) -> web.Response:
     return web.json_response(node.status())
 
 
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[NODE_KEY].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
 def create_app(config: NodeConfig, node: Node | None = None) -> web.Application:
     """Build the application. With ``node=None`` the node is created on startup and closed on cleanup."""
     app = web.Application(
@@ -82,6 +87,7 @@ def create_app(config: NodeConfig, node: Node | None = None) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/node", node_status)
+    app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     return app

@@ -161,6 +161,8 @@ class DeviceEngine:
             if req.stats.first_token_s is None:
                 req.stats.first_token_s = now
             seq.last_token_s = now
+            if seq.first_token_s is None:
+                seq.first_token_s = now
             delta = req.outputs[i].on_token(out.token_id, out.logprobs)
             if delta.finish_reason is not None:
                 self._finish_seq(seq)

@@ -20,6 +20,7 @@ from node.core.batcher import BatchConfig, Batcher, StepKind
 from node.core.ledger import BlockLedger
 from node.core.sequence import SamplingParams
 from node.runtime.engine import DeviceEngine
+from node.runtime.metrics import NodeMetrics
 from node.runtime.output import SeqDelta
 from node.runtime.request import RequestState
 from node.worker.loader import LoadedModel, build_runner, load_model_info
@@ -59,6 +60,7 @@ class Node:
         self._ids = itertools.count()
         self.started_s = time.monotonic()
         self.started_wall_s = time.time()
+        self.metrics = NodeMetrics(self)
 
     @classmethod
     async def create(cls, config: NodeConfig) -> "Node":
@@ -102,18 +104,38 @@ class Node:
         Raises:
             QueueFullError: the node already queues ``max_queue`` prompts.
         """
+        m = self.metrics
         if self.num_waiting >= self.config.max_queue:
+            m.rejected.inc()
             raise QueueFullError(f"{self.num_waiting} requests are queued (limit {self.config.max_queue})")
         req = RequestState(request_id, prompt_ids, params, n, self.tokenizer, self._eos_ids(),
                            self.max_model_len, time.monotonic())
+        m.prompt_tokens.inc(len(prompt_ids))
         engine = self._place(req)
         engine.add(req)
         reasons: list[str | None] = [None] * n
+        first_s: list[float | None] = [None] * n  # per choice: first and last token times, tokens
+        last_s: list[float] = [0.0] * n
+        tokens = [0] * n
         try:
             while None in reasons:  # drain until every choice's last delta was consumed
                 delta = await req.queue.get()
+                i = delta.index
+                if delta.token_ids:
+                    now = time.monotonic()
+                    if first_s[i] is None:
+                        first_s[i] = now
+                        if i == 0:
+                            m.ttft.observe(now - req.stats.arrival_s)
+                    else:
+                        m.itl.observe(now - last_s[i])
+                    last_s[i] = now
+                    tokens[i] += len(delta.token_ids)
+                    m.generation_tokens.inc(len(delta.token_ids))
                 if delta.finish_reason or delta.error:
-                    reasons[delta.index] = delta.finish_reason or "error"
+                    reasons[i] = delta.finish_reason or "error"
+                    if tokens[i] > 1:
+                        m.tpot.observe((last_s[i] - first_s[i]) / (tokens[i] - 1))
                 req.stats.output_tokens += len(delta.token_ids)
                 yield req, delta
         finally:
@@ -122,11 +144,14 @@ class Node:
             reasons = [r or "abort" for r in reasons]
             s = req.stats
             end = time.monotonic()
+            m.e2e.observe(end - s.arrival_s)
+            for r in reasons:
+                m.requests.labels(finish_reason=r).inc()
             with suppress(Exception):
                 log.info(
                     "request", request_id=request_id, device=engine.device_id, prompt_tokens=s.prompt_tokens,
                     output_tokens=s.output_tokens, n=n, finish_reason=reasons[0] if n == 1 else reasons,
-                    ttft_ms=None if s.first_token_s is None else round((s.first_token_s - s.arrival_s) * 1e3, 2),
+                    ttft_ms=None if first_s[0] is None else round((first_s[0] - s.arrival_s) * 1e3, 2),
                     total_ms=round((end - s.arrival_s) * 1e3, 2),
                 )
 

@@ -1,0 +1,60 @@
+"""/metrics in Prometheus text format; gauges fall back to idle after aborts (B27)."""
+
+import re
+import socket
+import time
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from support import STORIES, NodeProcess
+
+
+def scrape(node) -> dict[str, float]:
+    text = node.client.get("/metrics").text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
+            out[key] = s.value
+    return out
+
+
+def test_metrics_count_requests_and_tokens(stories_node):
+    before = scrape(stories_node)
+    for _ in range(3):
+        stories_node.client.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 10, "temperature": 0})
+    after = scrape(stories_node)
+    key = "shiftnode_requests_total{finish_reason=length}"
+    assert after[key] - before.get(key, 0) == 3
+    assert after["shiftnode_generation_tokens_total"] - before.get("shiftnode_generation_tokens_total", 0) == 30
+    assert after["shiftnode_prompt_tokens_total"] - before.get("shiftnode_prompt_tokens_total", 0) == 15
+    assert after["shiftnode_time_to_first_token_seconds_count"] - before.get("shiftnode_time_to_first_token_seconds_count", 0) == 3
+    assert after["shiftnode_inter_token_latency_seconds_count"] - before.get("shiftnode_inter_token_latency_seconds_count", 0) == 27
+
+
+def test_b27_gauges_fall_to_idle_after_aborts():
+    node = NodeProcess("--model", str(STORIES), "--max-num-seqs", "4")
+    try:
+        body = b'{"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": true, "stream": true}'
+        socks = []
+        for _ in range(12):
+            s = socket.create_connection(("127.0.0.1", node.port))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            socks.append(s)
+        time.sleep(0.5)
+        busy = scrape(node)
+        assert busy["shiftnode_running_sequences{device=cpu:0}"] == 4
+        assert busy["shiftnode_queue_depth"] == 8
+        assert busy["shiftnode_kv_blocks_used{device=cpu:0}"] > 0
+        for s in socks:
+            s.close()
+        node.wait_idle(5)
+        idle = scrape(node)
+        assert idle["shiftnode_running_sequences{device=cpu:0}"] == 0
+        assert idle["shiftnode_queue_depth"] == 0
+        assert idle["shiftnode_kv_blocks_used{device=cpu:0}"] == 0
+        assert idle["shiftnode_requests_total{finish_reason=abort}"] == 12
+        assert re.search(r"^# TYPE shiftnode_kv_usage_ratio gauge$", node.client.get("/metrics").text, re.M)
+    finally:
+        node.close()
