@@ -79,7 +79,10 @@ def paged_attention(
         q: ``[num_tokens, num_heads, head_dim]`` (fp32/fp16/bf16).
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         block_tables: ``[num_seqs, max_blocks_per_seq]`` int32; entries past a sequence's last
-            block are ignored (any value).
+            block are ignored (any value; this reference still gathers them up to the batch's longest
+            context, so they must be negative or valid block ids here, while the Triton kernels never
+            read them). ``max_blocks_per_seq * block_size`` bounds every context: the Triton decode
+            path sizes its split-K partitions from it without a device sync.
         seq_lens: ``[num_seqs]`` int32 context length per sequence, new tokens included.
         cu_seqlens_q: ``[num_seqs + 1]`` int32 prefix sums of query lengths.
         max_seqlen_q: the largest query length (tokens), used to size the padded batch.

@@ -43,6 +43,16 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--log-format", default="console", choices=["console", "json"])
+    g = p.add_argument_group("time-shared mode")
+    g.add_argument("--mode", default="time-shared", choices=["time-shared", "colocated"],
+                   help="time-shared: devices switch between prefill and decode roles; colocated: mixed chunked-prefill batches")
+    g.add_argument("--reconfig-pause-ms", type=float, default=0.0, help="floor added to every role switch's measured cost")
+    g.add_argument("--ttft-slo-ms", type=float, default=1000.0, help="time-to-first-token target")
+    g.add_argument("--tpot-slo-ms", type=float, default=100.0, help="time-per-output-token target")
+    g.add_argument("--min-window-ms", type=float, default=20.0, help="shortest role window (hysteresis)")
+    g.add_argument("--max-window-ms", type=float, default=500.0, help="longest prefill window")
+    g.add_argument("--stagger", default="soft", choices=["hard", "soft", "off"],
+                   help="keep another device decoding while one prefills (hard), unless a prompt is urgent (soft)")
 
 
 def config_from_args(a: argparse.Namespace) -> NodeConfig:
@@ -53,7 +63,9 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         dtype=a.dtype, host=a.host, port=a.port, api_key=a.api_key, max_model_len=a.max_model_len,
         block_size=a.block_size, kv_cache_memory_bytes=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, max_queue=a.max_queue,
-        seed=a.seed, attention_backend=a.attention_backend, log_format=a.log_format,
+        seed=a.seed, attention_backend=a.attention_backend, log_format=a.log_format, mode=a.mode,
+        reconfig_pause_ms=a.reconfig_pause_ms, ttft_slo_ms=a.ttft_slo_ms, tpot_slo_ms=a.tpot_slo_ms,
+        min_window_ms=a.min_window_ms, max_window_ms=a.max_window_ms, stagger=a.stagger,
     )
 
 
@@ -86,6 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shiftnode", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve_parser(sub)
+    sub.add_parser("plan", help="KV/weight capacity arithmetic for a config (see 'shiftnode plan --help')", add_help=False)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:
+        from node.plan import main as plan_main
+
+        return plan_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "serve":
         return run_serve(config_from_args(args))

@@ -30,6 +30,13 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     seed: int = 0
     log_format: str = "console"
     attention_backend: str = "auto"  # auto | torch | triton
+    mode: str = "time-shared"  # time-shared | colocated
+    reconfig_pause_ms: float = 0.0  # floor added to every measured role switch
+    ttft_slo_ms: float = 1000.0
+    tpot_slo_ms: float = 100.0
+    min_window_ms: float = 20.0
+    max_window_ms: float = 500.0
+    stagger: str = "soft"  # hard | soft | off (see node.core.roles)
 
     @property
     def model_name(self) -> str:

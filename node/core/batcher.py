@@ -35,7 +35,7 @@ class BatchConfig:
     """Limits of one step.
 
     Attributes:
-        max_num_seqs: sequences per step.
+        max_num_seqs: resident (running) sequences at most, hence also sequences per step.
         max_batched_tokens: new tokens per step (the chunked-prefill token budget).
         chunked_prefill: split a prompt over steps when it exceeds the remaining budget.
         watermark_blocks: free blocks kept back when admitting a new prompt, so running sequences
@@ -169,7 +169,7 @@ class Batcher:
         plan.preempted.append(seq)
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
-        while self.waiting and budget > 0 and len(plan.items) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             n = seq.num_uncomputed
             if n > budget:

@@ -14,8 +14,10 @@ from typing import Callable
 import structlog
 
 from node.core.batcher import Batcher, StepKind, StepPlan
+from node.core.roles import Role
 from node.core.sequence import Sequence
 from node.runtime.request import RequestState
+from node.runtime.switching import DeviceRole, SwitchRecord
 from node.worker.runner import ModelRunner, SeqInput, SeqOutput, StepInput
 from node.worker.sampler import SampleRequest
 
@@ -49,17 +51,17 @@ class DeviceEngine:
         device_id: e.g. ``"cpu:0"`` or ``"cuda:0"``.
         runner: the device's model runner (weights + KV pool).
         batcher: the device's pure batch former (owns the block ledger).
-        step_kind: called before each step; returns the kind of step the device's role allows.
+        role: the device's role state in time-shared mode; ``None`` runs MIXED steps (colocated).
         clock: monotonic seconds.
     """
 
     def __init__(self, device_id: str, runner: ModelRunner, batcher: Batcher,
-                 step_kind: Callable[[], StepKind], clock: Callable[[], float]):
+                 clock: Callable[[], float], role: DeviceRole | None = None):
         self.device_id = device_id
         self.runner = runner
         self.batcher = batcher
-        self.step_kind = step_kind
         self.clock = clock
+        self.role = role  # None: colocated (every step is MIXED)
         self.requests: dict[str, RequestState] = {}  # request id → state, for sequences on this device
         self._by_seq: dict[str, tuple[RequestState, int]] = {}
         self._aborts: list[str] = []
@@ -67,7 +69,12 @@ class DeviceEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"worker-{device_id}")
         self._task: asyncio.Task | None = None
         self.steps = 0
-        self.step_listeners: list[Callable[[StepPlan, float], None]] = []
+        self.step_listeners: list[Callable[[DeviceEngine, StepPlan, float], None]] = []
+        self.switch_listeners: list[Callable[[DeviceEngine, SwitchRecord], None]] = []
+        self.step_started_s: float | None = None  # set while a step is in flight
+        self.last_step_s = 0.0
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -122,13 +129,14 @@ class DeviceEngine:
         loop = asyncio.get_running_loop()
         while True:
             self._apply_aborts()
-            kind = self.step_kind()
-            plan = self.batcher.schedule(kind) if self.batcher.has_work(kind) else StepPlan(kind)
+            kind = StepKind.MIXED if self.role is None else self.role.step_kind
+            plan = self.batcher.schedule(kind) if kind is not None and self.batcher.has_work(kind) else None
             if not plan:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            t0 = self.clock()
+            t0 = self.step_started_s = self.clock()
+            self._idle.clear()
             try:
                 outs = await loop.run_in_executor(self._executor, self.runner.execute, build_step_input(plan))
             except Exception as e:  # a failed step fails its requests, never the node
@@ -137,11 +145,41 @@ class DeviceEngine:
                     req.fail(f"internal error while running the model: {e}")
                     self._finish_request(req)
                 continue
+            finally:
+                self.step_started_s = None
+                self._idle.set()
             self.batcher.commit(plan)
             self.steps += 1
             self._postprocess(plan, outs)
+            self.last_step_s = self.clock() - t0
             for listener in self.step_listeners:
-                listener(plan, self.clock() - t0)
+                listener(self, plan, self.last_step_s)
+
+    async def switch_role(self, to_role: Role, reason: str) -> SwitchRecord:
+        """Drain the step in flight, reconfigure for ``to_role`` and pay the pause; then take the role."""
+        assert self.role is not None, "role switches exist in time-shared mode only"
+        start = self.clock()
+        prev = self.role.begin(to_role, start)
+        await self._idle.wait()
+        drained = self.clock()
+        self.reconfigure(to_role)
+        swap_s = self.clock() - drained
+        deadline = self.clock() + self.role.pause_floor_s
+        while (left := deadline - self.clock()) > 0:  # event-loop timers may fire a little early
+            await asyncio.sleep(left)
+        end = self.clock()
+        record = SwitchRecord(self.device_id, start, end, prev.value, to_role.value, round((drained - start) * 1e3, 3),
+                              round(swap_s * 1e3, 3), round((swap_s + self.role.pause_floor_s) * 1e3, 3), reason)
+        self.role.finish(record)
+        log.info("role_switch", **record.as_dict())
+        for listener in self.switch_listeners:
+            listener(self, record)
+        self.wake()
+        return record
+
+    def reconfigure(self, to_role: Role) -> None:
+        """Swap the execution configuration. On the CPU the step kind (read from the role) is all there
+        is; the CUDA-graph capture of the decode role hooks in here."""
 
     def _postprocess(self, plan: StepPlan, outs: dict[str, SeqOutput]) -> None:
         now = self.clock()

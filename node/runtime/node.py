@@ -13,19 +13,28 @@ import time
 from contextlib import suppress
 from typing import AsyncIterator
 
+import msgspec
 import structlog
 
 from node.config import NodeConfig
-from node.core.batcher import BatchConfig, Batcher, StepKind
+from node.core.batcher import BatchConfig, Batcher
 from node.core.ledger import BlockLedger
 from node.core.sequence import SamplingParams
+from node.core.cost import CostModel
+from node.core.roles import Role, RoleScheduler, RoleSchedulerConfig
 from node.runtime.engine import DeviceEngine
+from node.runtime.role_driver import RoleDriver
+from node.runtime.switching import DeviceRole
 from node.runtime.metrics import NodeMetrics
 from node.runtime.output import SeqDelta
 from node.runtime.request import RequestState
-from node.worker.loader import LoadedModel, build_runner, load_model_info
+from node.worker.loader import LoadedModel, StartupError, build_runner, load_model_info
 
 log = structlog.get_logger("shiftnode.node")
+
+
+# Starting point of the policy's cost model before the node has measured its own steps (CPU-sized).
+DEFAULT_CPU_COST = CostModel(prefill_fixed_s=0.002, prefill_per_token_s=2e-5, decode_fixed_s=0.002, decode_per_seq_s=1e-4)
 
 
 class QueueFullError(RuntimeError):
@@ -57,10 +66,21 @@ class Node:
         self.tokenizer = info.tokenizer
         self.max_model_len = info.max_model_len
         self.engines = engines
+        self._by_id = {e.device_id: e for e in engines}
         self._ids = itertools.count()
         self.started_s = time.monotonic()
         self.started_wall_s = time.time()
         self.metrics = NodeMetrics(self)
+        self.driver: RoleDriver | None = None
+        if config.mode == "time-shared":
+            policy = RoleSchedulerConfig(
+                ttft_slo_ms=config.ttft_slo_ms, tpot_slo_ms=config.tpot_slo_ms, reconfig_pause_ms=config.reconfig_pause_ms,
+                min_window_ms=config.min_window_ms, max_window_ms=config.max_window_ms,
+                prefill_token_budget=config.max_num_batched_tokens, stagger=config.stagger)
+            cost = msgspec.structs.replace(DEFAULT_CPU_COST, pause_s=config.reconfig_pause_ms / 1e3)
+            self.driver = RoleDriver(self, RoleScheduler(policy, cost), time.monotonic)
+        elif config.mode != "colocated":
+            raise StartupError(f"unknown mode {config.mode!r} (time-shared, colocated)")
 
     @classmethod
     async def create(cls, config: NodeConfig) -> "Node":
@@ -75,21 +95,33 @@ class Node:
                 max_num_seqs=config.max_num_seqs,
                 max_batched_tokens=config.max_num_batched_tokens,
             ))
-            engines.append(DeviceEngine(device_id, runner, batcher, lambda: StepKind.MIXED, time.monotonic))
+            role = None
+            if config.mode == "time-shared":  # devices start parked in PREFILL (nothing resident yet)
+                role = DeviceRole(device_id, Role.PREFILL, time.monotonic(), config.reconfig_pause_ms / 1e3)
+            engines.append(DeviceEngine(device_id, runner, batcher, time.monotonic, role))
         return cls(config, info, engines)
 
     def start(self) -> None:
         for e in self.engines:
             e.start()
+        if self.driver:
+            self.driver.start()
 
     async def close(self) -> None:
+        if self.driver:
+            await self.driver.stop()
         for e in self.engines:
             await e.stop()
+
+    def engine(self, device_id: str) -> DeviceEngine:
+        return self._by_id[device_id]
 
     # --- requests ----------------------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
-        return sum(len(e.batcher.waiting) for e in self.engines)
+        """Requests not yet placed plus sequences placed but not yet admitted to a step."""
+        pending = len(self.driver.pending) if self.driver else 0
+        return pending + sum(len(e.batcher.waiting) for e in self.engines)
 
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000) % 10**9}"
@@ -111,8 +143,10 @@ class Node:
         req = RequestState(request_id, prompt_ids, params, n, self.tokenizer, self._eos_ids(),
                            self.max_model_len, time.monotonic())
         m.prompt_tokens.inc(len(prompt_ids))
-        engine = self._place(req)
-        engine.add(req)
+        if self.driver:
+            self.driver.submit(req)
+        else:
+            self._place(req).add(req)
         reasons: list[str | None] = [None] * n
         first_s: list[float | None] = [None] * n  # per choice: first and last token times, tokens
         last_s: list[float] = [0.0] * n
@@ -139,9 +173,11 @@ class Node:
                 req.stats.output_tokens += len(delta.token_ids)
                 yield req, delta
         finally:
-            if not req.done:
-                engine.abort(request_id)
+            if not req.done and not (self.driver and self.driver.withdraw(req)):
+                self.engine(req.seqs[0].device_id).abort(request_id)
             reasons = [r or "abort" for r in reasons]
+            if self.driver:
+                self.driver.finished(req, reasons, sum(tokens))
             s = req.stats
             end = time.monotonic()
             m.e2e.observe(end - s.arrival_s)
@@ -149,7 +185,7 @@ class Node:
                 m.requests.labels(finish_reason=r).inc()
             with suppress(Exception):
                 log.info(
-                    "request", request_id=request_id, device=engine.device_id, prompt_tokens=s.prompt_tokens,
+                    "request", request_id=request_id, device=req.seqs[0].device_id, prompt_tokens=s.prompt_tokens,
                     output_tokens=s.output_tokens, n=n, finish_reason=reasons[0] if n == 1 else reasons,
                     ttft_ms=None if first_s[0] is None else round((first_s[0] - s.arrival_s) * 1e3, 2),
                     total_ms=round((end - s.arrival_s) * 1e3, 2),
@@ -159,21 +195,43 @@ class Node:
         return self.tokenizer.eos_token_ids or list(self.info.cfg.eos_token_ids)
 
     # --- introspection -----------------------------------------------------------------------
-    def status(self) -> dict:
-        """The node's state for ``GET /v1/node``: per device KV blocks, resident and queued sequences."""
-        return {
-            "model": self.config.model_name,
-            "max_model_len": self.max_model_len,
-            "block_size": self.config.block_size,
-            "queue_depth": self.num_waiting,
-            "devices": [{
+    def status(self, history: int = 200) -> dict:
+        """The node's state for ``GET /v1/node``: mode, SLOs, queue, and per device its role, KV blocks,
+        resident and queued sequences, switch count and pause total, and the last ``history`` switches
+        (the role timeline)."""
+        now = time.monotonic()
+        devices = []
+        for e in self.engines:
+            d = {
                 "device": e.device_id,
+                "role": "mixed" if e.role is None else e.role.role.value,
                 "kv_blocks_total": e.batcher.ledger.num_blocks,
                 "kv_blocks_free": e.batcher.ledger.num_free,
                 "kv_blocks_used": e.batcher.ledger.num_used,
                 "running": len(e.batcher.running),
+                "resident_decoding": e.batcher.num_decoding,
                 "waiting": len(e.batcher.waiting),
                 "steps": e.steps,
                 "preemptions": e.batcher.num_preemptions,
-            } for e in self.engines],
+            }
+            if e.role is not None:
+                r = e.role
+                d |= {
+                    "time_in_role_s": round(now - (r.switch_started_s if r.switching_to else r.since_s), 4),
+                    "switching_to": r.switching_to.value if r.switching_to else None,
+                    "switch_count": r.count,
+                    "pause_total_ms": round(r.pause_total_s * 1e3, 3),
+                    "switches": [x.as_dict() for x in list(r.records)[-history:]],
+                }
+            devices.append(d)
+        return {
+            "model": self.config.model_name,
+            "mode": self.config.mode,
+            "max_model_len": self.max_model_len,
+            "block_size": self.config.block_size,
+            "slo": {"ttft_ms": self.config.ttft_slo_ms, "tpot_ms": self.config.tpot_slo_ms},
+            "reconfig_pause_ms": self.config.reconfig_pause_ms,
+            "queue_depth": self.num_waiting,
+            "clock_s": round(now, 6),
+            "devices": devices,
         }

@@ -1,0 +1,1 @@
+"""Benchmarks: trace replay, metrics, mode comparison."""

@@ -1,0 +1,134 @@
+"""Step-time cost model shared by the role scheduler, the virtual device model and the simulator.
+
+Pure arithmetic (stdlib + msgspec). The node calibrates one from measured steps
+(:func:`fit_cost_model`); the simulator and the unit tests use the same Struct, so a policy sees the
+same numbers live and offline.
+
+Forms (all times in seconds):
+
+* prefill step over ``n`` batched prompt tokens: ``a + b*n + c*n**2`` — the linear part is the
+  compute-bound GEMM work, the optional quadratic part stands for attention over long chunks;
+* a prefill of ``N`` tokens under a per-step token budget ``B`` runs ``floor(N/B)`` full steps and one
+  remainder step (chunked prefill);
+* decode step over ``s`` sequences holding ``k`` context tokens in total:
+  ``a + b*s + c*k`` — a fixed weight read, per-sequence work, and KV reads proportional to context
+  (the memory-bound decode of the seed note);
+* a role switch costs ``pause_s`` (drain, swap execution configuration, configured floor).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = ["CostModel", "fit_cost_model", "least_squares"]
+
+
+class CostModel(msgspec.Struct, frozen=True, kw_only=True):
+    """Coefficients of the step-time model (seconds, seconds per token, seconds per sequence)."""
+
+    prefill_fixed_s: float = 0.0
+    prefill_per_token_s: float = 0.0
+    prefill_per_token2_s: float = 0.0
+    decode_fixed_s: float = 0.0
+    decode_per_seq_s: float = 0.0
+    decode_per_context_token_s: float = 0.0
+    pause_s: float = 0.0
+
+    def prefill_step_s(self, tokens: int) -> float:
+        """Seconds for one prefill step over ``tokens`` batched prompt tokens (0 for none)."""
+        if tokens <= 0:
+            return 0.0
+        return self.prefill_fixed_s + self.prefill_per_token_s * tokens + self.prefill_per_token2_s * tokens * tokens
+
+    def prefill_s(self, tokens: int, token_budget: int) -> float:
+        """Seconds to prefill ``tokens`` prompt tokens in steps of at most ``token_budget`` tokens."""
+        if tokens <= 0:
+            return 0.0
+        budget = max(1, token_budget)
+        full, rest = divmod(tokens, budget)
+        return full * self.prefill_step_s(budget) + self.prefill_step_s(rest)
+
+    def prefill_tokens_within(self, seconds: float, token_budget: int) -> int:
+        """Most prompt tokens whose chunked prefill (:meth:`prefill_s`) fits in ``seconds``.
+
+        The inverse the role scheduler uses to size a prefill window in tokens. Binary search, since
+        ``prefill_s`` is monotone in its token count. Capped at 2**40 when time costs nothing.
+        """
+        if seconds <= 0:
+            return 0
+        hi = 1
+        cap = 1 << 40
+        while hi < cap and self.prefill_s(hi, token_budget) <= seconds:
+            hi *= 2
+        if hi >= cap:
+            return cap
+        lo = hi // 2  # prefill_s(lo) <= seconds (or lo == 0)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.prefill_s(mid, token_budget) <= seconds:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def decode_step_s(self, batch: int, context_tokens: int) -> float:
+        """Seconds for one decode step of ``batch`` sequences with ``context_tokens`` cached in total."""
+        if batch <= 0:
+            return 0.0
+        return self.decode_fixed_s + self.decode_per_seq_s * batch + self.decode_per_context_token_s * context_tokens
+
+
+def least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """Ordinary least squares ``argmin_x |A x - y|^2`` by the normal equations (pure Python).
+
+    Gaussian elimination with partial pivoting on ``A^T A``; a singular column gets coefficient 0.
+    """
+    if not rows:
+        raise ValueError("no samples")
+    n = len(rows[0])
+    ata = [[sum(r[i] * r[j] for r in rows) for j in range(n)] for i in range(n)]
+    aty = [sum(r[i] * y for r, y in zip(rows, ys)) for i in range(n)]
+    m = [ata[i] + [aty[i]] for i in range(n)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) < 1e-300:
+            continue
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(n):
+            if r != col and m[r][col] != 0.0:
+                f = m[r][col] / m[col][col]
+                m[r] = [a - f * b for a, b in zip(m[r], m[col])]
+    return [m[i][n] / m[i][i] if abs(m[i][i]) >= 1e-300 else 0.0 for i in range(n)]
+
+
+def fit_cost_model(
+    prefill_samples: list[tuple[int, float]],
+    decode_samples: list[tuple[int, int, float]],
+    pause_samples_s: list[float] | tuple[float, ...] = (),
+    *,
+    quadratic: bool = False,
+    base: CostModel | None = None,
+) -> CostModel:
+    """Calibrate a :class:`CostModel` from measured steps.
+
+    Args:
+        prefill_samples: ``(batched prompt tokens, step seconds)`` per prefill step.
+        decode_samples: ``(batch size, total context tokens, step seconds)`` per decode step.
+        pause_samples_s: measured role-switch pauses (s); their mean becomes ``pause_s``.
+        quadratic: also fit the ``tokens**2`` prefill term.
+        base: coefficients kept for any part without samples.
+    """
+    out = base or CostModel()
+    fields: dict[str, float] = {}
+    if prefill_samples:
+        rows = [[1.0, float(n)] + ([float(n) * n] if quadratic else []) for n, _ in prefill_samples]
+        coef = least_squares(rows, [s for _, s in prefill_samples])
+        fields.update(prefill_fixed_s=coef[0], prefill_per_token_s=coef[1],
+                      prefill_per_token2_s=coef[2] if quadratic else 0.0)
+    if decode_samples:
+        rows = [[1.0, float(b), float(k)] for b, k, _ in decode_samples]
+        coef = least_squares(rows, [s for _, _, s in decode_samples])
+        fields.update(decode_fixed_s=coef[0], decode_per_seq_s=coef[1], decode_per_context_token_s=coef[2])
+    if pause_samples_s:
+        fields["pause_s"] = sum(pause_samples_s) / len(pause_samples_s)
+    return msgspec.structs.replace(out, **fields)

@@ -1,0 +1,509 @@
+"""Role scheduler for time-shared prefill/decode, with routing and admission (pure policy).
+
+Every device switches in time between a PREFILL role (prompt-only batches) and a DECODE role (one
+token per resident sequence); KV stays on the device that prefilled it, so a sequence only advances
+while *its* device decodes. :meth:`RoleScheduler.decide` takes ``now_s`` and a :class:`NodeSnapshot`
+and returns decisions: :class:`SwitchRole`, :class:`Place` (route a waiting prompt to a device) and
+:class:`Reject`. It imports only the standard library and msgspec, so the node, the unit tests (virtual
+clock) and the simulator run the same object.
+
+Symbols (seconds unless noted): ``T = slo_margin * tpot_slo_ms / 1e3`` the per-token target,
+``p = max(reconfig_pause_ms / 1e3, cost.pause_s)`` the switch pause, ``d`` the cost model's decode step
+for the device's resident batch, ``Wmax = max_window_ms / 1e3``, ``Wmin = min_window_ms / 1e3``,
+``P(n)`` the chunked prefill time of ``n`` prompt tokens (:meth:`CostModel.prefill_s`).
+
+**Deadlines.** A resident sequence whose first token came at ``f`` and which has ``n`` output tokens
+owes token ``n+1`` by ``D = f + n*T``. Meeting every ``D`` keeps vLLM's per-request
+``TPOT = (E2E - TTFT) / (n - 1)`` at or under ``T``; ``D - now`` is the sequence's TPOT headroom.
+
+**Window budget.** A prefill window whose work can start at ``t0`` (the end of the step in flight, or
+of the switch) and which started at ``ws`` has ``R`` seconds of prefill left::
+
+    R = min( min over old seqs     ( D - t0 - p - d,  ws + Wmax - t0 ),
+             min over newborn seqs ( f + Wmax - t0 ) )          (R = inf with no resident sequence)
+
+*Old* sequences were resident before the window: the window ends, and the pause back to DECODE and one
+decode step complete, before their next deadline. *Newborn* sequences were prefilled in this window:
+they wait for the rest of it, so each overruns its target at most once, by at most one window
+(``Wmax + p + d``). Placed prompt tokens ``q`` must satisfy ``P(q) <= min(R, Wmax)`` — placement is a
+commitment, the window ends only when its placed prompts are prefilled. A placed prompt expecting
+``n >= 2`` output tokens, due to be born at ``t0 + P(q)``, also caps what is queued behind it: the
+window must end by ``t0 + P(q) + T - p - d + (n - 2)(T - d)``, so its first gap overruns by no more
+than its later gaps win back and its TPOT still meets ``T`` (this is per-device policy state, kept
+until the device leaves PREFILL). ``d`` counts the batch after the window, newborns included. An
+idle device (no resident sequence, nothing queued) takes any one prompt, however long.
+
+**Switch to PREFILL** (a DECODE device, for the prompts no prefill device could take), when all of:
+
+* it has decoded at least ``dwell = max(Wmin, 2p(1 - s)/s)`` (hysteresis; ``s = max_pause_share``
+  bounds the share of device time lost to pauses, since a cycle then lasts at least ``dwell + 2p``);
+* the stagger rule allows it: with 2+ devices, a device holding sequences leaves DECODE only while
+  another holder is decoding, so decode keeps flowing and devices take turns. ``stagger="hard"``
+  always; ``"soft"`` (default) lets an *urgent* switch (below) through, so prefill capacity is not
+  capped at (N-1)/N devices when TTFT is at risk; ``"off"`` never staggers;
+* some waiting prompt fits its free KV (prompt + expected output, in blocks);
+* either the affordable window ``W = R(t0 = now + p)`` is at least ``max(Wmin, min(P(waiting), Wmax))``
+  (headroom to serve the queue, or a full window), or the oldest fitting prompt is *urgent* —
+  ``age + p + P(prompt) >= ttft_urgency * ttft_slo`` — no resident sequence is past its deadline, and
+  the prompt fits the *lifetime* headroom of every resident sequence whose expected length is known:
+  ``W <= D - t0 - p - d + (remaining - 1)(T - d)``, what its remaining gaps win back at pace ``d``
+  (both waived when decode cannot keep up anyway, ``d >= T``). An urgent switch opens a *forced*
+  window of ``max(Wmin, P(urgent prefix))``, the urgent prompts at the head of the queue cut at
+  ``Wmax`` and that headroom (one prompt at least): old sequences overrun by at most that one window,
+  and the ones near their end not at all, so a prompt may wait for them to finish.
+
+A device with no resident sequence switches (or parks in PREFILL) at once: no one waits on it.
+
+**Switch to DECODE** when a PREFILL device holding sequences has nothing queued and nothing more was
+placed on it (queue drained, or ``R`` spent). Idle devices stay parked in PREFILL.
+
+**Admission and routing.** Waiting prompts are taken in (arrival, request id) order and placed on the
+prefill-role device (PREFILL, or switching to it) where they fit KV and window and finish first (ties:
+snapshot order). A prompt that fits nowhere stays waiting (the shell bounds the queue and answers 503
+past ``--max-queue``); one that cannot fit an *empty* device is rejected. Once an urgent prompt cannot be
+placed, later prompts wait behind it (no starvation of long prompts by short ones). A prompt's age
+keeps growing until it is urgent and forces a window (once the sequences near their end have
+finished, which they do as the device decodes), so every admissible prompt is placed eventually; a
+decoding sequence is never stalled past its deadline except by the single window it was born in or
+one forced window, as above.
+
+The shell applies decisions in list order (a :class:`SwitchRole` precedes the :class:`Place` s on the
+same device), and on completing a switch sets ``role = switching_to`` and ``role_since_s = switch_done_s``.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import msgspec
+
+from node.core.cost import CostModel
+
+__all__ = [
+    "Role", "WaitingPrompt", "ResidentSeq", "DeviceState", "NodeSnapshot", "SwitchRole", "Place",
+    "Reject", "Decision", "RoleSchedulerConfig", "RoleScheduler", "CostModel", "blocks_for",
+    "reserve_blocks",
+]
+
+INF = math.inf
+EPS = 1e-9  # s; float slack in time comparisons
+
+
+class Role(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    SWITCHING = "switching"
+
+
+class WaitingPrompt(msgspec.Struct, frozen=True):
+    """A prompt not yet placed on a device. ``arrival_s`` on the policy clock (s)."""
+
+    request_id: str
+    prompt_tokens: int
+    arrival_s: float
+    expected_output_tokens: int
+    seqs: int = 1  # sequences the prompt becomes (its ``n`` choices); each takes a sequence slot
+
+
+class ResidentSeq(msgspec.Struct, frozen=True):
+    """A prefilled sequence whose KV lives on the device (it decodes when the device does).
+
+    ``first_token_s``: when its first token came (s); ``output_tokens``: tokens generated so far,
+    the first included; ``context_tokens``: prompt + output tokens cached; ``expected_output_tokens``:
+    the placement's estimate of its final output length (0: unknown).
+    """
+
+    request_id: str
+    first_token_s: float
+    output_tokens: int
+    context_tokens: int
+    expected_output_tokens: int = 0
+
+
+class DeviceState(msgspec.Struct, frozen=True, kw_only=True):
+    """One device as the policy sees it.
+
+    Attributes:
+        role, role_since_s: current role and when it began (s; for SWITCHING, when the switch began).
+        switching_to, switch_done_s: target role and end of the pause while SWITCHING.
+        busy_until_s: end of the step in flight (s; ``<= now`` when idle).
+        resident: decoding sequences held here.
+        prefill_queue_tokens, prefill_queue_seqs: prompt tokens (and prompts) placed here and not yet
+            fully prefilled, the step in flight included.
+        kv_free_blocks: blocks not allocated in the ledger.
+        kv_reserved_blocks: blocks promised to work already here but not yet allocated (the rest of
+            each placed prompt's and resident sequence's :func:`reserve_blocks`).
+        seq_slots_free: sequences the device can still hold (its batch cap); a prompt is placed only
+            where its sequences fit, so placed work can always run.
+    """
+
+    device_id: str
+    role: Role
+    role_since_s: float = 0.0
+    switching_to: Role | None = None
+    switch_done_s: float | None = None
+    busy_until_s: float = 0.0
+    resident: tuple[ResidentSeq, ...] = ()
+    prefill_queue_tokens: int = 0
+    prefill_queue_seqs: int = 0
+    kv_free_blocks: int = 0
+    kv_reserved_blocks: int = 0
+    kv_total_blocks: int = 0
+    seq_slots_free: int = 1 << 30  # sequences the device may still take (its max_num_seqs minus held and queued)
+    block_size: int = 16
+
+
+class NodeSnapshot(msgspec.Struct, frozen=True):
+    """Devices (in a fixed order: it breaks ties) and the prompts waiting for placement."""
+
+    devices: tuple[DeviceState, ...]
+    waiting: tuple[WaitingPrompt, ...] = ()
+
+
+class SwitchRole(msgspec.Struct, frozen=True, tag="switch"):
+    """Start a switch of ``device_id`` to ``to_role`` (it pauses, then takes the role).
+
+    ``window_s``/``window_tokens``: planned prefill window (s, prompt tokens); 0 for DECODE.
+    ``reason``: queue | ttft | idle | park | drained | window.
+    """
+
+    device_id: str
+    to_role: Role
+    reason: str
+    window_s: float = 0.0
+    window_tokens: int = 0
+
+
+class Place(msgspec.Struct, frozen=True, tag="place"):
+    """Route a waiting prompt to a prefill-role device, reserving ``reserve_blocks`` KV blocks."""
+
+    request_id: str
+    device_id: str
+    reserve_blocks: int
+
+
+class Reject(msgspec.Struct, frozen=True, tag="reject"):
+    """Refuse a prompt that no device could hold even when empty."""
+
+    request_id: str
+    reason: str
+
+
+Decision = SwitchRole | Place | Reject
+
+
+class RoleSchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Targets and knobs (ms, tokens). See the module docstring for how each enters the policy."""
+
+    ttft_slo_ms: float = 1000.0
+    tpot_slo_ms: float = 100.0
+    reconfig_pause_ms: float = 0.0
+    min_window_ms: float = 20.0
+    max_window_ms: float = 500.0
+    prefill_token_budget: int = 2048
+    slo_margin: float = 0.9
+    ttft_urgency: float = 0.5
+    max_pause_share: float = 0.2
+    stagger: str = "soft"  # hard | soft | off
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks holding ``tokens`` tokens: ``ceil(tokens / block_size)``."""
+    return -(-max(0, tokens) // block_size)
+
+
+def reserve_blocks(prompt_tokens: int, expected_output_tokens: int, block_size: int, total_blocks: int) -> int:
+    """KV blocks a prompt reserves when placed: prompt plus expected output, at most the device."""
+    return min(blocks_for(prompt_tokens + max(1, expected_output_tokens), block_size), total_blocks)
+
+
+class _Residents:
+    """Aggregates of a device's resident sequences for a window starting at ``ws`` (one pass)."""
+
+    __slots__ = ("n", "ctx", "old_deadline", "newborn_first")
+
+    def __init__(self, st: DeviceState, ws: float, T: float):
+        self.n = len(st.resident)
+        self.ctx = 0
+        self.old_deadline = self.newborn_first = INF
+        for s in st.resident:
+            self.ctx += s.context_tokens
+            if s.first_token_s < ws:
+                self.old_deadline = min(self.old_deadline, s.first_token_s + s.output_tokens * T)
+            else:
+                self.newborn_first = min(self.newborn_first, s.first_token_s)
+
+
+class _Dev:
+    """Per-decision working state of one device."""
+
+    __slots__ = ("st", "idx", "target", "t0", "ws", "q", "qn", "kv", "placed", "forced_until", "end_by", "holder", "decodeish", "slots",
+                 "res")
+
+    def __init__(self, st: DeviceState, idx: int):
+        self.st = st
+        self.idx = idx
+        self.holder = bool(st.resident)
+        self.target = st.role is Role.PREFILL or (st.role is Role.SWITCHING and st.switching_to is Role.PREFILL)
+        self.decodeish = st.role is Role.DECODE or (st.role is Role.SWITCHING and st.switching_to is Role.DECODE)
+        self.t0 = 0.0
+        self.ws = 0.0
+        self.q = st.prefill_queue_tokens
+        self.qn = st.prefill_queue_seqs
+        self.kv = st.kv_free_blocks - st.kv_reserved_blocks
+        self.slots = st.seq_slots_free
+        self.placed = 0
+        self.forced_until = -INF
+        self.end_by = INF
+        self.res: _Residents | None = None  # for the window start ws, once known
+
+
+class RoleScheduler:
+    """The time-shared role policy. State per device in PREFILL: the end of a forced window and the
+    end-by bound of its queued prompts (both dropped when it leaves the role)."""
+
+    def __init__(self, config: RoleSchedulerConfig, cost: CostModel):
+        if config.stagger not in ("hard", "soft", "off"):
+            raise ValueError(f"stagger must be hard, soft or off (got {config.stagger!r})")
+        if not 0 < config.min_window_ms <= config.max_window_ms:
+            raise ValueError("need 0 < min_window_ms <= max_window_ms")
+        if config.prefill_token_budget < 1:
+            raise ValueError("prefill_token_budget must be >= 1")
+        self.config = config
+        self.cost = cost
+        self.T = config.slo_margin * config.tpot_slo_ms / 1e3
+        self.pause_s = max(config.reconfig_pause_ms / 1e3, cost.pause_s)
+        self.wmin = config.min_window_ms / 1e3
+        self.wmax = config.max_window_ms / 1e3
+        share = min(max(config.max_pause_share, 1e-6), 1.0)
+        self.dwell_s = max(self.wmin, 2 * self.pause_s * (1 - share) / share)
+        self._forced_until: dict[str, float] = {}
+        self._end_by: dict[str, float] = {}
+
+    # --- estimates ------------------------------------------------------------------------------
+    def prefill_s(self, tokens: int) -> float:
+        """Chunked prefill time of ``tokens`` prompt tokens (s)."""
+        return self.cost.prefill_s(tokens, self.config.prefill_token_budget)
+
+    def decode_step_s(self, st: DeviceState) -> float:
+        """Decode step time of the device's resident batch (s)."""
+        return self.cost.decode_step_s(len(st.resident), sum(s.context_tokens for s in st.resident))
+
+    def window_left_s(self, st: DeviceState, t0: float, ws: float, new_seqs: int = 0, new_tokens: int = 0) -> float:
+        """Prefill seconds left from ``t0`` in a window that began at ``ws`` (``R`` of the docstring).
+
+        ``d`` is the first decode step after the window: the resident batch plus ``new_seqs`` prompts
+        of ``new_tokens`` tokens in all, prefilled in the window.
+        """
+        return self._window_left(_Residents(st, ws, self.T), t0, ws, new_seqs, new_tokens)
+
+    def _window_left(self, res: _Residents, t0: float, ws: float, new_seqs: int, new_tokens: int) -> float:
+        if res.n == 0:
+            return INF
+        d = self.cost.decode_step_s(res.n + new_seqs, res.ctx + new_tokens + new_seqs)
+        r = INF
+        if res.old_deadline < INF:
+            r = min((res.old_deadline - t0) - self.pause_s - d, self.wmax + (ws - t0))
+        if res.newborn_first < INF:
+            r = min(r, self.wmax + (res.newborn_first - t0))
+        return r
+
+    def in_debt(self, st: DeviceState, now_s: float) -> bool:
+        """Some resident sequence cannot get its next token by its deadline even decoding now."""
+        d = self.decode_step_s(st)
+        return any(s.first_token_s + s.output_tokens * self.T < max(now_s, st.busy_until_s) + d for s in st.resident)
+
+    def urgent(self, w: WaitingPrompt, now_s: float) -> bool:
+        """The prompt's age plus its service time reaches ``ttft_urgency`` of the TTFT SLO."""
+        age = now_s - w.arrival_s
+        limit_s = self.config.ttft_urgency * self.config.ttft_slo_ms / 1e3
+        return age + self.pause_s + self.prefill_s(w.prompt_tokens) >= limit_s
+
+    # --- the decision ---------------------------------------------------------------------------
+    def decide(self, now_s: float, snapshot: NodeSnapshot) -> list[Decision]:
+        """Decisions for this instant: rejections, placements, role switches (apply in order)."""
+        devs = [_Dev(st, i) for i, st in enumerate(snapshot.devices)]
+        for dv in devs:
+            if not dv.target or (not dv.holder and dv.q == 0):
+                self._end_by.pop(dv.st.device_id, None)
+            if not dv.target:
+                self._forced_until.pop(dv.st.device_id, None)
+                continue
+            st = dv.st
+            if st.role is Role.PREFILL:
+                dv.t0, dv.ws = max(now_s, st.busy_until_s), st.role_since_s
+            else:
+                done = st.switch_done_s if st.switch_done_s is not None else now_s + self.pause_s
+                dv.t0 = dv.ws = max(now_s, done)
+            dv.forced_until = self._forced_until.get(st.device_id, -INF)
+            dv.end_by = self._end_by.get(st.device_id, INF)
+            dv.res = _Residents(st, dv.ws, self.T)
+        out: list[Decision] = []
+        waiting = sorted(snapshot.waiting, key=lambda w: (w.arrival_s, w.request_id))
+        remaining: list[WaitingPrompt] = []
+        for w in waiting:
+            if not any(blocks_for(w.prompt_tokens + 1, dv.st.block_size) <= dv.st.kv_total_blocks for dv in devs):
+                out.append(Reject(w.request_id, "prompt does not fit the KV memory of any device"))
+            else:
+                remaining.append(w)
+        remaining = self._place(now_s, remaining, [dv for dv in devs if dv.target], out)
+        for dv in devs:  # end drained windows
+            if dv.st.role is Role.PREFILL and dv.holder and dv.q == 0 and dv.placed == 0:
+                reason = "window" if self._limit_s(dv) <= 0 else "drained"
+                out.append(SwitchRole(dv.st.device_id, Role.DECODE, reason))
+                dv.target, dv.decodeish = False, True
+                self._forced_until.pop(dv.st.device_id, None)
+                self._end_by.pop(dv.st.device_id, None)
+        order = sorted((dv for dv in devs if dv.st.role is Role.DECODE),
+                       key=lambda dv: (dv.holder, -self._afford_s(dv, now_s), dv.idx))
+        for dv in order:
+            if not remaining and dv.holder:
+                break
+            remaining = self._maybe_switch(now_s, dv, devs, remaining, out)
+        return out
+
+    # --- helpers --------------------------------------------------------------------------------
+    def _afford_s(self, dv: _Dev, now_s: float) -> float:
+        t0 = max(now_s, dv.st.busy_until_s) + self.pause_s
+        return self.window_left_s(dv.st, t0, t0)
+
+    def _limit_s(self, dv: _Dev, w: WaitingPrompt | None = None) -> float:
+        """Prefill seconds of queued work (plus ``w``) the device may commit from ``t0``: ``min(R, Wmax)``."""
+        n, tokens = (dv.qn + 1, dv.q + w.prompt_tokens) if w is not None else (dv.qn, dv.q)
+        r = self._window_left(dv.res, dv.t0, dv.ws, n, tokens)
+        limit = INF if (r == INF and dv.q == 0) else min(r, self.wmax)
+        return min(max(limit, dv.forced_until - dv.t0), dv.end_by - dv.t0)
+
+    @staticmethod
+    def _need_blocks(st: DeviceState, w: WaitingPrompt) -> int:
+        """Blocks the prompt reserves on the device, or -1 if it cannot fit even an empty one."""
+        need = reserve_blocks(w.prompt_tokens, w.expected_output_tokens, st.block_size, st.kv_total_blocks)
+        return need if blocks_for(w.prompt_tokens + 1, st.block_size) <= need else -1
+
+    def _fits_kv(self, dv: _Dev, w: WaitingPrompt) -> int:
+        """Blocks to reserve on the device, or -1 when its free KV or sequence slots cannot take ``w``."""
+        need = self._need_blocks(dv.st, w)
+        return need if 0 <= need <= dv.kv and w.seqs <= dv.slots else -1
+
+    def _place(self, now_s: float, waiting: list[WaitingPrompt], targets: list[_Dev],
+               out: list[Decision]) -> list[WaitingPrompt]:
+        """Place prompts on prefill-role devices; return those left waiting."""
+        left: list[WaitingPrompt] = []
+        blocked = False
+        open_ = [dv for dv in targets if not self._closed(dv)]
+        for i, w in enumerate(waiting):
+            if not open_:  # no target can take even one more token
+                left.extend(waiting[i:])
+                break
+            best: tuple[float, int, _Dev, int] | None = None
+            if not blocked:
+                for dv in open_:
+                    need = self._fits_kv(dv, w)
+                    if need < 0 or self.prefill_s(dv.q + w.prompt_tokens) > self._limit_s(dv, w) + EPS:
+                        continue
+                    key = (dv.t0 + self.prefill_s(dv.q + w.prompt_tokens), dv.idx, dv, need)
+                    if best is None or key[:2] < best[:2]:
+                        best = key
+            if best is None:
+                left.append(w)
+                blocked = blocked or self.urgent(w, now_s)
+                continue
+            _, _, dv, need = best
+            out.append(Place(w.request_id, dv.st.device_id, need))
+            dv.q += w.prompt_tokens
+            dv.qn += 1
+            dv.kv -= need
+            dv.slots -= w.seqs
+            dv.placed += 1
+            if w.expected_output_tokens >= 2:  # its first gap may overrun by what its later gaps win back
+                d = self.cost.decode_step_s(dv.res.n + dv.qn, dv.res.ctx + dv.q + dv.qn)
+                budget = self.T - self.pause_s - d + (w.expected_output_tokens - 2) * (self.T - d)
+                dv.end_by = min(dv.end_by, dv.t0 + self.prefill_s(dv.q) + max(0.0, budget))
+                self._end_by[dv.st.device_id] = dv.end_by
+            if self._closed(dv):
+                open_.remove(dv)
+        return left
+
+    def _closed(self, dv: _Dev) -> bool:
+        """No prompt can be added: no free block, or one more token would overrun the window."""
+        return dv.kv <= 0 or dv.slots <= 0 or self.prefill_s(dv.q + 1) > self._limit_s(dv) + EPS
+
+    def _forced_cap_s(self, st: DeviceState, now_s: float, t0: float) -> float:
+        """Longest forced window (s) from ``t0``; -inf when none may open now.
+
+        None may open while a resident sequence is past its deadline (it recovers first), unless
+        decode cannot keep up anyway (``d >= T``). Otherwise each sequence with a known expected length
+        may overrun by what its remaining gaps win back, ``(remaining - 1) * (T - d)``, so its TPOT
+        still meets the target: ``W <= D - t0 - p - d + max(0, remaining - 1) * (T - d)``.
+        """
+        d = self.decode_step_s(st)
+        if d >= self.T:
+            return INF
+        if self.in_debt(st, now_s):
+            return -INF
+        cap = INF
+        for s in st.resident:
+            if s.expected_output_tokens > 0:
+                rem = s.expected_output_tokens - s.output_tokens
+                deadline = s.first_token_s + s.output_tokens * self.T
+                cap = min(cap, (deadline - t0) - self.pause_s - d + max(0, rem - 1) * (self.T - d))
+        return cap
+
+    def _stagger_ok(self, dv: _Dev, devs: list[_Dev]) -> bool:
+        if self.config.stagger == "off" or len(devs) < 2 or not dv.holder:
+            return True
+        return any(o is not dv and o.holder and o.decodeish for o in devs)
+
+    def _maybe_switch(self, now_s: float, dv: _Dev, devs: list[_Dev], remaining: list[WaitingPrompt],
+                      out: list[Decision]) -> list[WaitingPrompt]:
+        st = dv.st
+        t0 = max(now_s, st.busy_until_s) + self.pause_s
+        staggered = dv.holder and not self._stagger_ok(dv, devs)
+        if dv.holder and (now_s - st.role_since_s < self.dwell_s or (staggered and self.config.stagger == "hard")):
+            return remaining
+        fitting: list[WaitingPrompt] = []
+        kv, slots = dv.kv, dv.slots
+        tokens = 0
+        for w in remaining:
+            if kv <= 0 or slots <= 0 or self.prefill_s(tokens) > self.wmax:
+                break  # enough to size the window
+            need = self._need_blocks(st, w)
+            if 0 <= need <= kv and w.seqs <= slots:
+                fitting.append(w)
+                kv -= need
+                slots -= w.seqs
+                tokens += w.prompt_tokens
+            elif not fitting and self.urgent(w, now_s):
+                break  # keep FIFO behind an urgent prompt this device cannot hold
+        forced_until = -INF
+        if not dv.holder:
+            reason, window = ("idle" if fitting else "park"), self.wmax
+        elif not fitting:
+            return remaining
+        else:
+            afford = self.window_left_s(st, t0, t0)
+            need_s = self.prefill_s(tokens)
+            first_s = min(self.prefill_s(w.prompt_tokens) for w in fitting)
+            if not staggered and afford + EPS >= max(self.wmin, min(need_s, self.wmax), first_s):
+                reason, window = "queue", min(afford, self.wmax)
+            elif self.urgent(fitting[0], now_s) and (
+                    (cap := self._forced_cap_s(st, now_s, t0)) >= self.prefill_s(fitting[0].prompt_tokens)):
+                urgent_tokens = 0
+                for w in fitting:
+                    if not self.urgent(w, now_s):
+                        break
+                    if urgent_tokens and self.prefill_s(urgent_tokens + w.prompt_tokens) > min(self.wmax, cap):
+                        break
+                    urgent_tokens += w.prompt_tokens
+                window = max(min(self.wmin, cap), self.prefill_s(urgent_tokens), afford)
+                reason, forced_until = "ttft", t0 + window
+            else:
+                return remaining
+        out.append(SwitchRole(st.device_id, Role.PREFILL, reason, window,
+                              self.cost.prefill_tokens_within(window, self.config.prefill_token_budget)))
+        dv.target, dv.decodeish, dv.t0, dv.ws, dv.forced_until = True, False, t0, t0, forced_until
+        dv.res = _Residents(st, t0, self.T)
+        if forced_until > -INF:
+            self._forced_until[st.device_id] = forced_until
+        return self._place(now_s, remaining, [dv], out) if fitting else remaining

@@ -1,0 +1,212 @@
+"""The shell around the pure role scheduler in time-shared mode.
+
+It keeps the prompts not yet placed, turns the node's live state into a :class:`NodeSnapshot`, asks
+:meth:`RoleScheduler.decide` what to do, and carries the decisions out: role switches (as tasks on the
+event loop) and placements (handing a request to a device's engine). It runs on every arrival, step
+end and switch end, and on a short timer while work exists (urgency grows with age alone).
+
+The cost model the policy sizes windows with is refitted online from the node's own measured steps
+(least squares over the last samples of each kind), starting from ``--cost-model`` or CPU defaults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import TYPE_CHECKING, Callable
+
+import structlog
+
+from node.core.batcher import StepKind, StepPlan
+from node.core.cost import CostModel, fit_cost_model
+from node.core.roles import (DeviceState, NodeSnapshot, Place, Reject, ResidentSeq, Role, RoleScheduler,
+                             SwitchRole, WaitingPrompt)
+from node.runtime.engine import DeviceEngine
+from node.runtime.request import RequestState
+from node.runtime.switching import SwitchRecord
+
+if TYPE_CHECKING:
+    from node.runtime.node import Node
+
+log = structlog.get_logger("shiftnode.roles")
+
+TICK_S = 0.005  # re-decide at least this often while prompts wait or sequences are resident
+REFIT_EVERY = 32  # steps between refits of the cost model
+SAMPLES = 256  # most recent samples kept per kind
+DEFAULT_EXPECTED_OUTPUT = 128  # tokens, until enough requests have finished to estimate it
+
+
+class RoleDriver:
+    """Applies the role scheduler's decisions to the node's devices."""
+
+    def __init__(self, node: "Node", scheduler: RoleScheduler, clock: Callable[[], float]):
+        self.node = node
+        self.scheduler = scheduler
+        self.clock = clock
+        self.pending: list[RequestState] = []
+        self.reserve: dict[str, int] = {}  # request id → KV blocks reserved at placement
+        self._switching: set[str] = set()
+        self._event = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._prefill: deque[tuple[int, float]] = deque(maxlen=SAMPLES)
+        self._decode: deque[tuple[int, int, float]] = deque(maxlen=SAMPLES)
+        self._pauses: deque[float] = deque(maxlen=SAMPLES)
+        self._steps = 0
+        self._outputs: deque[int] = deque(maxlen=SAMPLES)
+        for e in node.engines:
+            e.step_listeners.append(self._on_step)
+            e.switch_listeners.append(self._on_switch)
+
+    # --- lifecycle and inputs ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="role-driver")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    def submit(self, req: RequestState) -> None:
+        self.pending.append(req)
+        self.kick()
+
+    def withdraw(self, req: RequestState) -> bool:
+        """Remove a request that was never placed (client gone). True if it was pending."""
+        if req in self.pending:
+            self.pending.remove(req)
+            return True
+        return False
+
+    def finished(self, req: RequestState, reasons: list[str], output_tokens: int) -> None:
+        """Forget the request's reservation; learn output lengths from requests that ended naturally."""
+        self.reserve.pop(req.request_id, None)
+        if "stop" in reasons:
+            self._outputs.append(max(1, output_tokens // max(1, len(req.seqs))))
+
+    def kick(self) -> None:
+        self._event.set()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - a policy bug must not stop the node; it is logged
+                log.exception("role_tick_failed")
+            busy = self.pending or any(e.batcher.running or e.batcher.waiting for e in self.node.engines)
+            self._event.clear()
+            try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
+                async with asyncio.timeout(TICK_S if busy else None):
+                    await self._event.wait()
+            except TimeoutError:
+                pass
+
+    # --- one decision round --------------------------------------------------------------------------
+    def tick(self) -> None:
+        now = self.clock()
+        decisions = self.scheduler.decide(now, self.snapshot(now))
+        by_id = {r.request_id: r for r in self.pending}
+        for d in decisions:
+            if isinstance(d, SwitchRole):
+                if d.device_id not in self._switching:
+                    self._switching.add(d.device_id)
+                    asyncio.get_running_loop().create_task(self._switch(d))
+            elif isinstance(d, Place):
+                req = by_id.pop(d.request_id, None)
+                if req is not None:
+                    self.pending.remove(req)
+                    self.reserve[req.request_id] = d.reserve_blocks
+                    self.node.engine(d.device_id).add(req)
+            elif isinstance(d, Reject):
+                req = by_id.pop(d.request_id, None)
+                if req is not None:
+                    self.pending.remove(req)
+                    req.fail(f"request cannot be served: {d.reason}")
+
+    async def _switch(self, d: SwitchRole) -> None:
+        try:
+            await self.node.engine(d.device_id).switch_role(d.to_role, d.reason)
+        finally:
+            self._switching.discard(d.device_id)
+            self.kick()
+
+    def expected_output(self, req: RequestState) -> int:
+        """Expected output tokens per choice: the mean of recent naturally-ended requests, capped by
+        ``max_tokens`` (the request's own bound), or a default until 8 have been seen."""
+        est = DEFAULT_EXPECTED_OUTPUT if len(self._outputs) < 8 else int(sum(self._outputs) / len(self._outputs)) + 1
+        return min(req.params.max_tokens, est)
+
+    def snapshot(self, now: float) -> NodeSnapshot:
+        devices = []
+        for e in self.node.engines:
+            r = e.role
+            resident, q_tokens, q_seqs, reserved = [], 0, 0, 0
+            for req in e.requests.values():
+                allocated = sum(len(s.block_ids) for s in req.seqs)
+                reserved += max(0, self.reserve.get(req.request_id, 0) - allocated)
+                for s in req.seqs:
+                    if s.status.value == "finished":
+                        continue
+                    if s.num_output > 0 and s.is_decoding:
+                        resident.append(ResidentSeq(s.seq_id, s.first_token_s or now, s.num_output,
+                                                    s.num_computed, self.expected_output(req)))
+                    else:
+                        q_tokens += s.num_uncomputed
+                        q_seqs += 1
+            busy_until = now if e.step_started_s is None else max(now, e.step_started_s + e.last_step_s)
+            devices.append(DeviceState(
+                device_id=e.device_id, role=r.role, role_since_s=r.since_s if r.role is not Role.SWITCHING else r.switch_started_s,
+                switching_to=r.switching_to, switch_done_s=r.switch_done_est_s, busy_until_s=busy_until,
+                resident=tuple(resident), prefill_queue_tokens=q_tokens, prefill_queue_seqs=q_seqs,
+                kv_free_blocks=e.batcher.ledger.num_free, kv_reserved_blocks=reserved,
+                kv_total_blocks=e.batcher.ledger.num_blocks, block_size=e.batcher.ledger.block_size,
+                seq_slots_free=e.batcher.config.max_num_seqs - len(resident) - q_seqs,
+            ))
+        waiting = tuple(
+            WaitingPrompt(req.request_id, len(req.prompt_ids) * len(req.seqs), req.stats.arrival_s,
+                          self.expected_output(req) * len(req.seqs), seqs=len(req.seqs))
+            for req in self.pending
+        )
+        return NodeSnapshot(tuple(devices), waiting)
+
+    # --- measurements ----------------------------------------------------------------------------------
+    def _on_step(self, engine: DeviceEngine, plan: StepPlan, seconds: float) -> None:
+        resident = sum(1 for s in engine.batcher.running if s.is_decoding)
+        if plan.kind is StepKind.PREFILL:
+            self._prefill.append((plan.num_tokens, seconds))
+            if resident:
+                self.node.metrics.decode_stall.labels(device=engine.device_id, cause="prefill_window").inc(resident * seconds)
+        elif plan.kind is StepKind.DECODE:
+            self._decode.append((len(plan.items), sum(it.seq.num_computed for it in plan.items), seconds))
+        self._steps += 1
+        if self._steps % REFIT_EVERY == 0:
+            self.refit()
+        self.kick()
+
+    def _on_switch(self, engine: DeviceEngine, rec: SwitchRecord) -> None:
+        direction = f"{rec.from_role}_to_{rec.to_role}"
+        m = self.node.metrics
+        m.role_switches.labels(device=engine.device_id, direction=direction).inc()
+        m.switch_pause.labels(device=engine.device_id, direction=direction).observe(rec.pause_ms / 1e3)
+        resident = sum(1 for s in engine.batcher.running if s.is_decoding)
+        if resident:
+            m.decode_stall.labels(device=engine.device_id, cause="role_switch").inc(resident * (rec.end_s - rec.start_s))
+        self._pauses.append(rec.pause_ms / 1e3)
+
+    def refit(self) -> None:
+        """Refit the policy's cost model from the recent measured steps (keeps parts with few samples)."""
+        base: CostModel = self.scheduler.cost
+        prefill = list(self._prefill) if len({n for n, _ in self._prefill}) >= 3 else []
+        decode = list(self._decode) if len({(b, k) for b, k, _ in self._decode}) >= 4 else []
+        fitted = fit_cost_model(prefill, decode, list(self._pauses), base=base)
+        # A noisy fit must not produce negative per-token costs: fall back to the mean cost per token.
+        if fitted.prefill_per_token_s <= 0 and prefill:
+            fitted = fitted.__class__(**{**_fields(fitted), "prefill_fixed_s": 0.0,
+                                         "prefill_per_token_s": sum(s for _, s in prefill) / max(1, sum(n for n, _ in prefill))})
+        self.scheduler.cost = fitted
+
+
+def _fields(c: CostModel) -> dict:
+    return {f: getattr(c, f) for f in c.__struct_fields__}

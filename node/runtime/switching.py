@@ -1,0 +1,74 @@
+"""A device's role in time-shared mode and the reconfiguration that changes it.
+
+A switch drains the step in flight, swaps the execution configuration (the step kind and token
+budget; on CUDA also the decode graphs) and pays the reconfiguration pause: the measured cost of the
+swap plus the configured floor ``--reconfig-pause-ms`` (which models heavier reconfigurations, such as a
+change of parallelism, on any machine). Every switch is recorded with its timings and reason.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass
+
+from node.core.batcher import StepKind
+from node.core.roles import Role
+
+_KIND = {Role.PREFILL: StepKind.PREFILL, Role.DECODE: StepKind.DECODE, Role.SWITCHING: None}
+
+
+@dataclass(frozen=True)
+class SwitchRecord:
+    """One completed switch. Times in seconds on the node's monotonic clock; durations in ms."""
+
+    device: str
+    start_s: float
+    end_s: float
+    from_role: str
+    to_role: str
+    drain_ms: float  # waiting for the step in flight
+    swap_ms: float  # measured reconfiguration work
+    pause_ms: float  # swap_ms + the configured floor
+    reason: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class DeviceRole:
+    """Role state of one device (``role`` is SWITCHING while a switch is under way)."""
+
+    def __init__(self, device_id: str, role: Role, now_s: float, pause_floor_s: float, history: int = 1000):
+        self.device_id = device_id
+        self.role = role
+        self.since_s = now_s
+        self.switching_to: Role | None = None
+        self.switch_started_s: float | None = None
+        self.pause_floor_s = pause_floor_s
+        self.records: deque[SwitchRecord] = deque(maxlen=history)
+        self.count = 0
+        self.pause_total_s = 0.0
+
+    @property
+    def step_kind(self) -> StepKind | None:
+        """What a step may do in this role; ``None`` while switching (no step runs)."""
+        return _KIND[self.role]
+
+    @property
+    def switch_done_est_s(self) -> float | None:
+        if self.switch_started_s is None:
+            return None
+        return self.switch_started_s + self.pause_floor_s
+
+    def begin(self, to_role: Role, now_s: float) -> Role:
+        prev = self.role
+        self.role, self.switching_to, self.switch_started_s = Role.SWITCHING, to_role, now_s
+        return prev
+
+    def finish(self, record: SwitchRecord) -> None:
+        self.role = self.switching_to or self.role
+        self.switching_to = self.switch_started_s = None
+        self.since_s = record.end_s
+        self.records.append(record)
+        self.count += 1
+        self.pause_total_s += record.pause_ms / 1e3

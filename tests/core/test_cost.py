@@ -1,0 +1,44 @@
+"""The step-time cost model and its calibration."""
+
+from __future__ import annotations
+
+import pytest
+
+from node.core.cost import CostModel, fit_cost_model, least_squares
+
+
+def test_chunked_prefill_and_its_inverse():
+    c = CostModel(prefill_fixed_s=0.002, prefill_per_token_s=1e-5, prefill_per_token2_s=1e-10)
+    assert c.prefill_s(0, 512) == 0.0
+    # 1200 tokens under a 512 budget: two full steps and one of 176
+    assert c.prefill_s(1200, 512) == pytest.approx(2 * c.prefill_step_s(512) + c.prefill_step_s(176))
+    for seconds in (0.0, 0.001, 0.0021, 0.05, 1.0):
+        n = c.prefill_tokens_within(seconds, 512)
+        assert c.prefill_s(n, 512) <= seconds
+        assert c.prefill_s(n + 1, 512) > seconds
+
+
+def test_decode_step():
+    c = CostModel(decode_fixed_s=0.01, decode_per_seq_s=1e-4, decode_per_context_token_s=1e-7)
+    assert c.decode_step_s(0, 0) == 0.0
+    assert c.decode_step_s(8, 8000) == pytest.approx(0.01 + 8e-4 + 8e-4)
+
+
+def test_fit_recovers_coefficients():
+    true = CostModel(prefill_fixed_s=0.003, prefill_per_token_s=2e-5, decode_fixed_s=0.008, decode_per_seq_s=2e-4,
+                     decode_per_context_token_s=5e-8)
+    pre = [(n, true.prefill_step_s(n)) for n in (16, 128, 512, 2048)]
+    dec = [(b, k, true.decode_step_s(b, k)) for b, k in ((1, 100), (8, 4000), (32, 9000), (64, 70000))]
+    fit = fit_cost_model(pre, dec, [0.004, 0.006])
+    for f in ("prefill_fixed_s", "prefill_per_token_s", "decode_fixed_s", "decode_per_seq_s",
+              "decode_per_context_token_s"):
+        assert getattr(fit, f) == pytest.approx(getattr(true, f), rel=1e-6)
+    assert fit.pause_s == pytest.approx(0.005)
+
+
+def test_least_squares_overdetermined():
+    # hand-computed: Sxy = 9.8, Sxx = 5 -> slope 1.96, intercept 4.0 - 1.96 * 1.5 = 1.06
+    xs = [0, 1, 2, 3]
+    ys = [1.1, 2.9, 5.1, 6.9]
+    a, b = least_squares([[1.0, x] for x in xs], ys)
+    assert a == pytest.approx(1.06) and b == pytest.approx(1.96)
