@@ -42,7 +42,10 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queue", type=int, default=1024, help="queued requests before answering 503")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run every step eagerly (default on CUDA with the triton backend: decode steps replay CUDA graphs)")
     p.add_argument("--log-format", default="console", choices=["console", "json"])
+    p.add_argument("--sse-keepalive-s", type=float, default=10.0, help="SSE comment line after this much silence")
     g = p.add_argument_group("time-shared mode")
     g.add_argument("--mode", default="time-shared", choices=["time-shared", "colocated"],
                    help="time-shared: devices switch between prefill and decode roles; colocated: mixed chunked-prefill batches")
@@ -64,8 +67,10 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         block_size=a.block_size, kv_cache_memory_bytes=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, max_queue=a.max_queue,
         seed=a.seed, attention_backend=a.attention_backend, log_format=a.log_format, mode=a.mode,
+        enforce_eager=a.enforce_eager,
         reconfig_pause_ms=a.reconfig_pause_ms, ttft_slo_ms=a.ttft_slo_ms, tpot_slo_ms=a.tpot_slo_ms,
         min_window_ms=a.min_window_ms, max_window_ms=a.max_window_ms, stagger=a.stagger,
+        sse_keepalive_s=a.sse_keepalive_s,
     )
 
 

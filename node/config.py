@@ -30,6 +30,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     seed: int = 0
     log_format: str = "console"
     attention_backend: str = "auto"  # auto | torch | triton
+    enforce_eager: bool = False  # no CUDA-graph decode (graphs are used on CUDA with the triton backend otherwise)
     mode: str = "time-shared"  # time-shared | colocated
     reconfig_pause_ms: float = 0.0  # floor added to every measured role switch
     ttft_slo_ms: float = 1000.0
@@ -37,6 +38,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     min_window_ms: float = 20.0
     max_window_ms: float = 500.0
     stagger: str = "soft"  # hard | soft | off (see node.core.roles)
+    sse_keepalive_s: float = 10.0  # comment lines on a stream silent this long (e.g. through a role switch)
 
     @property
     def model_name(self) -> str:

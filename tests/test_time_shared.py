@@ -81,6 +81,9 @@ def test_overload_gets_503_with_retry_after_and_nothing_leaks():
                 assert r.json()["usage"]["completion_tokens"] == 80
         node.wait_idle()
         assert node.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+        # More choices than one device's batch can hold could never be placed: a 400, not a hang.
+        r = node.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 3})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     finally:
         node.close()
 
@@ -98,5 +101,21 @@ def test_b30_burst_of_500_and_one_request_filling_the_pool():
         assert all(r.json()["usage"]["completion_tokens"] <= 1 + i % 8 for i, r in enumerate(got))
         node.wait_idle()
         assert node.alive()
+    finally:
+        node.close()
+
+
+def test_stream_gets_keepalive_comments_through_a_pause():
+    node = NodeProcess("--model", str(STORIES), "--reconfig-pause-ms", "1200", "--sse-keepalive-s", "0.2")
+    try:
+        with node.client.stream("POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 4,
+                                                                  "temperature": 0, "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line]
+        comments = [line for line in lines if line.startswith(":")]
+        assert comments and all(c == ": keep-alive" for c in comments)
+        data = [line for line in lines if line.startswith("data: ")]
+        assert data[-1] == "data: [DONE]"
+        switches = node.status()["devices"][0]["switches"]
+        assert any(s["to_role"] == "decode" and s["pause_ms"] >= 1200 for s in switches)
     finally:
         node.close()

@@ -25,7 +25,6 @@ from node.runtime.node import Node, QueueFullError
 from node.runtime.output import SeqDelta
 
 NODE_KEY = web.AppKey("node", Node)
-KEEPALIVE_S = 10.0  # SSE comment lines while a stream waits (e.g. through a role switch)
 
 
 async def read_json(request: web.Request, kind: type) -> object:
@@ -52,7 +51,7 @@ class Job:
 
 
 async def merged_deltas(node: Node, request_id: str, jobs: list[Job], n: int) -> AsyncIterator[SeqDelta | None]:
-    """Deltas of all jobs with global choice indexes; ``None`` every ``KEEPALIVE_S`` of silence.
+    """Deltas of all jobs with global choice indexes; ``None`` after ``--sse-keepalive-s`` of silence.
 
     Raises:
         QueueFullError: the node's queue is full (before anything was yielded).
@@ -82,7 +81,7 @@ async def merged_deltas(node: Node, request_id: str, jobs: list[Job], n: int) ->
         while running:
             if getter is None:
                 getter = asyncio.create_task(queue.get())
-            done, _ = await asyncio.wait({getter}, timeout=KEEPALIVE_S)
+            done, _ = await asyncio.wait({getter}, timeout=node.config.sse_keepalive_s)
             if not done:
                 yield None
                 continue
@@ -190,7 +189,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     jobs = []
     for p, ids in enumerate(prompts):
         params = sampling_params(req, prompt_len=len(ids), max_model_len=node.max_model_len, max_tokens=req.max_tokens,
-                                 default_max_tokens=16, vocab_size=vocab, logprobs=req.logprobs, prompt_logprobs=echo_lp)
+                                 default_max_tokens=16, vocab_size=vocab, logprobs=req.logprobs, prompt_logprobs=echo_lp,
+                                 max_n=node.config.max_num_seqs)
         jobs.append(Job(ids, params, p * req.n))
     request_id = node.new_request_id("cmpl")
     env = envelope("text_completion", request_id, node.config.model_name)
@@ -265,7 +265,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, prompt_len=len(ids), max_model_len=node.max_model_len, max_tokens=max_tokens,
                              default_max_tokens=None, vocab_size=node.info.cfg.vocab_size,
-                             logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_logprobs=None)
+                             logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_logprobs=None,
+                             max_n=node.config.max_num_seqs)
     request_id = node.new_request_id("chatcmpl")
     env = envelope("chat.completion.chunk", request_id, node.config.model_name)
 

@@ -79,15 +79,16 @@ def chat_prompt(req: ChatCompletionRequest, tok: TextTokenizer) -> list[int]:
 
 def sampling_params(req: _SamplingFields, *, prompt_len: int, max_model_len: int, max_tokens: int | None,
                     default_max_tokens: int | None, vocab_size: int, logprobs: int | None,
-                    prompt_logprobs: int | None) -> SamplingParams:
+                    prompt_logprobs: int | None, max_n: int = MAX_N) -> SamplingParams:
     """Validate sampling fields for one prompt of ``prompt_len`` tokens.
 
     ``max_tokens=None`` means "not given": ``default_max_tokens`` capped by the room left in the
     context (``None``: all of it). An explicit ``max_tokens`` that does not fit is a 400 naming both
     lengths, as OpenAI and vLLM answer.
     """
-    if req.n < 1 or req.n > MAX_N:
-        raise bad_request(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
+    max_n = min(max_n, MAX_N)  # a request's choices must fit one device's batch (--max-num-seqs)
+    if req.n < 1 or req.n > max_n:
+        raise bad_request(f"n must be in [1, {max_n}], got {req.n}", param="n")
     if prompt_len >= max_model_len:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, your prompt is "

@@ -273,3 +273,15 @@ def test_urgent_window_waits_for_sequences_near_their_end():
     long_left = msgspec.structs.replace(near_end, expected_output_tokens=400)
     out = sched.decide(1.0, NodeSnapshot((dev(since=0.5, resident=[long_left]),), waiting))
     assert out[0].reason == "ttft"
+
+
+def test_prompts_are_placed_only_where_their_sequences_fit_the_batch_cap():
+    """A device at its sequence cap takes no more prompts (placed work must be able to run), and a
+    prompt with n choices needs n free sequence slots."""
+    sched = RoleScheduler(CFG, COST)
+    waiting = (WaitingPrompt("a", 100, 0.0, 8), WaitingPrompt("b", 100, 0.1, 8, seqs=3), WaitingPrompt("c", 100, 0.2, 8))
+    out = sched.decide(1.0, NodeSnapshot((dev(Role.PREFILL, seq_slots_free=2),), waiting))
+    # b needs 3 slots; c waits behind b, which is urgent by now (no overtaking of an urgent prompt)
+    assert [d.request_id for d in out if isinstance(d, Place)] == ["a"]
+    full = sched.decide(1.0, NodeSnapshot((dev(Role.PREFILL, seq_slots_free=0),), waiting))
+    assert not [d for d in full if isinstance(d, Place)]
