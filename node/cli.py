@@ -46,6 +46,7 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="run every step eagerly (default on CUDA with the triton backend: decode steps replay CUDA graphs)")
     p.add_argument("--log-format", default="console", choices=["console", "json"])
     p.add_argument("--sse-keepalive-s", type=float, default=10.0, help="SSE comment line after this much silence")
+    p.add_argument("--body-timeout-s", type=float, default=30.0, help="answer 408 to a request body slower than this")
     g = p.add_argument_group("time-shared mode")
     g.add_argument("--mode", default="time-shared", choices=["time-shared", "colocated"],
                    help="time-shared: devices switch between prefill and decode roles; colocated: mixed chunked-prefill batches")
@@ -70,7 +71,7 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         enforce_eager=a.enforce_eager,
         reconfig_pause_ms=a.reconfig_pause_ms, ttft_slo_ms=a.ttft_slo_ms, tpot_slo_ms=a.tpot_slo_ms,
         min_window_ms=a.min_window_ms, max_window_ms=a.max_window_ms, stagger=a.stagger,
-        sse_keepalive_s=a.sse_keepalive_s,
+        sse_keepalive_s=a.sse_keepalive_s, body_timeout_s=a.body_timeout_s,
     )
 
 
@@ -81,11 +82,17 @@ def run_serve(config: NodeConfig) -> int:
     from node.api.app import create_app
     from node.log import configure_logging
 
+    from node.config import ConfigError
     from node.worker.loader import StartupError
     from node.worker.model_config import ModelConfigError
     from node.worker.tokenizer import TokenizerError
     from node.worker.weights import WeightLoadError
 
+    try:
+        config.validate()
+    except ConfigError as e:
+        print(f"shiftnode: cannot start: {e}", file=sys.stderr)
+        return 2
     configure_logging(config.log_format)
     loop = uvloop.new_event_loop()
     asyncio.set_event_loop(loop)

@@ -5,6 +5,10 @@ from __future__ import annotations
 import msgspec
 
 
+class ConfigError(ValueError):
+    """A flag value the node cannot run with."""
+
+
 class NodeConfig(msgspec.Struct, kw_only=True):
     """Everything a node needs to start. Units are in the names (bytes, ms, tokens).
 
@@ -39,6 +43,32 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     max_window_ms: float = 500.0
     stagger: str = "soft"  # hard | soft | off (see node.core.roles)
     sse_keepalive_s: float = 10.0  # comment lines on a stream silent this long (e.g. through a role switch)
+    body_timeout_s: float = 30.0  # a request body slower than this is answered 408
+
+    def validate(self) -> None:
+        """Check values that would otherwise start a node that cannot serve.
+
+        Raises:
+            ConfigError: naming the flag and the accepted range.
+        """
+        checks = [
+            (1 <= self.port <= 65535, f"--port must be in [1, 65535], got {self.port}"),
+            (self.max_num_seqs >= 1, f"--max-num-seqs must be at least 1, got {self.max_num_seqs}"),
+            (self.max_num_batched_tokens >= 1, f"--max-num-batched-tokens must be at least 1, got {self.max_num_batched_tokens}"),
+            (self.max_queue >= 1, f"--max-queue must be at least 1, got {self.max_queue}"),
+            (self.max_model_len is None or self.max_model_len >= 2, f"--max-model-len must be at least 2, got {self.max_model_len}"),
+            (1 <= self.block_size <= 1024, f"--block-size must be in [1, 1024], got {self.block_size}"),
+            (self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "--kv-cache-memory must be positive"),
+            (0.0 < self.gpu_memory_utilization <= 1.0, f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"),
+            (len(set(self.devices)) == len(self.devices) and self.devices, f"--devices must list distinct devices, got {self.devices}"),
+            (self.mode in ("time-shared", "colocated"), f"--mode must be time-shared or colocated, got {self.mode!r}"),
+            (self.reconfig_pause_ms >= 0 and self.ttft_slo_ms > 0 and self.tpot_slo_ms > 0, "pause and SLO values must be positive"),
+            (0 < self.min_window_ms <= self.max_window_ms, "need 0 < --min-window-ms <= --max-window-ms"),
+            (self.sse_keepalive_s > 0 and self.body_timeout_s > 0, "--sse-keepalive-s and --body-timeout-s must be positive"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
 
     @property
     def model_name(self) -> str:

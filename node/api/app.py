@@ -7,6 +7,8 @@ import time
 
 import structlog
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from node.api.errors import APIError, error_response
 from node.api.openai import NODE_KEY, chat_completions, completions
@@ -22,7 +24,10 @@ async def errors_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except APIError as e:
-        return error_response(e.status, e.message, e.param, e.code, e.headers)
+        resp = error_response(e.status, e.message, e.param, e.code, e.headers)
+        if e.status in (408, 413, 415) or isinstance(e.__cause__, (RequestPayloadError, HttpProcessingError)):
+            resp.force_close()  # the body was not (fully) read: this connection cannot carry another request
+        return resp
     except web.HTTPRequestEntityTooLarge as e:
         return error_response(413, f"request body too large: {e.text}")
     except web.HTTPException as e:

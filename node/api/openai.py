@@ -8,12 +8,15 @@ handler is cancelled and every engine request is aborted, so its KV blocks retur
 from __future__ import annotations
 
 import asyncio
+import re
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from node.api.errors import APIError, bad_request, error_body
 from node.api.responses import ChoiceState, chat_logprobs, completion_logprobs, envelope, usage
@@ -23,22 +26,45 @@ from node.core.sequence import SamplingParams
 from node.protocol import ChatCompletionRequest, CompletionRequest, decode_request
 from node.runtime.node import Node, QueueFullError
 from node.runtime.output import SeqDelta
+from node.worker.tokenizer import IncrementalDetokenizer
 
 NODE_KEY = web.AppKey("node", Node)
 
 
+def _error_param(message: str) -> str | None:
+    """The request field a msgspec validation message points at (``$.messages[0].role`` → ``messages``)."""
+    if " - at `$." in message:
+        return re.split(r"[.\[`]", message.rpartition(" - at `$.")[2])[0] or None
+    missing = re.search(r"missing required field `([^`]+)`", message)
+    return missing.group(1) if missing else None
+
+
 async def read_json(request: web.Request, kind: type) -> object:
+    """Read and decode a JSON body into ``kind``.
+
+    Raises:
+        APIError: 415 for a non-JSON content type, 413 for a body over the size limit, 408 for a body
+            slower than ``--body-timeout-s``, 400 for anything that does not decode.
+    """
     node = request.app[NODE_KEY]
+    ctype = request.headers.get("Content-Type")
+    if ctype is not None and request.content_type != "application/json" and not request.content_type.endswith("+json"):
+        raise APIError(415, f"Content-Type must be application/json, got {request.content_type!r}")
     if request.content_length is not None and request.content_length > node.config.max_body_bytes:
         raise APIError(413, f"request body of {request.content_length} bytes exceeds the limit of {node.config.max_body_bytes} bytes")
-    body = await request.read()  # aiohttp raises 413 past client_max_size without Content-Length
+    try:
+        async with asyncio.timeout(node.config.body_timeout_s):
+            body = await request.read()  # aiohttp raises 413 past client_max_size without Content-Length
+    except TimeoutError as e:
+        raise APIError(408, f"request body not received within {node.config.body_timeout_s:g} s") from e
+    except (RequestPayloadError, HttpProcessingError) as e:  # e.g. a Content-Encoding the body does not have
+        raise bad_request(f"request body could not be read: {e}") from e
     try:
         return decode_request(body, kind)
     except msgspec.ValidationError as e:
-        path = str(e).rpartition("at `$.")[2].rstrip("`") or None
-        raise bad_request(f"invalid request: {e}", param=path) from e
-    except (msgspec.DecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"request body is not valid JSON: {e}") from e
+        raise bad_request(f"invalid request: {e}", param=_error_param(str(e))) from e
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise bad_request(f"request body is not valid JSON: {str(e)[:200]}") from e
 
 
 @dataclass
@@ -57,7 +83,7 @@ async def merged_deltas(node: Node, request_id: str, jobs: list[Job], n: int) ->
         QueueFullError: the node's queue is full (before anything was yielded).
     """
     if node.num_waiting + len(jobs) > node.config.max_queue:
-        raise QueueFullError(f"{node.num_waiting} requests are queued (limit {node.config.max_queue})")
+        raise QueueFullError(f"{node.num_waiting} sequences are queued (limit {node.config.max_queue})")
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(job_no: int, job: Job) -> None:
@@ -100,6 +126,11 @@ async def merged_deltas(node: Node, request_id: str, jobs: list[Job], n: int) ->
         for t in tasks:
             with suppress(asyncio.CancelledError, Exception):
                 await t
+
+
+async def off_loop(fn, *args):
+    """Run CPU-heavy request preparation (tokenization, templates) in a thread, not on the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
 def _queue_full(e: QueueFullError) -> APIError:
@@ -184,7 +215,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise bad_request("best_of other than n is not supported", param="best_of")
     tok = node.tokenizer
     vocab = node.info.cfg.vocab_size
-    prompts = completion_prompts(req, tok, vocab)
+    prompts = await off_loop(completion_prompts, req, tok, vocab, node.max_model_len)
+    if len(prompts) > node.config.max_queue:
+        raise bad_request(f"{len(prompts)} prompts in one request exceed the queue limit of {node.config.max_queue}", param="prompt")
     echo_lp = req.logprobs if req.echo else None
     jobs = []
     for p, ids in enumerate(prompts):
@@ -216,7 +249,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
         c.finish_reason = d.finish_reason
         lp_body = None
         if req.logprobs is not None:
-            lp_body, c.text_offset = completion_logprobs(tok, lps, ids, c.text_offset)
+            if c.detok is None:
+                c.detok = IncrementalDetokenizer(tok, [] if req.echo else jobs[c.index // n].prompt_ids)
+            lp_body, c.text_offset = completion_logprobs(tok, lps, ids, c.detok, c.text_offset)
             c.logprobs += lps
         if not text and d.finish_reason is None and lp_body is None and not req.return_token_ids:
             return None
@@ -230,8 +265,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
         for c in choices:
             lp = None
             if req.logprobs is not None:
-                ids = (echo_for(c).prompt_ids if req.echo else []) + c.token_ids
-                lp = completion_logprobs(tok, c.logprobs, ids, 0)[0]
+                prompt = echo_for(c).prompt_ids
+                ids = (prompt if req.echo else []) + c.token_ids
+                lp = completion_logprobs(tok, c.logprobs, ids, IncrementalDetokenizer(tok, [] if req.echo else prompt), 0)[0]
             entry = {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
             if req.return_token_ids:
                 entry |= {"token_ids": c.token_ids, "prompt_token_ids": jobs[c.index // n].prompt_ids}
@@ -261,12 +297,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
     tok = node.tokenizer
-    ids = chat_prompt(req, tok)
+    ids = await off_loop(chat_prompt, req, tok, node.max_model_len)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, prompt_len=len(ids), max_model_len=node.max_model_len, max_tokens=max_tokens,
                              default_max_tokens=None, vocab_size=node.info.cfg.vocab_size,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_logprobs=None,
-                             max_n=node.config.max_num_seqs)
+                             max_n=node.config.max_num_seqs, logprobs_param="top_logprobs", prompt_param="messages")
     request_id = node.new_request_id("chatcmpl")
     env = envelope("chat.completion.chunk", request_id, node.config.model_name)
 

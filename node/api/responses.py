@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from node.worker.sampler import TokenLogprobs
-from node.worker.tokenizer import TextTokenizer
+from node.worker.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 
 @dataclass
@@ -19,6 +19,7 @@ class ChoiceState:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     finish_reason: str | None = None
     text_offset: int = 0  # characters before the next token (completions logprobs)
+    detok: IncrementalDetokenizer | None = None  # token strings for completions logprobs
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -27,16 +28,18 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion_logprobs(tok: TextTokenizer, entries: list[TokenLogprobs | None], token_ids: list[int],
-                        offset0: int) -> tuple[dict, int]:
+                        detok: IncrementalDetokenizer, offset0: int) -> tuple[dict, int]:
     """Legacy completions logprobs ``{tokens, token_logprobs, top_logprobs, text_offset}``.
 
-    ``entries[i] is None`` marks the first prompt token under echo (it has no logprob). Returns the
-    body and the text offset after the last token.
+    Token strings come from ``detok`` (the choice's running detokenizer), so they concatenate to the
+    returned text and ``text_offset`` indexes into it (a character split over byte tokens is given to
+    the token that completes it). ``entries[i] is None`` marks the first prompt token under echo (it
+    has no logprob). Returns the body and the text offset after the last token.
     """
     tokens, lps, tops, offsets = [], [], [], []
     off = offset0
     for tid, e in zip(token_ids, entries):
-        text = tok.token_text(tid)
+        text = detok.add(tid)
         tokens.append(text)
         offsets.append(off)
         off += len(text)

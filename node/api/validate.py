@@ -13,6 +13,9 @@ from node.worker.tokenizer import TextTokenizer, TokenizerError
 
 MAX_N = 64
 MAX_LOGPROBS = 20
+MIN_TEMPERATURE = 1e-5
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512
 
 
 def check_model(req: _SamplingFields, served: str) -> None:
@@ -29,15 +32,26 @@ def _range(name: str, value: float | int | None, lo: float, hi: float, lo_open: 
         raise bad_request(f"{name} must be in {bound}, got {value}", param=name)
 
 
-def completion_prompts(req: CompletionRequest, tok: TextTokenizer, vocab_size: int) -> list[list[int]]:
-    """Token ids of each prompt of a completion request (a string, strings, ids, or id lists)."""
+def _encode(tok: TextTokenizer, text: str, max_model_len: int, param: str, add_special_tokens: bool = True) -> list[int]:
+    """Tokenize, refusing at once a text too long to fit the context whatever its tokens are."""
+    if len(text) > max_model_len * tok.max_chars_per_token:
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens; the {param} has "
+                          f"{len(text)} characters, more than {max_model_len} tokens can hold.", param=param)
+    return tok.encode(text, add_special_tokens=add_special_tokens)
+
+
+def completion_prompts(req: CompletionRequest, tok: TextTokenizer, vocab_size: int, max_model_len: int) -> list[list[int]]:
+    """Token ids of each prompt of a completion request (a string, strings, ids, or id lists).
+
+    Tokenization can take seconds for a long text: callers run this off the event loop.
+    """
     p = req.prompt
     if isinstance(p, str):
-        prompts = [tok.encode(p)]
+        prompts = [_encode(tok, p, max_model_len, "prompt")]
     elif not p:
         raise bad_request("prompt must not be an empty list", param="prompt")
     elif all(isinstance(x, str) for x in p):
-        prompts = [tok.encode(x) for x in p]
+        prompts = [_encode(tok, x, max_model_len, "prompt") for x in p]
     elif all(isinstance(x, int) for x in p):
         prompts = [list(p)]
     elif all(isinstance(x, list) for x in p):
@@ -53,8 +67,8 @@ def completion_prompts(req: CompletionRequest, tok: TextTokenizer, vocab_size: i
     return prompts
 
 
-def chat_prompt(req: ChatCompletionRequest, tok: TextTokenizer) -> list[int]:
-    """Render the chat template and tokenize it (the template carries BOS itself)."""
+def chat_prompt(req: ChatCompletionRequest, tok: TextTokenizer, max_model_len: int) -> list[int]:
+    """Render the chat template and tokenize it (the template carries BOS itself). Run off the loop."""
     if not req.messages:
         raise bad_request("messages must not be empty", param="messages")
     messages = []
@@ -65,13 +79,13 @@ def chat_prompt(req: ChatCompletionRequest, tok: TextTokenizer) -> list[int]:
         if isinstance(content, list):
             if any(part.type != "text" for part in content):
                 raise bad_request("only text content parts are supported", param="messages")
-            content = "".join(part.text or "" for part in content)
+            content = "\n".join(part.text or "" for part in content)
         messages.append({"role": m.role, "content": content or ""})
     try:
         text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
     except TokenizerError as e:
         raise bad_request(str(e), param="messages") from e
-    ids = tok.encode(text, add_special_tokens=False)
+    ids = _encode(tok, text, max_model_len, "messages", add_special_tokens=False)
     if not ids:
         raise bad_request("the rendered chat prompt is empty", param="messages")
     return ids
@@ -79,7 +93,8 @@ def chat_prompt(req: ChatCompletionRequest, tok: TextTokenizer) -> list[int]:
 
 def sampling_params(req: _SamplingFields, *, prompt_len: int, max_model_len: int, max_tokens: int | None,
                     default_max_tokens: int | None, vocab_size: int, logprobs: int | None,
-                    prompt_logprobs: int | None, max_n: int = MAX_N) -> SamplingParams:
+                    prompt_logprobs: int | None, max_n: int = MAX_N, logprobs_param: str = "logprobs",
+                    prompt_param: str = "prompt") -> SamplingParams:
     """Validate sampling fields for one prompt of ``prompt_len`` tokens.
 
     ``max_tokens=None`` means "not given": ``default_max_tokens`` capped by the room left in the
@@ -92,7 +107,7 @@ def sampling_params(req: _SamplingFields, *, prompt_len: int, max_model_len: int
     if prompt_len >= max_model_len:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, your prompt is "
-            f"{prompt_len} tokens, which leaves no room for output.", param="prompt")
+            f"{prompt_len} tokens, which leaves no room for output.", param=prompt_param)
     room = max_model_len - prompt_len
     if max_tokens is not None:
         if max_tokens < 1:
@@ -106,6 +121,8 @@ def sampling_params(req: _SamplingFields, *, prompt_len: int, max_model_len: int
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
     temperature = 1.0 if req.temperature is None else req.temperature
     _range("temperature", temperature, 0.0, 100.0)
+    if temperature < MIN_TEMPERATURE:  # as vLLM: logits / 1e-45 overflow float32; such a request is greedy
+        temperature = 0.0
     _range("top_p", req.top_p, 0.0, 1.0, lo_open=True)
     _range("min_p", req.min_p, 0.0, 1.0)
     _range("presence_penalty", req.presence_penalty, -2.0, 2.0)
@@ -113,12 +130,14 @@ def sampling_params(req: _SamplingFields, *, prompt_len: int, max_model_len: int
     _range("repetition_penalty", req.repetition_penalty, 0.0, 100.0, lo_open=True)
     if req.top_k is not None and req.top_k < -1:
         raise bad_request(f"top_k must be -1 (off) or positive, got {req.top_k}", param="top_k")
-    _range("logprobs", logprobs, 0, MAX_LOGPROBS)
+    _range(logprobs_param, logprobs, 0, MAX_LOGPROBS)
     if req.min_tokens < 0 or req.min_tokens > max_tokens:
         raise bad_request(f"min_tokens must be in [0, max_tokens={max_tokens}], got {req.min_tokens}", param="min_tokens")
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if any(s == "" for s in stops):
         raise bad_request("stop strings must not be empty", param="stop")
+    if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters", param="stop")
     stop_ids = list(req.stop_token_ids or [])
     if any(not 0 <= t < vocab_size for t in stop_ids):
         raise bad_request(f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids")

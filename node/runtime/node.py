@@ -139,7 +139,7 @@ class Node:
         m = self.metrics
         if self.num_waiting >= self.config.max_queue:
             m.rejected.inc()
-            raise QueueFullError(f"{self.num_waiting} requests are queued (limit {self.config.max_queue})")
+            raise QueueFullError(f"{self.num_waiting} sequences are queued (limit {self.config.max_queue})")
         req = RequestState(request_id, prompt_ids, params, n, self.tokenizer, self._eos_ids(),
                            self.max_model_len, time.monotonic())
         m.prompt_tokens.inc(len(prompt_ids))

@@ -24,7 +24,7 @@ DEFAULT_MODEL_CONFIG = {
     "num_attention_heads": 8,
     "num_key_value_heads": 4,
     "head_dim": 16,
-    "vocab_size": 320,
+    "vocab_size": 259,  # the byte-level tokenizer: 3 special tokens + 256 bytes
     "max_position_embeddings": 2048,
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
@@ -117,4 +117,8 @@ def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: obj
     if fmt == "dummy":
         log.warning("random_weights", device=device_id, seed=config.seed,
                     message="weights are random (fixed seed): outputs are meaningless text")
-    return ModelRunner(model, cfg, dev, num_blocks, config.block_size, info.dtype, seed=config.seed)
+    try:
+        return ModelRunner(model, cfg, dev, num_blocks, config.block_size, info.dtype, seed=config.seed)
+    except (RuntimeError, MemoryError) as e:  # the KV pool could not be allocated
+        raise StartupError(f"cannot allocate a KV pool of {num_blocks * config.block_size * per_token} bytes "
+                           f"on {device_id}: {e}") from e

@@ -99,6 +99,11 @@ class ModelConfig:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ModelConfigError(f"config.json is missing or has a bad field: {e}") from e
+        if min(hidden, heads, kv_heads, head_dim, mc.num_layers, mc.vocab_size, mc.intermediate_size,
+               mc.max_position_embeddings) < 1:
+            raise ModelConfigError("config.json sizes (hidden, heads, layers, vocab, max_position_embeddings) must be positive")
+        if any(not isinstance(t, int) or not 0 <= t < mc.vocab_size for t in mc.eos_token_ids):
+            raise ModelConfigError(f"eos_token_id {list(mc.eos_token_ids)} must be token ids below vocab_size {mc.vocab_size}")
         if heads % kv_heads:
             raise ModelConfigError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
         if head_dim % 2:
@@ -112,7 +117,13 @@ class ModelConfig:
         path = Path(folder) / "config.json"
         if not path.is_file():
             raise ModelConfigError(f"no config.json in {folder}")
-        return cls.from_dict(json.loads(path.read_text()))
+        try:
+            cfg = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ModelConfigError(f"{path} is not valid JSON: {e}") from e
+        if not isinstance(cfg, dict):
+            raise ModelConfigError(f"{path} must hold a JSON object")
+        return cls.from_dict(cfg)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V per token over all layers: ``2 * layers * kv_heads * head_dim * elem``."""

@@ -108,8 +108,10 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest], generator: torch.Gen
         p = r.params
         if p.greedy:
             continue
-        row_logits = _filter(logits[row].float() / p.temperature, p)
+        row_logits = _filter(logits[row].double() / p.temperature, p)
         probs = torch.softmax(row_logits, dim=-1).cpu()
+        if not torch.isfinite(probs).all() or probs.sum() <= 0:  # degenerate row: never fail the batch
+            continue  # keep the argmax already in ``out``
         gen = generator
         if p.seed is not None:
             gen = torch.Generator(device="cpu").manual_seed((p.seed * _SEED_STRIDE + r.output_index) % (2**63))

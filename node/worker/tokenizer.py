@@ -55,6 +55,9 @@ class TextTokenizer:
         self.eos_token_ids = list(eos_token_ids) or ([eos_id] if eos_id is not None else [])
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.special_ids = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+        # No token covers more characters than its longest vocabulary piece (+1 for a prepended space
+        # marker), so a text longer than max_tokens * this is over max_tokens without tokenizing it.
+        self.max_chars_per_token = max(len(p) for p in tok.get_vocab(with_added_tokens=True)) + 1
         self._anchor_id = tok.encode("a", add_special_tokens=False).ids[-1]
         self._anchor_text = tok.decode([self._anchor_id], skip_special_tokens=False)
 
@@ -65,9 +68,11 @@ class TextTokenizer:
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise TokenizerError(f"no tokenizer.json in {folder} (only fast tokenizers are supported)")
-        tok = Tokenizer.from_file(str(path))
-        cfg_path = folder / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # the Rust library raises plain Exception subclasses
+            raise TokenizerError(f"{path} cannot be loaded: {e}") from e
+        cfg = _read_json(folder / "tokenizer_config.json")
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: take "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
@@ -75,10 +80,11 @@ class TextTokenizer:
         if template is None and jinja_path.is_file():
             template = jinja_path.read_text()
         eos: list[int] = []
-        gen_path = folder / "generation_config.json"
-        if gen_path.is_file():
-            e = json.loads(gen_path.read_text()).get("eos_token_id")
-            eos = e if isinstance(e, list) else ([] if e is None else [e])
+        e = _read_json(folder / "generation_config.json").get("eos_token_id")
+        eos = e if isinstance(e, list) else ([] if e is None else [e])
+        vocab = tok.get_vocab_size(with_added_tokens=True)
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in eos):
+            raise TokenizerError(f"generation_config.json eos_token_id {e!r} must be token ids below {vocab}")
         return cls(tok, cfg, template, eos)
 
     @classmethod
@@ -131,6 +137,19 @@ class TextTokenizer:
             )
         except jinja2.TemplateError as e:
             raise TokenizerError(f"chat template failed: {e}") from e
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file, ``{}`` when absent. Raises :class:`TokenizerError` when malformed."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path} must hold a JSON object")
+    return data
 
 
 def _raise(message: str) -> None:

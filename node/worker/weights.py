@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from node.worker.model import CausalLM
 from node.worker.model_config import ModelConfig, ModelConfigError, rope_inv_freq
@@ -67,7 +67,10 @@ def _randomise(model: CausalLM, seed: int) -> None:
 def _tensor_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise WeightLoadError(f"{index} is not a valid safetensors index: {e}") from e
         files = [folder / n for n in names]
     elif (folder / "model.safetensors").is_file():
         files = [folder / "model.safetensors"]
@@ -81,9 +84,12 @@ def _tensor_files(folder: Path) -> list[Path]:
 
 def _iter_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for f in _tensor_files(folder):
-        with safe_open(str(f), framework="pt") as fh:
-            for name in fh.keys():
-                yield name, fh.get_tensor(name)
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():
+                    yield name, fh.get_tensor(name)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise WeightLoadError(f"{f} is not a readable safetensors file: {e}") from e
 
 
 @torch.no_grad()
