@@ -162,7 +162,7 @@ class DeviceEngine:
         prev = self.role.begin(to_role, start)
         await self._idle.wait()
         drained = self.clock()
-        self.reconfigure(to_role)
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.reconfigure, to_role)
         swap_s = self.clock() - drained
         deadline = self.clock() + self.role.pause_floor_s
         while (left := deadline - self.clock()) > 0:  # event-loop timers may fire a little early
@@ -178,8 +178,11 @@ class DeviceEngine:
         return record
 
     def reconfigure(self, to_role: Role) -> None:
-        """Swap the execution configuration. On the CPU the step kind (read from the role) is all there
-        is; the CUDA-graph capture of the decode role hooks in here."""
+        """Swap the execution configuration (runs in the worker thread; its time is the switch's swap
+        time). The step kind comes from the role; the decode role also needs the runner's CUDA graphs,
+        captured on the first switch to it and reused afterwards (a no-op without graphs)."""
+        if to_role is Role.DECODE:
+            self.runner.prepare_decode()
 
     def _postprocess(self, plan: StepPlan, outs: dict[str, SeqOutput]) -> None:
         now = self.clock()

@@ -8,6 +8,7 @@ import structlog
 import torch
 
 from node.config import NodeConfig
+from node.worker.cuda_graphs import DecodeGraphs, decode_graphs_unsupported
 from node.worker.model_config import ModelConfig
 from node.worker.runner import ModelRunner, free_device_bytes, plan_kv_blocks, weight_bytes
 from node.worker.tokenizer import TextTokenizer
@@ -81,6 +82,9 @@ def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: obj
 
     The KV budget is ``--kv-cache-memory`` bytes when given; on CUDA otherwise
     ``gpu_memory_utilization * total - (total - free after loading)``; on the CPU 512 MiB.
+    On CUDA with the triton backend (and without ``--enforce-eager``) the runner gets decode CUDA
+    graphs, captured here in colocated mode and at the first switch to the decode role in time-shared
+    mode (their memory comes out of the ``1 - gpu_memory_utilization`` headroom).
 
     Raises:
         StartupError: the budget holds fewer than ``max_model_len`` tokens (one full sequence).
@@ -118,7 +122,24 @@ def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: obj
         log.warning("random_weights", device=device_id, seed=config.seed,
                     message="weights are random (fixed seed): outputs are meaningless text")
     try:
-        return ModelRunner(model, cfg, dev, num_blocks, config.block_size, info.dtype, seed=config.seed)
+        runner = ModelRunner(model, cfg, dev, num_blocks, config.block_size, info.dtype, seed=config.seed)
     except (RuntimeError, MemoryError) as e:  # the KV pool could not be allocated
         raise StartupError(f"cannot allocate a KV pool of {num_blocks * config.block_size * per_token} bytes "
                            f"on {device_id}: {e}") from e
+    attach_decode_graphs(runner, config, info.max_model_len, ops, device_id)
+    return runner
+
+
+def attach_decode_graphs(runner: ModelRunner, config: NodeConfig, max_model_len: int, ops: object,
+                         device_id: str) -> None:
+    """Give ``runner`` decode graphs where they are supported and not ``--enforce-eager``; capture
+    them now in colocated mode (time-shared mode captures on the first switch to the decode role)."""
+    reason = "--enforce-eager" if config.enforce_eager else decode_graphs_unsupported(runner.device, ops)
+    if reason is not None:
+        if runner.device.type == "cuda":
+            log.info("decode_graphs_off", device=device_id, reason=reason)
+        return
+    runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, block_size=config.block_size,
+                                 max_model_len=max_model_len, max_num_seqs=config.max_num_seqs)
+    if config.mode == "colocated":
+        runner.prepare_decode()

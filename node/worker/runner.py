@@ -7,13 +7,19 @@ data too, so the loop and the thread share no mutable state.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass, field
+
+import structlog
 import torch
 
+from node.worker.cuda_graphs import DecodeGraphs
 from node.worker.model import AttentionMetadata, CausalLM
 from node.worker.model_config import ModelConfig
 from node.worker.sampler import SampleRequest, TokenLogprobs, logprobs_of, sample
+
+log = structlog.get_logger("shiftnode.runner")
 
 
 @dataclass
@@ -60,6 +66,9 @@ class ModelRunner:
         num_blocks, block_size: KV pool geometry; the pool is
             ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` in ``kv_dtype``.
         seed: seed of the generator used by unseeded sampling.
+
+    ``graphs`` (set by the loader, None for eager only): pure decode steps that fit a bucket replay a
+    captured CUDA graph (:class:`~node.worker.cuda_graphs.DecodeGraphs`); every other step runs eagerly.
     """
 
     def __init__(self, model: CausalLM, cfg: ModelConfig, device: torch.device, num_blocks: int,
@@ -74,6 +83,8 @@ class ModelRunner:
         )
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self._lock = threading.Lock()  # one step at a time, also against KV copies from transfers
+        self.graphs: DecodeGraphs | None = None
+        self.graphs_error: str | None = None  # why a capture failed (graphs were then turned off)
 
     @property
     def kv_pool_bytes(self) -> int:
@@ -84,7 +95,55 @@ class ModelRunner:
         with self._lock, torch.inference_mode():
             return self._execute(step)
 
+    def prepare_decode(self) -> float:
+        """Capture the decode graphs if they are not yet (the decode role's reconfiguration; later calls
+        reuse them). Returns the capture time in ms, 0.0 when there was nothing to do. A failed capture
+        is logged, turns graphs off (steps run eagerly) and leaves its reason in ``graphs_error``."""
+        graphs = self.graphs
+        if graphs is None or graphs.captured:
+            return 0.0
+        with self._lock:
+            try:
+                ms = graphs.capture_all()
+            except Exception as e:  # a failed capture must not stop the node: run eagerly
+                log.exception("decode_graph_capture_failed", device=str(self.device), error=str(e))
+                graphs.release()
+                self.graphs = None
+                self.graphs_error = f"{type(e).__name__}: {e}"
+                return 0.0
+        log.info("decode_graphs_captured", device=str(self.device), buckets=list(graphs.buckets), ms=round(ms, 1))
+        return ms
+
     def _execute(self, step: StepInput) -> dict[str, SeqOutput]:
+        dev = self.device
+        hidden = self.graphs.run(step.seqs) if self.graphs is not None else None
+        if hidden is None:
+            hidden = self._forward(step)
+        cu = list(itertools.accumulate((len(s.token_ids) for s in step.seqs), initial=0))
+        outputs = {s.seq_id: SeqOutput() for s in step.seqs}
+        # Rows whose logits are needed: the last row of each sampling sequence.
+        samplers = [(i, s) for i, s in enumerate(step.seqs) if s.sample is not None]
+        if samplers:
+            rows = torch.tensor([cu[i + 1] - 1 for i, _ in samplers], device=dev)
+            logits = self.model.compute_logits(hidden[rows])
+            raw = logits.clone() if any(s.sample.params.logprobs is not None for _, s in samplers) else None
+            tokens = sample(logits, [s.sample for _, s in samplers], self.generator)
+            for j, (_, s) in enumerate(samplers):
+                out = outputs[s.seq_id]
+                out.token_id = int(tokens[j])
+                k = s.sample.params.logprobs
+                if k is not None and raw is not None:
+                    out.logprobs = logprobs_of(raw[j : j + 1], tokens[j : j + 1], k)[0]
+        for i, s in enumerate(step.seqs):
+            if s.prompt_targets:
+                rows = torch.arange(cu[i], cu[i] + len(s.prompt_targets), device=dev)
+                logits = self.model.compute_logits(hidden[rows])
+                targets = torch.tensor(s.prompt_targets, dtype=torch.int64, device=dev)
+                outputs[s.seq_id].prompt_logprobs = logprobs_of(logits, targets, s.prompt_top)
+        return outputs
+
+    def _forward(self, step: StepInput) -> torch.Tensor:
+        """The eager forward of any step → final hidden states ``[num_tokens, hidden]``."""
         dev = self.device
         bs = self.block_size
         ids: list[int] = []
@@ -109,31 +168,10 @@ class ModelRunner:
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
             max_seqlen_q=max(len(s.token_ids) for s in step.seqs),
         )
-        hidden = self.model(
+        return self.model(
             torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
             self.kv_cache, meta,
         )
-        outputs = {s.seq_id: SeqOutput() for s in step.seqs}
-        # Rows whose logits are needed: the last row of each sampling sequence.
-        samplers = [(i, s) for i, s in enumerate(step.seqs) if s.sample is not None]
-        if samplers:
-            rows = torch.tensor([cu[i + 1] - 1 for i, _ in samplers], device=dev)
-            logits = self.model.compute_logits(hidden[rows])
-            raw = logits.clone() if any(s.sample.params.logprobs is not None for _, s in samplers) else None
-            tokens = sample(logits, [s.sample for _, s in samplers], self.generator)
-            for j, (_, s) in enumerate(samplers):
-                out = outputs[s.seq_id]
-                out.token_id = int(tokens[j])
-                k = s.sample.params.logprobs
-                if k is not None and raw is not None:
-                    out.logprobs = logprobs_of(raw[j : j + 1], tokens[j : j + 1], k)[0]
-        for i, s in enumerate(step.seqs):
-            if s.prompt_targets:
-                rows = torch.arange(cu[i], cu[i] + len(s.prompt_targets), device=dev)
-                logits = self.model.compute_logits(hidden[rows])
-                targets = torch.tensor(s.prompt_targets, dtype=torch.int64, device=dev)
-                outputs[s.seq_id].prompt_logprobs = logprobs_of(logits, targets, s.prompt_top)
-        return outputs
 
 
 def plan_kv_blocks(cfg: ModelConfig, kv_dtype: torch.dtype, block_size: int, kv_bytes: int) -> int:

@@ -49,7 +49,7 @@ class TokenLogprobs:
 def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[TokenLogprobs]:
     """Raw-distribution logprobs of ``token_ids [N]`` under ``logits [N, V]`` float32, with top-``k``."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, token_ids.view(-1, 1)).squeeze(1).tolist()
+    chosen = lp.gather(1, token_ids.to(lp.device).view(-1, 1)).squeeze(1).tolist()  # sampled ids come from the CPU
     if k > 0:
         vals, idx = lp.topk(min(k, lp.shape[-1]), dim=-1)
         tops = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]

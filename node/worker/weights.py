@@ -33,7 +33,9 @@ def build_model(
 
     Args:
         load_format: ``"safetensors"`` (read ``folder``) or ``"dummy"`` (normal(0, 0.02) weights from
-            ``seed``; norms set to 1), as vLLM's ``--load-format dummy``.
+            ``seed``; norms set to 1), as vLLM's ``--load-format dummy``. Dummy weights are drawn on
+            the model's device (a CPU generator on the CPU, a CUDA generator on a GPU, so that an 8B
+            model takes seconds, not minutes): the same seed gives different weights on the two.
         max_positions: rows of the rotary table (tokens).
 
     Raises:
@@ -56,12 +58,16 @@ def build_model(
 
 @torch.no_grad()
 def _randomise(model: CausalLM, seed: int) -> None:
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    device = next(model.parameters()).device
+    on_cpu = device.type == "cpu"
+    gen = torch.Generator(device="cpu" if on_cpu else device).manual_seed(seed)
     for name, p in model.named_parameters():
         if p.dim() == 1 and "bias" not in name:  # norm weights
             p.fill_(1.0)
-        else:
+        elif on_cpu:
             p.copy_((torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype))
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
 
 
 def _tensor_files(folder: Path) -> list[Path]:

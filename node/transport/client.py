@@ -1,0 +1,366 @@
+"""Sending end of KV transfers over TCP: :class:`KVClient`.
+
+One connection carries one transfer at a time (``send_sequence`` holds a lock). A failed transfer
+closes the connection (the receiver frees its reservation); connect again to retry. Idle
+connections are kept alive and checked with heartbeats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Iterable
+
+import structlog
+
+from node.transport.protocol import (
+    Goodbye, Heartbeat, LayerHeader, Layout, LayoutMismatch, Message, ProtocolError, SeqState,
+    TransferAbort, TransferAborted, TransferAccept, TransferCommitted, TransferDone, TransferOffer,
+    TransferRefuse, TransferRefused, TransportError, TransportTimeout, checksum, check_compatible,
+    secret_bytes,
+)
+from node.transport.throttle import LinkThrottle, as_throttle
+from node.transport.wire import (
+    DEFAULT_CHUNK_BYTES, DEFAULT_MAX_HEADER_BYTES, client_handshake, drain, encode, read_msg, say_goodbye, send,
+)
+
+_log = structlog.get_logger("node.transport")
+
+BytesLike = bytes | bytearray | memoryview
+# A layer's payload: bytes-like or a tensor [2, n, block_size, Hkv, D] (any device), or an awaitable of one.
+LayerSource = Callable[[int], Any] | AsyncIterator[Any] | Iterable[Any]
+FaultHook = Callable[[int, memoryview], BytesLike]
+
+_CRC_THREAD_BYTES = 4 << 20  # above this, the CRC runs in a thread (zlib releases the GIL)
+
+
+class TransferUnconfirmed(TransportError):
+    """Every layer and ``TransferDone`` were sent but ``TransferCommitted`` never came back: the
+    receiver may or may not have adopted the sequence (its ``on_done`` may have run)."""
+
+
+@dataclass
+class SendReport:
+    """One outbound transfer; times in seconds on the sender's monotonic clock since the offer was sent."""
+
+    transfer_id: str
+    nbytes: int = 0
+    accept_s: float = 0.0
+    layer_end_s: list[float] = field(default_factory=list)  # last byte of layer i handed to the socket
+    done_s: float = 0.0  # TransferCommitted received
+
+    @property
+    def gbps(self) -> float:
+        """Payload throughput from accept to commit (Gb/s)."""
+        dt = self.done_s - self.accept_s
+        return self.nbytes * 8 / dt / 1e9 if dt > 0 else float("inf")
+
+
+def payload_view(obj: Any) -> memoryview:
+    """A flat byte view of a layer payload (bytes-like, or a torch tensor copied to host if needed)."""
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return memoryview(obj).cast("B")
+    if type(obj).__module__.startswith("torch"):
+        from node.transport.tensors import tensor_bytes
+        return tensor_bytes(obj)
+    return memoryview(obj).cast("B")
+
+
+class _Layers:
+    """Uniform access to layer payloads in order, prefetching the next one when the source is a
+    callable that returns awaitables (so a device-to-host copy overlaps the send of the previous layer)."""
+
+    def __init__(self, source: LayerSource, num_layers: int):
+        self._n = num_layers
+        self._fn = source if callable(source) else None
+        self._aiter = source.__aiter__() if hasattr(source, "__aiter__") else None
+        self._iter = iter(source) if self._fn is None and self._aiter is None else None
+        self._pending: asyncio.Future | None = None
+        self._prefetch = False  # set once the callable turns out to return awaitables
+
+    async def get(self, layer: int) -> Any:
+        if self._fn is not None:
+            if self._pending is not None:
+                fut, self._pending = self._pending, None
+                value = await fut
+            else:
+                value = self._fn(layer)
+                if inspect.isawaitable(value):
+                    value = await value
+                    self._prefetch = True
+            if self._prefetch and layer + 1 < self._n:
+                self._pending = asyncio.ensure_future(self._fn(layer + 1))
+            return value
+        if self._aiter is not None:
+            return await self._aiter.__anext__()
+        return next(self._iter)
+
+    def cancel(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
+
+
+class KVClient:
+    """A connection to a peer's :class:`~node.transport.server.KVServer`; use :meth:`connect`."""
+
+    def __init__(self, reader, writer, *, peer_node_id: str, peer_layout: Layout | None,
+                 link: LinkThrottle | None, accept_timeout_s: float, stall_timeout_s: float,
+                 commit_timeout_s: float, heartbeat_interval_s: float | None, max_header_bytes: int,
+                 chunk_bytes: int, fault_hook: FaultHook | None):
+        self._reader, self._writer = reader, writer
+        self.peer_node_id, self.peer_layout = peer_node_id, peer_layout
+        self.link = link
+        self.accept_timeout_s = accept_timeout_s
+        self.stall_timeout_s = stall_timeout_s
+        self.commit_timeout_s = commit_timeout_s
+        self.max_header_bytes = max_header_bytes
+        self.chunk_bytes = chunk_bytes
+        self.fault_hook = fault_hook  # tests only: alters a payload after its checksum was computed
+        self._lock = asyncio.Lock()
+        self._inbox: asyncio.Queue = asyncio.Queue()
+        self._dead: BaseException | None = None
+        self._log = _log.bind(peer_node=peer_node_id)
+        self._pump_task = asyncio.create_task(self._pump())
+        self._hb_task = (asyncio.create_task(self._heartbeats(heartbeat_interval_s))
+                         if heartbeat_interval_s else None)
+
+    @classmethod
+    async def connect(cls, host: str, port: int, secret: str | bytes, *, node_id: str = "",
+                      layout: Layout | None = None, link_gbps: LinkThrottle | float | None = None,
+                      connect_timeout_s: float = 5.0, handshake_timeout_s: float = 5.0,
+                      accept_timeout_s: float = 10.0, stall_timeout_s: float = 10.0,
+                      commit_timeout_s: float = 10.0, heartbeat_interval_s: float | None = 5.0,
+                      max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                      fault_hook: FaultHook | None = None) -> "KVClient":
+        """Connect and authenticate (both ways). With ``layout``, a peer whose layout differs is
+        refused here (:class:`LayoutMismatch`). ``link_gbps``: None (unthrottled), Gb/s, or a shared
+        :class:`LinkThrottle`. Raises ``TransportTimeout``, ``AuthError``, ``OSError``."""
+        secret_b = secret_bytes(secret)
+        try:
+            async with asyncio.timeout(connect_timeout_s):
+                reader, writer = await asyncio.open_connection(host, port, limit=2 * chunk_bytes)
+        except TimeoutError:
+            raise TransportTimeout(f"connect to {host}:{port} not done within {connect_timeout_s} s") from None
+        try:
+            reply = await client_handshake(reader, writer, secret_b, node_id, layout, handshake_timeout_s,
+                                           max_header_bytes)
+            if layout is not None and reply.layout is not None:
+                check_compatible(layout, reply.layout)
+        except BaseException as exc:
+            _log.warning("kv_connect_failed", peer=f"{host}:{port}", reason=str(exc) or type(exc).__name__)
+            say_goodbye(writer, f"handshake failed: {exc}")
+            raise
+        return cls(reader, writer, peer_node_id=reply.node_id, peer_layout=reply.layout,
+                   link=as_throttle(link_gbps), accept_timeout_s=accept_timeout_s,
+                   stall_timeout_s=stall_timeout_s, commit_timeout_s=commit_timeout_s,
+                   heartbeat_interval_s=heartbeat_interval_s, max_header_bytes=max_header_bytes,
+                   chunk_bytes=chunk_bytes, fault_hook=fault_hook)
+
+    @property
+    def closed(self) -> bool:
+        return self._dead is not None
+
+    async def close(self) -> None:
+        """Say goodbye and close; idempotent."""
+        if self._dead is None:
+            self._dead = TransportError("client closed")
+        for t in (self._hb_task, self._pump_task):
+            if t is not None and t is not asyncio.current_task():
+                t.cancel()
+        say_goodbye(self._writer, "client closing")
+        try:
+            async with asyncio.timeout(1.0):
+                await self._writer.wait_closed()
+        except (TimeoutError, OSError):
+            pass
+
+    async def __aenter__(self) -> "KVClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # ---------------------------------------------------------------------------------- inbound
+    async def _pump(self) -> None:
+        """Read every frame from the server into the inbox; a dead connection becomes a sticky error."""
+        try:
+            while True:
+                msg = await read_msg(self._reader, self.max_header_bytes, None)
+                if isinstance(msg, Goodbye):
+                    raise TransportError(f"peer closed the connection: {msg.reason}")
+                self._inbox.put_nowait(msg)
+        except asyncio.CancelledError:
+            raise
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            self._set_dead(TransportError(f"peer closed the connection ({type(exc).__name__})"))
+        except TransportError as exc:
+            self._set_dead(exc)
+
+    def _set_dead(self, exc: BaseException) -> None:
+        if self._dead is None:
+            self._dead = exc
+        self._inbox.put_nowait(exc)
+
+    async def _next(self, timeout_s: float | None, what: str) -> Message:
+        try:
+            async with asyncio.timeout(timeout_s):
+                item = await self._inbox.get()
+        except TimeoutError:
+            raise TransportTimeout(f"no {what} within {timeout_s} s") from None
+        if isinstance(item, BaseException):
+            self._inbox.put_nowait(item)  # sticky
+            raise item
+        return item
+
+    def _raise_if_aborted(self, tid: str) -> None:
+        """Non-blocking: has the receiver already given up on this transfer?"""
+        while not self._inbox.empty():
+            item = self._inbox.get_nowait()
+            if isinstance(item, BaseException):
+                self._inbox.put_nowait(item)
+                raise item
+            if isinstance(item, TransferAbort) and item.transfer_id == tid:
+                raise TransferAborted(f"receiver aborted: {item.reason}")
+
+    async def _heartbeats(self, interval_s: float) -> None:
+        n = 0
+        try:
+            while self._dead is None:
+                await asyncio.sleep(interval_s)
+                if self._lock.locked():
+                    continue  # a transfer is in progress: the connection is evidently alive
+                async with self._lock:
+                    n += 1
+                    await send(self._writer, Heartbeat(n=n), self.stall_timeout_s)
+                    reply = await self._next(self.stall_timeout_s, "heartbeat echo")
+                    if not (isinstance(reply, Heartbeat) and reply.n == n):
+                        raise ProtocolError(f"expected heartbeat echo {n}, got {reply!r:.200}")
+        except asyncio.CancelledError:
+            raise
+        except (TransportError, ConnectionError) as exc:
+            self._log.warning("kv_peer_heartbeat_failed", reason=str(exc))
+            self._set_dead(exc if isinstance(exc, TransportError) else TransportError(str(exc)))
+            say_goodbye(self._writer, f"heartbeat failed: {exc}")
+
+    # --------------------------------------------------------------------------------- transfer
+    async def send_sequence(self, layout: Layout, seq: SeqState, layers: LayerSource, num_blocks: int, *,
+                            transfer_id: str | None = None) -> SendReport:
+        """Offer ``seq`` (``num_blocks`` blocks) and, once the peer reserved them, stream its layers
+        0..``layout.num_layers``-1 in order; return when the peer committed.
+
+        ``layers``: ``callable(layer) -> payload`` (or an awaitable of one; the next layer is then
+        prefetched), or an (async) iterable of payloads in layer order. A payload is bytes-like or a
+        tensor ``[2, num_blocks, block_size, Hkv, D]`` and must have exactly
+        ``layout.layer_bytes(num_blocks)`` bytes; it must not be mutated until this call returns.
+
+        Raises ``LayoutMismatch`` or ``TransferRefused`` (nothing was reserved; the connection stays
+        usable), ``TransferAborted`` (the receiver freed its reservation), ``TransferUnconfirmed``,
+        ``TransportTimeout``/``TransportError`` (the connection is closed; the receiver aborts).
+        Keep the sequence's blocks on this side until this returns successfully.
+        """
+        if self.peer_layout is not None:
+            check_compatible(layout, self.peer_layout)
+        problems = seq.problems(layout.block_size, num_blocks)
+        if problems:
+            raise ValueError(f"sequence {seq.seq_id} cannot be transferred: {'; '.join(problems)}")
+        tid = transfer_id or uuid.uuid4().hex
+        per_layer = layout.layer_bytes(num_blocks)
+        offer = TransferOffer(transfer_id=tid, layout=layout, seq=seq, num_blocks=num_blocks,
+                              nbytes_per_layer=per_layer)
+        log = self._log.bind(transfer_id=tid)
+        async with self._lock:
+            if self._dead is not None:
+                raise TransportError(f"connection is closed: {self._dead}")
+            report = SendReport(tid)
+            t0 = time.monotonic()
+            source = _Layers(layers, layout.num_layers)
+            try:
+                await send(self._writer, offer, self.stall_timeout_s)
+                reply = await self._next(self.accept_timeout_s, "TransferAccept")
+                if isinstance(reply, TransferRefuse) and reply.transfer_id == tid:
+                    log.info("kv_transfer_refused", code=reply.code, reason=reply.reason)
+                    if reply.code == "layout":
+                        raise LayoutMismatch(reply.fields, f"peer refused: {reply.reason}")
+                    raise TransferRefused(reply.code, reply.reason)
+                if isinstance(reply, TransferAbort) and reply.transfer_id == tid:
+                    raise TransferAborted(f"receiver aborted: {reply.reason}")
+                if not (isinstance(reply, TransferAccept) and reply.transfer_id == tid):
+                    raise ProtocolError(f"expected TransferAccept, got {reply!r:.200}")
+                report.accept_s = time.monotonic() - t0
+                for layer in range(layout.num_layers):
+                    await self._send_layer(tid, layer, await source.get(layer), per_layer)
+                    report.nbytes += per_layer
+                    report.layer_end_s.append(time.monotonic() - t0)
+                await send(self._writer, TransferDone(transfer_id=tid), self.stall_timeout_s)
+                try:
+                    reply = await self._next(self.commit_timeout_s, "TransferCommitted")
+                except TransportError as exc:
+                    raise TransferUnconfirmed(f"transfer {tid}: {exc}") from exc
+                if isinstance(reply, TransferAbort) and reply.transfer_id == tid:
+                    raise TransferAborted(f"receiver aborted: {reply.reason}")
+                if not (isinstance(reply, TransferCommitted) and reply.transfer_id == tid):
+                    raise TransferUnconfirmed(f"expected TransferCommitted, got {reply!r:.200}")
+                report.done_s = time.monotonic() - t0
+            except (LayoutMismatch, TransferRefused):
+                raise
+            except BaseException as exc:
+                source.cancel()
+                err = self._explain(tid, exc)
+                self._fail(tid, err, log)
+                if err is exc:
+                    raise
+                raise err from exc
+        log.info("kv_transfer_sent", nbytes=report.nbytes, seconds=round(report.done_s, 6),
+                 gbps=round(report.gbps, 3))
+        return report
+
+    async def _send_layer(self, tid: str, layer: int, payload: Any, nbytes: int) -> None:
+        view = payload_view(payload)
+        if view.nbytes != nbytes:
+            raise ValueError(f"layer {layer} payload has {view.nbytes} bytes, the layout needs {nbytes}")
+        crc = await asyncio.to_thread(checksum, view) if nbytes > _CRC_THREAD_BYTES else checksum(view)
+        if self.fault_hook is not None:
+            view = memoryview(self.fault_hook(layer, view)).cast("B")
+        self._raise_if_aborted(tid)
+        self._writer.write(encode(LayerHeader(transfer_id=tid, layer=layer, nbytes=nbytes, checksum=crc)))
+        for off in range(0, nbytes, self.chunk_bytes):
+            piece = view[off : off + self.chunk_bytes]
+            if self.link is not None:
+                await self.link.wait(len(piece))
+            self._writer.write(piece)
+            await drain(self._writer, self.stall_timeout_s)
+
+    def _explain(self, tid: str, exc: BaseException) -> BaseException:
+        """Prefer the receiver's own abort reason over the broken pipe it caused; socket errors become
+        ``TransportError``."""
+        if isinstance(exc, (TransferAborted, asyncio.CancelledError, ValueError)):
+            return exc
+        if isinstance(exc, (TransportError, OSError, asyncio.IncompleteReadError)):
+            try:
+                self._raise_if_aborted(tid)
+            except TransferAborted as aborted:
+                return aborted
+            except BaseException:  # noqa: BLE001 - the sticky connection error: keep the original
+                pass
+        if isinstance(exc, (OSError, asyncio.IncompleteReadError)):
+            return TransportError(f"connection lost: {type(exc).__name__}: {exc}")
+        return exc
+
+    def _fail(self, tid: str, exc: BaseException, log) -> None:
+        reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        log.warning("kv_transfer_failed", reason=reason)
+        try:
+            if not self._writer.is_closing():
+                self._writer.write(encode(TransferAbort(transfer_id=tid, reason=reason[:1000])))
+        except Exception:  # noqa: BLE001
+            pass
+        if self._dead is None:
+            self._dead = TransportError(f"connection closed after transfer {tid} failed: {reason}")
+        for t in (self._hb_task, self._pump_task):
+            if t is not None:
+                t.cancel()
+        self._writer.close()

@@ -1,0 +1,104 @@
+"""In-node KV transfer between two devices' caches (same process): layer by layer, in order.
+
+Each layer: gather the sequence's blocks on the source, move the packed buffer to the destination
+device (a device-to-device copy on CUDA), scatter it into the destination blocks, optionally read it
+back and compare bit for bit (the in-process analogue of the wire CRC, stronger and device-side), pace
+it through an emulated link, then call ``on_layer(layer)``. Blocking: run it off the event loop
+(``asyncio.to_thread``) or on the device worker's thread.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from kernels import reference
+from node.transport.protocol import ChecksumMismatch, LayoutMismatch
+from node.transport.throttle import LinkThrottle, as_throttle
+
+GatherFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+ScatterFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+@dataclass
+class LocalCopyReport:
+    """``nbytes``: payload bytes moved (all layers); ``layer_end_s``: per layer, seconds since start when
+    the layer was in place (and verified, and paced); ``total_s``: seconds for the whole copy."""
+
+    nbytes: int = 0
+    layer_end_s: list[float] = field(default_factory=list)
+    total_s: float = 0.0
+
+
+def _check(src_kv: torch.Tensor, src_blocks: list[int], dst_kv: torch.Tensor, dst_blocks: list[int]) -> None:
+    if src_kv.dim() != 6 or dst_kv.dim() != 6 or src_kv.shape[1] != 2:
+        raise ValueError(f"caches must be [layers, 2, blocks, block_size, Hkv, D]: {tuple(src_kv.shape)}, "
+                         f"{tuple(dst_kv.shape)}")
+    names = ["num_layers", "kv", "num_blocks", "block_size", "num_kv_heads", "head_dim"]
+    diffs = [names[i] for i in (0, 1, 3, 4, 5) if src_kv.shape[i] != dst_kv.shape[i]]
+    if src_kv.dtype != dst_kv.dtype:
+        diffs.append("dtype")
+    if diffs:
+        raise LayoutMismatch(diffs, f"KV layout mismatch in {diffs}: {tuple(src_kv.shape)} {src_kv.dtype} vs "
+                                    f"{tuple(dst_kv.shape)} {dst_kv.dtype}")
+    if len(src_blocks) != len(dst_blocks):
+        raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks")
+    if len(set(dst_blocks)) != len(dst_blocks):
+        raise ValueError("destination block ids repeat")
+    for name, ids, n in (("source", src_blocks, src_kv.shape[2]), ("destination", dst_blocks, dst_kv.shape[2])):
+        bad = [b for b in ids if not 0 <= b < n]
+        if bad:
+            raise ValueError(f"{name} block ids out of range 0..{n - 1}: {bad[:8]}")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def copy_sequence_blocks(src_kv: torch.Tensor, src_blocks: list[int], dst_kv: torch.Tensor, dst_blocks: list[int],
+                         *, on_layer: Callable[[int], None] | None = None, verify: bool = True,
+                         link_gbps: LinkThrottle | float | None = None,
+                         gather: GatherFn = reference.gather_kv_blocks,
+                         scatter: ScatterFn = reference.scatter_kv_blocks,
+                         fault_hook: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> LocalCopyReport:
+    """Copy blocks ``src_blocks`` of ``src_kv`` into ``dst_blocks`` of ``dst_kv`` (same logical order),
+    every layer in order. Caches: ``[num_layers, 2, num_blocks, block_size, Hkv, D]``, same dtype and
+    geometry (block counts may differ). ``link_gbps``: None, Gb/s or a shared :class:`LinkThrottle`;
+    each layer then takes at least ``bytes*8/(gbps*1e9)`` s. ``gather``/``scatter``: the kernels'
+    ops (default: the torch reference; a cache in host memory always uses the reference).
+    ``fault_hook(layer, buffer) -> buffer``: tests only, alters the buffer after it was gathered.
+    Raises ``ChecksumMismatch`` (verification failed: the destination blocks hold garbage for that
+    layer; free them), ``LayoutMismatch``, ``ValueError``.
+    """
+    _check(src_kv, src_blocks, dst_kv, dst_blocks)
+    if src_kv.device.type == "cpu":  # device kernels (Triton) cannot touch host memory
+        gather = reference.gather_kv_blocks
+    if dst_kv.device.type == "cpu":
+        scatter = reference.scatter_kv_blocks
+    link = as_throttle(link_gbps)
+    src_ids = torch.as_tensor(src_blocks, dtype=torch.long, device=src_kv.device)
+    dst_ids = torch.as_tensor(dst_blocks, dtype=torch.long, device=dst_kv.device)
+    report = LocalCopyReport()
+    t0 = time.monotonic()
+    for layer in range(src_kv.shape[0]):
+        buf = gather(src_kv[layer, 0], src_kv[layer, 1], src_ids)  # [2, n, bs, Hkv, D]
+        sent = buf.to(dst_kv.device, non_blocking=False)
+        moved = fault_hook(layer, sent.clone()) if fault_hook is not None else sent
+        scatter(moved, dst_kv[layer, 0], dst_kv[layer, 1], dst_ids)
+        if verify:
+            back = (gather if dst_kv.device == src_kv.device else reference.gather_kv_blocks)(
+                dst_kv[layer, 0], dst_kv[layer, 1], dst_ids)
+            if not torch.equal(_bits(back), _bits(sent)):
+                raise ChecksumMismatch(f"layer {layer}: destination blocks differ from the source after the copy")
+        nbytes = buf.numel() * buf.element_size()
+        report.nbytes += nbytes
+        if link is not None:
+            link.wait_sync(nbytes)
+        report.layer_end_s.append(time.monotonic() - t0)
+        if on_layer is not None:
+            on_layer(layer)
+    report.total_s = time.monotonic() - t0
+    return report

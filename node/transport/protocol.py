@@ -1,0 +1,302 @@
+"""Wire types of the KV transfer protocol (pure: standard library and msgspec only).
+
+Every message is a tagged msgspec Struct sent as one frame: a 4-byte big-endian length, then the
+msgpack body (see :mod:`node.transport.wire`). A :class:`LayerHeader` is followed by exactly
+``nbytes`` raw payload bytes (no second length prefix). Sizes are bytes, durations seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import zlib
+from typing import Any
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+NONCE_BYTES = 32
+
+# Element size (bytes) of each KV dtype the protocol knows, by torch name without "torch.".
+DTYPE_BYTES: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1,
+}
+
+
+# ---------------------------------------------------------------------------------------- errors
+class TransportError(Exception):
+    """Base class of every error raised by ``node.transport``."""
+
+
+class ProtocolError(TransportError):
+    """The peer sent something the protocol does not allow (bad frame, wrong message, wrong order)."""
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame or payload is larger than the configured bound; the connection is dropped."""
+
+
+class AuthError(TransportError):
+    """The peer could not prove the shared secret, or spoke another protocol version."""
+
+
+class LayoutMismatch(TransportError):
+    """Two KV layouts differ; ``fields`` names the differing fields."""
+
+    def __init__(self, fields: list[str], message: str):
+        super().__init__(message)
+        self.fields = fields
+
+
+class TransferRefused(TransportError):
+    """The receiver refused an offer before reserving anything (``code``: see :class:`TransferRefuse`)."""
+
+    def __init__(self, code: str, reason: str):
+        super().__init__(f"{code}: {reason}")
+        self.code = code
+        self.reason = reason
+
+
+class TransferAborted(TransportError):
+    """A transfer failed after the receiver reserved its blocks; the receiver freed them."""
+
+
+class ChecksumMismatch(TransferAborted):
+    """A layer's payload does not match its checksum."""
+
+
+class TransportTimeout(TransportError):
+    """A bounded wait expired (connect, handshake, accept, layer stall, commit, idle)."""
+
+
+# ---------------------------------------------------------------------------------------- layout
+class Layout(msgspec.Struct, frozen=True, kw_only=True):
+    """Geometry of a device's paged KV cache; two ends must agree on every field.
+
+    The cache is ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` of ``dtype``
+    (a torch dtype name without ``torch.``, e.g. ``"bfloat16"``).
+    """
+
+    model_id: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"unknown KV dtype {self.dtype!r} (known: {sorted(DTYPE_BYTES)})")
+        for f in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"{f} must be positive, got {getattr(self, f)}")
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one layer, keys and values: ``2*block_size*Hkv*head_dim*itemsize``."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    def layer_bytes(self, num_blocks: int) -> int:
+        """Bytes of one layer's payload for ``num_blocks`` blocks (buffer ``[2, n, bs, Hkv, D]``)."""
+        return num_blocks * self.block_bytes
+
+
+def check_compatible(a: Layout, b: Layout) -> None:
+    """Raise :class:`LayoutMismatch` naming every field where ``a`` and ``b`` differ."""
+    diffs = [f for f in a.__struct_fields__ if getattr(a, f) != getattr(b, f)]
+    if diffs:
+        detail = ", ".join(f"{f}: {getattr(a, f)!r} != {getattr(b, f)!r}" for f in diffs)
+        raise LayoutMismatch(diffs, f"KV layout mismatch ({detail})")
+
+
+# ------------------------------------------------------------------------------------- sequence
+class SeqState(msgspec.Struct, frozen=True, kw_only=True):
+    """What a receiver needs to continue a sequence exactly where the sender left it.
+
+    ``token_ids`` is prompt then output so far; ``num_computed`` (the position counter) counts the
+    leading tokens whose K/V travel with the transfer: for a decoding sequence (at least one output
+    token) it must be ``len(token_ids) - 1`` (every token but the last sampled one is cached).
+    Times are durations measured by the sender when it builds the offer, never clock readings:
+    ``age_s`` since arrival, ``first_token_age_s`` since the first output token (None before it).
+    ``sampling`` is the sampling parameters as a plain dict (e.g. ``msgspec.structs.asdict``).
+    """
+
+    request_id: str
+    seq_id: str
+    index: int = 0
+    token_ids: list[int]
+    prompt_len: int
+    num_computed: int
+    max_len: int
+    sampling: dict[str, Any] = {}
+    age_s: float = 0.0
+    first_token_age_s: float | None = None
+    num_preemptions: int = 0
+
+    def problems(self, block_size: int, num_blocks: int) -> list[str]:
+        """Reasons this state cannot be adopted with ``num_blocks`` blocks of ``block_size`` (empty: ok)."""
+        n = len(self.token_ids)
+        out = []
+        if not 0 < self.prompt_len <= n:
+            out.append(f"prompt_len {self.prompt_len} not in 1..{n}")
+        if n > self.max_len:
+            out.append(f"{n} tokens exceed max_len {self.max_len}")
+        if n > self.prompt_len and self.num_computed != n - 1:
+            out.append(f"decoding sequence with num_computed {self.num_computed} != len(token_ids)-1 = {n - 1}")
+        if not 0 <= self.num_computed <= n - 1:
+            out.append(f"num_computed {self.num_computed} not in 0..{n - 1}")
+        need = math.ceil(self.num_computed / block_size)
+        most = math.ceil(self.max_len / block_size)
+        if not need <= num_blocks <= max(most, need):
+            out.append(f"num_blocks {num_blocks} not in {need}..{most} for {self.num_computed} cached tokens")
+        if any(t < 0 for t in self.token_ids):
+            out.append("negative token id")
+        if self.age_s < 0 or (self.first_token_age_s is not None and self.first_token_age_s < 0):
+            out.append("negative age")
+        return out
+
+
+# ------------------------------------------------------------------------------------- messages
+class Msg(msgspec.Struct, tag=True, kw_only=True):
+    """Base of every framed message (tagged by class name)."""
+
+
+class Hello(Msg):
+    """Client → server, first frame: version, who, a fresh challenge nonce and (optionally) its layout."""
+
+    version: int
+    node_id: str
+    nonce: bytes
+    layout: Layout | None = None
+
+
+class HelloReply(Msg):
+    """Server → client: proof of the secret over both nonces, the server's own nonce and layout."""
+
+    version: int
+    node_id: str
+    nonce: bytes
+    mac: bytes
+    layout: Layout | None = None
+
+
+class HelloProof(Msg):
+    """Client → server: proof of the secret over both nonces (a different label than the server's)."""
+
+    mac: bytes
+
+
+class Goodbye(Msg):
+    """Either side, just before it closes the connection on purpose: why."""
+
+    reason: str
+
+
+class Heartbeat(Msg):
+    """Client → server when idle; the server echoes it back (same ``n``)."""
+
+    n: int
+
+
+class TransferOffer(Msg):
+    """Sender → receiver: a sequence of ``num_blocks`` blocks; every layer is ``nbytes_per_layer``."""
+
+    transfer_id: str
+    layout: Layout
+    seq: SeqState
+    num_blocks: int
+    nbytes_per_layer: int
+
+
+class TransferAccept(Msg):
+    """Receiver → sender, only after it reserved ``num_blocks`` blocks for the transfer."""
+
+    transfer_id: str
+
+
+class TransferRefuse(Msg):
+    """Receiver → sender: not accepted, nothing reserved. ``code``: ``layout`` (see ``reason`` for the
+    differing fields), ``invalid`` (inconsistent offer), ``no_room`` (reservation failed),
+    ``busy`` (duplicate transfer id)."""
+
+    transfer_id: str
+    code: str
+    reason: str
+    fields: list[str] = []  # code "layout": the differing Layout fields
+
+
+class LayerHeader(Msg):
+    """Sender → receiver: layer ``layer`` (0, 1, … in order) follows as ``nbytes`` raw bytes whose
+    CRC-32 (``zlib.crc32``) is ``checksum``."""
+
+    transfer_id: str
+    layer: int
+    nbytes: int
+    checksum: int
+
+
+class TransferDone(Msg):
+    """Sender → receiver: every layer was sent."""
+
+    transfer_id: str
+
+
+class TransferCommitted(Msg):
+    """Receiver → sender: the sequence is adopted; the sender may free its blocks."""
+
+    transfer_id: str
+
+
+class TransferAbort(Msg):
+    """Either side: the transfer failed; the receiver frees its reservation, the sender keeps its copy."""
+
+    transfer_id: str
+    reason: str
+
+
+Message = (Hello | HelloReply | HelloProof | Goodbye | Heartbeat | TransferOffer | TransferAccept
+           | TransferRefuse | LayerHeader | TransferDone | TransferCommitted | TransferAbort)
+
+
+def offer_problems(offer: TransferOffer) -> list[str]:
+    """Internal consistency of an offer (the layout is checked separately)."""
+    out = offer.seq.problems(offer.layout.block_size, offer.num_blocks)
+    want = offer.layout.layer_bytes(offer.num_blocks)
+    if offer.nbytes_per_layer != want:
+        out.append(f"nbytes_per_layer {offer.nbytes_per_layer} != {want} for {offer.num_blocks} blocks")
+    return out
+
+
+# ---------------------------------------------------------------------------- auth and checksum
+def _mac(secret: bytes, label: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    msg = b"shiftnode-kv/%d/%s|" % (PROTOCOL_VERSION, label) + client_nonce + server_nonce
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def server_mac(secret: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    """HMAC-SHA256 the server sends; labelled so it can never be replayed as a client proof."""
+    return _mac(secret, b"server", client_nonce, server_nonce)
+
+
+def client_mac(secret: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    """HMAC-SHA256 the client sends."""
+    return _mac(secret, b"client", client_nonce, server_nonce)
+
+
+def mac_ok(expected: bytes, got: bytes) -> bool:
+    return hmac.compare_digest(expected, got)
+
+
+def secret_bytes(secret: str | bytes) -> bytes:
+    """The shared secret as bytes; an empty secret is refused."""
+    b = secret.encode() if isinstance(secret, str) else bytes(secret)
+    if not b:
+        raise ValueError("the peer secret must not be empty")
+    return b
+
+
+def checksum(data: bytes | bytearray | memoryview, value: int = 0) -> int:
+    """CRC-32 of ``data`` continuing from ``value`` (stdlib ``zlib.crc32``, ~1 GB/s, releases the GIL)."""
+    return zlib.crc32(data, value)
