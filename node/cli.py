@@ -48,8 +48,15 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sse-keepalive-s", type=float, default=10.0, help="SSE comment line after this much silence")
     p.add_argument("--body-timeout-s", type=float, default=30.0, help="answer 408 to a request body slower than this")
     g = p.add_argument_group("time-shared mode")
-    g.add_argument("--mode", default="time-shared", choices=["time-shared", "colocated"],
-                   help="time-shared: devices switch between prefill and decode roles; colocated: mixed chunked-prefill batches")
+    g.add_argument("--mode", default="time-shared", choices=["time-shared", "colocated", "pooled"],
+                   help="time-shared: devices switch between prefill and decode roles; colocated: mixed chunked-prefill "
+                        "batches; pooled: fixed prefill and decode devices, KV handed over after prefill")
+    g.add_argument("--prefill-devices", default=None, help="pooled mode: comma-separated prefill devices")
+    g.add_argument("--decode-devices", default=None, help="pooled mode: comma-separated decode devices")
+    g.add_argument("--link-gbps", type=float, default=None,
+                   help="throttle KV moved between devices to this many Gb/s (emulates an interconnect)")
+    g.add_argument("--max-unsent", type=int, default=64,
+                   help="pooled mode: prompts in flight plus prefilled-but-unsent caches per prefill device")
     g.add_argument("--reconfig-pause-ms", type=float, default=0.0, help="floor added to every role switch's measured cost")
     g.add_argument("--ttft-slo-ms", type=float, default=1000.0, help="time-to-first-token target")
     g.add_argument("--tpot-slo-ms", type=float, default=100.0, help="time-per-output-token target")
@@ -59,9 +66,13 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="keep another device decoding while one prefills (hard), unless a prompt is urgent (soft)")
 
 
+def _device_list(text: str | None) -> list[str]:
+    return [d.strip() if ":" in d else f"{d.strip()}:0" for d in (text or "").split(",") if d.strip()]
+
+
 def config_from_args(a: argparse.Namespace) -> NodeConfig:
-    devices = (a.devices or a.device or "cpu:0").split(",")
-    devices = [d.strip() if ":" in d else f"{d.strip()}:0" for d in devices if d.strip()]
+    prefill, decode = _device_list(a.prefill_devices), _device_list(a.decode_devices)
+    devices = prefill + decode if a.mode == "pooled" else _device_list(a.devices or a.device or "cpu:0")
     return NodeConfig(
         model=a.model, served_model_name=a.served_model_name, load_format=a.load_format, devices=devices,
         dtype=a.dtype, host=a.host, port=a.port, api_key=a.api_key, max_model_len=a.max_model_len,
@@ -72,6 +83,7 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         reconfig_pause_ms=a.reconfig_pause_ms, ttft_slo_ms=a.ttft_slo_ms, tpot_slo_ms=a.tpot_slo_ms,
         min_window_ms=a.min_window_ms, max_window_ms=a.max_window_ms, stagger=a.stagger,
         sse_keepalive_s=a.sse_keepalive_s, body_timeout_s=a.body_timeout_s,
+        prefill_devices=prefill, decode_devices=decode, max_unsent=a.max_unsent, link_gbps=a.link_gbps,
     )
 
 

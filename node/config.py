@@ -35,7 +35,11 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     log_format: str = "console"
     attention_backend: str = "auto"  # auto | torch | triton
     enforce_eager: bool = False  # no CUDA-graph decode (graphs are used on CUDA with the triton backend otherwise)
-    mode: str = "time-shared"  # time-shared | colocated
+    mode: str = "time-shared"  # time-shared | colocated | pooled
+    prefill_devices: list[str] = msgspec.field(default_factory=list)  # pooled mode
+    decode_devices: list[str] = msgspec.field(default_factory=list)  # pooled mode
+    max_unsent: int = 64  # pooled: prompts in flight plus prefilled-but-unsent caches per prefill device
+    link_gbps: float | None = None  # emulated link for KV moved between devices (Gb/s); None: unthrottled
     reconfig_pause_ms: float = 0.0  # floor added to every measured role switch
     ttft_slo_ms: float = 1000.0
     tpot_slo_ms: float = 100.0
@@ -61,7 +65,11 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "--kv-cache-memory must be positive"),
             (0.0 < self.gpu_memory_utilization <= 1.0, f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"),
             (len(set(self.devices)) == len(self.devices) and self.devices, f"--devices must list distinct devices, got {self.devices}"),
-            (self.mode in ("time-shared", "colocated"), f"--mode must be time-shared or colocated, got {self.mode!r}"),
+            (self.mode in ("time-shared", "colocated", "pooled"), f"--mode must be time-shared, colocated or pooled, got {self.mode!r}"),
+            (self.mode != "pooled" or (self.prefill_devices and self.decode_devices),
+             "--mode pooled needs --prefill-devices and --decode-devices"),
+            (self.max_unsent >= 1, "--max-unsent must be at least 1"),
+            (self.link_gbps is None or self.link_gbps > 0, "--link-gbps must be positive"),
             (self.reconfig_pause_ms >= 0 and self.ttft_slo_ms > 0 and self.tpot_slo_ms > 0, "pause and SLO values must be positive"),
             (0 < self.min_window_ms <= self.max_window_ms, "need 0 < --min-window-ms <= --max-window-ms"),
             (self.sse_keepalive_s > 0 and self.body_timeout_s > 0, "--sse-keepalive-s and --body-timeout-s must be positive"),

@@ -8,6 +8,8 @@ steps only, so a step in flight never sees its blocks freed under it.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
+from functools import partial
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -18,10 +20,25 @@ from node.core.roles import Role
 from node.core.sequence import Sequence
 from node.runtime.request import RequestState
 from node.runtime.switching import DeviceRole, SwitchRecord
+from node.transport.local import copy_sequence_blocks
 from node.worker.runner import ModelRunner, SeqInput, SeqOutput, StepInput
 from node.worker.sampler import SampleRequest
 
 log = structlog.get_logger("shiftnode.engine")
+
+
+@dataclass(frozen=True)
+class MigrationRecord:
+    """One sequence moved between devices: times on the node's monotonic clock (s), bytes of KV."""
+
+    seq_id: str
+    src: str
+    dst: str
+    start_s: float
+    end_s: float
+    nbytes: int
+    blocks: int
+    reason: str
 
 
 def build_step_input(plan: StepPlan) -> StepInput:
@@ -65,6 +82,9 @@ class DeviceEngine:
         self.requests: dict[str, RequestState] = {}  # request id → state, for sequences on this device
         self._by_seq: dict[str, tuple[RequestState, int]] = {}
         self._aborts: list[str] = []
+        self._migrations: list[tuple[Sequence, DeviceEngine, str, asyncio.Future]] = []
+        self.link_gbps: float | None = None  # emulated interconnect for KV leaving this device
+        self.migration_listeners: list[Callable[[DeviceEngine, DeviceEngine, Sequence, MigrationRecord], None]] = []
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"worker-{device_id}")
         self._task: asyncio.Task | None = None
@@ -107,6 +127,71 @@ class DeviceEngine:
             self._aborts.append(request_id)
             self.wake()
 
+    def migrate(self, seq: Sequence, dst: "DeviceEngine", reason: str) -> asyncio.Future:
+        """Move a decoding sequence's KV to ``dst`` at this device's next step boundary.
+
+        The future resolves to a :class:`MigrationRecord`, or ``None`` when the move was refused (the
+        sequence is not decoding here, or ``dst`` has no free blocks) or failed; the sequence then stays.
+        """
+        fut = asyncio.get_running_loop().create_future()
+        self._migrations.append((seq, dst, reason, fut))
+        self.wake()
+        return fut
+
+    async def _apply_migrations(self) -> None:
+        """Carry out queued migrations between steps (nothing of this device runs meanwhile).
+
+        Order of a move, so nothing is ever half-installed: the destination allocates its blocks first
+        (or refuses); the source detaches the sequence but keeps its blocks pinned; the KV is copied
+        layer by layer in the logical block order and read back for verification; only then are the
+        source blocks freed and the sequence adopted by the destination with its position counter
+        (``num_computed``) unchanged. On any failure the destination blocks are freed and the
+        sequence goes back to the source untouched.
+        """
+        loop = asyncio.get_running_loop()
+        while self._migrations:
+            seq, dst, reason, fut = self._migrations.pop(0)
+            entry = self._by_seq.get(seq.seq_id)
+            blocks = None
+            if entry is not None and seq in self.batcher.running and seq.is_decoding:
+                blocks = dst.batcher.ledger.allocate(len(seq.block_ids))
+            if blocks is None:
+                fut.set_result(None)
+                continue
+            req, index = entry
+            start = self.clock()
+            src_blocks = self.batcher.release(seq)
+            try:
+                report = await loop.run_in_executor(self._executor, partial(
+                    copy_sequence_blocks, self.runner.kv_cache, src_blocks, dst.runner.kv_cache, blocks,
+                    link_gbps=self.link_gbps))
+            except Exception as e:  # noqa: BLE001 - a failed copy leaves the sequence where it was
+                log.warning("migration_failed", seq=seq.seq_id, src=self.device_id, dst=dst.device_id, error=str(e))
+                dst.batcher.ledger.free(blocks)
+                seq.block_ids = src_blocks
+                self.batcher.adopt(seq)
+                fut.set_result(None)
+                continue
+            self.batcher.ledger.free(src_blocks)
+            seq.block_ids = blocks
+            del self._by_seq[seq.seq_id]
+            if not any(s.seq_id in self._by_seq for s in req.seqs):
+                self.requests.pop(req.request_id, None)
+            dst.adopt(req, index, seq)
+            record = MigrationRecord(seq.seq_id, self.device_id, dst.device_id, start, self.clock(),
+                                     report.nbytes, len(blocks), reason)
+            for listener in self.migration_listeners:
+                listener(self, dst, seq, record)
+            fut.set_result(record)
+
+    def adopt(self, req: RequestState, index: int, seq: Sequence) -> None:
+        """Take over a decoding sequence whose KV was just copied into this device's blocks."""
+        seq.device_id = self.device_id
+        self.requests[req.request_id] = req
+        self._by_seq[seq.seq_id] = (req, index)
+        self.batcher.adopt(seq)
+        self.wake()
+
     def _apply_aborts(self) -> None:
         while self._aborts:
             req = self.requests.get(self._aborts.pop())
@@ -129,6 +214,9 @@ class DeviceEngine:
         loop = asyncio.get_running_loop()
         while True:
             self._apply_aborts()
+            if self._migrations:
+                await self._apply_migrations()
+                continue
             kind = StepKind.MIXED if self.role is None else self.role.step_kind
             plan = self.batcher.schedule(kind) if kind is not None and self.batcher.has_work(kind) else None
             if not plan:

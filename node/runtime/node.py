@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections import deque
+from dataclasses import asdict
 import time
 from contextlib import suppress
 from typing import AsyncIterator
@@ -22,7 +24,9 @@ from node.core.ledger import BlockLedger
 from node.core.sequence import SamplingParams
 from node.core.cost import CostModel
 from node.core.roles import Role, RoleScheduler, RoleSchedulerConfig
-from node.runtime.engine import DeviceEngine
+from node.core.pooled import PooledRouter
+from node.runtime.engine import DeviceEngine, MigrationRecord
+from node.runtime.pooled_driver import PooledDriver
 from node.runtime.role_driver import RoleDriver
 from node.runtime.switching import DeviceRole
 from node.runtime.metrics import NodeMetrics
@@ -71,7 +75,8 @@ class Node:
         self.started_s = time.monotonic()
         self.started_wall_s = time.time()
         self.metrics = NodeMetrics(self)
-        self.driver: RoleDriver | None = None
+        self.driver: RoleDriver | PooledDriver | None = None
+        self.migrations: deque[MigrationRecord] = deque(maxlen=1000)
         if config.mode == "time-shared":
             policy = RoleSchedulerConfig(
                 ttft_slo_ms=config.ttft_slo_ms, tpot_slo_ms=config.tpot_slo_ms, reconfig_pause_ms=config.reconfig_pause_ms,
@@ -79,8 +84,14 @@ class Node:
                 prefill_token_budget=config.max_num_batched_tokens, stagger=config.stagger)
             cost = msgspec.structs.replace(DEFAULT_CPU_COST, pause_s=config.reconfig_pause_ms / 1e3)
             self.driver = RoleDriver(self, RoleScheduler(policy, cost), time.monotonic)
+        elif config.mode == "pooled":
+            self.driver = PooledDriver(self, PooledRouter(config.max_unsent), config.prefill_devices,
+                                       config.decode_devices, time.monotonic)
         elif config.mode != "colocated":
-            raise StartupError(f"unknown mode {config.mode!r} (time-shared, colocated)")
+            raise StartupError(f"unknown mode {config.mode!r} (time-shared, colocated, pooled)")
+        for e in engines:
+            e.migration_listeners.append(self._on_migration)
+            e.link_gbps = config.link_gbps
 
     @classmethod
     async def create(cls, config: NodeConfig) -> "Node":
@@ -98,6 +109,10 @@ class Node:
             role = None
             if config.mode == "time-shared":  # devices start parked in PREFILL (nothing resident yet)
                 role = DeviceRole(device_id, Role.PREFILL, time.monotonic(), config.reconfig_pause_ms / 1e3)
+            elif config.mode == "pooled" and device_id in config.prefill_devices:  # prompt-only steps, always
+                role = DeviceRole(device_id, Role.PREFILL, time.monotonic(), 0.0)
+            # Pooled decode devices get no role: they decode, and recompute a sequence that an
+            # underestimated output forced them to preempt (vLLM's recompute), in mixed steps.
             engines.append(DeviceEngine(device_id, runner, batcher, time.monotonic, role))
         return cls(config, info, engines)
 
@@ -115,6 +130,12 @@ class Node:
 
     def engine(self, device_id: str) -> DeviceEngine:
         return self._by_id[device_id]
+
+    def _on_migration(self, src: DeviceEngine, dst: DeviceEngine, seq, record: MigrationRecord) -> None:
+        self.metrics.kv_transfers.labels(src=src.device_id, dst=dst.device_id, reason=record.reason).inc()
+        self.metrics.kv_transfer_bytes.inc(record.nbytes)
+        self.metrics.kv_transfer_seconds.observe(record.end_s - record.start_s)
+        self.migrations.append(record)
 
     # --- requests ----------------------------------------------------------------------------
     @property
@@ -174,7 +195,8 @@ class Node:
                 yield req, delta
         finally:
             if not req.done and not (self.driver and self.driver.withdraw(req)):
-                self.engine(req.seqs[0].device_id).abort(request_id)
+                for device_id in dict.fromkeys(s.device_id for s in req.seqs if s.device_id):
+                    self.engine(device_id).abort(request_id)
             reasons = [r or "abort" for r in reasons]
             if self.driver:
                 self.driver.finished(req, reasons, sum(tokens))
@@ -204,7 +226,7 @@ class Node:
         for e in self.engines:
             d = {
                 "device": e.device_id,
-                "role": "mixed" if e.role is None else e.role.role.value,
+                "role": e.role.role.value if e.role else ("decode" if e.device_id in self.config.decode_devices else "mixed"),
                 "kv_blocks_total": e.batcher.ledger.num_blocks,
                 "kv_blocks_free": e.batcher.ledger.num_free,
                 "kv_blocks_used": e.batcher.ledger.num_used,
@@ -234,4 +256,5 @@ class Node:
             "queue_depth": self.num_waiting,
             "clock_s": round(now, 6),
             "devices": devices,
+            "kv_transfers": [asdict(m) for m in list(self.migrations)[-history:]],
         }

@@ -19,8 +19,10 @@ import structlog
 
 from node.core.batcher import StepKind, StepPlan
 from node.core.cost import CostModel, fit_cost_model
+from node.core.sequence import SeqStatus
 from node.core.roles import (DeviceState, NodeSnapshot, Place, Reject, ResidentSeq, Role, RoleScheduler,
                              SwitchRole, WaitingPrompt)
+from node.runtime.driver import SAMPLES, Driver
 from node.runtime.engine import DeviceEngine
 from node.runtime.request import RequestState
 from node.runtime.switching import SwitchRecord
@@ -30,78 +32,23 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("shiftnode.roles")
 
-TICK_S = 0.005  # re-decide at least this often while prompts wait or sequences are resident
 REFIT_EVERY = 32  # steps between refits of the cost model
-SAMPLES = 256  # most recent samples kept per kind
-DEFAULT_EXPECTED_OUTPUT = 128  # tokens, until enough requests have finished to estimate it
 
 
-class RoleDriver:
+class RoleDriver(Driver):
     """Applies the role scheduler's decisions to the node's devices."""
 
     def __init__(self, node: "Node", scheduler: RoleScheduler, clock: Callable[[], float]):
-        self.node = node
+        super().__init__(node, clock)
         self.scheduler = scheduler
-        self.clock = clock
-        self.pending: list[RequestState] = []
-        self.reserve: dict[str, int] = {}  # request id → KV blocks reserved at placement
         self._switching: set[str] = set()
-        self._event = asyncio.Event()
-        self._task: asyncio.Task | None = None
         self._prefill: deque[tuple[int, float]] = deque(maxlen=SAMPLES)
         self._decode: deque[tuple[int, int, float]] = deque(maxlen=SAMPLES)
         self._pauses: deque[float] = deque(maxlen=SAMPLES)
         self._steps = 0
-        self._outputs: deque[int] = deque(maxlen=SAMPLES)
         for e in node.engines:
             e.step_listeners.append(self._on_step)
             e.switch_listeners.append(self._on_switch)
-
-    # --- lifecycle and inputs ------------------------------------------------------------------------
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="role-driver")
-
-    async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-
-    def submit(self, req: RequestState) -> None:
-        self.pending.append(req)
-        self.kick()
-
-    def withdraw(self, req: RequestState) -> bool:
-        """Remove a request that was never placed (client gone). True if it was pending."""
-        if req in self.pending:
-            self.pending.remove(req)
-            return True
-        return False
-
-    def finished(self, req: RequestState, reasons: list[str], output_tokens: int) -> None:
-        """Forget the request's reservation; learn output lengths from requests that ended naturally."""
-        self.reserve.pop(req.request_id, None)
-        if "stop" in reasons:
-            self._outputs.append(max(1, output_tokens // max(1, len(req.seqs))))
-
-    def kick(self) -> None:
-        self._event.set()
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                self.tick()
-            except Exception:  # noqa: BLE001 - a policy bug must not stop the node; it is logged
-                log.exception("role_tick_failed")
-            busy = self.pending or any(e.batcher.running or e.batcher.waiting for e in self.node.engines)
-            self._event.clear()
-            try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
-                async with asyncio.timeout(TICK_S if busy else None):
-                    await self._event.wait()
-            except TimeoutError:
-                pass
 
     # --- one decision round --------------------------------------------------------------------------
     def tick(self) -> None:
@@ -132,22 +79,14 @@ class RoleDriver:
             self._switching.discard(d.device_id)
             self.kick()
 
-    def expected_output(self, req: RequestState) -> int:
-        """Expected output tokens per choice: the mean of recent naturally-ended requests, capped by
-        ``max_tokens`` (the request's own bound), or a default until 8 have been seen."""
-        est = DEFAULT_EXPECTED_OUTPUT if len(self._outputs) < 8 else int(sum(self._outputs) / len(self._outputs)) + 1
-        return min(req.params.max_tokens, est)
-
     def snapshot(self, now: float) -> NodeSnapshot:
         devices = []
         for e in self.node.engines:
             r = e.role
-            resident, q_tokens, q_seqs, reserved = [], 0, 0, 0
+            resident, q_tokens, q_seqs = [], 0, 0
             for req in e.requests.values():
-                allocated = sum(len(s.block_ids) for s in req.seqs)
-                reserved += max(0, self.reserve.get(req.request_id, 0) - allocated)
                 for s in req.seqs:
-                    if s.status.value == "finished":
+                    if s.status is SeqStatus.FINISHED or s.device_id != e.device_id:
                         continue
                     if s.num_output > 0 and s.is_decoding:
                         resident.append(ResidentSeq(s.seq_id, s.first_token_s or now, s.num_output,
@@ -160,7 +99,7 @@ class RoleDriver:
                 device_id=e.device_id, role=r.role, role_since_s=r.since_s if r.role is not Role.SWITCHING else r.switch_started_s,
                 switching_to=r.switching_to, switch_done_s=r.switch_done_est_s, busy_until_s=busy_until,
                 resident=tuple(resident), prefill_queue_tokens=q_tokens, prefill_queue_seqs=q_seqs,
-                kv_free_blocks=e.batcher.ledger.num_free, kv_reserved_blocks=reserved,
+                kv_free_blocks=e.batcher.ledger.num_free, kv_reserved_blocks=self.reserved_on(e.device_id),
                 kv_total_blocks=e.batcher.ledger.num_blocks, block_size=e.batcher.ledger.block_size,
                 seq_slots_free=e.batcher.config.max_num_seqs - len(resident) - q_seqs,
             ))

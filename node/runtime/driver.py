@@ -1,0 +1,97 @@
+"""What every placement driver shares: the prompts not yet placed, the wake-up loop, output-length
+estimates and KV reservations. Subclasses implement ``tick`` (one decision round of a pure policy)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import TYPE_CHECKING, Callable
+
+import structlog
+
+from node.runtime.request import RequestState
+
+if TYPE_CHECKING:
+    from node.runtime.node import Node
+
+log = structlog.get_logger("shiftnode.driver")
+
+TICK_S = 0.005  # re-decide at least this often while prompts wait or sequences are resident
+SAMPLES = 256  # most recent samples kept
+DEFAULT_EXPECTED_OUTPUT = 128  # tokens, until enough requests have finished to estimate it
+
+
+class Driver:
+    """Base of the node's placement drivers (time-shared roles, pooled pools)."""
+
+    def __init__(self, node: "Node", clock: Callable[[], float]):
+        self.node = node
+        self.clock = clock
+        self.pending: list[RequestState] = []
+        self.reserve: dict[str, int] = {}  # request id → KV blocks reserved at placement
+        self._event = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._outputs: deque[int] = deque(maxlen=SAMPLES)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=type(self).__name__)
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    def submit(self, req: RequestState) -> None:
+        self.pending.append(req)
+        self.kick()
+
+    def withdraw(self, req: RequestState) -> bool:
+        """Remove a request that was never placed (client gone). True if it was pending."""
+        if req in self.pending:
+            self.pending.remove(req)
+            return True
+        return False
+
+    def finished(self, req: RequestState, reasons: list[str], output_tokens: int) -> None:
+        """Forget the request's reservation; learn output lengths from requests that ended naturally."""
+        self.reserve.pop(req.request_id, None)
+        if "stop" in reasons:
+            self._outputs.append(max(1, output_tokens // max(1, len(req.seqs))))
+        self.kick()
+
+    def expected_output(self, req: RequestState) -> int:
+        """Expected output tokens per choice: the mean of recent naturally-ended requests, capped by
+        ``max_tokens`` (the request's own bound), or a default until 8 have been seen."""
+        est = DEFAULT_EXPECTED_OUTPUT if len(self._outputs) < 8 else int(sum(self._outputs) / len(self._outputs)) + 1
+        return min(req.params.max_tokens, est)
+
+    def reserved_on(self, device_id: str) -> int:
+        """Blocks promised on a device to its requests and not yet allocated there."""
+        total = 0
+        for req in self.node.engine(device_id).requests.values():
+            allocated = sum(len(s.block_ids) for s in req.seqs if s.device_id == device_id)
+            total += max(0, self.reserve.get(req.request_id, 0) - allocated)
+        return total
+
+    def kick(self) -> None:
+        self._event.set()
+
+    def tick(self) -> None:
+        raise NotImplementedError
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - a policy bug must not stop the node; it is logged
+                log.exception("driver_tick_failed", driver=type(self).__name__)
+            busy = self.pending or any(e.batcher.running or e.batcher.waiting for e in self.node.engines)
+            self._event.clear()
+            try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
+                async with asyncio.timeout(TICK_S if busy else None):
+                    await self._event.wait()
+            except TimeoutError:
+                pass

@@ -1,0 +1,92 @@
+"""Pooled (disaggregated) mode inside one node: prefill device → KV hand-off → decode device.
+
+Greedy outputs equal the colocated/single-device reference for the stories260k cases and a mixed
+load; every sequence's KV moved exactly once; nothing stays allocated; a saturated decode pool turns
+into queueing or 503, never a hang (the seed's first failure mode)."""
+
+import concurrent.futures as cf
+
+import pytest
+
+from support import STORIES, NodeProcess, reference_cases
+from test_metrics import scrape
+from test_time_shared import bodies, run
+
+
+@pytest.fixture(scope="module")
+def pooled_node():
+    node = NodeProcess("--model", str(STORIES), "--mode", "pooled", "--prefill-devices", "cpu:0",
+                       "--decode-devices", "cpu:1")
+    yield node
+    node.close()
+
+
+def test_pooled_reference_greedy(pooled_node):
+    for case in reference_cases():
+        r = pooled_node.client.post("/v1/completions", json={"prompt": case["prompt"], "max_tokens": case["max_new_tokens"],
+                                                             "temperature": 0, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == case["output_token_ids"]
+        assert r.json()["choices"][0]["text"] == case["output_text"]
+
+
+def test_pooled_concurrent_equals_single_device(stories_node, pooled_node):
+    reqs = bodies(24)
+    ref = [r.json()["choices"][0]["token_ids"] for r in run(stories_node, reqs, 1)]
+    before = len(pooled_node.status()["kv_transfers"])
+    got = run(pooled_node, reqs, 24)
+    assert [r.json()["choices"][0]["token_ids"] for r in got] == ref
+    st = pooled_node.wait_idle()
+    assert st["mode"] == "pooled" and [d["role"] for d in st["devices"]] == ["prefill", "decode"]
+    moved = st["kv_transfers"][before:]
+    multi = sum(1 for t in ref if len(t) > 1)  # one-token outputs finish on the prefill device
+    assert len(moved) >= multi and all(m["src"] == "cpu:0" and m["dst"] == "cpu:1" and m["nbytes"] > 0 for m in moved)
+    m = scrape(pooled_node)
+    assert m["shiftnode_kv_transfers_total{dst=cpu:1,reason=pooled,src=cpu:0}"] >= len(moved)
+
+
+def test_pooled_stream_has_no_gap_across_the_handoff(pooled_node):
+    case = reference_cases()[1]
+    with pooled_node.client.stream("POST", "/v1/completions", json={"prompt": case["prompt"], "max_tokens": 40,
+                                                                    "temperature": 0, "stream": True, "return_token_ids": True}) as r:
+        import json
+        events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    ids = [t for e in events for c in e["choices"] for t in c["token_ids"]]
+    assert ids == case["output_token_ids"][:40]
+
+
+def test_saturated_decode_pool_queues_then_serves():
+    """A decode pool that holds only two requests' reservations: the rest wait (or get 503), none hangs,
+    and the prefill device never holds more than --max-unsent unsent caches."""
+    node = NodeProcess("--model", str(STORIES), "--mode", "pooled", "--prefill-devices", "cpu:0", "--decode-devices", "cpu:1",
+                       "--kv-cache-memory", str(40 * 16 * 1280), "--max-unsent", "2", "--max-queue", "64")
+    try:
+        reqs = [{"prompt": "Once upon a time", "max_tokens": 250, "ignore_eos": True, "temperature": 0}] * 8
+        with cf.ThreadPoolExecutor(8) as pool:
+            futs = [pool.submit(node.client.post, "/v1/completions", json=b) for b in reqs]
+            peak = 0
+            while not all(f.done() for f in futs):
+                st = node.status()
+                peak = max(peak, st["devices"][0]["running"] + st["devices"][0]["waiting"])
+            got = [f.result() for f in futs]
+        assert all(r.status_code == 200 for r in got)
+        assert {r.json()["choices"][0]["text"] for r in got} == {got[0].json()["choices"][0]["text"]}
+        assert peak <= 2
+        node.wait_idle()
+    finally:
+        node.close()
+
+
+def test_link_gbps_paces_transfers():
+    """--link-gbps 0.02 makes each hand-off of N bytes take about N*8/(0.02e9) s (within a generous factor)."""
+    node = NodeProcess("--model", str(STORIES), "--mode", "pooled", "--prefill-devices", "cpu:0", "--decode-devices", "cpu:1",
+                       "--link-gbps", "0.02")
+    try:
+        r = node.client.post("/v1/completions", json={"prompt": "Once upon a time " * 8, "max_tokens": 5, "temperature": 0})
+        assert r.status_code == 200
+        (t,) = node.wait_idle()["kv_transfers"]
+        expected_s = t["nbytes"] * 8 / 0.02e9
+        assert expected_s > 0.02
+        assert 0.5 * expected_s <= t["end_s"] - t["start_s"] <= 5 * expected_s + 0.05
+    finally:
+        node.close()
