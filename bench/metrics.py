@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 __all__ = ["RequestRecord", "Stat", "Summary", "percentile", "stat_ms", "request_tpot_s", "meets_slo",
-           "summarize", "max_rate_meeting"]
+           "summarize", "max_rate_meeting", "format_summary"]
 
 
 @dataclass(frozen=True)
@@ -168,3 +168,31 @@ def max_rate_meeting(points: Iterable[tuple[float, float]], target: float = 0.9,
         elif contiguous:
             break
     return best
+
+
+def format_summary(s: Summary, title: str = "Serving Benchmark Result") -> str:
+    """The summary as ``vllm bench serve`` prints it (one aligned line per figure)."""
+    rows: list[tuple[str, str]] = [
+        ("Successful requests:", f"{s.completed}"),
+        ("Failed requests:", f"{s.failed}"),
+        ("Benchmark duration (s):", f"{s.duration_s:.2f}"),
+        ("Total input tokens:", f"{s.total_input_tokens}"),
+        ("Total generated tokens:", f"{s.total_output_tokens}"),
+        ("Request throughput (req/s):", f"{s.request_throughput:.2f}"),
+        ("Output token throughput (tok/s):", f"{s.output_throughput:.2f}"),
+        ("Total token throughput (tok/s):", f"{s.total_token_throughput:.2f}"),
+    ]
+    if s.slo_attainment is not None:
+        rows += [(f"SLO attainment (TTFT<={s.ttft_slo_ms}ms, TPOT<={s.tpot_slo_ms}ms):", f"{s.slo_attainment:.3f}"),
+                 ("Goodput (req/s):", f"{s.goodput:.2f}")]
+    sections = (("ttft", "Time to First Token", s.ttft_ms), ("tpot", "Time per Output Token (excl. 1st token)", s.tpot_ms),
+                ("itl", "Inter-token Latency", s.itl_ms), ("e2el", "End-to-end Latency", s.e2el_ms))
+    for name, label, st in sections:
+        rows.append((f"-- {label} --", ""))
+        rows += [(f"Mean {name.upper()} (ms):", f"{st.mean:.2f}"), (f"Median {name.upper()} (ms):", f"{st.median:.2f}"),
+                 (f"P90 {name.upper()} (ms):", f"{st.p90:.2f}"), (f"P99 {name.upper()} (ms):", f"{st.p99:.2f}")]
+    width = max(len(k) for k, _ in rows) + 2
+    lines = [f"{'=' * 14} {title} {'=' * 14}"]
+    lines += [f"{k:<{width}}{v:>12}" if v else k for k, v in rows]
+    lines.append("=" * len(lines[0]))
+    return "\n".join(lines)

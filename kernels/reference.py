@@ -96,9 +96,21 @@ def paged_attention(
     out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    single = q_lens == 1
+    if max_seqlen_q > 1 and bool(single.any()):
+        # A mixed step: decode rows would be padded to the longest prompt chunk (a B x Lq x C score
+        # tensor), so the two kinds of rows run separately.
+        for part in (single, ~single):
+            rows = torch.repeat_interleave(part, q_lens)
+            part_lens = q_lens[part]
+            cu = torch.zeros(int(part.sum()) + 1, dtype=cu_seqlens_q.dtype, device=q.device)
+            cu[1:] = torch.cumsum(part_lens, 0)
+            out[rows] = paged_attention(q[rows], k_cache, v_cache, block_tables[part], seq_lens[part], cu,
+                                        int(part_lens.max()) if part_lens.numel() else 0, scale)
+        return out
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     seq_lens_l = seq_lens.long()
     max_ctx = int(seq_lens_l.max())
     n_blocks = (max_ctx + block_size - 1) // block_size

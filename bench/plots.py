@@ -1,0 +1,98 @@
+"""Comparison plots (matplotlib, Agg backend: files only, no display).
+
+* :func:`goodput_vs_rate` — goodput (req/s meeting both SLOs) against offered rate, one line per mode;
+* :func:`latency_cdfs` — the empirical CDF of per-request TTFT or TPOT (ms), one panel per rate, one
+  line per mode;
+* :func:`role_timeline` — which role each device held when (prefill, decode, mixed), drains and
+  reconfiguration pauses marked, from the node's own switch records (:mod:`bench.timeline`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+from bench.timeline import role_segments  # noqa: E402
+
+__all__ = ["goodput_vs_rate", "latency_cdfs", "role_timeline", "COLORS"]
+
+COLORS = {"prefill": "#1f77b4", "decode": "#2ca02c", "mixed": "#9467bd", "drain": "#bbbbbb", "pause": "#d62728"}
+
+
+def goodput_vs_rate(points: dict[str, list[tuple[float, float]]], path: Path, *, title: str = "") -> None:
+    """``points[mode] = [(rate req/s, goodput req/s), ...]``."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    top = 0.0
+    for mode, pts in points.items():
+        pts = sorted(pts)
+        if pts:
+            ax.plot([r for r, _ in pts], [g for _, g in pts], marker="o", label=mode)
+            top = max(top, max(r for r, _ in pts))
+    ax.plot([0, top], [0, top], ls=":", color="grey", label="offered rate")
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("goodput (req/s meeting TTFT and TPOT SLOs)")
+    ax.set_title(title or "Goodput vs rate")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _cdf(values: list[float]) -> tuple[list[float], list[float]]:
+    xs = sorted(values)
+    n = len(xs)
+    return xs, [(i + 1) / n for i in range(n)]
+
+
+def latency_cdfs(series: dict[float, dict[str, list[float]]], path: Path, *, metric: str, slo_ms: float | None = None) -> None:
+    """``series[rate][mode] = per-request values (ms)``; one panel per rate, the SLO as a vertical line."""
+    rates = sorted(series)
+    if not rates:
+        return
+    fig, axes = plt.subplots(1, len(rates), figsize=(4.2 * len(rates), 3.6), squeeze=False)
+    for ax, rate in zip(axes[0], rates):
+        for mode, vals in series[rate].items():
+            if vals:
+                ax.step(*_cdf(vals), where="post", label=mode)
+        if slo_ms is not None:
+            ax.axvline(slo_ms, ls="--", color="grey", lw=1, label=f"SLO {slo_ms:g} ms")
+        ax.set_title(f"{rate:g} req/s")
+        ax.set_xlabel(f"{metric} (ms)")
+        ax.set_ylim(0, 1.01)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("fraction of requests")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(f"{metric} CDF")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def role_timeline(status: dict, t0: float, t1: float, path: Path, *, title: str = "") -> None:
+    """Per-device role bars over ``[t0, t1]`` (node clock, s) from a ``GET /v1/node`` document."""
+    devices = status.get("devices", [])
+    fig, ax = plt.subplots(figsize=(11, 1.3 + 0.5 * max(1, len(devices))))
+    seen = set()
+    for i, d in enumerate(devices):
+        segs = role_segments(d.get("switches", []), t0, t1, d.get("role", "mixed"))
+        for state in {s for _, _, s in segs}:
+            bars = [(a, b - a) for a, b, s in segs if s == state]
+            ax.broken_barh(bars, (i - 0.35, 0.7), facecolors=COLORS.get(state, "#7f7f7f"),
+                           edgecolor="none" if state not in ("pause",) else COLORS["pause"], linewidth=0.6)
+            seen.add(state)
+    ax.set_yticks(range(len(devices)), [d["device"] for d in devices])
+    ax.set_xlim(0, t1 - t0)
+    ax.set_xlabel("time since the run started (s)")
+    ax.invert_yaxis()
+    ax.legend(handles=[Patch(color=COLORS.get(s, "#7f7f7f"), label=s) for s in COLORS if s in seen],
+              loc="center left", bbox_to_anchor=(1.005, 0.5), fontsize=8, frameon=False)
+    ax.set_title(title or "Role timeline")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
