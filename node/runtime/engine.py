@@ -196,7 +196,6 @@ class DeviceEngine:
         while self._aborts:
             req = self.requests.get(self._aborts.pop())
             if req is not None:
-                req.aborted = True
                 self._finish_request(req)
 
     def _finish_seq(self, seq: Sequence) -> None:
@@ -287,8 +286,6 @@ class DeviceEngine:
             if out.token_id is None:
                 continue
             seq.token_ids.append(out.token_id)
-            if req.stats.first_token_s is None:
-                req.stats.first_token_s = now
             seq.last_token_s = now
             if seq.first_token_s is None:
                 seq.first_token_s = now
@@ -297,5 +294,4 @@ class DeviceEngine:
                 self._finish_seq(seq)
             req.emit(delta)
             if req.done:
-                req.stats.finished_s = now
                 self.requests.pop(req.request_id, None)

@@ -15,11 +15,9 @@ from node.worker.tokenizer import TextTokenizer
 
 @dataclass
 class RequestStats:
-    """Wall-clock marks of one request, seconds on the node's monotonic clock."""
+    """Arrival time (s, the node's monotonic clock) and token counts of one request."""
 
     arrival_s: float
-    first_token_s: float | None = None
-    finished_s: float | None = None
     prompt_tokens: int = 0
     output_tokens: int = 0
 
@@ -52,7 +50,6 @@ class RequestState:
         # Logprobs of prompt tokens 1..L-1 (token 0 has none), filled as prefill chunks run.
         self.prompt_logprobs: list[TokenLogprobs | None] = [None] * max(len(prompt_ids) - 1, 0)
         self.finished = [False] * n
-        self.aborted = False
 
     @property
     def done(self) -> bool:

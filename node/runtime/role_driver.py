@@ -24,7 +24,6 @@ from node.core.roles import (DeviceState, NodeSnapshot, Place, Reject, ResidentS
                              SwitchRole, WaitingPrompt)
 from node.runtime.driver import SAMPLES, Driver
 from node.runtime.engine import DeviceEngine
-from node.runtime.request import RequestState
 from node.runtime.switching import SwitchRecord
 
 if TYPE_CHECKING:
