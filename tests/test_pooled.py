@@ -90,3 +90,25 @@ def test_link_gbps_paces_transfers():
         assert 0.5 * expected_s <= t["end_s"] - t["start_s"] <= 5 * expected_s + 0.05
     finally:
         node.close()
+
+
+def test_b31_clients_leaving_right_after_prefill_free_both_sides(pooled_node):
+    """Disconnect right after the first token (around the hand-off), many times: prefill and decode KV
+    both return to zero and the node keeps serving."""
+    import socket
+    import time
+
+    body = b'{"prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": true, "stream": true}'
+    for _ in range(40):
+        s = socket.create_connection(("127.0.0.1", pooled_node.port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        s.settimeout(10)
+        got = b""
+        while b"data: " not in got:  # the first token is out: prefill is done, the hand-off is near
+            got += s.recv(4096)
+        s.close()
+        time.sleep(0.01)
+    st = pooled_node.wait_idle(10)
+    assert all(d["kv_blocks_used"] == 0 for d in st["devices"])
+    assert pooled_node.client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 3}).status_code == 200

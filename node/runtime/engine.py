@@ -17,7 +17,7 @@ import structlog
 
 from node.core.batcher import Batcher, StepKind, StepPlan
 from node.core.roles import Role
-from node.core.sequence import Sequence
+from node.core.sequence import Sequence, SeqStatus
 from node.runtime.request import RequestState
 from node.runtime.switching import DeviceRole, SwitchRecord
 from node.transport.local import copy_sequence_blocks
@@ -173,10 +173,16 @@ class DeviceEngine:
                 fut.set_result(None)
                 continue
             self.batcher.ledger.free(src_blocks)
-            seq.block_ids = blocks
             del self._by_seq[seq.seq_id]
             if not any(s.seq_id in self._by_seq for s in req.seqs):
                 self.requests.pop(req.request_id, None)
+            if req.cancelled:  # the client left during the copy (its abort was queued here): drop it
+                dst.batcher.ledger.free(blocks)
+                seq.block_ids = []
+                seq.status = SeqStatus.FINISHED
+                fut.set_result(None)
+                continue
+            seq.block_ids = blocks
             dst.adopt(req, index, seq)
             record = MigrationRecord(seq.seq_id, self.device_id, dst.device_id, start, self.clock(),
                                      report.nbytes, len(blocks), reason)

@@ -194,6 +194,8 @@ class Node:
                 req.stats.output_tokens += len(delta.token_ids)
                 yield req, delta
         finally:
+            if not req.done:
+                req.cancelled = True
             if not req.done and not (self.driver and self.driver.withdraw(req)):
                 for device_id in dict.fromkeys(s.device_id for s in req.seqs if s.device_id):
                     self.engine(device_id).abort(request_id)

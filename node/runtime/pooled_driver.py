@@ -99,7 +99,7 @@ class PooledDriver(Driver):
     def _hand_off(self, engine: DeviceEngine) -> None:
         """Start the transfer of every prefilled sequence on a prefill device to its decode device."""
         for seq in list(engine.batcher.running):
-            if not seq.is_decoding or seq.seq_id in self.handing:
+            if not seq.is_decoding or seq.seq_id in self.handing or engine.requests[seq.request_id].cancelled:
                 continue
             dst = self.target.get(seq.request_id)
             if dst is None:

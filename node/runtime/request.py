@@ -50,6 +50,7 @@ class RequestState:
         # Logprobs of prompt tokens 1..L-1 (token 0 has none), filled as prefill chunks run.
         self.prompt_logprobs: list[TokenLogprobs | None] = [None] * max(len(prompt_ids) - 1, 0)
         self.finished = [False] * n
+        self.cancelled = False  # the client is gone: no device may adopt this request's sequences
 
     @property
     def done(self) -> bool:
