@@ -4,6 +4,7 @@ estimates and KV reservations. Subclasses implement ``tick`` (one decision round
 from __future__ import annotations
 
 import asyncio
+from contextlib import suppress
 from collections import deque
 from typing import TYPE_CHECKING, Callable
 
@@ -39,10 +40,8 @@ class Driver:
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
-            try:
+            with suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
 
     def submit(self, req: RequestState) -> None:
         self.pending.append(req)

@@ -8,6 +8,7 @@ steps only, so a step in flight never sees its blocks freed under it.
 from __future__ import annotations
 
 import asyncio
+from contextlib import suppress
 from dataclasses import dataclass
 from functools import partial
 from concurrent.futures import ThreadPoolExecutor
@@ -103,10 +104,8 @@ class DeviceEngine:
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
-            try:
+            with suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
         self._executor.shutdown(wait=True)
 
     def wake(self) -> None:

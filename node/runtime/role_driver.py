@@ -15,6 +15,7 @@ import asyncio
 from collections import deque
 from typing import TYPE_CHECKING, Callable
 
+import msgspec
 import structlog
 
 from node.core.batcher import StepKind, StepPlan
@@ -141,10 +142,7 @@ class RoleDriver(Driver):
         fitted = fit_cost_model(prefill, decode, list(self._pauses), base=base)
         # A noisy fit must not produce negative per-token costs: fall back to the mean cost per token.
         if fitted.prefill_per_token_s <= 0 and prefill:
-            fitted = fitted.__class__(**{**_fields(fitted), "prefill_fixed_s": 0.0,
-                                         "prefill_per_token_s": sum(s for _, s in prefill) / max(1, sum(n for n, _ in prefill))})
+            fitted = msgspec.structs.replace(fitted, prefill_fixed_s=0.0, prefill_per_token_s=sum(
+                s for _, s in prefill) / max(1, sum(n for n, _ in prefill)))
         self.scheduler.cost = fitted
 
-
-def _fields(c: CostModel) -> dict:
-    return {f: getattr(c, f) for f in c.__struct_fields__}
