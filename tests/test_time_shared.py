@@ -2,6 +2,7 @@
 overload answered with 503 + Retry-After, nothing leaked (issue: time-shared node; SCHED-LOAD cases)."""
 
 import concurrent.futures as cf
+import time
 
 import httpx
 import pytest
@@ -38,6 +39,10 @@ def test_two_devices_match_single_device_and_switch_roles(stories_node, two_devi
     assert all(r.status_code == 200 for r in got)
     assert [r.json()["choices"][0]["token_ids"] for r in got] == ref
     st = two_device_node.wait_idle()
+    deadline = time.monotonic() + 5  # idle devices park back in PREFILL right after the last request
+    while time.monotonic() < deadline and any(d["role"] != "prefill" for d in st["devices"]):
+        time.sleep(0.05)
+        st = two_device_node.status()
     assert st["mode"] == "time-shared"
     switches = [s for d in st["devices"] for s in d["switches"]]
     assert switches, st
