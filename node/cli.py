@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import sys
 
@@ -55,8 +56,19 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--decode-devices", default=None, help="pooled mode: comma-separated decode devices")
     g.add_argument("--link-gbps", type=float, default=None,
                    help="throttle KV moved between devices to this many Gb/s (emulates an interconnect)")
+    g.add_argument("--max-retries", type=int, default=2,
+                   help="recompute a request whose KV hand-off to a peer failed up to this many times, then fail it")
+    g.add_argument("--imbalance-threshold", type=float, default=1.0,
+                   help="time-shared fallback: move decoding sequences between devices past this imbalance (0: off)")
     g.add_argument("--max-unsent", type=int, default=64,
                    help="pooled mode: prompts in flight plus prefilled-but-unsent caches per prefill device")
+    k = p.add_argument_group("KV transfer between nodes")
+    k.add_argument("--node-id", default=None, help="this node's name for peers (default host:port)")
+    k.add_argument("--kv-host", default=None, help="address of the KV transfer listener (default --host)")
+    k.add_argument("--kv-port", type=int, default=None, help="listen for KV transfers from peers on this port")
+    k.add_argument("--peers", default=None, help="comma-separated host:kv-port of nodes this node may send KV to")
+    k.add_argument("--peer-secret", default=os.environ.get("SHIFTNODE_PEER_SECRET"),
+                   help="shared secret peers prove in the KV handshake (default $SHIFTNODE_PEER_SECRET)")
     g.add_argument("--reconfig-pause-ms", type=float, default=0.0, help="floor added to every role switch's measured cost")
     g.add_argument("--ttft-slo-ms", type=float, default=1000.0, help="time-to-first-token target")
     g.add_argument("--tpot-slo-ms", type=float, default=100.0, help="time-per-output-token target")
@@ -84,6 +96,9 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         min_window_ms=a.min_window_ms, max_window_ms=a.max_window_ms, stagger=a.stagger,
         sse_keepalive_s=a.sse_keepalive_s, body_timeout_s=a.body_timeout_s,
         prefill_devices=prefill, decode_devices=decode, max_unsent=a.max_unsent, link_gbps=a.link_gbps,
+        node_id=a.node_id, kv_host=a.kv_host, kv_port=a.kv_port, peer_secret=a.peer_secret,
+        peers=[p.strip() for p in (a.peers or "").split(",") if p.strip()],
+        max_retries=a.max_retries, imbalance_threshold=a.imbalance_threshold,
     )
 
 

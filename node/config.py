@@ -39,7 +39,14 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     prefill_devices: list[str] = msgspec.field(default_factory=list)  # pooled mode
     decode_devices: list[str] = msgspec.field(default_factory=list)  # pooled mode
     max_unsent: int = 64  # pooled: prompts in flight plus prefilled-but-unsent caches per prefill device
-    link_gbps: float | None = None  # emulated link for KV moved between devices (Gb/s); None: unthrottled
+    link_gbps: float | None = None  # emulated link for KV moved between devices or nodes (Gb/s); None: unthrottled
+    node_id: str | None = None  # name in peer handshakes and logs (default host:port)
+    kv_host: str | None = None  # KV transfer listener (default: --host)
+    kv_port: int | None = None  # KV transfer listener port; None: this node accepts no KV from peers
+    peers: list[str] = msgspec.field(default_factory=list)  # host:kv_port of nodes this node may send KV to
+    peer_secret: str | None = None  # shared secret both ends of a KV connection prove (HMAC challenge)
+    max_retries: int = 2  # recomputes of a request whose KV hand-off to a peer failed, before an error
+    imbalance_threshold: float = 1.0  # time-shared fallback trigger (see node.core.imbalance); 0: off
     reconfig_pause_ms: float = 0.0  # floor added to every measured role switch
     ttft_slo_ms: float = 1000.0
     tpot_slo_ms: float = 100.0
@@ -66,8 +73,18 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (0.0 < self.gpu_memory_utilization <= 1.0, f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"),
             (len(set(self.devices)) == len(self.devices) and self.devices, f"--devices must list distinct devices, got {self.devices}"),
             (self.mode in ("time-shared", "colocated", "pooled"), f"--mode must be time-shared, colocated or pooled, got {self.mode!r}"),
-            (self.mode != "pooled" or (self.prefill_devices and self.decode_devices),
-             "--mode pooled needs --prefill-devices and --decode-devices"),
+            (self.mode != "pooled" or bool(self.prefill_devices or self.decode_devices),
+             "--mode pooled needs --prefill-devices and/or --decode-devices"),
+            (self.mode != "pooled" or bool(self.decode_devices) or bool(self.peers),
+             "--mode pooled with only --prefill-devices needs --peers (the decode nodes)"),
+            (self.mode != "pooled" or bool(self.prefill_devices) or self.kv_port is not None,
+             "--mode pooled with only --decode-devices needs --kv-port (prefill nodes send KV to it)"),
+            (not (self.peers or self.kv_port is not None) or bool(self.peer_secret),
+             "--peers and --kv-port need --peer-secret (or SHIFTNODE_PEER_SECRET)"),
+            (self.kv_port is None or 0 <= self.kv_port <= 65535, f"--kv-port must be in [0, 65535], got {self.kv_port}"),
+            (all(_is_host_port(p) for p in self.peers), f"--peers must be host:port entries, got {self.peers}"),
+            (self.max_retries >= 0, "--max-retries must be at least 0"),
+            (self.imbalance_threshold >= 0, "--imbalance-threshold must be at least 0 (0 turns the fallback off)"),
             (self.max_unsent >= 1, "--max-unsent must be at least 1"),
             (self.link_gbps is None or self.link_gbps > 0, "--link-gbps must be positive"),
             (self.reconfig_pause_ms >= 0 and self.ttft_slo_ms > 0 and self.tpot_slo_ms > 0, "pause and SLO values must be positive"),
@@ -79,9 +96,19 @@ class NodeConfig(msgspec.Struct, kw_only=True):
                 raise ConfigError(message)
 
     @property
+    def name(self) -> str:
+        """This node's id in peer handshakes and logs."""
+        return self.node_id or f"{self.host}:{self.port}"
+
+    @property
     def model_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
         if self.model is None:
             return "shiftnode-default"
         return self.model.rstrip("/").split("/")[-1]
+
+
+def _is_host_port(text: str) -> bool:
+    host, _, port = text.rpartition(":")
+    return bool(host) and port.isdigit() and 1 <= int(port) <= 65535

@@ -85,6 +85,7 @@ def create_app(config: NodeConfig, node: Node | None = None) -> web.Application:
         n = node or await Node.create(config)
         n.started_wall_s = time.time()
         n.start()
+        await n.start_network()
         app[NODE_KEY] = n
         yield
         await n.close()

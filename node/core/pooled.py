@@ -13,7 +13,8 @@ in (arrival, request id) order:
   whose KV holds the prompt and whose prompts in flight plus finished-but-unsent caches stay under
   ``max_unsent_per_device`` (stranded state is bounded).
 
-A prompt that no pair can take waits (the shell bounds the queue and answers 503 past ``--max-queue``);
+A prompt that no pair can take waits (so do all prompts while either pool is empty, e.g. every decode
+peer unreachable) (the shell bounds the queue and answers 503 past ``--max-queue``);
 a later prompt does not overtake it (FIFO), so backpressure from a saturated decode pool reaches the
 clients as queueing instead of as prefill work that cannot be handed off. A prompt that could not fit
 an empty pair is rejected.
@@ -76,6 +77,8 @@ class PooledRouter:
                    for d in snapshot.prefill}
         decode = {d.device_id: [d.kv_free_blocks - d.kv_reserved_blocks, d.seq_slots_free] for d in snapshot.decode}
         out: list[PlacePooled | Reject] = []
+        if not snapshot.prefill or not snapshot.decode:
+            return out  # a pool is unreachable for now (a decode peer down): prompts wait, the shell bounds it
         for w in snapshot.waiting:
             dec_need = {d.device_id: reserve_blocks(w.prompt_tokens, w.expected_output_tokens, d.block_size, d.kv_total_blocks)
                         for d in snapshot.decode}

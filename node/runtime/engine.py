@@ -42,6 +42,10 @@ class MigrationRecord:
     reason: str
 
 
+def _nothing() -> None:
+    return None
+
+
 def build_step_input(plan: StepPlan) -> StepInput:
     """Snapshot the plan into plain data for the worker thread."""
     seqs = []
@@ -84,6 +88,7 @@ class DeviceEngine:
         self._by_seq: dict[str, tuple[RequestState, int]] = {}
         self._aborts: list[str] = []
         self._migrations: list[tuple[Sequence, DeviceEngine, str, asyncio.Future]] = []
+        self._detaches: list[tuple[Sequence, asyncio.Future]] = []
         self.link_gbps: float | None = None  # emulated interconnect for KV leaving this device
         self.migration_listeners: list[Callable[[DeviceEngine, DeviceEngine, Sequence, MigrationRecord], None]] = []
         self._wake = asyncio.Event()
@@ -119,6 +124,61 @@ class DeviceEngine:
             self._by_seq[seq.seq_id] = (req, i)
             self.batcher.add(seq)
         self.wake()
+
+    def add_seq(self, req: RequestState, index: int) -> None:
+        """Queue one sequence of ``req`` for (re)computation here: a hand-off to a peer failed after the
+        peer took it, so its prompt plus the tokens already streamed are prefilled again."""
+        seq = req.seqs[index]
+        seq.device_id = self.device_id
+        self.requests[req.request_id] = req
+        self._by_seq[seq.seq_id] = (req, index)
+        self.batcher.add(seq)
+        self.wake()
+
+    def detach(self, seq: Sequence) -> asyncio.Future:
+        """Take a decoding sequence out of this device at the next step boundary, keeping its blocks
+        allocated (pinned) for a transfer to a peer node.
+
+        The future resolves to ``(request, index, block_ids)`` (the caller then owns the blocks: give
+        them back with :meth:`free_pinned` after the peer committed, or :meth:`readopt` the sequence
+        if the transfer failed), or to ``None`` when the sequence is not decoding here.
+        """
+        fut = asyncio.get_running_loop().create_future()
+        self._detaches.append((seq, fut))
+        self.wake()
+        return fut
+
+    def in_worker(self, fn: Callable, *args) -> asyncio.Future:
+        """Run ``fn(*args)`` on this device's worker thread, in order with its steps (e.g. a KV gather
+        or scatter for a transfer, which must not race a step on the same stream)."""
+        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def free_pinned(self, block_ids: list[int]) -> None:
+        """Free blocks of a detached sequence once a peer has committed its copy. Queued behind the
+        worker's current job, so a gather still reading them finishes first."""
+        fut = self.in_worker(_nothing)
+        fut.add_done_callback(lambda _f: (self.batcher.ledger.free(block_ids), self.wake()))
+
+    def readopt(self, req: RequestState, index: int, seq: Sequence, block_ids: list[int]) -> None:
+        """Put a detached sequence back with its own blocks (its transfer failed before a commit)."""
+        seq.block_ids = block_ids
+        self.adopt(req, index, seq)
+
+    def _apply_detaches(self) -> None:
+        while self._detaches:
+            seq, fut = self._detaches.pop(0)
+            entry = self._by_seq.get(seq.seq_id)
+            if fut.cancelled():
+                continue
+            if entry is None or seq not in self.batcher.running or not seq.is_decoding:
+                fut.set_result(None)
+                continue
+            req, index = entry
+            blocks = self.batcher.release(seq)
+            del self._by_seq[seq.seq_id]
+            if not any(s.seq_id in self._by_seq for s in req.seqs):
+                self.requests.pop(req.request_id, None)
+            fut.set_result((req, index, blocks))
 
     def abort(self, request_id: str) -> None:
         """Drop a request at the next step boundary; its blocks return to the ledger."""
@@ -204,9 +264,11 @@ class DeviceEngine:
                 self._finish_request(req)
 
     def _finish_seq(self, seq: Sequence) -> None:
-        if seq.seq_id in self._by_seq:
+        entry = self._by_seq.pop(seq.seq_id, None)
+        if entry is not None:
             self.batcher.remove(seq)
-            del self._by_seq[seq.seq_id]
+            if not any(s.seq_id in self._by_seq for s in entry[0].seqs):
+                self.requests.pop(entry[0].request_id, None)
 
     def _finish_request(self, req: RequestState) -> None:
         for seq in req.seqs:
@@ -218,6 +280,7 @@ class DeviceEngine:
         loop = asyncio.get_running_loop()
         while True:
             self._apply_aborts()
+            self._apply_detaches()
             if self._migrations:
                 await self._apply_migrations()
                 continue

@@ -39,11 +39,14 @@ class NodeMetrics:
                                       ["device", "direction"], buckets=LATENCY_BUCKETS_S, registry=r)
         self.decode_stall = Counter("shiftnode_decode_stall_seconds", "Time resident decode sequences waited, by cause",
                                     ["device", "cause"], registry=r)
-        self.kv_transfers = Counter("shiftnode_kv_transfers", "Sequences whose KV moved between devices",
+        self.kv_transfers = Counter("shiftnode_kv_transfers", "Sequences whose KV moved between devices or to peer nodes",
                                     ["src", "dst", "reason"], registry=r)
         self.kv_transfer_bytes = Counter("shiftnode_kv_transfer_bytes", "KV bytes moved between devices", registry=r)
         self.kv_transfer_seconds = Histogram("shiftnode_kv_transfer_seconds", "Duration of one sequence's KV transfer",
                                              buckets=LATENCY_BUCKETS_S, registry=r)
+        self.kv_handoff_failures = Counter("shiftnode_kv_handoff_failures", "KV hand-offs to peers that failed "
+                                           "(each counted against --max-retries)", registry=r)
+        self.kv_received = Counter("shiftnode_kv_received_sequences", "Sequences adopted from peer nodes", registry=r)
         self.rejected = Counter("shiftnode_rejected_requests", "Requests refused for overload (503)", registry=r)
         r.register(_StateCollector(node))
 

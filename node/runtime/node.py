@@ -26,6 +26,7 @@ from node.core.cost import CostModel
 from node.core.roles import Role, RoleScheduler, RoleSchedulerConfig
 from node.core.pooled import PooledRouter
 from node.runtime.engine import DeviceEngine, MigrationRecord
+from node.runtime.peers import KVReceiver, PeerLinks
 from node.runtime.pooled_driver import PooledDriver
 from node.runtime.role_driver import RoleDriver
 from node.runtime.switching import DeviceRole
@@ -92,6 +93,14 @@ class Node:
         for e in engines:
             e.migration_listeners.append(self._on_migration)
             e.link_gbps = config.link_gbps
+        self.peers: PeerLinks | None = None
+        self.receiver: KVReceiver | None = None
+        if config.peers or config.kv_port is not None:
+            from node.transport.tensors import layout_of
+
+            layout = layout_of(engines[0].runner.kv_cache, config.model_name)
+            self.peers = PeerLinks(self, layout) if config.peers else None
+            self.receiver = KVReceiver(self, layout) if config.kv_port is not None else None
 
     @classmethod
     async def create(cls, config: NodeConfig) -> "Node":
@@ -122,7 +131,18 @@ class Node:
         if self.driver:
             self.driver.start()
 
+    async def start_network(self) -> None:
+        """Open the KV transfer listener (``--kv-port``) and start polling the ``--peers``."""
+        if self.receiver:
+            await self.receiver.start()
+        if self.peers:
+            self.peers.start()
+
     async def close(self) -> None:
+        if self.receiver:
+            await self.receiver.close()
+        if self.peers:
+            await self.peers.close()
         if self.driver:
             await self.driver.stop()
         for e in self.engines:
@@ -132,7 +152,11 @@ class Node:
         return self._by_id[device_id]
 
     def _on_migration(self, src: DeviceEngine, dst: DeviceEngine, seq, record: MigrationRecord) -> None:
-        self.metrics.kv_transfers.labels(src=src.device_id, dst=dst.device_id, reason=record.reason).inc()
+        self.record_migration(src.device_id, dst.device_id, record)
+
+    def record_migration(self, src: str, dst: str, record: MigrationRecord) -> None:
+        """Count and keep one sequence's KV move (``dst`` is a device id or ``peer:host:port``)."""
+        self.metrics.kv_transfers.labels(src=src, dst=dst, reason=record.reason).inc()
         self.metrics.kv_transfer_bytes.inc(record.nbytes)
         self.metrics.kv_transfer_seconds.observe(record.end_s - record.start_s)
         self.migrations.append(record)
@@ -198,7 +222,10 @@ class Node:
                 req.cancelled = True
             if not req.done and not (self.driver and self.driver.withdraw(req)):
                 for device_id in dict.fromkeys(s.device_id for s in req.seqs if s.device_id):
-                    self.engine(device_id).abort(request_id)
+                    if device_id in self._by_id:
+                        self.engine(device_id).abort(request_id)
+                if self.peers:  # hand-offs in flight and relays from peers: the peers drop their copies
+                    self.peers.cancel(request_id)
             reasons = [r or "abort" for r in reasons]
             if self.driver:
                 self.driver.finished(req, reasons, sum(tokens))
@@ -259,4 +286,18 @@ class Node:
             "clock_s": round(now, 6),
             "devices": devices,
             "kv_transfers": [asdict(m) for m in list(self.migrations)[-history:]],
+            "network": self._network_status(now),
         }
+
+    def _network_status(self, now: float) -> dict:
+        out: dict = {"node_id": self.config.name, "kv_port": self.receiver.port if self.receiver else None}
+        if self.receiver:
+            out["received_sequences"] = self.receiver.relayed
+        if self.peers:
+            healthy = {p.id for p in self.peers.healthy(now)}
+            out["peers"] = [{"addr": p.addr, "healthy": p.id in healthy, "sent": p.sent,
+                             "failures": p.failures,
+                             "kv_free_blocks": p.status.kv_free_blocks if p.status else None,
+                             "seq_slots_free": p.status.seq_slots_free if p.status else None}
+                            for p in self.peers.peers.values()]
+        return out

@@ -53,6 +53,13 @@ class OutputState:
         self.emitted = 0  # characters of ``text`` already sent
         self.finish_reason: str | None = None
 
+    def replay(self, output_ids: list[int]) -> None:
+        """Rebuild the text state from output tokens produced elsewhere (a sequence handed over by a
+        peer), so stop strings spanning the hand-off are still found; nothing is emitted for them."""
+        for t in output_ids:
+            self.text += self.detok.add(t)
+        self.emitted = len(self.text)
+
     def on_token(self, token_id: int, logprobs: TokenLogprobs | None) -> SeqDelta:
         """Account for a token already appended to ``seq.token_ids``; return the delta to send."""
         seq, p = self.seq, self.seq.params

@@ -1,9 +1,16 @@
-"""The shell of pooled (disaggregated) mode inside one node: prefill devices and decode devices.
+"""The shell of pooled (disaggregated) mode: prefill devices, decode devices and decode peers.
 
-Arrivals wait here until :class:`PooledRouter` places them on a (prefill, decode) device pair, with
-the decode blocks reserved at once. A prefill device runs prompt-only steps; when a sequence's first
-token is out, its KV is handed to its decode device layer by layer (``DeviceEngine.migrate``, the same
-mechanism as the time-shared fallback) and it decodes there while its client's stream goes on.
+Arrivals wait here until :class:`PooledRouter` places them on a (prefill, decode) pair, with the
+decode blocks reserved at once. The decode side is this node's ``--decode-devices`` and the healthy
+``--peers`` (each seen as one device with the roomiest of its decode devices' free blocks, from its
+capacity reports). A prefill device runs prompt-only steps; when a sequence's first token is out, its
+KV is handed to its decode target layer by layer — ``DeviceEngine.migrate`` for a local device,
+:class:`~node.runtime.peers.PeerLinks` over TCP for a peer — and it decodes there while its client's
+stream goes on (a peer relays the tokens back).
+
+A node with decode devices only (the far end of a cross-node pair) serves the requests it receives
+itself on those devices in mixed steps. A node whose decode side is wholly unreachable fails
+requests that waited ``DECODE_WAIT_S`` for it, instead of holding them forever.
 """
 
 from __future__ import annotations
@@ -18,11 +25,14 @@ from node.core.pooled import PlacePooled, PoolDevice, PooledRouter, PoolSnapshot
 from node.core.roles import Reject, WaitingPrompt
 from node.runtime.driver import Driver
 from node.runtime.engine import DeviceEngine
+from node.runtime.peers import Peer, is_peer
 
 if TYPE_CHECKING:
     from node.runtime.node import Node
 
 log = structlog.get_logger("shiftnode.pooled")
+
+DECODE_WAIT_S = 5.0  # with no decode device or peer reachable, work older than this fails
 
 
 class PooledDriver(Driver):
@@ -36,6 +46,7 @@ class PooledDriver(Driver):
         self.decode_ids = decode
         self.target: dict[str, str] = {}  # request id → its decode device
         self.handing: set[str] = set()  # sequence ids whose transfer is under way
+        self.sending: dict[str, str] = {}  # sequence id → prefill device, while its KV is on the way to a peer
         for d in prefill:
             node.engine(d).step_listeners.append(self._on_prefill_step)
 
@@ -43,10 +54,25 @@ class PooledDriver(Driver):
         super().finished(req, reasons, output_tokens)
         self.target.pop(req.request_id, None)
 
+    def recompute(self, req, index: int) -> None:
+        """Prefill a sequence again (after a failed peer hand-off) on the least busy prefill device."""
+        engines = [self.node.engine(d) for d in self.prefill_ids] or [self.node.engine(d) for d in self.decode_ids]
+        min(engines, key=lambda e: sum(s.num_uncomputed for s in e.batcher.waiting)).add_seq(req, index)
+
+    def _peer_device(self, p: Peer) -> PoolDevice:
+        """A peer as one decode device: its roomiest device's free blocks, less what we promised it."""
+        st = p.status
+        bound = list(self._requests_bound_to(p.id))
+        return PoolDevice(device_id=p.id, kv_free_blocks=st.max_device_free_blocks,
+                          kv_reserved_blocks=sum(self.reserve.get(r.request_id, 0) for r in bound),
+                          kv_total_blocks=max(1, st.max_device_total_blocks), block_size=self.node.config.block_size,
+                          seq_slots_free=st.seq_slots_free - sum(len(r.seqs) for r in bound))
+
     def _device(self, device_id: str, decode_side: bool) -> PoolDevice:
         e = self.node.engine(device_id)
         led = e.batcher.ledger
         held = sum(1 for r in e.requests.values() for s in r.seqs if s.device_id == device_id)
+        held += sum(1 for d in self.sending.values() if d == device_id)  # detached, still unsent until committed
         reserved_seqs = sum(len(r.seqs) for r in self._requests_bound_to(device_id)) if decode_side else 0
         queued = sum(s.num_uncomputed for s in e.batcher.waiting) + sum(
             s.num_uncomputed for s in e.batcher.running if not s.is_decoding)
@@ -71,9 +97,19 @@ class PooledDriver(Driver):
         return waiting + self.reserved_on(device_id)
 
     def tick(self) -> None:
+        now = self.clock()
+        peers = self.node.peers.healthy(now) if self.node.peers else []
+        if not self.prefill_ids:  # a decode-only node serves its own arrivals on its decode devices
+            for req in list(self.pending):
+                self.pending.remove(req)
+                min((self.node.engine(d) for d in self.decode_ids),
+                    key=lambda e: (len(e.batcher.waiting), len(e.batcher.running))).add(req)
+            return
+        if not self.decode_ids and not peers:
+            self._fail_stranded(now)
         snap = PoolSnapshot(
             prefill=tuple(self._device(d, False) for d in self.prefill_ids),
-            decode=tuple(self._device(d, True) for d in self.decode_ids),
+            decode=tuple(self._device(d, True) for d in self.decode_ids) + tuple(self._peer_device(p) for p in peers),
             waiting=tuple(WaitingPrompt(r.request_id, len(r.prompt_ids) * len(r.seqs), r.stats.arrival_s,
                                         self.expected_output(r) * len(r.seqs), seqs=len(r.seqs)) for r in self.pending),
         )
@@ -97,19 +133,55 @@ class PooledDriver(Driver):
         self.kick()
 
     def _hand_off(self, engine: DeviceEngine) -> None:
-        """Start the transfer of every prefilled sequence on a prefill device to its decode device."""
+        """Start the transfer of every prefilled sequence on a prefill device to its decode target."""
         for seq in list(engine.batcher.running):
-            if not seq.is_decoding or seq.seq_id in self.handing or engine.requests[seq.request_id].cancelled:
+            req = engine.requests[seq.request_id]
+            if not seq.is_decoding or seq.seq_id in self.handing or req.cancelled:
                 continue
             dst = self.target.get(seq.request_id)
             if dst is None:
                 continue
             self.handing.add(seq.seq_id)
-            fut = engine.migrate(seq, self.node.engine(dst), "pooled")
-            fut.add_done_callback(lambda f, sid=seq.seq_id: self._handed(sid, f))
+            if is_peer(dst):
+                peer = self._peer_for(dst, len(seq.block_ids) + 1)
+                if peer is None:
+                    self.handing.discard(seq.seq_id)
+                    continue  # no peer can take it now: it waits here (bounded by --max-unsent)
+                self.target[seq.request_id] = peer.id
+                self.sending[seq.seq_id] = engine.device_id
+                self.node.peers.hand_off(engine, req, seq, peer, "pooled",
+                                         settled=lambda ok, sid=seq.seq_id: self._handed(sid, ok))
+            else:
+                fut = engine.migrate(seq, self.node.engine(dst), "pooled")
+                fut.add_done_callback(lambda f, sid=seq.seq_id: self._handed(
+                    sid, not f.cancelled() and f.exception() is None and f.result() is not None))
 
-    def _handed(self, seq_id: str, fut: asyncio.Future) -> None:
+    def _peer_for(self, wanted: str, need_blocks: int) -> Peer | None:
+        """The peer the router chose if it is healthy, else the roomiest healthy peer that fits."""
+        healthy = [p for p in self.node.peers.ready(self.clock())
+                   if p.status.max_device_free_blocks >= need_blocks and p.status.seq_slots_free > 0]
+        for p in healthy:
+            if p.id == wanted:
+                return p
+        return max(healthy, key=lambda p: p.status.max_device_free_blocks, default=None)
+
+    def _handed(self, seq_id: str, moved: bool) -> None:
         self.handing.discard(seq_id)
-        if fut.cancelled() or fut.result() is None:
-            log.warning("handoff_deferred", seq=seq_id)  # retried on the next tick
+        self.sending.pop(seq_id, None)
+        if not moved:
+            log.info("handoff_deferred", seq=seq_id)  # retried on the next tick
         self.kick()
+
+    def _fail_stranded(self, now: float) -> None:
+        """No decode device and no reachable peer: fail what waited ``DECODE_WAIT_S`` for one."""
+        why = f"no decode peer reachable for {DECODE_WAIT_S:.0f} s (--peers {','.join(self.node.config.peers)})"
+        for req in [r for r in self.pending if now - r.stats.arrival_s > DECODE_WAIT_S]:
+            self.pending.remove(req)
+            req.fail(why)
+        for d in self.prefill_ids:
+            e = self.node.engine(d)
+            for req in list(e.requests.values()):
+                if any(s.is_decoding and s.first_token_s is not None and now - s.first_token_s > DECODE_WAIT_S
+                       and s.seq_id not in self.handing for s in req.seqs):
+                    req.fail(why)
+                    e.abort(req.request_id)

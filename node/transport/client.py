@@ -17,8 +17,8 @@ from typing import Any, AsyncIterator, Callable, Iterable
 import structlog
 
 from node.transport.protocol import (
-    Goodbye, Heartbeat, LayerHeader, Layout, LayoutMismatch, Message, ProtocolError, SeqState,
-    TransferAbort, TransferAborted, TransferAccept, TransferCommitted, TransferDone, TransferOffer,
+    Goodbye, Heartbeat, LayerHeader, Layout, LayoutMismatch, Message, ProtocolError, RelayEnd, SeqState,
+    StatusQuery, StatusReply, TokenRelay, TransferAbort, TransferAborted, TransferAccept, TransferCommitted, TransferDone, TransferOffer,
     TransferRefuse, TransferRefused, TransportError, TransportTimeout, checksum, check_compatible,
     secret_bytes,
 )
@@ -121,6 +121,7 @@ class KVClient:
         self.chunk_bytes = chunk_bytes
         self.fault_hook = fault_hook  # tests only: alters a payload after its checksum was computed
         self._lock = asyncio.Lock()
+        self._status_n = 0
         self._inbox: asyncio.Queue = asyncio.Queue()
         self._dead: BaseException | None = None
         self._log = _log.bind(peer_node=peer_node_id)
@@ -247,8 +248,44 @@ class KVClient:
             say_goodbye(self._writer, f"heartbeat failed: {exc}")
 
     # --------------------------------------------------------------------------------- transfer
+    async def query_status(self, timeout_s: float = 2.0) -> StatusReply:
+        """Ask the peer for its decode capacity (:class:`StatusReply`). Raises ``TransportError``."""
+        async with self._lock:
+            if self._dead is not None:
+                raise TransportError(f"connection is closed: {self._dead}")
+            self._status_n += 1
+            await send(self._writer, StatusQuery(n=self._status_n), self.stall_timeout_s)
+            reply = await self._next(timeout_s, "StatusReply")
+            if not (isinstance(reply, StatusReply) and reply.n == self._status_n):
+                raise ProtocolError(f"expected StatusReply {self._status_n}, got {reply!r:.200}")
+            return reply
+
+    async def relay(self, transfer_id: str, idle_timeout_s: float = 30.0) -> AsyncIterator[TokenRelay | RelayEnd]:
+        """After ``send_sequence(..., relay=True)``: the receiver's ``TokenRelay`` messages for the
+        sequence, then its ``RelayEnd`` (the last item). Holds the connection (no heartbeats of ours;
+        the receiver's keep the link checked). Raises ``TransportTimeout`` after ``idle_timeout_s`` of
+        silence and ``TransportError`` when the connection is lost; closing the iterator early (the
+        client left) closes the connection, which makes the receiver drop the sequence."""
+        async with self._lock:
+            finished = False
+            try:
+                while True:
+                    msg = await self._next(idle_timeout_s, "relayed tokens")
+                    if isinstance(msg, Heartbeat):
+                        continue
+                    if isinstance(msg, (TokenRelay, RelayEnd)) and msg.transfer_id == transfer_id:
+                        finished = isinstance(msg, RelayEnd)
+                        yield msg
+                        if finished:
+                            return
+                        continue
+                    raise ProtocolError(f"expected relayed tokens of {transfer_id}, got {msg!r:.200}")
+            finally:
+                if not finished:  # the caller stopped early: hang up, which makes the receiver drop it
+                    self._hang_up("relay closed before the sequence ended")
+
     async def send_sequence(self, layout: Layout, seq: SeqState, layers: LayerSource, num_blocks: int, *,
-                            transfer_id: str | None = None) -> SendReport:
+                            transfer_id: str | None = None, relay: bool = False) -> SendReport:
         """Offer ``seq`` (``num_blocks`` blocks) and, once the peer reserved them, stream its layers
         0..``layout.num_layers``-1 in order; return when the peer committed.
 
@@ -260,7 +297,8 @@ class KVClient:
         Raises ``LayoutMismatch`` or ``TransferRefused`` (nothing was reserved; the connection stays
         usable), ``TransferAborted`` (the receiver freed its reservation), ``TransferUnconfirmed``,
         ``TransportTimeout``/``TransportError`` (the connection is closed; the receiver aborts).
-        Keep the sequence's blocks on this side until this returns successfully.
+        Keep the sequence's blocks on this side until this returns successfully. ``relay=True``: the
+        receiver goes on decoding the sequence and sends its tokens back; read them with :meth:`relay`.
         """
         if self.peer_layout is not None:
             check_compatible(layout, self.peer_layout)
@@ -270,7 +308,7 @@ class KVClient:
         tid = transfer_id or uuid.uuid4().hex
         per_layer = layout.layer_bytes(num_blocks)
         offer = TransferOffer(transfer_id=tid, layout=layout, seq=seq, num_blocks=num_blocks,
-                              nbytes_per_layer=per_layer)
+                              nbytes_per_layer=per_layer, relay=relay)
         log = self._log.bind(transfer_id=tid)
         async with self._lock:
             if self._dead is not None:
@@ -349,6 +387,14 @@ class KVClient:
         if isinstance(exc, (OSError, asyncio.IncompleteReadError)):
             return TransportError(f"connection lost: {type(exc).__name__}: {exc}")
         return exc
+
+    def _hang_up(self, reason: str) -> None:
+        if self._dead is None:
+            self._dead = TransportError(reason)
+        for t in (self._hb_task, self._pump_task):
+            if t is not None:
+                t.cancel()
+        say_goodbye(self._writer, reason)
 
     def _fail(self, tid: str, exc: BaseException, log) -> None:
         reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

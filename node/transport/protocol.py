@@ -208,6 +208,7 @@ class TransferOffer(Msg):
     seq: SeqState
     num_blocks: int
     nbytes_per_layer: int
+    relay: bool = False  # after the commit, the receiver decodes the sequence and relays its tokens back
 
 
 class TransferAccept(Msg):
@@ -256,8 +257,47 @@ class TransferAbort(Msg):
     reason: str
 
 
+class StatusQuery(Msg):
+    """Client → server when idle: how much can you take? (the router's view of a peer)."""
+
+    n: int
+
+
+class StatusReply(Msg):
+    """Server → client: the receiver's decode capacity now. Blocks are KV blocks of the shared layout
+    summed over the receiver's decode-capable devices; ``max_device_free_blocks`` is the most free
+    (after reservations) on any single one, which bounds the largest sequence it can take."""
+
+    n: int
+    kv_free_blocks: int
+    kv_total_blocks: int
+    max_device_free_blocks: int
+    max_device_total_blocks: int
+    seq_slots_free: int
+    accepting: bool = True
+
+
+class TokenRelay(Msg):
+    """Receiver → sender after ``TransferCommitted`` when the offer asked for a relay: tokens the
+    receiver produced for the sequence, in order, continuing its output without gap. ``logprobs``:
+    per token ``[token_id, logprob, [[alt_id, alt_logprob], ...]]`` when the sampling asked for them."""
+
+    transfer_id: str
+    token_ids: list[int]
+    logprobs: list[Any] = []
+
+
+class RelayEnd(Msg):
+    """Receiver → sender: the relayed sequence ended here (``finish_reason``) or failed (``error``)."""
+
+    transfer_id: str
+    finish_reason: str | None = None
+    error: str | None = None
+
+
 Message = (Hello | HelloReply | HelloProof | Goodbye | Heartbeat | TransferOffer | TransferAccept
-           | TransferRefuse | LayerHeader | TransferDone | TransferCommitted | TransferAbort)
+           | TransferRefuse | LayerHeader | TransferDone | TransferCommitted | TransferAbort
+           | StatusQuery | StatusReply | TokenRelay | RelayEnd)
 
 
 def offer_problems(offer: TransferOffer) -> list[str]:

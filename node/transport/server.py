@@ -13,6 +13,7 @@ callback, server shutdown). A failed transfer also ends its connection (after a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
 from dataclasses import dataclass, field
@@ -22,8 +23,9 @@ import structlog
 
 from node.transport.protocol import (
     ChecksumMismatch, FrameTooLarge, Goodbye, Heartbeat, LayerHeader, Layout, LayoutMismatch,
-    ProtocolError, TransferAbort, TransferAborted, TransferAccept, TransferCommitted, TransferDone,
-    TransferOffer, TransferRefuse, TransportError, check_compatible, offer_problems, secret_bytes,
+    ProtocolError, RelayEnd, StatusQuery, StatusReply, TransferAbort, TransferAborted, TransferAccept,
+    TransferCommitted, TransferDone, TransferOffer, TransferRefuse, TransportError, check_compatible,
+    offer_problems, secret_bytes,
 )
 from node.transport.wire import (
     DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_PAYLOAD_BYTES, encode, read_msg, read_payload, say_goodbye, send,
@@ -37,6 +39,7 @@ Reserve = Callable[[TransferOffer], "list[int] | None | Awaitable[list[int] | No
 OnLayer = Callable[[str, int, bytearray], MaybeAwaitable]
 OnDone = Callable[[str, "ReceiveReport"], MaybeAwaitable]
 OnAbort = Callable[[str, str], MaybeAwaitable]
+Status = Callable[[int], StatusReply]
 
 
 async def _maybe(value):
@@ -64,8 +67,14 @@ class KVServer:
       * ``on_layer(transfer_id, layer, payload: bytearray)``: layer ``layer`` landed and passed its
         checksum; ``payload`` is the ``[2, n, block_size, Hkv, D]`` buffer (see
         :func:`node.transport.tensors.layer_from_bytes`); layers come in order 0..L-1;
-      * ``on_done(transfer_id, report)``: every layer landed; adopt the sequence (raising aborts);
-      * ``on_abort(transfer_id, reason)``: free the reservation.
+      * ``on_done(transfer_id, report)``: every layer landed; adopt the sequence (raising aborts). For
+        an offer with ``relay=True`` it returns an async iterator of ``TokenRelay`` messages ending with
+        a ``RelayEnd``: they are sent after ``TransferCommitted`` on the same connection (``Heartbeat``
+        frames fill silences longer than ``relay_keepalive_s``), and the connection closes after the
+        ``RelayEnd``. The sender hanging up or aborting first closes the iterator (``aclose``), which is
+        where the caller drops the sequence;
+      * ``on_abort(transfer_id, reason)``: free the reservation;
+      * ``status(n) -> StatusReply`` (optional): the answer to a peer's ``StatusQuery``.
     Timeouts (s): ``handshake_timeout_s`` for the whole handshake, ``idle_timeout_s`` between
     messages outside a transfer (the client's heartbeats keep it alive), ``stall_timeout_s`` for each
     frame or payload chunk during a transfer, ``reply_timeout_s`` for our own sends.
@@ -73,13 +82,15 @@ class KVServer:
 
     def __init__(self, host: str, port: int, secret: str | bytes, layout: Layout, *,
                  reserve: Reserve, on_layer: OnLayer, on_done: OnDone, on_abort: OnAbort,
-                 node_id: str = "", max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+                 status: Status | None = None, node_id: str = "", relay_keepalive_s: float = 2.0, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
                  max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, handshake_timeout_s: float = 5.0,
                  idle_timeout_s: float = 60.0, stall_timeout_s: float = 10.0, reply_timeout_s: float = 10.0):
         self.host, self._port = host, port
         self._secret = secret_bytes(secret)
         self.layout = layout
         self._reserve, self._on_layer, self._on_done, self._on_abort = reserve, on_layer, on_done, on_abort
+        self._status = status
+        self.relay_keepalive_s = relay_keepalive_s
         self.node_id = node_id
         self.max_header_bytes = max_header_bytes
         self.max_payload_bytes = max_payload_bytes
@@ -158,8 +169,17 @@ class KVServer:
             msg = await read_msg(reader, self.max_header_bytes, self.idle_timeout_s)
             if isinstance(msg, Heartbeat):
                 await send(writer, msg, self.reply_timeout_s)
+            elif isinstance(msg, StatusQuery):
+                reply = self._status(msg.n) if self._status is not None else StatusReply(
+                    n=msg.n, kv_free_blocks=0, kv_total_blocks=0, max_device_free_blocks=0, max_device_total_blocks=0,
+                    seq_slots_free=0,
+                    accepting=False)
+                await send(writer, reply, self.reply_timeout_s)
             elif isinstance(msg, TransferOffer):
-                await self._receive(msg, reader, writer, peer_node_id, log.bind(transfer_id=msg.transfer_id))
+                relay = await self._receive(msg, reader, writer, peer_node_id, log.bind(transfer_id=msg.transfer_id))
+                if relay is not None:
+                    await self._relay(msg.transfer_id, relay, reader, writer, log.bind(transfer_id=msg.transfer_id))
+                    return  # a relayed sequence's connection ends with it
             elif isinstance(msg, Goodbye):
                 log.info("kv_peer_goodbye", reason=msg.reason)
                 return
@@ -224,7 +244,7 @@ class KVServer:
             if not isinstance(done, TransferDone):
                 raise ProtocolError(f"expected TransferDone, got {type(done).__name__}")
             report.done_s = time.monotonic() - t0
-            await _maybe(self._on_done(tid, report))
+            relay = await _maybe(self._on_done(tid, report))
             adopted = True
             log.info("kv_transfer_received", nbytes=report.nbytes, layers=len(report.layer_arrival_s),
                      seconds=round(report.done_s, 6))
@@ -250,6 +270,51 @@ class KVServer:
             raise
         finally:
             self.in_flight.pop(tid, None)
+        return relay if offer.relay else None
+
+    async def _relay(self, tid: str, relay, reader, writer, log) -> None:
+        """Forward a relayed sequence's messages until its ``RelayEnd``; anything from the sender but a
+        heartbeat (an abort, a goodbye, a hang-up) ends the relay early and closes the iterator."""
+        async def sender_gone() -> str:
+            while True:
+                msg = await read_msg(reader, self.max_header_bytes, None)
+                if not isinstance(msg, Heartbeat):
+                    return getattr(msg, "reason", type(msg).__name__)
+
+        it = relay.__aiter__()
+        watcher = asyncio.ensure_future(sender_gone())
+        nxt: asyncio.Future | None = None
+        try:
+            while True:
+                if nxt is None:
+                    nxt = asyncio.ensure_future(it.__anext__())
+                done, _ = await asyncio.wait({nxt, watcher}, timeout=self.relay_keepalive_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if watcher in done:
+                    exc = watcher.exception()
+                    log.info("kv_relay_ended_by_sender", reason=str(exc or watcher.result()) or type(exc).__name__)
+                    return
+                if not done:
+                    await send(writer, Heartbeat(n=0), self.reply_timeout_s)
+                    continue
+                try:
+                    msg = nxt.result()
+                except StopAsyncIteration:
+                    return
+                nxt = None
+                await send(writer, msg, self.reply_timeout_s)
+                if isinstance(msg, RelayEnd):
+                    return
+        finally:
+            watcher.cancel()
+            if nxt is not None:
+                nxt.cancel()
+                with contextlib.suppress(BaseException):
+                    await nxt
+            aclose = getattr(it, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
 
     async def _next_of_transfer(self, reader, tid: str):
         msg = await read_msg(reader, self.max_header_bytes, self.stall_timeout_s)

@@ -1,0 +1,440 @@
+"""KV hand-off between nodes over TCP: the sending side (:class:`PeerLinks`) and the receiving side
+(:class:`KVReceiver`), both on the node's event loop, both built on :mod:`node.transport`.
+
+A hand-off of one decoding sequence (the node that owns the client's HTTP stream is the *origin*):
+
+1. the origin's device detaches the sequence at a step boundary; its blocks stay pinned;
+2. a fresh connection to the peer (HMAC handshake, layout check) offers the sequence with
+   ``relay=True``; the peer reserves blocks before the first byte or refuses;
+3. layers stream in order (gathered in the device's worker thread, CRC-checked on arrival, scattered
+   into the reserved blocks in the peer's worker thread);
+4. after ``TransferCommitted`` the origin frees its blocks and the peer decodes the sequence in its
+   continuous batch; the same connection carries the tokens back, and the origin feeds them through
+   the choice's own output state, so the client's stream goes on with no gap and no duplicate.
+
+Failures: refused or failed before the commit → the sequence goes back to its device with its own
+blocks (nothing lost). The relay breaking after the commit (the peer or the link died) → the origin
+recomputes the prompt plus every token already streamed on a local device, counted against
+``--max-retries``; past it the choice ends with an error. The client leaving closes the connection,
+which makes the peer drop the sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, AsyncIterator, Callable
+
+import msgspec
+import structlog
+
+from node.core.roles import Role, blocks_for
+from node.core.sequence import SamplingParams, Sequence, SeqStatus
+from node.runtime.engine import DeviceEngine, MigrationRecord
+from node.runtime.output import SeqDelta
+from node.runtime.request import RequestState
+from node.transport import (KVClient, KVServer, Layout, ReceiveReport, SeqState, TransferOffer, TransferRefused,
+                            TransportError)
+from node.transport.protocol import LayoutMismatch, RelayEnd, StatusReply, TokenRelay
+from node.worker.sampler import TokenLogprobs
+
+if TYPE_CHECKING:
+    from node.runtime.node import Node
+
+log = structlog.get_logger("shiftnode.peers")
+
+PEER_PREFIX = "peer:"
+STATUS_POLL_S = 0.05  # how often each peer's capacity is asked for
+STATUS_STALE_S = 1.0  # a peer not heard from for this long is not placed on
+RECONNECT_S = 0.5  # pause before reconnecting a peer's control connection
+RELAY_IDLE_TIMEOUT_S = 10.0  # relay silence (the peer sends keep-alives every 2 s) that counts as a failure
+
+
+def peer_id(addr: str) -> str:
+    """The placement id of a peer node (``peer:host:port``), used where a device id would be."""
+    return PEER_PREFIX + addr
+
+
+def is_peer(device_id: str | None) -> bool:
+    return bool(device_id) and device_id.startswith(PEER_PREFIX)
+
+
+def lp_to_wire(lp: TokenLogprobs | None) -> list | None:
+    return None if lp is None else [lp.token_id, lp.logprob, [list(t) for t in lp.top]]
+
+
+def lp_from_wire(x: list | None) -> TokenLogprobs | None:
+    return None if x is None else TokenLogprobs(int(x[0]), float(x[1]), [(int(a), float(b)) for a, b in x[2]])
+
+
+def seq_state(req: RequestState, seq: Sequence, now: float) -> SeqState:
+    """What the peer needs to continue ``seq`` (durations, not clock readings)."""
+    return SeqState(request_id=req.request_id, seq_id=seq.seq_id, index=seq.index, token_ids=list(seq.token_ids),
+                    prompt_len=seq.prompt_len, num_computed=seq.num_computed, max_len=seq.max_len,
+                    sampling=msgspec.structs.asdict(seq.params), age_s=max(0.0, now - seq.arrival_s),
+                    first_token_age_s=None if seq.first_token_s is None else max(0.0, now - seq.first_token_s),
+                    num_preemptions=seq.num_preemptions)
+
+
+@dataclass
+class Peer:
+    """A peer node as this node sees it: its last capacity report and when it came (monotonic s)."""
+
+    addr: str
+    host: str
+    port: int
+    status: StatusReply | None = None
+    status_s: float = 0.0
+    sent: int = 0
+    failures: int = 0
+    hold_until: float = 0.0  # no new hand-off before this (after a refusal or a failure)
+
+    @property
+    def id(self) -> str:
+        return peer_id(self.addr)
+
+
+class PeerLinks:
+    """The sending side: capacity polling of every ``--peers`` node and sequence hand-offs to them.
+
+    Args:
+        node: the origin node (its engines, driver, metrics and config).
+        layout: this node's KV layout; a peer with another layout is refused in the handshake.
+    """
+
+    def __init__(self, node: "Node", layout: Layout):
+        cfg = node.config
+        self.node = node
+        self.layout = layout
+        self.secret = cfg.peer_secret or ""
+        self.link_gbps = cfg.link_gbps
+        self.peers: dict[str, Peer] = {}
+        for addr in cfg.peers:
+            host, _, port = addr.rpartition(":")
+            p = Peer(addr, host, int(port))
+            self.peers[p.id] = p
+        self.tasks: dict[str, set[asyncio.Task]] = {}  # request id → its hand-off tasks
+        self.retries: dict[str, int] = {}  # sequence id → recomputes after failed hand-offs
+        self._pollers: list[asyncio.Task] = []
+        self._ids = itertools.count()
+
+    def start(self) -> None:
+        self._pollers = [asyncio.get_running_loop().create_task(self._poll(p), name=f"peer-{p.addr}")
+                         for p in self.peers.values()]
+
+    async def close(self) -> None:
+        tasks = self._pollers + [t for ts in self.tasks.values() for t in ts]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def healthy(self, now: float) -> list[Peer]:
+        """Peers whose capacity report is fresh and who accept transfers (placement targets)."""
+        return [p for p in self.peers.values() if p.status is not None and p.status.accepting
+                and now - p.status_s < STATUS_STALE_S]
+
+    def ready(self, now: float) -> list[Peer]:
+        """Healthy peers not held back after a refusal or a failure (hand-off targets now)."""
+        return [p for p in self.healthy(now) if now >= p.hold_until]
+
+    async def _poll(self, peer: Peer) -> None:
+        """Keep a control connection to ``peer`` and refresh its capacity every ``STATUS_POLL_S``."""
+        while True:
+            client = None
+            try:
+                client = await KVClient.connect(peer.host, peer.port, self.secret, node_id=self.node.config.name,
+                                                layout=self.layout, heartbeat_interval_s=None)
+                log.info("peer_connected", peer=peer.addr, peer_node=client.peer_node_id)
+                while True:
+                    peer.status = await client.query_status()
+                    peer.status_s = time.monotonic()
+                    self.node.driver.kick()
+                    await asyncio.sleep(STATUS_POLL_S)
+            except asyncio.CancelledError:
+                raise
+            except (TransportError, OSError) as e:
+                if peer.status is not None:
+                    log.warning("peer_unreachable", peer=peer.addr, error=str(e) or type(e).__name__)
+                peer.status = None
+                self.node.driver.kick()
+                await asyncio.sleep(RECONNECT_S)
+            finally:
+                if client is not None:
+                    with suppress(Exception):
+                        await client.close()
+
+    # --- hand-off -------------------------------------------------------------------------------
+    def hand_off(self, engine: DeviceEngine, req: RequestState, seq: Sequence, peer: Peer, reason: str,
+                 settled: Callable[[bool], None] | None = None) -> asyncio.Task:
+        """Start moving decoding ``seq`` from ``engine`` to ``peer`` (see the module docstring).
+
+        ``settled(committed)`` is called once the transfer is decided: True when the peer committed
+        (the task then relays the tokens until the sequence ends), False when the sequence stayed here
+        (back on ``engine``, or dropped). The task returns whether the peer committed.
+        """
+        task = asyncio.get_running_loop().create_task(self._hand_off(engine, req, seq, peer, reason, settled))
+        self.tasks.setdefault(req.request_id, set()).add(task)
+        task.add_done_callback(lambda t, rid=req.request_id: self._forget(rid, t))
+        return task
+
+    def _forget(self, request_id: str, task: asyncio.Task) -> None:
+        ts = self.tasks.get(request_id)
+        if ts is not None:
+            ts.discard(task)
+            if not ts:
+                del self.tasks[request_id]
+
+    def cancel(self, request_id: str) -> None:
+        """The client left: stop its hand-offs and relays (the peers drop their copies)."""
+        for t in list(self.tasks.get(request_id, ())):
+            t.cancel()
+
+    async def _hand_off(self, engine: DeviceEngine, req: RequestState, seq: Sequence, peer: Peer, reason: str,
+                        settled: Callable[[bool], None] | None) -> bool:
+        def settle(committed: bool) -> None:
+            if settled is not None:
+                settled(committed)
+
+        try:
+            detached = await engine.detach(seq)
+        except asyncio.CancelledError:
+            settle(False)
+            raise
+        if detached is None:
+            settle(False)
+            return False
+        req, index, blocks = detached
+        seq.device_id = peer.id
+        start = time.monotonic()
+        tid = f"{self.node.config.name}/{seq.seq_id}/{next(self._ids)}"
+        client: KVClient | None = None
+        committed = False
+        try:
+            client = await KVClient.connect(peer.host, peer.port, self.secret, node_id=self.node.config.name,
+                                            layout=self.layout, link_gbps=self.link_gbps, heartbeat_interval_s=None)
+            kv = engine.runner.kv_cache
+
+            def layer(i: int):
+                return engine.in_worker(_gather_host, kv, i, blocks)
+
+            report = await client.send_sequence(self.layout, seq_state(req, seq, time.monotonic()), layer,
+                                                len(blocks), transfer_id=tid, relay=True)
+            committed = True
+        except asyncio.CancelledError:  # the client left during the transfer
+            _drop(engine, seq, blocks)
+            settle(False)
+            if client is not None:
+                await client.close()
+            raise
+        except (TransferRefused, LayoutMismatch, TransportError, OSError) as e:
+            refused = isinstance(e, (TransferRefused, LayoutMismatch))  # nothing was reserved there
+            if client is not None:
+                await client.close()
+            peer.hold_until = time.monotonic() + (STATUS_POLL_S if refused else RECONNECT_S)
+            if refused:
+                log.info("handoff_refused", seq=seq.seq_id, peer=peer.addr, reason=str(e))
+            else:  # the peer freed whatever it had reserved; our copy is intact
+                peer.failures += 1
+                log.warning("handoff_failed", seq=seq.seq_id, peer=peer.addr, error=str(e) or type(e).__name__)
+            if req.cancelled or not (refused or self._count_retry(req, index, f"KV hand-off to {peer.addr} failed: {e}")):
+                _drop(engine, seq, blocks)
+            else:
+                engine.readopt(req, index, seq, blocks)
+            settle(False)
+            return False
+        engine.free_pinned(blocks)
+        settle(True)
+        peer.sent += 1
+        rec = MigrationRecord(seq.seq_id, engine.device_id, peer.id, start, time.monotonic(), report.nbytes,
+                              len(blocks), reason)
+        self.node.record_migration(engine.device_id, peer.id, rec)
+        try:
+            await self._relay(client, tid, req, index, seq, peer)
+        finally:
+            await client.close()
+        return committed
+
+    async def _relay(self, client: KVClient, tid: str, req: RequestState, index: int, seq: Sequence,
+                     peer: Peer) -> None:
+        """Feed the peer's tokens for ``seq`` through the choice's output state until it finishes."""
+        out = req.outputs[index]
+        relay = client.relay(tid, RELAY_IDLE_TIMEOUT_S)
+        error = None
+        try:
+            async for msg in relay:
+                if isinstance(msg, RelayEnd):
+                    if out.finish_reason is None and not req.finished[index]:
+                        error = msg.error or f"the peer ended the sequence ({msg.finish_reason}) before this node did"
+                    break
+                now = time.monotonic()
+                lps = msg.logprobs or [None] * len(msg.token_ids)
+                for t, lp in zip(msg.token_ids, lps):
+                    seq.token_ids.append(t)
+                    seq.last_token_s = now
+                    delta = out.on_token(t, lp_from_wire(lp))
+                    req.emit(delta)
+                    if delta.finish_reason is not None:
+                        seq.status = SeqStatus.FINISHED
+                        return  # closing the relay ends the peer's copy if it has not ended yet
+        except TransportError as e:
+            error = str(e) or type(e).__name__
+        finally:
+            await relay.aclose()
+        if error is not None and not req.cancelled:
+            peer.failures += 1
+            log.warning("relay_failed", seq=seq.seq_id, peer=peer.addr, error=error)
+            if self._count_retry(req, index, f"decode on peer {peer.addr} failed: {error}"):
+                seq.num_computed, seq.block_ids, seq.status = 0, [], SeqStatus.WAITING
+                seq.num_preemptions += 1
+                self.node.driver.recompute(req, index)
+
+    def _count_retry(self, req: RequestState, index: int, why: str) -> bool:
+        """Count a failed hand-off against ``--max-retries``: True while within it; past it, end the
+        choice with an error (the client sees it; the stream never looks finished)."""
+        seq_id = req.seqs[index].seq_id
+        n = self.retries[seq_id] = self.retries.get(seq_id, 0) + 1
+        self.node.metrics.kv_handoff_failures.inc()
+        if n <= self.node.config.max_retries:
+            return True
+        if not req.finished[index]:
+            req.emit(SeqDelta(index=index, error=f"{why} (gave up after {n - 1} retries, --max-retries "
+                                                 f"{self.node.config.max_retries})"))
+        return False
+
+
+def _drop(engine: DeviceEngine, seq: Sequence, blocks: list[int]) -> None:
+    """A detached sequence that will not continue: its pinned blocks go back to the device."""
+    engine.free_pinned(blocks)
+    seq.block_ids = []
+    seq.status = SeqStatus.FINISHED
+
+
+def _gather_host(kv, layer: int, blocks: list[int]):
+    """One layer's blocks ``[2, n, block_size, Hkv, D]``, copied to host memory (worker thread)."""
+    from node.transport.tensors import gather_layer
+
+    return gather_layer(kv, layer, blocks).cpu()
+
+
+class KVReceiver:
+    """The receiving side: a :class:`KVServer` on ``--kv-port`` whose callbacks reserve blocks on a
+    decode-capable device, write arriving layers into them, adopt the sequence into that device's
+    continuous batch and relay its tokens back to the origin."""
+
+    def __init__(self, node: "Node", layout: Layout):
+        cfg = node.config
+        self.node = node
+        self.layout = layout
+        self.incoming: dict[str, tuple[DeviceEngine, list[int]]] = {}  # transfer id → (device, reserved blocks)
+        self.relayed = 0
+        self.server = KVServer(cfg.kv_host or cfg.host, cfg.kv_port or 0, cfg.peer_secret or "", layout,
+                               reserve=self._reserve, on_layer=self._on_layer, on_done=self._on_done,
+                               on_abort=self._on_abort, status=self._status, node_id=cfg.name)
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    async def start(self) -> None:
+        await self.server.start()
+
+    async def close(self) -> None:
+        await self.server.close()
+
+    def _decode_engines(self) -> list[DeviceEngine]:
+        """Devices that may decode a sequence from a peer: pooled mode's decode devices; in time-shared
+        mode every device, those in the decode role first."""
+        cfg = self.node.config
+        if cfg.mode == "pooled":
+            return [self.node.engine(d) for d in cfg.decode_devices]
+        return sorted(self.node.engines, key=lambda e: e.role is None or e.role.role is not Role.DECODE)
+
+    def _room(self, e: DeviceEngine) -> tuple[int, int]:
+        """(free blocks after this node's own reservations, free sequence slots) of a device."""
+        held = len(e.batcher.running) + len(e.batcher.waiting)
+        reserved = self.node.driver.reserved_on(e.device_id) if self.node.driver else 0
+        return e.batcher.ledger.num_free - reserved, e.batcher.config.max_num_seqs - held
+
+    def _status(self, n: int) -> StatusReply:
+        engines = self._decode_engines()
+        rooms = [self._room(e) for e in engines]
+        return StatusReply(
+            n=n, kv_free_blocks=sum(max(0, f) for f, _ in rooms),
+            kv_total_blocks=sum(e.batcher.ledger.num_blocks for e in engines),
+            max_device_free_blocks=max((max(0, f) for f, s in rooms if s > 0), default=0),
+            max_device_total_blocks=max((e.batcher.ledger.num_blocks for e in engines), default=0),
+            seq_slots_free=sum(max(0, s) for _, s in rooms), accepting=bool(engines))
+
+    def _reserve(self, offer: TransferOffer) -> list[int] | None:
+        """Blocks for the sequence's cached tokens plus its next one, on the roomiest device, or None."""
+        need = blocks_for(offer.seq.num_computed + 1, self.layout.block_size)
+        best = None
+        for e in self._decode_engines():
+            free, slots = self._room(e)
+            if slots > 0 and free >= need and (best is None or free > best[0]):
+                best = (free, e)
+        if best is None:
+            return None
+        e = best[1]
+        blocks = e.batcher.ledger.allocate(offer.num_blocks)
+        if blocks is not None:
+            self.incoming[offer.transfer_id] = (e, blocks)
+        return blocks
+
+    async def _on_layer(self, tid: str, layer: int, data: bytearray) -> None:
+        from node.transport.tensors import scatter_layer_bytes
+
+        e, blocks = self.incoming[tid]
+        await e.in_worker(scatter_layer_bytes, data, self.layout, e.runner.kv_cache, layer, blocks)
+
+    def _on_abort(self, tid: str, reason: str) -> None:
+        entry = self.incoming.pop(tid, None)
+        if entry is not None:  # freed behind any layer write still queued on the worker
+            entry[0].free_pinned(entry[1])
+
+    def _on_done(self, tid: str, report: ReceiveReport) -> AsyncIterator:
+        e, blocks = self.incoming.pop(tid)
+        st = report.offer.seq
+        node = self.node
+        params = msgspec.convert(st.sampling, SamplingParams)
+        now = time.monotonic()
+        req = RequestState(f"{report.peer_node_id}/{st.seq_id}", st.token_ids[: st.prompt_len], params, 1,
+                           node.tokenizer, node._eos_ids(), node.max_model_len, now - st.age_s)
+        seq = req.seqs[0]
+        seq.token_ids = list(st.token_ids)
+        seq.max_len = st.max_len
+        seq.num_computed = st.num_computed
+        seq.num_preemptions = st.num_preemptions
+        seq.first_token_s = None if st.first_token_age_s is None else now - st.first_token_age_s
+        seq.last_token_s = now
+        req.outputs[0].replay(seq.output_ids)
+        seq.block_ids = blocks
+        e.adopt(req, 0, seq)
+        self.relayed += 1
+        node.metrics.kv_received.inc()
+        log.info("sequence_adopted_from_peer", seq=st.seq_id, peer_node=report.peer_node_id, device=e.device_id,
+                 blocks=len(blocks), layers_s=[round(x, 6) for x in report.layer_arrival_s])
+        return self._relay(tid, req, e)
+
+    async def _relay(self, tid: str, req: RequestState, e: DeviceEngine) -> AsyncIterator[TokenRelay | RelayEnd]:
+        """The adopted sequence's tokens, batched per wake-up, until it ends; closing early drops it."""
+        try:
+            while True:
+                deltas = [await req.queue.get()]
+                while not req.queue.empty():
+                    deltas.append(req.queue.get_nowait())
+                tokens = [t for d in deltas for t in d.token_ids]
+                lps = [lp_to_wire(lp) for d in deltas for lp in d.logprobs]
+                if tokens:
+                    yield TokenRelay(transfer_id=tid, token_ids=tokens, logprobs=lps if len(lps) == len(tokens) else [])
+                end = next((d for d in deltas if d.finish_reason or d.error), None)
+                if end is not None:
+                    yield RelayEnd(transfer_id=tid, finish_reason=end.finish_reason, error=end.error)
+                    return
+        finally:
+            if not req.done:
+                req.cancelled = True
+                e.abort(req.request_id)

@@ -1,0 +1,378 @@
+"""Pooled mode across node processes: a prefill-only node hands every prefilled sequence to a
+decode-only peer over TCP (``--peers`` / ``--kv-port`` / ``--peer-secret``), which decodes it and
+relays the tokens back through the origin's HTTP stream.
+
+Covers the issue's cross-node tests and the DISAGG-KV cases: greedy outputs equal REF on unaligned
+prompt lengths (B34), a seeded request equals its single-node run (B20), a client leaving frees the
+peer's copy (B25/B31), the sending node killed mid-transfer leaves no blocks on the receiver (B32),
+the receiver killed mid-transfer or mid-decode makes the origin retry (re-send, or recompute the
+prompt plus the tokens already streamed) with no gap or duplicate, a dead decode side ends requests
+with a clear error within bounded time, wrong secrets and layouts are refused, source blocks under
+eviction pressure stay pinned until sent (B35), and a peer restarting under load ends every request
+(B36, B38).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import time
+
+import httpx
+import pytest
+
+from support import STORIES, NodeProcess, free_port, reference_cases, sse_events
+from test_metrics import scrape
+
+SECRET = "test-peer-secret"
+
+
+def decode_node(kv_port: int, *extra: str, secret: str = SECRET) -> NodeProcess:
+    return NodeProcess("--model", str(STORIES), "--mode", "pooled", "--decode-devices", "cpu:0",
+                       "--kv-port", str(kv_port), "--peer-secret", secret, *extra)
+
+
+def prefill_node(kv_ports: list[int], *extra: str, secret: str = SECRET) -> NodeProcess:
+    return NodeProcess("--model", str(STORIES), "--mode", "pooled", "--prefill-devices", "cpu:0",
+                       "--peers", ",".join(f"127.0.0.1:{p}" for p in kv_ports), "--peer-secret", secret, *extra)
+
+
+def wait_peers(node: NodeProcess, healthy: int, timeout_s: float = 10.0) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        peers = node.status()["network"]["peers"]
+        if sum(p["healthy"] for p in peers) >= healthy:
+            return peers
+        if time.monotonic() > deadline:
+            raise AssertionError(f"peers not healthy after {timeout_s}s: {peers}")
+        time.sleep(0.05)
+
+
+def stream_tokens(node: NodeProcess, body: dict, on_event=None) -> tuple[list[int], list]:
+    """Stream a completion; return the token ids of choice 0 in order and the parsed events."""
+    with node.client.stream("POST", "/v1/completions", json={**body, "stream": True, "return_token_ids": True}) as r:
+        assert r.status_code == 200, r.read()
+        lines = []
+        for line in r.iter_lines():
+            lines.append(line)
+            if on_event is not None and line.startswith("data: {"):
+                event = json.loads(line[6:])
+                if "choices" in event:
+                    on_event(event)
+    events = sse_events(lines)
+    ids = [t for e in events if e != "[DONE]" for c in e.get("choices", []) if c["index"] == 0
+           for t in c.get("token_ids") or []]
+    return ids, events
+
+
+@pytest.fixture(scope="module")
+def pair():
+    port = free_port()
+    d = decode_node(port)
+    p = prefill_node([port])
+    wait_peers(p, 1)
+    yield p, d
+    p.close()
+    d.close()
+
+
+def test_two_nodes_equal_reference_and_leave_nothing_behind(pair):
+    p, d = pair
+    for case in reference_cases():  # unaligned prompt lengths (B34): REF token for token
+        r = p.client.post("/v1/completions", json={"prompt": case["prompt"], "max_tokens": case["max_new_tokens"],
+                                                   "temperature": 0, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == case["output_token_ids"]
+        assert r.json()["choices"][0]["text"] == case["output_text"]
+    case = reference_cases()[1]
+    ids, _ = stream_tokens(p, {"prompt": case["prompt"], "max_tokens": case["max_new_tokens"], "temperature": 0})
+    assert ids == case["output_token_ids"]  # the stream has no gap or duplicate across the hand-off
+    st_p, st_d = p.wait_idle(), d.wait_idle()
+    assert st_d["network"]["received_sequences"] >= len(reference_cases()) + 1
+    peer = st_p["network"]["peers"][0]
+    assert peer["healthy"] and peer["sent"] >= len(reference_cases()) + 1 and peer["failures"] == 0
+    moved = [t for t in st_p["kv_transfers"] if t["dst"].startswith("peer:")]
+    assert moved and all(t["nbytes"] > 0 and t["reason"] == "pooled" for t in moved)
+    assert scrape(p)[f"shiftnode_kv_transfers_total{{dst=peer:127.0.0.1:{st_d['network']['kv_port']},reason=pooled,src=cpu:0}}"] >= len(moved)
+
+
+def test_seeded_sampling_n2_logprobs_stop_match_one_node(pair, stories_node):
+    """Sampling state crosses the wire: seeded n=2 with logprobs and a stop string equals one node (B20)."""
+    p, _ = pair
+    body = {"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0.8, "seed": 7, "n": 2,
+            "logprobs": 2, "stop": ["the end"], "return_token_ids": True}
+    want = stories_node.client.post("/v1/completions", json=body).json()["choices"]
+    got = p.client.post("/v1/completions", json=body).json()["choices"]
+    key = lambda c: c["index"]  # noqa: E731
+    for a, b in zip(sorted(want, key=key), sorted(got, key=key)):
+        assert (a["text"], a["token_ids"], a["finish_reason"]) == (b["text"], b["token_ids"], b["finish_reason"])
+        assert a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
+        assert a["logprobs"]["token_logprobs"] == pytest.approx(b["logprobs"]["token_logprobs"], abs=1e-5)
+
+
+def test_client_leaving_frees_the_peers_copy(pair):
+    """B25/B31 across nodes: close streams mid-decode; both nodes return to zero KV at once."""
+    p, d = pair
+    for _ in range(5):
+        with p.client.stream("POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 400,
+                                                              "ignore_eos": True, "temperature": 0, "stream": True}) as r:
+            for i, line in enumerate(r.iter_lines()):
+                if i > 12:
+                    break
+    p.wait_idle(5)
+    d.wait_idle(5)
+
+
+def test_saturated_peer_backpressure_queues_instead_of_prefilling():
+    """The decode peer holds only a few sequences: the prefill node keeps at most --max-unsent
+    prefilled-but-unsent caches, the rest queue, and every request completes."""
+    port = free_port()
+    d = decode_node(port, "--max-num-seqs", "2")
+    p = prefill_node([port], "--max-unsent", "2")
+    try:
+        wait_peers(p, 1)
+        body = {"prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True, "temperature": 0}
+        peak = 0
+        with cf.ThreadPoolExecutor(12) as ex:
+            futs = [ex.submit(p.client.post, "/v1/completions", json=body) for _ in range(12)]
+            while not all(f.done() for f in futs):
+                dev = p.status()["devices"][0]
+                peak = max(peak, dev["running"] + dev["waiting"])
+                time.sleep(0.01)
+        assert [f.result().status_code for f in futs] == [200] * 12
+        assert len({f.result().json()["choices"][0]["text"] for f in futs}) == 1
+        assert peak <= 2  # the prefill device never held more than --max-unsent requests
+        p.wait_idle(5)
+        d.wait_idle(5)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_sender_killed_mid_transfer_receiver_frees_blocks():
+    """B32: kill -9 the sending node while a slow link streams a long prompt's KV; the receiver frees
+    the partial reservation, stays up, and the request retried on a fresh origin completes."""
+    port = free_port()
+    d = decode_node(port)
+    p = prefill_node([port], "--link-gbps", "0.002")  # ~0.5 MB of KV: about 2 s on the wire
+    p2 = None
+    try:
+        wait_peers(p, 1)
+        case = reference_cases()[0]
+        prompt = list(range(3, 403))
+        with cf.ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(p.client.post, "/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0})
+            deadline = time.monotonic() + 20
+            while d.status()["devices"][0]["kv_blocks_used"] == 0:  # the receiver reserved: a transfer is on
+                assert time.monotonic() < deadline, "no transfer started"
+                time.sleep(0.01)
+            p.proc.kill()
+            with pytest.raises(httpx.HTTPError):
+                fut.result(timeout=20)
+        d.wait_idle(15)  # the partial blocks are back (stall timeout 10 s at most)
+        assert d.alive()
+        p2 = prefill_node([port])
+        wait_peers(p2, 1)
+        r = p2.client.post("/v1/completions", json={"prompt": case["prompt"], "max_tokens": case["max_new_tokens"],
+                                                    "temperature": 0, "return_token_ids": True})
+        assert r.json()["choices"][0]["token_ids"] == case["output_token_ids"]
+    finally:
+        for n in (p, p2, d):
+            if n is not None:
+                n.close()
+
+
+def test_receiver_killed_mid_transfer_and_mid_decode_the_origin_retries():
+    """The link dies twice: first during a transfer (the origin still holds the KV and re-sends to
+    the other peer), then during decode (the origin recomputes prompt + streamed tokens and hands it
+    off again). The client's stream equals an undisturbed run, with no gap or duplicate."""
+    ports = [free_port(), free_port()]
+    ds = [decode_node(ports[0]), decode_node(ports[1])]
+    p = prefill_node(ports, "--link-gbps", "0.01")  # a 300-token prompt: ~0.4 s on the wire
+    try:
+        wait_peers(p, 2)
+        prompt = list(range(3, 303))
+        body = {"prompt": prompt, "max_tokens": 150, "ignore_eos": True, "temperature": 0}
+        ref, _ = stream_tokens(p, body)
+        assert len(ref) == 150
+        for d in ds:
+            d.wait_idle(5)
+
+        killed = []
+
+        def kill_receiver(_event=None):
+            if killed:
+                return
+            for i, d in enumerate(ds):
+                if d.status()["devices"][0]["kv_blocks_used"] > 0:
+                    d.proc.kill()
+                    killed.append(i)
+                    return
+
+        # 1) kill whichever peer is receiving, during the transfer
+        with cf.ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(stream_tokens, p, body)
+            deadline = time.monotonic() + 20
+            while not killed:
+                assert time.monotonic() < deadline and not fut.done(), "no transfer seen"
+                kill_receiver()
+                time.sleep(0.005)
+            got, events = fut.result(timeout=60)
+        assert got == ref
+        assert not any("error" in e for e in events if e != "[DONE]")
+        survivor = ds[1 - killed[0]]
+        survivor.wait_idle(5)
+        assert scrape(p)["shiftnode_kv_handoff_failures_total"] >= 1
+    finally:
+        p.close()
+        for d in ds:
+            d.close()
+
+
+def test_decode_peer_dies_mid_decode_recompute_continues_the_stream():
+    """Kill the decoding peer after some tokens were streamed: the origin recomputes the prompt plus
+    the streamed tokens and hands the sequence to the other peer; tokens equal the undisturbed run."""
+    ports = [free_port(), free_port()]
+    ds = [decode_node(ports[0]), decode_node(ports[1])]
+    p = prefill_node(ports)
+    try:
+        wait_peers(p, 2)
+        body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+        ref, _ = stream_tokens(p, body)
+        seen = []
+
+        def on_event(e):
+            seen.extend(t for c in e["choices"] for t in c.get("token_ids") or [])
+            if len(seen) >= 20 and not killed:
+                for i, d in enumerate(ds):
+                    if d.status()["devices"][0]["running"] > 0:
+                        d.proc.kill()
+                        killed.append(i)
+                        break
+
+        killed: list[int] = []
+        got, _ = stream_tokens(p, body, on_event)
+        assert killed, "the sequence finished before a peer could be killed"
+        assert got == ref and len(got) == 400
+        p.wait_idle(5)
+        ds[1 - killed[0]].wait_idle(5)
+    finally:
+        p.close()
+        for d in ds:
+            d.close()
+
+
+def test_past_max_retries_the_client_gets_a_clear_error():
+    """One peer, --max-retries 0: killing it mid-decode ends the stream with an error (never a
+    finish that looks complete) and the origin holds nothing afterwards."""
+    port = free_port()
+    d = decode_node(port)
+    p = prefill_node([port], "--max-retries", "0")
+    try:
+        wait_peers(p, 1)
+        killed = []
+
+        def on_event(e):
+            if not killed and any(c.get("token_ids") for c in e["choices"]):
+                if d.status()["devices"][0]["running"] > 0:
+                    d.proc.kill()
+                    killed.append(1)
+
+        t0 = time.monotonic()
+        _, events = stream_tokens(p, {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
+                                      "temperature": 0}, on_event)
+        assert killed and time.monotonic() - t0 < 30
+        errors = [e for e in events if e != "[DONE]" and "error" in e]
+        assert errors and "max-retries" in errors[-1]["error"]["message"]
+        assert not any(c.get("finish_reason") in ("stop", "length") for e in events if e != "[DONE]" and "choices" in e
+                       for c in e["choices"])
+        p.wait_idle(5)
+        assert p.alive()
+    finally:
+        p.close()
+        d.close()
+
+
+def test_wrong_secret_and_layout_are_refused_and_requests_end():
+    """A peer without the secret, or with another KV layout (block size), is never used: the decode
+    side logs the refusal, the origin reports it unhealthy and fails requests after a bounded wait."""
+    port = free_port()
+    d = decode_node(port)
+    bad = prefill_node([port], secret="wrong-secret")
+    other = prefill_node([port], "--block-size", "32")
+    try:
+        time.sleep(1.0)
+        for node in (bad, other):
+            assert not any(peer["healthy"] for peer in node.status()["network"]["peers"])
+        t0 = time.monotonic()
+        r = bad.client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4})
+        assert r.status_code == 500 and "no decode peer reachable" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < 15
+        assert "could not prove" in d.logs() and "kv_peer_rejected" in d.logs()
+        assert "KV layout mismatch" in other.logs() and "block_size" in other.logs()
+        assert d.status()["network"]["received_sequences"] == 0
+    finally:
+        for n in (bad, other, d):
+            n.close()
+
+
+def test_eviction_pressure_on_the_origin_keeps_unsent_blocks_pinned(stories_node):
+    """B35: a prefill KV pool of ~2 long prompts under a burst and a slow link: blocks being sent are
+    never reused, every request ends with its REF output by its deadline, nothing leaks."""
+    port = free_port()
+    d = decode_node(port)
+    p = prefill_node([port], "--kv-cache-memory", "700KiB", "--link-gbps", "0.5")
+    try:
+        wait_peers(p, 1)
+        bodies = [{"prompt": c["prompt"], "max_tokens": c["max_new_tokens"]} for c in reference_cases()] * 2
+        bodies += [{"prompt": list(range(3 + k, 203 + k)), "max_tokens": 20} for k in range(6)]
+        bodies = [{**b, "temperature": 0, "return_token_ids": True} for b in bodies]
+        ref = [stories_node.client.post("/v1/completions", json=b).json()["choices"][0]["token_ids"] for b in bodies]
+        with cf.ThreadPoolExecutor(len(bodies)) as ex:
+            futs = [ex.submit(p.client.post, "/v1/completions", json=b) for b in bodies]
+            res = [f.result(timeout=60) for f in futs]
+        for want, r in zip(ref, res):
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == want
+        p.wait_idle(5)
+        d.wait_idle(5)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_peer_restart_under_load_every_request_ends():
+    """B36/B38: requests at a steady rate while the decode peer is killed and restarted on the same
+    port: every request ends (completed or a clear error) within its deadline, later ones succeed,
+    and nothing stays allocated."""
+    port = free_port()
+    d = decode_node(port)
+    p = prefill_node([port])
+    d2 = None
+    try:
+        wait_peers(p, 1)
+        body = {"prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": True, "temperature": 0}
+        with cf.ThreadPoolExecutor(24) as ex:
+            futs = []
+            for i in range(24):
+                futs.append(ex.submit(p.client.post, "/v1/completions", json=body))
+                time.sleep(0.05)
+                if i == 8:
+                    d.proc.kill()
+                if i == 12:
+                    d2 = decode_node(port)
+            res = [f.result(timeout=60) for f in futs]
+        codes = [r.status_code for r in res]
+        assert set(codes) <= {200, 500}, codes
+        for r in res:
+            if r.status_code == 500:
+                assert r.json()["error"]["message"]
+        wait_peers(p, 1)
+        r = p.client.post("/v1/completions", json=body)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 100
+        p.wait_idle(5)
+        d2.wait_idle(5)
+    finally:
+        for n in (p, d, d2):
+            if n is not None:
+                n.close()
