@@ -123,6 +123,20 @@ def test_client_leaving_frees_the_peers_copy(pair):
     d.wait_idle(5)
 
 
+def test_burst_then_idle_then_serve(pair):
+    """B36: a 64-request burst across the pair completes, and after an idle spell the pair still serves
+    (the capacity polls keep the control connection alive; every hand-off opens a fresh one)."""
+    p, d = pair
+    body = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}
+    with cf.ThreadPoolExecutor(64) as ex:
+        res = list(ex.map(lambda _: p.client.post("/v1/completions", json=body), range(64)))
+    assert {r.status_code for r in res} == {200} and len({r.json()["choices"][0]["text"] for r in res}) == 1
+    time.sleep(2.0)
+    assert p.client.post("/v1/completions", json=body).json()["choices"][0]["text"] == res[0].json()["choices"][0]["text"]
+    p.wait_idle(5)
+    d.wait_idle(5)
+
+
 def test_saturated_peer_backpressure_queues_instead_of_prefilling():
     """The decode peer holds only a few sequences: the prefill node keeps at most --max-unsent
     prefilled-but-unsent caches, the rest queue, and every request completes."""

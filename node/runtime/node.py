@@ -227,6 +227,9 @@ class Node:
                 if self.peers:  # hand-offs in flight and relays from peers: the peers drop their copies
                     self.peers.cancel(request_id)
             reasons = [r or "abort" for r in reasons]
+            if self.peers:
+                for seq in req.seqs:
+                    self.peers.retries.pop(seq.seq_id, None)
             if self.driver:
                 self.driver.finished(req, reasons, sum(tokens))
             s = req.stats
