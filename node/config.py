@@ -83,6 +83,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
              "--peers and --kv-port need --peer-secret (or SHIFTNODE_PEER_SECRET)"),
             (self.kv_port is None or 0 <= self.kv_port <= 65535, f"--kv-port must be in [0, 65535], got {self.kv_port}"),
             (all(_is_host_port(p) for p in self.peers), f"--peers must be host:port entries, got {self.peers}"),
+            (not self.peers or self.mode != "colocated", "--peers is for pooled and time-shared modes"),
             (self.max_retries >= 0, "--max-retries must be at least 0"),
             (self.imbalance_threshold >= 0, "--imbalance-threshold must be at least 0 (0 turns the fallback off)"),
             (self.max_unsent >= 1, "--max-unsent must be at least 1"),

@@ -390,3 +390,27 @@ def test_peer_restart_under_load_every_request_ends():
         for n in (p, d, d2):
             if n is not None:
                 n.close()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--mode", "pooled", "--prefill-devices", "cpu:0"], "needs --peers"),
+    (["--mode", "pooled", "--decode-devices", "cpu:0"], "needs --kv-port"),
+    (["--mode", "pooled", "--prefill-devices", "cpu:0", "--peers", "127.0.0.1:9"], "need --peer-secret"),
+    (["--mode", "pooled", "--prefill-devices", "cpu:0", "--peers", "nohost", "--peer-secret", "s"], "host:port"),
+    (["--mode", "colocated", "--peers", "127.0.0.1:9", "--peer-secret", "s"], "pooled and time-shared"),
+    (["--kv-port", "70000", "--peer-secret", "s"], "--kv-port"),
+    (["--max-retries", "-1"], "--max-retries"),
+    (["--imbalance-threshold", "-1"], "--imbalance-threshold"),
+])
+def test_peer_flags_are_validated(argv, message, monkeypatch):
+    import argparse
+
+    from node.cli import config_from_args, serve_parser
+    from node.config import ConfigError
+
+    monkeypatch.delenv("SHIFTNODE_PEER_SECRET", raising=False)
+    parser = argparse.ArgumentParser()
+    serve_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", *argv])
+    with pytest.raises(ConfigError, match=message):
+        config_from_args(args).validate()

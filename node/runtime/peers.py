@@ -151,7 +151,7 @@ class PeerLinks:
                 while True:
                     peer.status = await client.query_status()
                     peer.status_s = time.monotonic()
-                    self.node.driver.kick()
+                    self._kick()
                     await asyncio.sleep(STATUS_POLL_S)
             except asyncio.CancelledError:
                 raise
@@ -159,12 +159,16 @@ class PeerLinks:
                 if peer.status is not None:
                     log.warning("peer_unreachable", peer=peer.addr, error=str(e) or type(e).__name__)
                 peer.status = None
-                self.node.driver.kick()
+                self._kick()
                 await asyncio.sleep(RECONNECT_S)
             finally:
                 if client is not None:
                     with suppress(Exception):
                         await client.close()
+
+    def _kick(self) -> None:
+        if self.node.driver is not None:
+            self.node.driver.kick()
 
     # --- hand-off -------------------------------------------------------------------------------
     def hand_off(self, engine: DeviceEngine, req: RequestState, seq: Sequence, peer: Peer, reason: str,
