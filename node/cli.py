@@ -59,7 +59,9 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-retries", type=int, default=2,
                    help="recompute a request whose KV hand-off to a peer failed up to this many times, then fail it")
     g.add_argument("--imbalance-threshold", type=float, default=1.0,
-                   help="time-shared fallback: move decoding sequences between devices past this imbalance (0: off)")
+                   help="time-shared fallback: move decoding sequences to another device when a prefill window would "
+                        "make them miss --tpot-slo-ms, or when the slowest decoding device's estimated step exceeds "
+                        "(1 + this) times the fastest's (0: off)")
     g.add_argument("--max-unsent", type=int, default=64,
                    help="pooled mode: prompts in flight plus prefilled-but-unsent caches per prefill device")
     k = p.add_argument_group("KV transfer between nodes")

@@ -111,7 +111,10 @@ class ResidentSeq(msgspec.Struct, frozen=True):
 
     ``first_token_s``: when its first token came (s); ``output_tokens``: tokens generated so far,
     the first included; ``context_tokens``: prompt + output tokens cached; ``expected_output_tokens``:
-    the placement's estimate of its final output length (0: unknown).
+    the placement's estimate of its final output length (0: unknown); ``request_id``: the id the
+    policy's decisions name it by (the node passes the sequence id, ``{request id}-{choice}``);
+    ``moved_s``: when it last moved between devices, or a move of it was last refused (s), read by the
+    imbalance fallback's cooldown (:mod:`node.core.imbalance`).
     """
 
     request_id: str
@@ -119,6 +122,7 @@ class ResidentSeq(msgspec.Struct, frozen=True):
     output_tokens: int
     context_tokens: int
     expected_output_tokens: int = 0
+    moved_s: float | None = None
 
 
 class DeviceState(msgspec.Struct, frozen=True, kw_only=True):

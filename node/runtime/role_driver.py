@@ -5,8 +5,15 @@ It keeps the prompts not yet placed, turns the node's live state into a :class:`
 event loop) and placements (handing a request to a device's engine). It runs on every arrival, step
 end and switch end, and on a short timer while work exists (urgency grows with age alone).
 
+With ``--imbalance-threshold`` above 0 each round first asks the fallback policy
+(:class:`ImbalancePolicy`) which decoding sequences to move to another device and starts those moves
+(``DeviceEngine.migrate``); the snapshot the role scheduler then sees already counts each moving
+sequence on its destination (with the blocks it will take there reserved), so the scheduler does not
+switch a device back to DECODE for sequences that are leaving it. The moved sequence keeps its
+``RequestState``, so its tokens go on flowing into the same client stream.
+
 The cost model the policy sizes windows with is refitted online from the node's own measured steps
-(least squares over the last samples of each kind), starting from ``--cost-model`` or CPU defaults.
+(least squares over the last samples of each kind), starting from CPU-sized defaults.
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ import structlog
 
 from node.core.batcher import StepKind, StepPlan
 from node.core.cost import CostModel, fit_cost_model
-from node.core.sequence import SeqStatus
+from node.core.imbalance import ImbalanceConfig, ImbalancePolicy, Migrate
+from node.core.sequence import Sequence, SeqStatus
 from node.core.roles import (DeviceState, NodeSnapshot, Place, Reject, ResidentSeq, Role, RoleScheduler,
                              SwitchRole, WaitingPrompt)
 from node.runtime.driver import SAMPLES, Driver
@@ -46,14 +54,24 @@ class RoleDriver(Driver):
         self._decode: deque[tuple[int, int, float]] = deque(maxlen=SAMPLES)
         self._pauses: deque[float] = deque(maxlen=SAMPLES)
         self._steps = 0
+        rc = scheduler.config
+        self.imbalance = ImbalancePolicy(ImbalanceConfig(
+            threshold=node.config.imbalance_threshold, tpot_slo_ms=rc.tpot_slo_ms, slo_margin=rc.slo_margin,
+            reconfig_pause_ms=rc.reconfig_pause_ms, prefill_token_budget=rc.prefill_token_budget), scheduler.cost)
+        self._moving: dict[str, str] = {}  # sequence id → destination device, while its move is queued or copying
+        self._moved_s: dict[str, float] = {}  # sequence id → end of its last move (or refusal): the cooldown
         for e in node.engines:
             e.step_listeners.append(self._on_step)
             e.switch_listeners.append(self._on_switch)
+            e.migration_listeners.append(lambda *_: self.kick())  # a sequence arrived: its device's role may change
 
     # --- one decision round --------------------------------------------------------------------------
     def tick(self) -> None:
         now = self.clock()
-        decisions = self.scheduler.decide(now, self.snapshot(now))
+        snap = self.snapshot(now)
+        if self.imbalance.config.threshold > 0 and self._start_moves(self.imbalance.decide(now, snap)):
+            snap = self.snapshot(now)  # the moving sequences now count on their destinations
+        decisions = self.scheduler.decide(now, snap)
         by_id = {r.request_id: r for r in self.pending}
         for d in decisions:
             if isinstance(d, SwitchRole):
@@ -72,6 +90,36 @@ class RoleDriver(Driver):
                     self.pending.remove(req)
                     req.fail(f"request cannot be served: {d.reason}")
 
+    def _start_moves(self, moves: list[Migrate]) -> int:
+        """Queue the fallback's moves on their source engines; the number started."""
+        started = 0
+        for m in moves:
+            if m.seq_id in self._moving:
+                continue
+            src = self.node.engine(m.src_device)
+            seq = next((s for s in src.batcher.running if s.seq_id == m.seq_id), None)
+            req = src.requests.get(seq.request_id) if seq is not None else None
+            if seq is None or req is None or req.cancelled or not seq.is_decoding:
+                continue
+            self._moving[seq.seq_id] = m.dst_device
+            fut = src.migrate(seq, self.node.engine(m.dst_device), m.reason)
+            fut.add_done_callback(lambda f, seq=seq, m=m: self._moved(seq, m, f))
+            started += 1
+        return started
+
+    def _moved(self, seq: Sequence, m: Migrate, fut: asyncio.Future) -> None:
+        self._moving.pop(seq.seq_id, None)
+        if seq.status is not SeqStatus.FINISHED:
+            self._moved_s[seq.seq_id] = self.clock()
+        if fut.cancelled() or fut.result() is None:
+            log.info("migration_refused", seq=seq.seq_id, src=m.src_device, dst=m.dst_device, reason=m.reason)
+        self.kick()
+
+    def finished(self, req, reasons, output_tokens) -> None:
+        super().finished(req, reasons, output_tokens)
+        for s in req.seqs:
+            self._moved_s.pop(s.seq_id, None)
+
     async def _switch(self, d: SwitchRole) -> None:
         try:
             await self.node.engine(d.device_id).switch_role(d.to_role, d.reason)
@@ -80,26 +128,41 @@ class RoleDriver(Driver):
             self.kick()
 
     def snapshot(self, now: float) -> NodeSnapshot:
-        devices = []
+        """The policy's view of the node. A sequence whose move is under way counts on its destination
+        (cooling down), with the blocks the destination will allocate for it reserved there."""
+        residents: dict[str, list[ResidentSeq]] = {e.device_id: [] for e in self.node.engines}
+        incoming: dict[str, int] = {e.device_id: 0 for e in self.node.engines}  # blocks of moves not yet applied
+        queued: dict[str, tuple[int, int]] = {}
         for e in self.node.engines:
-            r = e.role
-            resident, q_tokens, q_seqs = [], 0, 0
+            q_tokens, q_seqs = 0, 0
             for req in e.requests.values():
                 for s in req.seqs:
                     if s.status is SeqStatus.FINISHED or s.device_id != e.device_id:
                         continue
                     if s.num_output > 0 and s.is_decoding:
-                        resident.append(ResidentSeq(s.seq_id, s.first_token_s or now, s.num_output,
-                                                    s.num_computed, self.expected_output(req)))
+                        moving = s.seq_id in self._moving
+                        dst = self._moving.get(s.seq_id, e.device_id)
+                        residents[dst].append(ResidentSeq(
+                            s.seq_id, s.first_token_s or now, s.num_output, s.num_computed, self.expected_output(req),
+                            now if moving else self._moved_s.get(s.seq_id)))
+                        if dst != e.device_id and s in e.batcher.running:  # not applied yet: dst allocates later
+                            incoming[dst] += len(s.block_ids)
                     else:
                         q_tokens += s.num_uncomputed
                         q_seqs += 1
+            queued[e.device_id] = (q_tokens, q_seqs)
+        devices = []
+        for e in self.node.engines:
+            r = e.role
+            resident = residents[e.device_id]
+            q_tokens, q_seqs = queued[e.device_id]
             busy_until = now if e.step_started_s is None else max(now, e.step_started_s + e.last_step_s)
             devices.append(DeviceState(
                 device_id=e.device_id, role=r.role, role_since_s=r.since_s if r.role is not Role.SWITCHING else r.switch_started_s,
                 switching_to=r.switching_to, switch_done_s=r.switch_done_est_s, busy_until_s=busy_until,
                 resident=tuple(resident), prefill_queue_tokens=q_tokens, prefill_queue_seqs=q_seqs,
-                kv_free_blocks=e.batcher.ledger.num_free, kv_reserved_blocks=self.reserved_on(e.device_id),
+                kv_free_blocks=e.batcher.ledger.num_free,
+                kv_reserved_blocks=self.reserved_on(e.device_id) + incoming[e.device_id],
                 kv_total_blocks=e.batcher.ledger.num_blocks, block_size=e.batcher.ledger.block_size,
                 seq_slots_free=e.batcher.config.max_num_seqs - len(resident) - q_seqs,
             ))
@@ -144,5 +207,5 @@ class RoleDriver(Driver):
         if fitted.prefill_per_token_s <= 0 and prefill:
             fitted = msgspec.structs.replace(fitted, prefill_fixed_s=0.0, prefill_per_token_s=sum(
                 s for _, s in prefill) / max(1, sum(n for n, _ in prefill)))
-        self.scheduler.cost = fitted
+        self.scheduler.cost = self.imbalance.cost = fitted
 

@@ -1,0 +1,260 @@
+"""Imbalance fallback of time-shared mode: which decoding sequences move to which device (pure policy).
+
+In time-shared mode a sequence decodes on the device that prefilled it. Two situations make that
+costly; in both the fallback moves the sequence's KV to another device (the shell's
+``DeviceEngine.migrate``: blocks allocated on the receiver first, copied layer by layer in logical
+order, position counter unchanged), where it goes on decoding while its client's stream continues.
+:meth:`ImbalancePolicy.decide` takes ``now_s`` and a :class:`NodeSnapshot` and returns
+:class:`Migrate` decisions; it keeps no state (the cooldown reads ``ResidentSeq.moved_s``) and imports
+only the standard library and msgspec, like :mod:`node.core.roles`.
+
+Symbols (seconds unless noted), as in :mod:`node.core.roles`: ``T = slo_margin * tpot_slo_ms / 1e3``
+the per-token target; ``p = max(reconfig_pause_ms / 1e3, cost.pause_s)`` the switch pause;
+``P(q)`` the chunked prefill time of ``q`` prompt tokens; ``d(n, k) = cost.decode_step_s(n, k)`` the
+decode step of ``n`` sequences holding ``k`` context tokens. A resident sequence whose first token came
+at ``f`` and which has ``m`` output tokens owes its next token by ``D = f + m*T``.
+
+**Trigger "tpot"** (a prefill window would make sequences miss their target). A *source* is a device
+in the PREFILL role, or switching to it, that holds decoding sequences. Its window starts at ``t0``
+(PREFILL: ``max(now, busy_until)``; switching: the end of the pause), must prefill the ``q`` queued
+prompt tokens (``qn`` prompts) placed on it, then pays the pause back to DECODE and one decode step::
+
+    t_src = t0 + P(q) + p + d(n + qn, k + q + qn)        (n, k: the source's residents and context)
+
+A resident with ``D < t_src`` is *late*. Late sequences (earliest deadline first) move to the
+*destination* — a device in the DECODE role or switching to it — whose next decode step, the moved
+sequence included, ends first::
+
+    t_dst = s_dst + d(n_dst + 1, k_dst + k_seq)          (s_dst: max(now, busy_until), or the pause end)
+
+provided ``t_dst < t_src`` (it is served sooner), ``d(n_dst + 1, k_dst + k_seq) <= T`` (the destination
+keeps pace for everything it holds) and the destination has room (below). The copy itself (a few ms
+inside a node) is not modelled.
+
+**Trigger "imbalance"** (decode loads across devices differ past ``threshold``). Among DECODE-role
+devices holding sequences, the *load* of a device is its estimated decode step ``L = d(n, k)`` (s) —
+the time per token of every sequence on it — and the imbalance is ``L_max / L_min - 1`` (dimensionless;
+``L_min = 0`` counts as infinite). While it exceeds ``threshold``, one sequence moves from the most to
+the least loaded device: the one whose move gives the smallest ``max(L_src', L_dst')``, and only if that
+is below ``L_max`` (a strict improvement; a move that only swaps which device is the heavy one is never
+made). With ``threshold = 1`` sequences move once the slowest decoding device's step is more than twice
+the fastest's. Since a fixed part of the step (the weight read) is paid whatever the batch, small
+batches rarely differ that much; the trigger matters when KV reads (context) dominate the step.
+
+**Room.** A destination takes a sequence only when its free blocks minus its reservations cover
+``max(blocks(k_seq + 1), min(blocks(k_seq + r), total))`` — the next token at least, and the
+sequence's expected remaining output ``r = expected - m`` when known — and it has a free sequence slot.
+Earlier moves of the same round count against both.
+
+**Hysteresis.** A sequence that moved (or whose move was refused) less than ``cooldown_ms`` ago does not
+move again; at most ``max_moves`` moves per round (both triggers together); the imbalance trigger fires
+only past the threshold and each of its moves leaves both devices it touches below the old largest
+load, so with loads standing still the loads sorted in decreasing order fall lexicographically with each
+move: the moves end, and no placement comes back.
+
+``threshold = 0`` turns the fallback off (:meth:`ImbalancePolicy.decide` returns nothing).
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from node.core.cost import CostModel
+from node.core.roles import DeviceState, NodeSnapshot, ResidentSeq, Role, blocks_for
+
+__all__ = ["Migrate", "ImbalanceConfig", "ImbalancePolicy"]
+
+INF = math.inf
+EPS = 1e-9  # s; float slack in time comparisons
+
+
+class Migrate(msgspec.Struct, frozen=True, tag="migrate"):
+    """Move decoding sequence ``seq_id`` (the ``ResidentSeq`` id) from ``src_device`` to ``dst_device``.
+
+    ``reason``: ``tpot`` (a prefill window would make it miss its target) or ``imbalance``.
+    """
+
+    seq_id: str
+    src_device: str
+    dst_device: str
+    reason: str
+
+
+class ImbalanceConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Knobs of the fallback (ms, tokens). ``threshold``: the imbalance ``L_max / L_min - 1`` past which
+    sequences move (0: fallback off); the role knobs are the role scheduler's, so both see the same
+    ``T``, ``p`` and ``P``."""
+
+    threshold: float = 1.0
+    tpot_slo_ms: float = 100.0
+    slo_margin: float = 0.9
+    reconfig_pause_ms: float = 0.0
+    prefill_token_budget: int = 2048
+    max_moves: int = 32  # per decision round, both triggers together
+    cooldown_ms: float = 1000.0  # a sequence that moved stays at least this long
+
+
+class _Dev:
+    """Working state of one device during a round (residents and room after the moves planned so far)."""
+
+    __slots__ = ("st", "idx", "res", "n", "ctx", "kv", "slots")
+
+    def __init__(self, st: DeviceState, idx: int):
+        self.st = st
+        self.idx = idx
+        self.res: list[ResidentSeq] = list(st.resident)
+        self.n = len(st.resident)
+        self.ctx = sum(s.context_tokens for s in st.resident)
+        self.kv = st.kv_free_blocks - st.kv_reserved_blocks
+        self.slots = st.seq_slots_free
+
+    @property
+    def prefill_side(self) -> bool:
+        st = self.st
+        return st.role is Role.PREFILL or (st.role is Role.SWITCHING and st.switching_to is Role.PREFILL)
+
+    @property
+    def decode_side(self) -> bool:
+        st = self.st
+        return st.role is Role.DECODE or (st.role is Role.SWITCHING and st.switching_to is Role.DECODE)
+
+
+class ImbalancePolicy:
+    """The fallback policy (see the module docstring). ``cost`` may be replaced as the node refits it."""
+
+    def __init__(self, config: ImbalanceConfig, cost: CostModel):
+        if config.threshold < 0:
+            raise ValueError("threshold must be >= 0 (0 turns the fallback off)")
+        if config.prefill_token_budget < 1:
+            raise ValueError("prefill_token_budget must be >= 1")
+        self.config = config
+        self.cost = cost
+        self.T = config.slo_margin * config.tpot_slo_ms / 1e3
+        self.cooldown_s = config.cooldown_ms / 1e3
+
+    @property
+    def pause_s(self) -> float:
+        return max(self.config.reconfig_pause_ms / 1e3, self.cost.pause_s)
+
+    def deadline_s(self, s: ResidentSeq) -> float:
+        """When the sequence owes its next token: ``f + m*T`` (s)."""
+        return s.first_token_s + s.output_tokens * self.T
+
+    def load_s(self, n: int, ctx: int) -> float:
+        """Decode step of ``n`` sequences holding ``ctx`` context tokens (s), never negative."""
+        return max(0.0, self.cost.decode_step_s(n, ctx))
+
+    def need_blocks(self, s: ResidentSeq, dst: DeviceState) -> int:
+        """Free blocks a destination must have for ``s``: its next token, and its expected rest."""
+        rest = max(1, s.expected_output_tokens - s.output_tokens)
+        low = blocks_for(s.context_tokens + 1, dst.block_size)
+        return max(low, min(blocks_for(s.context_tokens + rest, dst.block_size), dst.kv_total_blocks))
+
+    def source_next_token_s(self, st: DeviceState, now_s: float) -> float:
+        """``t_src``: when a resident of a prefill-side device gets its next token (s)."""
+        if st.role is Role.PREFILL:
+            t0 = max(now_s, st.busy_until_s)
+        else:
+            t0 = max(now_s, st.switch_done_s if st.switch_done_s is not None else now_s + self.pause_s)
+        n = len(st.resident) + st.prefill_queue_seqs
+        k = sum(s.context_tokens for s in st.resident) + st.prefill_queue_tokens + st.prefill_queue_seqs
+        prefill = self.cost.prefill_s(st.prefill_queue_tokens, self.config.prefill_token_budget)
+        return t0 + prefill + self.pause_s + self.load_s(n, k)
+
+    def _decode_start_s(self, st: DeviceState, now_s: float) -> float:
+        if st.role is Role.DECODE:
+            return max(now_s, st.busy_until_s)
+        return max(now_s, st.switch_done_s if st.switch_done_s is not None else now_s + self.pause_s)
+
+    def _movable(self, s: ResidentSeq, now_s: float, planned: set[str]) -> bool:
+        return s.request_id not in planned and (s.moved_s is None or now_s - s.moved_s >= self.cooldown_s)
+
+    def _fits(self, dst: _Dev, s: ResidentSeq) -> int:
+        """Blocks ``s`` takes on ``dst``, or -1 when ``dst`` has no room for it."""
+        need = self.need_blocks(s, dst.st)
+        return need if need <= dst.kv and dst.slots >= 1 else -1
+
+    @staticmethod
+    def _move(s: ResidentSeq, src: _Dev, dst: _Dev, need: int, reason: str, planned: set[str],
+              out: list[Migrate]) -> None:
+        out.append(Migrate(s.request_id, src.st.device_id, dst.st.device_id, reason))
+        planned.add(s.request_id)
+        src.res.remove(s)
+        src.n -= 1
+        src.ctx -= s.context_tokens
+        dst.res.append(s)
+        dst.n += 1
+        dst.ctx += s.context_tokens
+        dst.kv -= need
+        dst.slots -= 1
+
+    # --- the decision ---------------------------------------------------------------------------
+    def decide(self, now_s: float, snapshot: NodeSnapshot) -> list[Migrate]:
+        """Moves for this instant, ``tpot`` ones first (apply in order; each may be refused)."""
+        if self.config.threshold <= 0 or self.config.max_moves <= 0 or len(snapshot.devices) < 2:
+            return []
+        devs = [_Dev(st, i) for i, st in enumerate(snapshot.devices)]
+        out: list[Migrate] = []
+        planned: set[str] = set()
+        self._tpot(now_s, devs, planned, out)
+        self._balance(now_s, devs, planned, out)
+        return out
+
+    def _tpot(self, now_s: float, devs: list[_Dev], planned: set[str], out: list[Migrate]) -> None:
+        dsts = [dv for dv in devs if dv.decode_side]
+        if not dsts:
+            return
+        for src in devs:
+            if not src.prefill_side or not src.res:
+                continue
+            t_src = self.source_next_token_s(src.st, now_s)
+            late = sorted((s for s in src.res if self.deadline_s(s) < t_src - EPS and self._movable(s, now_s, planned)),
+                          key=lambda s: (self.deadline_s(s), s.request_id))
+            for s in late:
+                if len(out) >= self.config.max_moves:
+                    return
+                best: tuple[float, int, _Dev, int] | None = None
+                for dst in dsts:
+                    need = self._fits(dst, s)
+                    if need < 0:
+                        continue
+                    step = self.load_s(dst.n + 1, dst.ctx + s.context_tokens)
+                    t_dst = self._decode_start_s(dst.st, now_s) + step
+                    if step > self.T + EPS or t_dst >= t_src - EPS:
+                        continue
+                    if best is None or (t_dst, dst.idx) < best[:2]:
+                        best = (t_dst, dst.idx, dst, need)
+                if best is not None:
+                    self._move(s, src, best[2], best[3], "tpot", planned, out)
+
+    def _balance(self, now_s: float, devs: list[_Dev], planned: set[str], out: list[Migrate]) -> None:
+        limit = 1.0 + self.config.threshold
+        while len(out) < self.config.max_moves:
+            pool = [dv for dv in devs if dv.st.role is Role.DECODE and dv.n > 0]
+            if len(pool) < 2:
+                return
+            load = {dv.idx: self.load_s(dv.n, dv.ctx) for dv in pool}
+            src = max(pool, key=lambda dv: (load[dv.idx], -dv.idx))
+            dst = min(pool, key=lambda dv: (load[dv.idx], dv.idx))
+            hi, lo = load[src.idx], load[dst.idx]
+            if src is dst or hi <= limit * lo + EPS:
+                return
+            best: tuple[float, int, str, ResidentSeq, int] | None = None
+            for s in src.res:
+                if not self._movable(s, now_s, planned):
+                    continue
+                need = self._fits(dst, s)
+                if need < 0:
+                    continue
+                peak = max(self.load_s(src.n - 1, src.ctx - s.context_tokens),
+                           self.load_s(dst.n + 1, dst.ctx + s.context_tokens))
+                if peak >= hi - EPS:
+                    continue
+                key = (peak, s.context_tokens, s.request_id, s, need)
+                if best is None or key[:3] < best[:3]:
+                    best = key
+            if best is None:
+                return
+            self._move(best[3], src, dst, best[4], "imbalance", planned, out)
