@@ -392,6 +392,88 @@ def test_peer_restart_under_load_every_request_ends():
                 n.close()
 
 
+def test_time_shared_fallback_moves_a_decoding_sequence_to_a_peer_node(stories_node):
+    """A one-device time-shared node whose switch back to DECODE (a 200 ms pause) would make a freshly
+    prefilled sequence miss its 100 ms TPOT target: the fallback ("tpot") streams the sequence's KV to
+    the peer node instead, the peer decodes it and relays the tokens, and both clients' streams equal
+    REF with no gap or duplicate; the node keeps prefilling."""
+    port = free_port()
+    b = NodeProcess("--model", str(STORIES), "--kv-port", str(port), "--peer-secret", SECRET)
+    a = NodeProcess("--model", str(STORIES), "--peers", f"127.0.0.1:{port}", "--peer-secret", SECRET,
+                    "--reconfig-pause-ms", "200", "--tpot-slo-ms", "100", "--ttft-slo-ms", "400")
+    try:
+        wait_peers(a, 1)
+        body = {"prompt": "Once upon a time", "max_tokens": 150, "ignore_eos": True, "temperature": 0}
+        ref, _ = stream_tokens(stories_node, body)
+        other = {"prompt": "Lily and Ben", "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+        want_other = stories_node.client.post("/v1/completions", json=other).json()["choices"][0]["token_ids"]
+        with cf.ThreadPoolExecutor(1) as ex:
+            second = []
+
+            def on_event(_e):
+                if not second and len(got_so_far) >= 20:
+                    second.append(ex.submit(a.client.post, "/v1/completions", json=other))
+
+            got_so_far: list[int] = []
+            got, _ = stream_tokens(a, body, lambda e: (got_so_far.extend(
+                t for c in e["choices"] for t in c.get("token_ids") or []), on_event(e)))
+            assert second and second[0].result(timeout=30).json()["choices"][0]["token_ids"] == want_other
+        assert got == ref
+        st_a = a.wait_idle(5)
+        moved = [t for t in st_a["kv_transfers"] if t["dst"] == f"peer:127.0.0.1:{port}"]
+        assert moved and all(t["reason"] == "tpot" and t["src"] == "cpu:0" and t["nbytes"] > 0 for t in moved)
+        assert b.wait_idle(5)["network"]["received_sequences"] == len(moved)
+        assert scrape(a)[f"shiftnode_kv_transfers_total{{dst=peer:127.0.0.1:{port},reason=tpot,src=cpu:0}}"] == len(moved)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_drain_moves_decoding_sequences_mid_decode_to_a_peer_node(stories_node):
+    """``POST /v1/node/drain`` on a time-shared node: sequences that have decoded for a while stream
+    to the peer node mid-decode and finish there with REF output and no gap or duplicate; new
+    requests get 503 (code ``draining``); the drained node ends with nothing allocated."""
+    port = free_port()
+    b = NodeProcess("--model", str(STORIES), "--kv-port", str(port), "--peer-secret", SECRET, "--log-format", "json")
+    a = NodeProcess("--model", str(STORIES), "--peers", f"127.0.0.1:{port}", "--peer-secret", SECRET,
+                    "--imbalance-threshold", "0")  # only the drain moves sequences
+    try:
+        wait_peers(a, 1)
+        bodies = [{"prompt": list(range(3 + k, 40 + k)), "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+                  for k in range(3)]
+        ref = [stream_tokens(stories_node, body)[0] for body in bodies]
+        seen = [0] * len(bodies)
+        drained = []
+
+        def watch(i):
+            def on_event(e):
+                seen[i] += sum(len(c.get("token_ids") or []) for c in e["choices"])
+                if min(seen) >= 30 and not drained:
+                    drained.append(a.client.post("/v1/node/drain"))
+            return on_event
+
+        with cf.ThreadPoolExecutor(3) as ex:
+            futs = [ex.submit(stream_tokens, a, body, watch(i)) for i, body in enumerate(bodies)]
+            got = [f.result(timeout=60)[0] for f in futs]
+        assert got == ref
+        assert drained and drained[0].status_code == 200 and drained[0].json()["draining"] is True
+        r = a.client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "draining" and r.headers["Retry-After"]
+        st_a = a.wait_idle(5)
+        assert st_a["draining"] is True
+        moved = [t for t in st_a["kv_transfers"] if t["reason"] == "drain"]
+        assert len(moved) == 3 and all(t["dst"] == f"peer:127.0.0.1:{port}" for t in moved)
+        adopted = [json.loads(line) for line in b.logs().splitlines()
+                   if line.startswith("{") and "sequence_adopted_from_peer" in line]
+        assert len(adopted) == 3 and min(x["output_tokens"] for x in adopted) >= 30  # mid-decode
+        b.wait_idle(5)
+        bad = b.client.post("/v1/node/drain")  # no peers to drain to
+        assert bad.status_code == 409 and "needs time-shared mode and --peers" in bad.json()["error"]["message"]
+    finally:
+        a.close()
+        b.close()
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--mode", "pooled", "--prefill-devices", "cpu:0"], "needs --peers"),
     (["--mode", "pooled", "--decode-devices", "cpu:0"], "needs --kv-port"),

@@ -69,6 +69,16 @@ async def node_status(request: web.Request) -> web.Response:
     return web.json_response(node.status())
 
 
+async def drain(request: web.Request) -> web.Response:
+    """``POST /v1/node/drain``: stop taking requests and move every decoding sequence to the peers."""
+    node = request.app[NODE_KEY]
+    try:
+        remaining = node.drain()
+    except ValueError as e:
+        return error_response(409, str(e), code="drain_unavailable")
+    return web.json_response({"draining": True, "sequences_here": remaining})
+
+
 async def metrics(request: web.Request) -> web.Response:
     body = request.app[NODE_KEY].metrics.render()
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
@@ -95,6 +105,7 @@ def create_app(config: NodeConfig, node: Node | None = None) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/node", node_status)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/node/drain", drain)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     return app

@@ -24,7 +24,7 @@ from node.api.sse import SSEWriter
 from node.api.validate import chat_prompt, check_model, completion_prompts, sampling_params
 from node.core.sequence import SamplingParams
 from node.protocol import ChatCompletionRequest, CompletionRequest, decode_request
-from node.runtime.node import Node, QueueFullError
+from node.runtime.node import Node, NodeDraining, QueueFullError
 from node.runtime.output import SeqDelta
 from node.worker.tokenizer import IncrementalDetokenizer
 
@@ -82,6 +82,8 @@ async def merged_deltas(node: Node, request_id: str, jobs: list[Job], n: int) ->
     Raises:
         QueueFullError: the node's queue is full (before anything was yielded).
     """
+    if node.draining:
+        raise NodeDraining("the node is draining to its peers and takes no new requests")
     if node.num_waiting + len(jobs) > node.config.max_queue:
         raise QueueFullError(f"{node.num_waiting} sequences are queued (limit {node.config.max_queue})")
     queue: asyncio.Queue = asyncio.Queue()
@@ -134,6 +136,8 @@ async def off_loop(fn, *args):
 
 
 def _queue_full(e: QueueFullError) -> APIError:
+    if isinstance(e, NodeDraining):
+        return APIError(503, str(e), code="draining", headers={"Retry-After": "1"})
     return APIError(503, f"server is overloaded: {e}", code="overloaded", headers={"Retry-After": "1"})
 
 

@@ -52,7 +52,21 @@ only past the threshold and each of its moves leaves both devices it touches bel
 load, so with loads standing still the loads sorted in decreasing order fall lexicographically with each
 move: the moves end, and no placement comes back.
 
+**Peer nodes.** ``decide`` may also be given peers (``--peers``), each as a DECODE-role
+:class:`DeviceState` standing for the peer's roomiest device (its residents describe that device's
+batch). Peers come after every device of the node. *tpot*: a peer takes a late sequence only when no
+device of this node can serve it in time; its ``t_dst`` adds the transfer over the link,
+``peer_overhead_ms / 1e3 + k_seq * transfer_s_per_token`` (connection, handshake and the first relayed
+token; and the KV bytes at the link rate), to the peer's decode step. *imbalance*: after the node's own
+devices are balanced, sequences move from the node's most loaded DECODE device to the least loaded
+peer under the same rule (past the threshold, strictly lowering the larger load); an idle peer's load
+is its fixed step ``d(0, 0)``, so it takes work only when the node's step is ``1 + threshold`` times that.
+
 ``threshold = 0`` turns the fallback off (:meth:`ImbalancePolicy.decide` returns nothing).
+
+**Drain.** :meth:`ImbalancePolicy.drain` (an operator's ``POST /v1/node/drain``, before the node is
+stopped) moves every decoding sequence of the node to the peer whose step with it is shortest, room
+permitting, whatever the threshold.
 """
 
 from __future__ import annotations
@@ -94,6 +108,8 @@ class ImbalanceConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefill_token_budget: int = 2048
     max_moves: int = 32  # per decision round, both triggers together
     cooldown_ms: float = 1000.0  # a sequence that moved stays at least this long
+    transfer_s_per_token: float = 0.0  # s per context token to a peer: KV bytes per token * 8 / link bit rate
+    peer_overhead_ms: float = 5.0  # per move to a peer: connection, handshake, the relay's first token
 
 
 class _Dev:
@@ -191,20 +207,42 @@ class ImbalancePolicy:
         dst.slots -= 1
 
     # --- the decision ---------------------------------------------------------------------------
-    def decide(self, now_s: float, snapshot: NodeSnapshot) -> list[Migrate]:
-        """Moves for this instant, ``tpot`` ones first (apply in order; each may be refused)."""
-        if self.config.threshold <= 0 or self.config.max_moves <= 0 or len(snapshot.devices) < 2:
+    def decide(self, now_s: float, snapshot: NodeSnapshot, peers: tuple[DeviceState, ...] = ()) -> list[Migrate]:
+        """Moves for this instant, ``tpot`` ones first (apply in order; each may be refused). ``peers``:
+        peer nodes as DECODE-role devices (see the module docstring), tpot destinations of last resort."""
+        if self.config.threshold <= 0 or self.config.max_moves <= 0 or len(snapshot.devices) + len(peers) < 2:
             return []
         devs = [_Dev(st, i) for i, st in enumerate(snapshot.devices)]
+        remote = [_Dev(st, len(devs) + i) for i, st in enumerate(peers)]
         out: list[Migrate] = []
         planned: set[str] = set()
-        self._tpot(now_s, devs, planned, out)
-        self._balance(now_s, devs, planned, out)
+        self._tpot(now_s, devs, remote, planned, out)
+        self._balance(now_s, devs, remote, planned, out)
         return out
 
-    def _tpot(self, now_s: float, devs: list[_Dev], planned: set[str], out: list[Migrate]) -> None:
-        dsts = [dv for dv in devs if dv.decode_side]
-        if not dsts:
+    def drain(self, now_s: float, snapshot: NodeSnapshot, peers: tuple[DeviceState, ...]) -> list[Migrate]:
+        """Moves of every decoding sequence to a peer (reason ``drain``), up to ``max_moves`` a round;
+        a sequence that fits no peer now stays for a later round."""
+        devs = [_Dev(st, i) for i, st in enumerate(snapshot.devices)]
+        remote = [_Dev(st, len(devs) + i) for i, st in enumerate(peers)]
+        out: list[Migrate] = []
+        planned: set[str] = set()
+        for src in devs:
+            for s in sorted(src.res, key=lambda s: (s.first_token_s, s.request_id)):
+                if len(out) >= self.config.max_moves:
+                    return out
+                if not self._movable(s, now_s, planned):
+                    continue
+                fits = [(self.load_s(dst.n + 1, dst.ctx + s.context_tokens), dst.idx, dst, need)
+                        for dst in remote if (need := self._fits(dst, s)) >= 0]
+                if fits:
+                    _, _, dst, need = min(fits, key=lambda x: x[:2])
+                    self._move(s, src, dst, need, "drain", planned, out)
+        return out
+
+    def _tpot(self, now_s: float, devs: list[_Dev], remote: list[_Dev], planned: set[str], out: list[Migrate]) -> None:
+        local = [dv for dv in devs if dv.decode_side]
+        if not local and not remote:
             return
         for src in devs:
             if not src.prefill_side or not src.res:
@@ -215,46 +253,69 @@ class ImbalancePolicy:
             for s in late:
                 if len(out) >= self.config.max_moves:
                     return
-                best: tuple[float, int, _Dev, int] | None = None
-                for dst in dsts:
-                    need = self._fits(dst, s)
-                    if need < 0:
-                        continue
-                    step = self.load_s(dst.n + 1, dst.ctx + s.context_tokens)
-                    t_dst = self._decode_start_s(dst.st, now_s) + step
-                    if step > self.T + EPS or t_dst >= t_src - EPS:
-                        continue
-                    if best is None or (t_dst, dst.idx) < best[:2]:
-                        best = (t_dst, dst.idx, dst, need)
+                best = self._soonest(s, local, t_src, now_s, 0.0) or self._soonest(
+                    s, remote, t_src, now_s, self.config.peer_overhead_ms / 1e3 + s.context_tokens * self.config.transfer_s_per_token)
                 if best is not None:
                     self._move(s, src, best[2], best[3], "tpot", planned, out)
 
-    def _balance(self, now_s: float, devs: list[_Dev], planned: set[str], out: list[Migrate]) -> None:
-        limit = 1.0 + self.config.threshold
+    def _soonest(self, s: ResidentSeq, dsts: list[_Dev], t_src: float, now_s: float,
+                 transfer_s: float) -> tuple[float, int, _Dev, int] | None:
+        """The destination whose next step with ``s`` ends first, if before ``t_src`` and within ``T``."""
+        best: tuple[float, int, _Dev, int] | None = None
+        for dst in dsts:
+            need = self._fits(dst, s)
+            if need < 0:
+                continue
+            step = self.load_s(dst.n + 1, dst.ctx + s.context_tokens)
+            t_dst = self._decode_start_s(dst.st, now_s) + transfer_s + step
+            if step > self.T + EPS or t_dst >= t_src - EPS:
+                continue
+            if best is None or (t_dst, dst.idx) < best[:2]:
+                best = (t_dst, dst.idx, dst, need)
+        return best
+
+    def _balance(self, now_s: float, devs: list[_Dev], remote: list[_Dev], planned: set[str],
+                 out: list[Migrate]) -> None:
+        """Local DECODE devices first; then, while the node's most loaded one still exceeds the least
+        loaded peer past the threshold, towards peers (an idle peer counts with its fixed step)."""
+        def local_pool() -> list[_Dev]:
+            return [dv for dv in devs if dv.st.role is Role.DECODE and dv.n > 0]
+
         while len(out) < self.config.max_moves:
-            pool = [dv for dv in devs if dv.st.role is Role.DECODE and dv.n > 0]
-            if len(pool) < 2:
+            pool = local_pool()
+            if len(pool) < 2 or not self._balance_step(now_s, pool, pool, planned, out):
+                break
+        while remote and len(out) < self.config.max_moves:
+            if not self._balance_step(now_s, local_pool(), remote, planned, out):
                 return
-            load = {dv.idx: self.load_s(dv.n, dv.ctx) for dv in pool}
-            src = max(pool, key=lambda dv: (load[dv.idx], -dv.idx))
-            dst = min(pool, key=lambda dv: (load[dv.idx], dv.idx))
-            hi, lo = load[src.idx], load[dst.idx]
-            if src is dst or hi <= limit * lo + EPS:
-                return
-            best: tuple[float, int, str, ResidentSeq, int] | None = None
-            for s in src.res:
-                if not self._movable(s, now_s, planned):
-                    continue
-                need = self._fits(dst, s)
-                if need < 0:
-                    continue
-                peak = max(self.load_s(src.n - 1, src.ctx - s.context_tokens),
-                           self.load_s(dst.n + 1, dst.ctx + s.context_tokens))
-                if peak >= hi - EPS:
-                    continue
-                key = (peak, s.context_tokens, s.request_id, s, need)
-                if best is None or key[:3] < best[:3]:
-                    best = key
-            if best is None:
-                return
-            self._move(best[3], src, dst, best[4], "imbalance", planned, out)
+
+    def _balance_step(self, now_s: float, srcs: list[_Dev], dsts: list[_Dev], planned: set[str],
+                      out: list[Migrate]) -> bool:
+        """One move from the most loaded of ``srcs`` to the least loaded of ``dsts``, if it is past
+        the threshold and the move strictly lowers the larger of the two loads. True if it moved."""
+        if not srcs or not dsts:
+            return False
+        load = {dv.idx: self.load_s(dv.n, dv.ctx) for dv in srcs + dsts}
+        src = max(srcs, key=lambda dv: (load[dv.idx], -dv.idx))
+        dst = min(dsts, key=lambda dv: (load[dv.idx], dv.idx))
+        hi, lo = load[src.idx], load[dst.idx]
+        if src is dst or hi <= (1.0 + self.config.threshold) * lo + EPS:
+            return False
+        best: tuple[float, int, str, ResidentSeq, int] | None = None
+        for s in src.res:
+            if not self._movable(s, now_s, planned):
+                continue
+            need = self._fits(dst, s)
+            if need < 0:
+                continue
+            peak = max(self.load_s(src.n - 1, src.ctx - s.context_tokens),
+                       self.load_s(dst.n + 1, dst.ctx + s.context_tokens))
+            if peak >= hi - EPS:
+                continue
+            key = (peak, s.context_tokens, s.request_id, s, need)
+            if best is None or key[:3] < best[:3]:
+                best = key
+        if best is None:
+            return False
+        self._move(best[3], src, dst, best[4], "imbalance", planned, out)
+        return True

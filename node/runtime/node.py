@@ -46,6 +46,10 @@ class QueueFullError(RuntimeError):
     """More requests are queued than ``--max-queue`` allows (the API answers 503)."""
 
 
+class NodeDraining(QueueFullError):
+    """The node is draining to its peers and takes no new requests (the API answers 503)."""
+
+
 def select_ops(backend: str, device_type: str) -> object:
     """The operator set for the model: Triton kernels on CUDA (``auto``), torch references otherwise."""
     try:
@@ -78,6 +82,15 @@ class Node:
         self.metrics = NodeMetrics(self)
         self.driver: RoleDriver | PooledDriver | None = None
         self.migrations: deque[MigrationRecord] = deque(maxlen=1000)
+        self.draining = False
+        self.peers: PeerLinks | None = None
+        self.receiver: KVReceiver | None = None
+        if config.peers or config.kv_port is not None:
+            from node.transport.tensors import layout_of
+
+            layout = layout_of(engines[0].runner.kv_cache, config.model_name)
+            self.peers = PeerLinks(self, layout) if config.peers else None
+            self.receiver = KVReceiver(self, layout) if config.kv_port is not None else None
         if config.mode == "time-shared":
             policy = RoleSchedulerConfig(
                 ttft_slo_ms=config.ttft_slo_ms, tpot_slo_ms=config.tpot_slo_ms, reconfig_pause_ms=config.reconfig_pause_ms,
@@ -93,14 +106,6 @@ class Node:
         for e in engines:
             e.migration_listeners.append(self._on_migration)
             e.link_gbps = config.link_gbps
-        self.peers: PeerLinks | None = None
-        self.receiver: KVReceiver | None = None
-        if config.peers or config.kv_port is not None:
-            from node.transport.tensors import layout_of
-
-            layout = layout_of(engines[0].runner.kv_cache, config.model_name)
-            self.peers = PeerLinks(self, layout) if config.peers else None
-            self.receiver = KVReceiver(self, layout) if config.kv_port is not None else None
 
     @classmethod
     async def create(cls, config: NodeConfig) -> "Node":
@@ -148,6 +153,22 @@ class Node:
         for e in self.engines:
             await e.stop()
 
+    def drain(self) -> int:
+        """Stop taking requests and move every decoding sequence to the ``--peers`` (time-shared mode),
+        so the node can be stopped without cutting a stream: prompts already admitted are prefilled
+        here and then moved too. Returns the number of sequences still on this node's devices.
+
+        Raises:
+            ValueError: the node has no peers or is not in time-shared mode.
+        """
+        if self.peers is None or self.config.mode != "time-shared":
+            raise ValueError("drain needs time-shared mode and --peers to move the sequences to")
+        if not self.draining:
+            log.info("node_draining", peers=self.config.peers)
+        self.draining = True
+        self.driver.kick()
+        return sum(len(e.batcher.running) + len(e.batcher.waiting) for e in self.engines) + len(self.driver.pending)
+
     def engine(self, device_id: str) -> DeviceEngine:
         return self._by_id[device_id]
 
@@ -182,6 +203,9 @@ class Node:
             QueueFullError: the node already queues ``max_queue`` prompts.
         """
         m = self.metrics
+        if self.draining:
+            m.rejected.inc()
+            raise NodeDraining("the node is draining to its peers and takes no new requests")
         if self.num_waiting >= self.config.max_queue:
             m.rejected.inc()
             raise QueueFullError(f"{self.num_waiting} sequences are queued (limit {self.config.max_queue})")
@@ -286,6 +310,7 @@ class Node:
             "slo": {"ttft_ms": self.config.ttft_slo_ms, "tpot_ms": self.config.tpot_slo_ms},
             "reconfig_pause_ms": self.config.reconfig_pause_ms,
             "queue_depth": self.num_waiting,
+            "draining": self.draining,
             "clock_s": round(now, 6),
             "devices": devices,
             "kv_transfers": [asdict(m) for m in list(self.migrations)[-history:]],

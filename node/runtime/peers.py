@@ -365,12 +365,16 @@ class KVReceiver:
     def _status(self, n: int) -> StatusReply:
         engines = self._decode_engines()
         rooms = [self._room(e) for e in engines]
+        open_ = [(f, e) for (f, s), e in zip(rooms, engines) if s > 0]
+        best = max(open_, key=lambda x: x[0], default=(0, None))
+        decoding = [s for s in best[1].batcher.running if s.is_decoding] if best[1] is not None else []
         return StatusReply(
             n=n, kv_free_blocks=sum(max(0, f) for f, _ in rooms),
             kv_total_blocks=sum(e.batcher.ledger.num_blocks for e in engines),
-            max_device_free_blocks=max((max(0, f) for f, s in rooms if s > 0), default=0),
+            max_device_free_blocks=max(0, best[0]),
             max_device_total_blocks=max((e.batcher.ledger.num_blocks for e in engines), default=0),
-            seq_slots_free=sum(max(0, s) for _, s in rooms), accepting=bool(engines))
+            seq_slots_free=sum(max(0, s) for _, s in rooms), accepting=bool(engines),
+            decode_seqs=len(decoding), decode_context_tokens=sum(s.num_computed for s in decoding))
 
     def _reserve(self, offer: TransferOffer) -> list[int] | None:
         """Blocks for the sequence's cached tokens plus its next one, on the roomiest device, or None."""
@@ -417,10 +421,12 @@ class KVReceiver:
         req.outputs[0].replay(seq.output_ids)
         seq.block_ids = blocks
         e.adopt(req, 0, seq)
+        if node.driver is not None:
+            node.driver.kick()  # e.g. a device in the PREFILL role now holds a decoding sequence
         self.relayed += 1
         node.metrics.kv_received.inc()
         log.info("sequence_adopted_from_peer", seq=st.seq_id, peer_node=report.peer_node_id, device=e.device_id,
-                 blocks=len(blocks), layers_s=[round(x, 6) for x in report.layer_arrival_s])
+                 blocks=len(blocks), output_tokens=len(st.token_ids) - st.prompt_len, layers_s=[round(x, 6) for x in report.layer_arrival_s])
         return self._relay(tid, req, e)
 
     async def _relay(self, tid: str, req: RequestState, e: DeviceEngine) -> AsyncIterator[TokenRelay | RelayEnd]:

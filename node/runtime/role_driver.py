@@ -33,6 +33,7 @@ from node.core.roles import (DeviceState, NodeSnapshot, Place, Reject, ResidentS
                              SwitchRole, WaitingPrompt)
 from node.runtime.driver import SAMPLES, Driver
 from node.runtime.engine import DeviceEngine
+from node.runtime.peers import is_peer
 from node.runtime.switching import SwitchRecord
 
 if TYPE_CHECKING:
@@ -57,19 +58,36 @@ class RoleDriver(Driver):
         rc = scheduler.config
         self.imbalance = ImbalancePolicy(ImbalanceConfig(
             threshold=node.config.imbalance_threshold, tpot_slo_ms=rc.tpot_slo_ms, slo_margin=rc.slo_margin,
-            reconfig_pause_ms=rc.reconfig_pause_ms, prefill_token_budget=rc.prefill_token_budget), scheduler.cost)
+            reconfig_pause_ms=rc.reconfig_pause_ms, prefill_token_budget=rc.prefill_token_budget,
+            transfer_s_per_token=self._transfer_s_per_token(node)), scheduler.cost)
         self._moving: dict[str, str] = {}  # sequence id → destination device, while its move is queued or copying
+        self._moving_ctx: dict[str, int] = {}  # sequence id → its context tokens, for moves to peers
+        self._to_peer: dict[str, list[tuple[float, int]]] = {}  # peer → (commit time, context) of recent moves
         self._moved_s: dict[str, float] = {}  # sequence id → end of its last move (or refusal): the cooldown
         for e in node.engines:
             e.step_listeners.append(self._on_step)
             e.switch_listeners.append(self._on_switch)
             e.migration_listeners.append(lambda *_: self.kick())  # a sequence arrived: its device's role may change
 
+    @staticmethod
+    def _transfer_s_per_token(node: "Node") -> float:
+        """Seconds per context token of KV sent to a peer at ``--link-gbps`` (0: unthrottled)."""
+        if not node.config.link_gbps or node.peers is None:
+            return 0.0
+        lay = node.peers.layout
+        return lay.layer_bytes(1) * lay.num_layers / lay.block_size * 8 / (node.config.link_gbps * 1e9)
+
     # --- one decision round --------------------------------------------------------------------------
     def tick(self) -> None:
         now = self.clock()
         snap = self.snapshot(now)
-        if self.imbalance.config.threshold > 0 and self._start_moves(self.imbalance.decide(now, snap)):
+        if self.node.draining:
+            moves = self.imbalance.drain(now, snap, self._peers(now))
+        elif self.imbalance.config.threshold > 0:
+            moves = self.imbalance.decide(now, snap, self._peers(now))
+        else:
+            moves = []
+        if self._start_moves(moves):
             snap = self.snapshot(now)  # the moving sequences now count on their destinations
         decisions = self.scheduler.decide(now, snap)
         by_id = {r.request_id: r for r in self.pending}
@@ -90,8 +108,28 @@ class RoleDriver(Driver):
                     self.pending.remove(req)
                     req.fail(f"request cannot be served: {d.reason}")
 
+    def _peers(self, now: float) -> tuple[DeviceState, ...]:
+        """Ready peer nodes as DECODE-role devices: each one's roomiest device, from its last report."""
+        if self.node.peers is None:
+            return ()
+        out = []
+        for p in self.node.peers.ready(now):
+            st = p.status
+            # its last report, plus what we sent since (committed after it, or still on the way)
+            sent = [c for t, c in self._to_peer.get(p.id, ()) if t >= p.status_s]
+            self._to_peer[p.id] = [(t, c) for t, c in self._to_peer.get(p.id, ()) if t >= p.status_s]
+            sent += [self._moving_ctx[sid] for sid, dst in self._moving.items() if dst == p.id]
+            each = st.decode_context_tokens // max(1, st.decode_seqs)
+            resident = tuple(ResidentSeq(f"{p.id}#{i}", now, 1, each, 1) for i in range(st.decode_seqs)) + tuple(
+                ResidentSeq(f"{p.id}#sent{i}", now, 1, c, 1) for i, c in enumerate(sent))
+            out.append(DeviceState(
+                device_id=p.id, role=Role.DECODE, role_since_s=now, busy_until_s=now, resident=resident,
+                kv_free_blocks=st.max_device_free_blocks, kv_total_blocks=max(1, st.max_device_total_blocks),
+                block_size=self.node.config.block_size, seq_slots_free=st.seq_slots_free))
+        return tuple(out)
+
     def _start_moves(self, moves: list[Migrate]) -> int:
-        """Queue the fallback's moves on their source engines; the number started."""
+        """Queue the fallback's moves on their source engines (a peer's over TCP); the number started."""
         started = 0
         for m in moves:
             if m.seq_id in self._moving:
@@ -102,16 +140,25 @@ class RoleDriver(Driver):
             if seq is None or req is None or req.cancelled or not seq.is_decoding:
                 continue
             self._moving[seq.seq_id] = m.dst_device
-            fut = src.migrate(seq, self.node.engine(m.dst_device), m.reason)
-            fut.add_done_callback(lambda f, seq=seq, m=m: self._moved(seq, m, f))
+            if is_peer(m.dst_device):
+                self._moving_ctx[seq.seq_id] = seq.num_computed
+                self.node.peers.hand_off(src, req, seq, self.node.peers.peers[m.dst_device], m.reason,
+                                         settled=lambda ok, seq=seq, m=m: self._moved(seq, m, ok))
+            else:
+                fut = src.migrate(seq, self.node.engine(m.dst_device), m.reason)
+                fut.add_done_callback(lambda f, seq=seq, m=m: self._moved(
+                    seq, m, not f.cancelled() and f.exception() is None and f.result() is not None))
             started += 1
         return started
 
-    def _moved(self, seq: Sequence, m: Migrate, fut: asyncio.Future) -> None:
+    def _moved(self, seq: Sequence, m: Migrate, ok: bool) -> None:
         self._moving.pop(seq.seq_id, None)
+        ctx = self._moving_ctx.pop(seq.seq_id, 0)
+        if ok and is_peer(m.dst_device):
+            self._to_peer.setdefault(m.dst_device, []).append((self.clock(), ctx))
         if seq.status is not SeqStatus.FINISHED:
             self._moved_s[seq.seq_id] = self.clock()
-        if fut.cancelled() or fut.result() is None:
+        if not ok:
             log.info("migration_refused", seq=seq.seq_id, src=m.src_device, dst=m.dst_device, reason=m.reason)
         self.kick()
 
@@ -142,6 +189,8 @@ class RoleDriver(Driver):
                     if s.num_output > 0 and s.is_decoding:
                         moving = s.seq_id in self._moving
                         dst = self._moving.get(s.seq_id, e.device_id)
+                        if is_peer(dst):
+                            continue  # leaving the node
                         residents[dst].append(ResidentSeq(
                             s.seq_id, s.first_token_s or now, s.num_output, s.num_computed, self.expected_output(req),
                             now if moving else self._moved_s.get(s.seq_id)))

@@ -266,7 +266,9 @@ class StatusQuery(Msg):
 class StatusReply(Msg):
     """Server → client: the receiver's decode capacity now. Blocks are KV blocks of the shared layout
     summed over the receiver's decode-capable devices; ``max_device_free_blocks`` is the most free
-    (after reservations) on any single one, which bounds the largest sequence it can take."""
+    (after reservations) on any single one, which bounds the largest sequence it can take, and
+    ``decode_seqs``/``decode_context_tokens`` describe the batch on that device (where a sequence
+    sent now would decode)."""
 
     n: int
     kv_free_blocks: int
@@ -275,6 +277,8 @@ class StatusReply(Msg):
     max_device_total_blocks: int
     seq_slots_free: int
     accepting: bool = True
+    decode_seqs: int = 0  # on the roomiest device: its decoding sequences ...
+    decode_context_tokens: int = 0  # ... and the tokens they hold (its decode load)
 
 
 class TokenRelay(Msg):

@@ -242,3 +242,53 @@ def test_repeated_rounds_reach_a_fixed_point():
 
 def test_single_device_never_moves():
     assert policy().decide(NOW, NodeSnapshot((heavy_light().devices[0],))) == []
+
+
+# --- peer nodes --------------------------------------------------------------------------------
+def test_a_peer_takes_a_late_sequence_only_when_no_local_device_can():
+    p = policy()
+    alone = NodeSnapshot((window_snapshot().devices[0],))  # one device: nothing local to move to
+    peer = dev("peer:h:1", Role.DECODE, [seq("x", ctx=50)])
+    assert p.decide(NOW, alone) == []
+    assert p.decide(NOW, alone, peers=(peer,)) == [Migrate("new-0", "p0", "peer:h:1", "tpot")]
+    # a local decoding device that keeps pace is preferred to the peer
+    assert p.decide(NOW, window_snapshot(), peers=(peer,)) == [Migrate("new-0", "p0", "d1", "tpot")]
+
+
+def test_a_peer_behind_a_slow_link_or_without_room_is_not_used():
+    alone = NodeSnapshot((window_snapshot().devices[0],))
+    peer = dev("peer:h:1", Role.DECODE)
+    slow = policy(msgspec.structs.replace(CFG, transfer_s_per_token=1e-3))  # 300 ms for the 300-token context
+    assert slow.decide(NOW, alone, peers=(peer,)) == []
+    full = dev("peer:h:1", Role.DECODE, kv_free_blocks=1)
+    assert policy().decide(NOW, alone, peers=(full,)) == []
+
+
+def test_imbalance_towards_a_peer_after_the_node_is_balanced():
+    """8 long sequences on the only decoding device, an idle peer: moves until the loads are even,
+    never past that; below the threshold nothing moves."""
+    busy = dev("d0", Role.DECODE, [seq(f"s{i}", ctx=4000) for i in range(8)])
+    idle_peer = dev("peer:h:1", Role.DECODE)
+    moves = policy().decide(NOW, NodeSnapshot((busy,)), peers=(idle_peer,))
+    assert moves and all(m.dst_device == "peer:h:1" and m.reason == "imbalance" for m in moves)
+    p = policy()
+    left, sent = 8 - len(moves), len(moves)
+    assert p.load_s(left, left * 4000) <= 2 * p.load_s(sent, sent * 4000)  # within 1 + threshold now
+    assert p.load_s(left + 1, (left + 1) * 4000) > 2 * p.load_s(sent - 1, (sent - 1) * 4000)  # not before
+    assert sent <= 4  # never past even
+    calm = dev("d0", Role.DECODE, [seq("s0", ctx=100)])  # d(1, 100) / d(0, 0) - 1 < 1
+    assert policy().decide(NOW, NodeSnapshot((calm,)), peers=(idle_peer,)) == []
+    # a local DECODE device holding work is balanced with first
+    two = NodeSnapshot((busy, dev("d1", Role.DECODE, [seq("t0", ctx=100)])))
+    first = policy().decide(NOW, two, peers=(idle_peer,))
+    assert first[0].dst_device == "d1"
+
+
+def test_drain_sends_every_decoding_sequence_to_the_least_loaded_peer_with_room():
+    src = dev("d0", Role.DECODE, [seq("a", ctx=100), seq("b", ctx=100, moved=NOW - 0.1)])
+    full = dev("peer:full:1", Role.DECODE, kv_free_blocks=0)
+    busy = dev("peer:busy:1", Role.DECODE, [seq(f"x{i}", ctx=1000) for i in range(6)])
+    idle = dev("peer:idle:1", Role.DECODE)
+    p = policy(msgspec.structs.replace(CFG, threshold=0))  # the drain ignores the threshold
+    assert p.drain(NOW, NodeSnapshot((src,)), (full, busy, idle)) == [Migrate("a", "d0", "peer:idle:1", "drain")]
+    assert p.drain(NOW + 2, NodeSnapshot((src,)), (full,)) == []  # no room anywhere: stays for later
