@@ -230,13 +230,13 @@ class PeerLinks:
         except asyncio.CancelledError:  # the client left during the transfer
             _drop(engine, seq, blocks)
             settle(False)
-            if client is not None:
-                await client.close()
+            await _close(client)
             raise
-        except (TransferRefused, LayoutMismatch, TransportError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - whatever broke the transfer, the sequence must not be stranded
             refused = isinstance(e, (TransferRefused, LayoutMismatch))  # nothing was reserved there
-            if client is not None:
-                await client.close()
+            if not isinstance(e, (TransportError, OSError)):
+                log.exception("handoff_error", seq=seq.seq_id, peer=peer.addr)
+            await _close(client)
             peer.hold_until = time.monotonic() + (STATUS_POLL_S if refused else RECONNECT_S)
             if refused:
                 log.info("handoff_refused", seq=seq.seq_id, peer=peer.addr, reason=str(e))
@@ -258,7 +258,7 @@ class PeerLinks:
         try:
             await self._relay(client, tid, req, index, seq, peer)
         finally:
-            await client.close()
+            await _close(client)
         return committed
 
     async def _relay(self, client: KVClient, tid: str, req: RequestState, index: int, seq: Sequence,
@@ -283,10 +283,13 @@ class PeerLinks:
                     if delta.finish_reason is not None:
                         seq.status = SeqStatus.FINISHED
                         return  # closing the relay ends the peer's copy if it has not ended yet
-        except TransportError as e:
-            error = str(e) or type(e).__name__
+        except Exception as e:  # noqa: BLE001 - a broken relay is retried, never left hanging
+            if not isinstance(e, (TransportError, OSError)):
+                log.exception("relay_error", seq=seq.seq_id, peer=peer.addr)
+            error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         finally:
-            await relay.aclose()
+            with suppress(Exception):
+                await relay.aclose()
         if error is not None and not req.cancelled:
             peer.failures += 1
             log.warning("relay_failed", seq=seq.seq_id, peer=peer.addr, error=error)
@@ -307,6 +310,12 @@ class PeerLinks:
             req.emit(SeqDelta(index=index, error=f"{why} (gave up after {n - 1} retries, --max-retries "
                                                  f"{self.node.config.max_retries})"))
         return False
+
+
+async def _close(client: KVClient | None) -> None:
+    if client is not None:
+        with suppress(Exception):
+            await client.close()
 
 
 def _drop(engine: DeviceEngine, seq: Sequence, blocks: list[int]) -> None:

@@ -377,14 +377,15 @@ class KVClient:
         ``TransportError``."""
         if isinstance(exc, (TransferAborted, asyncio.CancelledError, ValueError)):
             return exc
-        if isinstance(exc, (TransportError, OSError, asyncio.IncompleteReadError)):
+        if isinstance(exc, (TransportError, OSError, asyncio.IncompleteReadError, RuntimeError)):
             try:
                 self._raise_if_aborted(tid)
             except TransferAborted as aborted:
                 return aborted
             except BaseException:  # noqa: BLE001 - the sticky connection error: keep the original
                 pass
-        if isinstance(exc, (OSError, asyncio.IncompleteReadError)):
+        if isinstance(exc, (OSError, asyncio.IncompleteReadError)) or (
+                isinstance(exc, RuntimeError) and self._writer.is_closing()):  # uvloop: write on a closed transport
             return TransportError(f"connection lost: {type(exc).__name__}: {exc}")
         return exc
 
