@@ -13,8 +13,14 @@ live and simulated, and the relative error ``(sim - live) / live``; the exit sta
 or p90 is off by more than ``--tolerance`` (default 25%). ``--calibrate runner`` measures the cost model
 afresh first (on a shared machine, step times drift with the load of other processes);
 ``--calibrate node`` measures it through each live node's API (:mod:`bench.calibrate_node`), which
-includes the node's per-step shell and in-process contention that the runner alone does not see. A bench, not a test:
-it depends on the machine, and on the machine being otherwise quiet.
+includes the node's per-step shell and in-process contention that the runner alone does not see;
+``--calibrate runner+node`` keeps the runner's model for the steps and probes the node only for its
+host overheads — a fixed time per step and per request (:func:`host_overheads`), which the simulator
+then adds (``SimConfig.step_overhead_ms``, ``request_overhead_ms``). When the node was probed, a
+time-shared simulation's switch pause is the mean swap of the probe's own switches (``--pause-ms`` to
+set it). ``--repeat N`` replays the workload N times on each live node, so the report also shows how
+much the live node disagrees with itself. A bench, not a test: it depends on the machine, and on the
+machine being otherwise quiet.
 """
 
 from __future__ import annotations
@@ -22,17 +28,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 from pathlib import Path
 
 import aiohttp
 
 from bench.calibrate import load_cost_model, main as calibrate_main
-from bench.calibrate_node import calibrate as calibrate_node
-from bench.metrics import Summary
+from bench.calibrate_node import calibrate as calibrate_node, probe
+from bench.metrics import Summary, request_tpot_s
 from bench.node_process import NodeServer, NodeUnavailable
 from bench.replay import fetch_server_info, replay
 from bench.sim import SimConfig, simulate
+from node.core.cost import CostModel
 from bench.workload import add_workload_args, build_workload, shared_dir, spec_from_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,6 +58,10 @@ async def _live(url: str, a: argparse.Namespace):
     return info, wl, res
 
 
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(x * 1e3, 3)
+
+
 def compare_summaries(live: Summary, sim: Summary) -> list[dict]:
     """Rows ``{metric, stat, live_ms, sim_ms, rel_err}`` for :data:`STATS`."""
     rows = []
@@ -61,44 +73,100 @@ def compare_summaries(live: Summary, sim: Summary) -> list[dict]:
     return rows
 
 
+def host_overheads(cost: CostModel, prefill: list[tuple[int, float]], decode: list[tuple[int, int, float]]
+                   ) -> tuple[float, float]:
+    """``(step overhead s, request overhead s)`` of a live node over a runner-measured cost model.
+
+    From the node probe (:func:`bench.calibrate_node.probe`): the step overhead is the median, over
+    the probe's decode batches (1 to 16 concurrent sequences: a per-step cost does not depend on the
+    batch, and one batch size alone is one noisy sample), of the inter-token gap minus the runner's
+    decode step; the request overhead is the median, over the lone prefills, of the TTFT minus the runner's prefill
+    step and one step overhead (what is left: HTTP, parsing, queueing to the device, first-chunk
+    delivery). Both at least 0.
+    """
+    steps = [s - cost.decode_step_s(b, k) for b, k, s in decode]
+    step = max(0.0, statistics.median(steps)) if steps else 0.0
+    reqs = [t - cost.prefill_step_s(n) - step for n, t in prefill]
+    return step, max(0.0, statistics.median(reqs)) if reqs else 0.0
+
+
+def _switch_swaps_ms(status: dict) -> list[float]:
+    return [float(r.get("pause_ms", 0.0)) for d in status["devices"] for r in d.get("switches") or []]
+
+
 def validate_mode(a: argparse.Namespace, mode: str, out: Path) -> dict:
     serve = ["--mode", mode, "--devices", a.devices, "--model", a.model, "--ttft-slo-ms", str(a.ttft_slo_ms),
              "--tpot-slo-ms", str(a.tpot_slo_ms), "--max-num-batched-tokens", str(a.max_num_batched_tokens),
              "--reconfig-pause-ms", str(a.reconfig_pause_ms)]
     env = {"OMP_NUM_THREADS": "1"} if a.devices.startswith("cpu") else {}
     cost_path = a.cost_model
+    step_ms, request_ms, pause_ms = a.step_overhead_ms, a.request_overhead_ms, a.pause_ms
+    measured: dict = {}
     with NodeServer(serve, log_path=out / f"validate_node_{mode}.log", env=env) as node:
         if a.calibrate == "node":
             cost_path = out / f"cost_model_node_{mode}.json"
             calibrate_node(node.url, cost_path, max_prompt_tokens=a.max_prompt_tokens or 256)
             node.wait_idle()
-        switches0 = sum(d.get("switch_count", 0) for d in node.get_json("/v1/node")["devices"])
-        info, wl, res = asyncio.run(_live(node.url, a))
+        elif a.calibrate == "runner+node":
+            prefill, decode = asyncio.run(probe(node.url, max_prompt_tokens=a.max_prompt_tokens or 256))
+            step_s, req_s = host_overheads(load_cost_model(cost_path), prefill, decode)
+            step_ms, request_ms = step_s * 1e3, req_s * 1e3
+            measured = {"step_overhead_ms": round(step_ms, 3), "request_overhead_ms": round(request_ms, 3),
+                        "probe_prefill": prefill, "probe_decode": decode}
+            node.wait_idle()
+        status0 = node.get_json("/v1/node")
+        if a.calibrate in ("node", "runner+node") and mode == "time-shared" and a.pause_ms is None:
+            swaps = _switch_swaps_ms(status0)  # the probe's switches: the node's own swap time
+            pause_ms = statistics.mean(swaps) if swaps else 0.0
+            measured["pause_ms"] = round(pause_ms, 3)
+        switches0 = sum(d.get("switch_count", 0) for d in status0["devices"])
+        lives = []
+        for _ in range(a.repeat):
+            lives.append(asyncio.run(_live(node.url, a)))
+            node.wait_idle()
         status = node.get_json("/v1/node")
+    info, wl, res = lives[0]
     dev0 = status["devices"][0]
     cfg = SimConfig(mode=mode, devices=len(status["devices"]), kv_blocks=dev0["kv_blocks_total"],
                     block_size=status["block_size"], max_model_len=info.max_model_len or 2048,
                     max_num_batched_tokens=a.max_num_batched_tokens, ttft_slo_ms=a.ttft_slo_ms,
-                    tpot_slo_ms=a.tpot_slo_ms, reconfig_pause_ms=a.reconfig_pause_ms)
+                    tpot_slo_ms=a.tpot_slo_ms, reconfig_pause_ms=a.reconfig_pause_ms,
+                    step_overhead_ms=step_ms, request_overhead_ms=request_ms, pause_ms=pause_ms or 0.0)
     sim = simulate(wl.requests, cfg, load_cost_model(cost_path))
     rows = compare_summaries(res.summary, sim.summary)
-    live_switches = sum(d.get("switch_count", 0) for d in status["devices"]) - switches0
+    if len(lives) > 1:  # run-to-run spread of the live node on the identical workload
+        for i, row in enumerate(rows):
+            vals = [compare_summaries(lv[2].summary, sim.summary)[i]["live_ms"] for lv in lives]
+            row["live_runs_ms"] = vals
+            row["live_spread"] = (max(vals) - min(vals)) / statistics.median(vals) if statistics.median(vals) else 0.0
+    live_switches = (sum(d.get("switch_count", 0) for d in status["devices"]) - switches0) / len(lives)
+    per_request = [{"arrival_s": r.arrival_s, "prompt": r.prompt_tokens, "output": r.output_tokens,
+                    "live_ttft_ms": _ms(lv.ttft_s), "sim_ttft_ms": _ms(sv.ttft_s),
+                    "live_tpot_ms": _ms(request_tpot_s(lv)), "sim_tpot_ms": _ms(request_tpot_s(sv))}
+                   for r, lv, sv in zip(wl.requests, res.records, sim.records)]
     return {"mode": mode, "requests": len(wl.requests), "live_failed": res.summary.failed,
-            "sim_failed": sim.summary.failed, "cost_model": str(cost_path),
-            "live_switches": live_switches, "sim_switches": sim.stats.get("switches", 0),
-            "rows": rows, "ok": all(abs(r["rel_err"]) <= a.tolerance for r in rows if r["stat"] in CHECKED)}
+            "sim_failed": sim.summary.failed, "cost_model": str(cost_path), "sim_overheads": {
+                "step_overhead_ms": step_ms, "request_overhead_ms": request_ms, "pause_ms": pause_ms or 0.0},
+            "measured": measured, "live_switches": live_switches, "sim_switches": sim.stats.get("switches", 0),
+            "rows": rows, "per_request": per_request,
+            "ok": all(abs(r["rel_err"]) <= a.tolerance for r in rows if r["stat"] in CHECKED)}
 
 
 def format_report(results: list[dict], tolerance: float) -> str:
-    lines = ["| mode | metric | stat | live (ms) | sim (ms) | sim vs live |", "|---|---|---|---:|---:|---:|"]
+    spread = any("live_spread" in r for res in results for r in res.get("rows", []))
+    lines = ["| mode | metric | stat | live (ms) | sim (ms) | sim vs live |" + (" live run-to-run |" if spread else ""),
+             "|---|---|---|---:|---:|---:|" + ("---:|" if spread else "")]
     for res in results:
         if "error" in res:
             lines.append(f"| {res['mode']} | — | — | — | — | {res['error']} |")
             continue
         for r in res["rows"]:
             flag = "" if r["stat"] not in CHECKED or abs(r["rel_err"]) <= tolerance else " ✗"
+            extra = ""
+            if spread:
+                extra = f" {r.get('live_spread', 0):.0%} ({', '.join(f'{v:.1f}' for v in r.get('live_runs_ms', []))}) |"
             lines.append(f"| {res['mode']} | {r['metric'][:-3].upper()} | {r['stat']} | {r['live_ms']:.1f} | "
-                         f"{r['sim_ms']:.1f} | {r['rel_err']:+.0%}{flag} |")
+                         f"{r['sim_ms']:.1f} | {r['rel_err']:+.0%}{flag} |{extra}")
     return "\n".join(lines)
 
 
@@ -108,10 +176,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--devices", default="cpu:0")
     ap.add_argument("--model", default=str(shared_dir() / "models" / "stories260k"))
     ap.add_argument("--cost-model", default=str(REPO / "bench" / "cost_models" / "cpu_stories260k.json"))
-    ap.add_argument("--calibrate", default="none", choices=["none", "runner", "node"],
+    ap.add_argument("--calibrate", default="none", choices=["none", "runner", "node", "runner+node"],
                     help="cost model: none = --cost-model; runner = measure afresh with bench.calibrate just before "
                          "the live runs; node = probe each mode's live node through its API first "
-                         "(bench.calibrate_node: the steps as the client sees them)")
+                         "(bench.calibrate_node: the steps as the client sees them); runner+node = the runner's "
+                         "model plus the node's host overheads per step and per request, measured by the probe")
+    ap.add_argument("--step-overhead-ms", type=float, default=0.0, help="simulated host time per step (ms)")
+    ap.add_argument("--request-overhead-ms", type=float, default=0.0,
+                    help="simulated time from send to the node's scheduler, added to TTFT (ms)")
+    ap.add_argument("--pause-ms", type=float, default=None,
+                    help="simulated switch pause (ms); default: measured from the probe's switches when probing")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="replay the workload this many times on each live node (the first is compared; all "
+                         "give the live run-to-run spread)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--reconfig-pause-ms", type=float, default=0.0)
     ap.add_argument("--ttft-slo-ms", type=float, default=1000.0)
@@ -123,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     out = Path(a.out) if a.out else REPO / "bench" / "out" / "validate"
     out.mkdir(parents=True, exist_ok=True)
-    if a.calibrate == "runner":
+    if a.calibrate in ("runner", "runner+node"):
         a.cost_model = str(out / "cost_model_runner.json")
         cal = ["--model", a.model, "--device", a.devices.split(",")[0], "--threads", "1", "--quadratic",
                "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--out", a.cost_model]

@@ -10,7 +10,8 @@ output tokens) built from a named trace of ``shared/traces`` (or a trace file pa
    rows from ``start_s``, their time axis rescaled so the mean rate is ``rate_rps`` (the trace's
    burstiness is kept: ``time_scale = K / (rate * span)`` with ``span`` the time from the first row to
    row ``K``); or ``trace="poisson"``: Poisson arrivals at ``rate_rps`` with lengths drawn from the
-   ``lengths_from`` trace (:func:`bench.traces.poisson_requests`, seeded);
+   ``lengths_from`` trace (:func:`bench.traces.poisson_requests`, seeded), or from a synthetic
+   distribution (:func:`synthetic_lengths`: ``fixed:P:O``, ``uniform:LO:HI:O``, ``loguniform:LO:HI:O``);
 2. lengths — multiplied by ``length_scale`` (rounded, at least 1 token; keeps a trace's length
    distribution when a small model's context cannot hold its prompts), then clipped to
    ``max_prompt_tokens`` / ``max_output_tokens``, then the prompt clipped so that prompt + output fits
@@ -23,14 +24,16 @@ simulation of "the same trace" see identical requests.
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import random
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from bench.traces import TraceRequest, load_trace, poisson_requests
 
-__all__ = ["TRACES", "WorkloadSpec", "Workload", "shared_dir", "trace_path", "build_workload", "fit_lengths",
-           "add_workload_args", "spec_from_args"]
+__all__ = ["TRACES", "synthetic_lengths", "WorkloadSpec", "Workload", "shared_dir", "trace_path", "build_workload",
+           "fit_lengths", "add_workload_args", "spec_from_args"]
 
 TRACES = {
     "azure-conv": "azure_llm_2023/AzureLLMInferenceTrace_conv.csv",
@@ -121,6 +124,37 @@ def _rate_scaled(rows: list[TraceRequest], rate_rps: float, duration_s: float) -
     return [replace(r, arrival_s=(r.arrival_s - t0) * scale) for r in rows[:k]], scale
 
 
+SYNTHETIC_DRAWS = 4096
+
+
+def synthetic_lengths(text: str, seed: int = 0) -> list[TraceRequest] | None:
+    """A length pool for Poisson arrivals from a spec, or ``None`` when ``text`` names a trace.
+
+    ``fixed:P:O`` — every prompt ``P`` tokens, every output ``O``; ``uniform:LO:HI:O`` — prompts
+    uniform on ``[LO, HI]``; ``loguniform:LO:HI:O`` — prompts log-uniform on ``[LO, HI]`` (a wide range:
+    as many prompts in 100..1000 as in 1000..10000). ``SYNTHETIC_DRAWS`` draws, seeded.
+    """
+    kind, _, rest = text.partition(":")
+    if kind not in ("fixed", "uniform", "loguniform"):
+        return None
+    try:
+        nums = [int(x) for x in rest.split(":")]
+    except ValueError:
+        raise ValueError(f"bad length spec {text!r} (fixed:P:O, uniform:LO:HI:O, loguniform:LO:HI:O)") from None
+    if (kind == "fixed" and len(nums) != 2) or (kind != "fixed" and len(nums) != 3) or min(nums) < 1:
+        raise ValueError(f"bad length spec {text!r} (fixed:P:O, uniform:LO:HI:O, loguniform:LO:HI:O)")
+    if kind == "fixed":
+        return [TraceRequest(0.0, nums[0], nums[1])]
+    lo, hi, out = nums
+    if hi < lo:
+        raise ValueError(f"bad length spec {text!r}: HI < LO")
+    rng = random.Random(seed)
+    if kind == "uniform":
+        return [TraceRequest(0.0, rng.randint(lo, hi), out) for _ in range(SYNTHETIC_DRAWS)]
+    return [TraceRequest(0.0, min(hi, max(lo, round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))), out)
+            for _ in range(SYNTHETIC_DRAWS)]
+
+
 def build_workload(spec: WorkloadSpec) -> Workload:
     """The request list of ``spec`` (see the module doc). Raises ``ValueError``/``FileNotFoundError``."""
     if spec.duration_s <= 0:
@@ -128,7 +162,7 @@ def build_workload(spec: WorkloadSpec) -> Workload:
     if spec.trace == "poisson":
         if not spec.rate_rps:
             raise ValueError("--trace poisson needs --rate")
-        src = load_trace(trace_path(spec.lengths_from))
+        src = synthetic_lengths(spec.lengths_from, spec.seed) or load_trace(trace_path(spec.lengths_from))
         rows = poisson_requests(spec.rate_rps, lengths_from=src, duration_s=spec.duration_s, seed=spec.seed)
         scale = 1.0
     elif spec.rate_rps:
@@ -159,7 +193,8 @@ def add_workload_args(p: argparse.ArgumentParser, *, rates: bool = False) -> Non
     g.add_argument("--length-scale", type=float, default=1.0, help="multiply prompt and output lengths (before caps)")
     g.add_argument("--max-prompt-tokens", type=int, default=None, help="clip prompts to N tokens")
     g.add_argument("--max-output-tokens", type=int, default=None, help="clip outputs to N tokens")
-    g.add_argument("--lengths-from", default="azure-conv", help="trace whose lengths Poisson requests draw")
+    g.add_argument("--lengths-from", default="azure-conv",
+                   help="trace whose lengths Poisson requests draw, or fixed:P:O, uniform:LO:HI:O, loguniform:LO:HI:O")
     g.add_argument("--seed", type=int, default=0, help="seed of Poisson arrivals, length draws and prompt ids")
 
 

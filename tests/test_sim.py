@@ -6,6 +6,8 @@ sequences 0.005 + 0.001 s; a mixed step 0.010 + 0.001 n + 0.001 s (one fixed cos
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from bench.metrics import summarize
@@ -49,15 +51,33 @@ def test_colocated_one_device_two_requests():
 
 
 def test_pooled_one_prefill_one_decode_device_with_kv_transfer():
-    # 125 bytes of KV per token over a 1 Mb/s link: 1 ms per token transferred.
+    # 125 bytes of KV per token over a 1 Mb/s link: 1 ms per token transferred. Overlapped transfers:
     # prefill device: r0 0 -> 0.020 (token 1); r1 0.020 -> 0.050 (token 1, TTFT 0.038)
     # link: r0's 10 tokens 0.020 -> 0.030; r1's 20 tokens 0.050 -> 0.070
     # decode device: r0 steps of 0.006 from 0.030 -> tokens 2, 3 at 0.036, 0.042; r1 0.070 -> 0.076
-    cfg = SimConfig(mode="pooled", devices=2, max_model_len=512, kv_bytes_per_token=125, link_gbps=1e-3)
+    cfg = SimConfig(mode="pooled", devices=2, max_model_len=512, kv_bytes_per_token=125, link_gbps=1e-3,
+                    transfer="overlap")
     res = simulate(TWO, cfg, COST)
     assert token_times(res) == [[0.020, 0.036, 0.042], [0.050, 0.076]]
     assert res.stats["transfers"] == 2 and res.stats["transfer_bytes"] == 125 * 30
     assert res.records[1].ttft_s == pytest.approx(0.038) and res.records[1].e2e_s == pytest.approx(0.064)
+    # Blocking transfers (the node's migrate copies between steps): the prefill device sends r0's KV
+    # 0.020 -> 0.030 before it prefills r1 0.030 -> 0.060; r1's KV 0.060 -> 0.080; its decode -> 0.086.
+    res = simulate(TWO, replace(cfg, transfer="blocking"), COST)
+    assert token_times(res) == [[0.020, 0.036, 0.042], [0.060, 0.086]]
+
+
+def test_pooled_router_reserves_decode_blocks_and_waits_fifo():
+    # The decode device holds 4 blocks of 16 tokens. r0 reserves prompt 10 + expected output 3 -> 1
+    # block; r1 (prompt 40 + 3 -> 3 blocks) fits beside it; r2 (prompt 10) must wait for r0 to leave,
+    # since the router counts reservations, not only allocated blocks.
+    reqs = [TraceRequest(0.0, 10, 3), TraceRequest(0.0, 40, 3), TraceRequest(0.0, 10, 2)]
+    cfg = SimConfig(mode="pooled", devices=2, max_model_len=512, kv_blocks=4, kv_bytes_per_token=0,
+                    transfer="overlap")
+    res = simulate(reqs, cfg, COST)
+    assert res.summary.failed == 0
+    r0_done = res.traces[0].token_times_s[-1]
+    assert res.traces[2].token_times_s[0] > r0_done
 
 
 def test_time_shared_one_device_runs_the_role_scheduler_with_pauses():
@@ -93,3 +113,184 @@ def test_workload_is_deterministic_rate_scaled_and_fits_the_context():
     assert p.requests == build_workload(WorkloadSpec(trace="poisson", rate_rps=4.0, duration_s=5.0, seed=3,
                                                      length_scale=0.1)).requests
     assert p.requests and all(r.arrival_s < 5.0 for r in p.requests)
+
+
+def test_cluster_pool_sends_kv_between_nodes_over_both_device_links():
+    # 2 nodes x 1 device, node 0 prefills, node 1 decodes; 125 bytes of KV per token over 1 Mb/s
+    # network links (1 ms per token); the intra-node link (1 Gb/s) is never used.
+    # r0: prefill 0 -> 0.020; KV (10 tokens) 0.020 -> 0.030; decode 0.030 -> 0.036 -> 0.042.
+    # r1 (t=0.012): prefill 0.030 -> 0.060 (blocking: the prefill device sent r0's KV first);
+    #     KV (20 tokens) 0.060 -> 0.080; decode step 0.080 -> 0.086.
+    cfg = SimConfig(mode="pooled", devices=1, nodes=2, pool_scope="cluster", max_model_len=512,
+                    kv_bytes_per_token=125, internode_gbps=1e-3, link_gbps=1.0)
+    res = simulate(TWO, cfg, COST)
+    assert token_times(res) == [[0.020, 0.036, 0.042], [0.060, 0.086]]
+    assert [t.device_id for t in res.traces] == ["n0/dev0", "n0/dev0"]  # the device of the first token
+    assert set(res.stats["busy_s"]) == {"n0/dev0", "n1/dev0"}
+    # Two prefill nodes feeding one decode device: the transfers queue on the decode device's link.
+    # Both prompts prefill at once on n0 and n1 (0 -> 0.020); both KV caches (10 tokens, 10 ms each)
+    # want n2/dev0's link: one 0.020 -> 0.030, the other 0.030 -> 0.040.
+    three = SimConfig(mode="pooled", devices=1, nodes=3, pool_scope="cluster", prefill_nodes=2, max_model_len=512,
+                      kv_bytes_per_token=125, internode_gbps=1e-3)
+    res = simulate([TraceRequest(0.0, 10, 2), TraceRequest(0.0, 10, 2)], three, COST)
+    second = sorted(tr.token_times_s[1] for tr in res.traces)
+    assert second == pytest.approx([0.030 + 0.006, 0.040 + 0.006])
+
+
+def test_link_plan_and_transfer_time_arithmetic():
+    from bench.sim.batched import SimDevice
+    from bench.sim.pooled import link_plan
+    from node.core.batcher import StepKind
+    from node.plan import transfer_s
+
+    cfg = SimConfig(mode="pooled", devices=2, nodes=2, pool_scope="cluster", link_gbps=100.0, internode_gbps=400.0)
+    a, b = SimDevice("n0/dev0", StepKind.PREFILL, cfg, node=0), SimDevice("n0/dev1", StepKind.MIXED, cfg, node=0)
+    c = SimDevice("n1/dev0", StepKind.MIXED, cfg, node=1)
+    assert link_plan(a, b, cfg) == (["link:n0/dev0"], 100.0)
+    assert link_plan(a, c, cfg) == (["nic:n0/dev0", "nic:n1/dev0"], 400.0)
+    # The seed's arithmetic: 512 MiB over 100 Gb/s at line rate is about 43 ms; 128 KiB x 4096 tokens.
+    assert transfer_s(128 * 1024 * 4096, 100.0) == pytest.approx(512 * 2**20 * 8 / 100e9)
+    assert transfer_s(512 * 2**20, 100.0) == pytest.approx(0.0429, abs=1e-4)
+    with pytest.raises(ValueError):
+        SimConfig(mode="pooled", nodes=1, pool_scope="cluster")
+
+
+def test_step_overhead_is_paid_once_per_step():
+    # 2 ms per step on top of the cost model: r0's prefill 0.022, then two decode steps of 0.008.
+    res = simulate([TraceRequest(0.0, 10, 3)], SimConfig(mode="colocated", max_model_len=512, step_overhead_ms=2.0),
+                   COST)
+    assert token_times(res) == [[0.022, 0.030, 0.038]]
+    # A 5 ms request overhead delays the request's start at the node: TTFT 0.025, same TPOT.
+    res = simulate([TraceRequest(0.0, 10, 3)], SimConfig(mode="colocated", max_model_len=512, request_overhead_ms=5.0),
+                   COST)
+    assert res.records[0].ttft_s == pytest.approx(0.025) and res.records[0].itls_s == pytest.approx([0.006, 0.006])
+
+
+def test_host_overheads_from_a_node_probe():
+    from bench.validate_sim import host_overheads
+
+    # The node's lone decode gaps are 1.5 ms longer than the runner's steps, its lone TTFTs 4 ms longer
+    # than the runner's prefill steps: 1.5 ms per step, 2.5 ms per request besides.
+    prefill = [(n, COST.prefill_step_s(n) + 0.004) for n in (16, 32, 64)]
+    decode = [(1, 160, COST.decode_step_s(1, 160) + 0.0015), (2, 320, COST.decode_step_s(2, 320) + 0.0012),
+              (4, 640, 0.5)]  # the median of the three differences: 1.5 ms
+    step, req = host_overheads(COST, prefill, decode)
+    assert step == pytest.approx(0.0015) and req == pytest.approx(0.0025)
+
+
+def test_synthetic_lengths():
+    from bench.workload import synthetic_lengths
+
+    assert synthetic_lengths("azure-conv") is None
+    assert synthetic_lengths("fixed:128:64") == [TraceRequest(0.0, 128, 64)]
+    wide = synthetic_lengths("loguniform:32:7000:128", seed=1)
+    ps = sorted(r.prompt_tokens for r in wide)
+    assert 32 <= ps[0] and ps[-1] <= 7000 and all(r.output_tokens == 128 for r in wide)
+    # log-uniform: the median is near the geometric mean (~473), far below the arithmetic one
+    assert 380 < ps[len(ps) // 2] < 580
+    with pytest.raises(ValueError):
+        synthetic_lengths("uniform:10:5:1")
+    w = build_workload(WorkloadSpec(trace="poisson", rate_rps=20.0, duration_s=2.0, lengths_from="fixed:100:5"))
+    assert w.requests and all((r.prompt_tokens, r.output_tokens) == (100, 5) for r in w.requests)
+
+
+def test_capacity_search_brackets_and_bisects():
+    from bench.crossover import capacity
+
+    calls = []
+
+    def run(rate):  # attainment falls below 90% above 37 req/s
+        calls.append(rate)
+        return {"slo_attainment": 1.0 if rate <= 37 else 0.5}
+
+    rate, best, n = capacity(run, 10.0, tolerance=1.05)
+    assert 37 / 1.05 <= rate <= 37 and best["slo_attainment"] == 1.0 and n == len(set(calls))
+    assert capacity(lambda r: {"slo_attainment": 0.0}, 1.0, min_rate=0.2)[0] == 0.0
+
+
+def test_derived_cost_model_scales_with_geometry():
+    from bench.derive_cost import REFERENCE_CONFIG, REFERENCE_COST, derive
+    from bench.calibrate import load_cost_model
+    from node.plan import load_config
+
+    ref, ref_cfg = load_cost_model(REFERENCE_COST), load_config(REFERENCE_CONFIG)
+    same = derive(ref_cfg, ref, ref_cfg)
+    # Identical at the reference's 1,024 tokens per sequence; a context term appears.
+    for b in (1, 16, 256):
+        assert same.decode_step_s(b, 1024 * b) == pytest.approx(ref.decode_step_s(b, 1024 * b))
+    assert same.decode_per_context_token_s > 0 and same.prefill_s(4096, 8192) == pytest.approx(ref.prefill_s(4096, 8192))
+    small = derive(load_config(REFERENCE_CONFIG.parent / "llama3.2-1b"), ref, ref_cfg)
+    assert small.decode_step_s(1, 1024) < same.decode_step_s(1, 1024) / 2
+    assert small.prefill_per_token_s < same.prefill_per_token_s / 5
+
+
+def test_crossover_tiny_grid(capsys):
+    from bench import crossover
+
+    rc = crossover.main(["--models", "8b", "--lengths", "tiny=fixed:256:4", "--links", "1,400", "--devices", "2",
+                         "--duration", "1", "--modes", "time-shared,pooled", "--tolerance", "1.5"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "| 8b | tiny |" in out and "1 Gb/s" in out and "400 Gb/s" in out
+    # At 1 Gb/s a 256-token cache (32 MiB) takes 0.27 s to send: pooled loses; at 400 Gb/s it is 0.7 ms.
+    row = next(line for line in out.splitlines() if line.startswith("| 8b | tiny |"))
+    slow, fast = row.split(" | ")[2:4]
+    assert slow.lstrip("*≈ ").startswith("TS")
+
+
+def test_crossover_run_duration_holds_enough_requests():
+    from argparse import Namespace
+
+    from bench.crossover import run_duration
+
+    a = Namespace(duration=3.0, min_requests=1000, max_duration=120.0)
+    assert run_duration(2000.0, a) == 3.0 and run_duration(100.0, a) == 10.0 and run_duration(1.0, a) == 120.0
+
+
+def test_crossover_reuses_earlier_results(tmp_path, capsys):
+    from bench import crossover
+
+    args = ["--models", "8b", "--lengths", "tiny=fixed:256:4", "--links", "400", "--devices", "2", "--duration", "1",
+            "--modes", "time-shared,pooled", "--tolerance", "1.5"]
+    assert crossover.main(args + ["--out", str(tmp_path / "a.json")]) == 0
+    first = capsys.readouterr()
+    assert crossover.main(args + ["--reuse", str(tmp_path / "a.json")]) == 0
+    again = capsys.readouterr()
+    assert again.out == first.out and "capacity" not in again.err  # nothing searched again
+
+
+def test_sim_cli_table(capsys):
+    from bench.sim.__main__ import main
+
+    rc = main(["--mode", "colocated,pooled", "--devices", "2", "--prefill-devices", "1", "--trace", "poisson",
+               "--lengths-from", "fixed:64:4", "--rates", "5,10", "--duration", "1", "--table"])
+    assert rc == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("| trace | rate (req/s) | mode |")
+    assert sum(1 for line in out if line.startswith("| poisson |")) == 4
+    assert any("pooled 1P:1D" in line for line in out)
+
+
+@pytest.mark.parametrize("mode", ["time-shared", "colocated", "pooled"])
+def test_overloaded_runs_abort_once_enough_requests_are_certainly_late(mode):
+    from bench.sim import SimAborted
+
+    # 200 prompts at once, each 100 ms of prefill on one prefill device: most wait past a 150 ms TTFT SLO.
+    reqs = [TraceRequest(0.0, 90, 2) for _ in range(200)]
+    cfg = SimConfig(mode=mode, devices=2, max_model_len=512, ttft_slo_ms=150.0, abort_late=20,
+                    max_num_batched_tokens=90)
+    with pytest.raises(SimAborted):
+        simulate(reqs, cfg, COST)
+    assert simulate(reqs[:2], cfg, COST).summary.failed == 0  # a light load runs to the end
+
+
+def test_time_shared_respects_the_batch_cap():
+    # Four 10-token prompts at once on one device capped at 2 sequences: the policy places two, the
+    # other two wait until those finish (as the live driver's seq_slots_free makes it do).
+    reqs = [TraceRequest(0.0, 10, 3) for _ in range(4)]
+    res = simulate(reqs, SimConfig(mode="time-shared", devices=1, max_model_len=512, max_num_seqs=2), COST)
+    firsts = sorted(t.token_times_s[0] for t in res.traces)
+    lasts = sorted(t.token_times_s[-1] for t in res.traces)
+    assert firsts[2] > lasts[1] and res.summary.failed == 0
+    uncapped = simulate(reqs, SimConfig(mode="time-shared", devices=1, max_model_len=512, max_num_seqs=256), COST)
+    assert len({t.token_times_s[0] for t in uncapped.traces}) == 1  # without the cap: one prefill step for all

@@ -2,15 +2,19 @@
 
 * time-shared — :class:`node.core.roles.RoleScheduler` on :class:`node.core.virtual.VirtualNode`
   (:mod:`bench.sim.timeshared`);
-* colocated and pooled — :class:`node.core.batcher.Batcher` per device on a virtual clock, with KV
-  transfers priced by :func:`node.plan.transfer_s` for pooled (:mod:`bench.sim.batched`).
+* colocated — :class:`node.core.batcher.Batcher` per device on a virtual clock (:mod:`bench.sim.batched`);
+* pooled — :class:`node.core.pooled.PooledRouter` placing requests on prefill and decode devices
+  (``Batcher`` each), KV transfers priced by :func:`node.plan.transfer_s` on per-link queues, inside
+  a node or, with ``pool_scope="cluster"``, between nodes (:mod:`bench.sim.pooled`).
 
-Step times come from a :class:`node.core.cost.CostModel` (``bench/calibrate.py`` measures one);
+Step times come from a :class:`node.core.cost.CostModel` (``bench/calibrate.py`` measures one,
+``bench/derive_cost.py`` scales one to another geometry), plus optional host overheads per step and per
+request (:class:`SimConfig`);
 :mod:`bench.sim.run` splits requests over nodes and produces :mod:`bench.metrics` summaries, the same
 ones the live replay prints. ``python -m bench.sim --help`` for the command line.
 """
 
-from bench.sim.config import MODES, SimConfig, kv_geometry
+from bench.sim.config import MODES, SimAborted, SimConfig, kv_geometry
 from bench.sim.run import SimResult, simulate, to_record
 
-__all__ = ["MODES", "SimConfig", "SimResult", "kv_geometry", "simulate", "to_record"]
+__all__ = ["MODES", "SimAborted", "SimConfig", "SimResult", "kv_geometry", "simulate", "to_record"]

@@ -30,8 +30,24 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--mode", default="time-shared", help=f"comma-separated: {', '.join(MODES)}")
     ap.add_argument("--devices", type=int, default=1, help="devices per node")
     ap.add_argument("--nodes", type=int, default=1, help="nodes (requests spread round-robin)")
-    ap.add_argument("--prefill-devices", type=int, default=None, help="pooled: prefill devices per node (default half)")
-    ap.add_argument("--link-gbps", type=float, default=100.0, help="pooled: KV link per prefill device (Gb/s)")
+    ap.add_argument("--prefill-devices", default=None,
+                    help="pooled: prefill devices per node (default half); a comma list runs each split")
+    ap.add_argument("--link-gbps", type=float, default=100.0,
+                    help="pooled: KV link per prefill device in a node (Gb/s)")
+    ap.add_argument("--pool-scope", default="node", choices=["node", "cluster"],
+                    help="pooled: each node splits its own devices (node), or prefill nodes hand KV to decode "
+                         "nodes (cluster)")
+    ap.add_argument("--prefill-nodes", default=None,
+                    help="pooled, cluster scope: prefill-only nodes (default half); a comma list runs each")
+    ap.add_argument("--internode-gbps", type=float, default=400.0,
+                    help="pooled, cluster scope: network link per device between nodes (Gb/s)")
+    ap.add_argument("--transfer", default="blocking", choices=["blocking", "overlap"],
+                    help="pooled: a prefill device waits for its KV sends, as the node does (blocking), "
+                         "or not (overlap)")
+    ap.add_argument("--max-unsent", type=int, default=64, help="pooled: the node's --max-unsent")
+    ap.add_argument("--step-overhead-ms", type=float, default=0.0, help="host time added to every step (ms)")
+    ap.add_argument("--request-overhead-ms", type=float, default=0.0, help="send-to-scheduler time added to TTFT (ms)")
+    ap.add_argument("--pause-ms", type=float, default=0.0, help="time-shared: least switch pause (ms)")
     ap.add_argument("--cost-model", default=str(DEFAULT_COST), help="CostModel JSON (bench/calibrate.py)")
     ap.add_argument("--model-config", default=None, help="config.json or model folder (default: stories260k)")
     ap.add_argument("--dtype", default=None, help="KV dtype (default: the config's torch_dtype, else bf16)")
@@ -52,11 +68,18 @@ def parser() -> argparse.ArgumentParser:
                     help="time-shared: output length the policy is told (node: min(max_tokens, 128))")
     ap.add_argument("--max-sim-s", type=float, default=3600.0, help="simulated seconds before unfinished requests fail")
     ap.add_argument("--out", default=None, help="write the summaries and stats as JSON")
+    ap.add_argument("--table", action="store_true", help="print one markdown table row per (rate, mode) instead")
     add_workload_args(ap)
+    ap.add_argument("--rates", default=None, help="comma-separated rates to run in turn (overrides --rate)")
     return ap
 
 
-def config_for(args: argparse.Namespace, mode: str, model_cfg: dict) -> SimConfig:
+def _ints(text: str | None) -> list[int | None]:
+    return [int(x) for x in text.split(",") if x.strip()] if text else [None]
+
+
+def config_for(args: argparse.Namespace, mode: str, model_cfg: dict, prefill_devices: int | None = None,
+               prefill_nodes: int | None = None) -> SimConfig:
     dtype = args.dtype or str(model_cfg.get("torch_dtype") or "bf16")
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}")
@@ -64,8 +87,11 @@ def config_for(args: argparse.Namespace, mode: str, model_cfg: dict) -> SimConfi
     per_token, blocks = kv_geometry(model_cfg, dtype=dtype, block_size=args.block_size, kv_cache_bytes=kv_bytes,
                                     device_memory_gib=args.device_memory_gib, memory_fraction=args.memory_fraction)
     return SimConfig(
-        mode=mode, devices=args.devices, nodes=args.nodes, prefill_devices=args.prefill_devices, kv_blocks=blocks,
+        mode=mode, devices=args.devices, nodes=args.nodes, prefill_devices=prefill_devices, kv_blocks=blocks,
         block_size=args.block_size, kv_bytes_per_token=per_token, link_gbps=args.link_gbps,
+        pool_scope=args.pool_scope, prefill_nodes=prefill_nodes, internode_gbps=args.internode_gbps,
+        transfer=args.transfer, max_unsent=args.max_unsent, step_overhead_ms=args.step_overhead_ms,
+        request_overhead_ms=args.request_overhead_ms, pause_ms=args.pause_ms,
         max_model_len=args.max_model_len or int(model_cfg.get("max_position_embeddings", 2048)),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms, reconfig_pause_ms=args.reconfig_pause_ms,
@@ -73,28 +99,77 @@ def config_for(args: argparse.Namespace, mode: str, model_cfg: dict) -> SimConfi
         expected_output=args.expected_output, max_sim_s=args.max_sim_s)
 
 
+def configs_for(args: argparse.Namespace, model_cfg: dict) -> list[SimConfig]:
+    """One config per mode; pooled once per ``--prefill-devices`` (or ``--prefill-nodes``) value."""
+    out = []
+    for mode in [m.strip() for m in args.mode.split(",") if m.strip()]:
+        if mode != "pooled":
+            out.append(config_for(args, mode, model_cfg))
+        elif args.pool_scope == "cluster":
+            out += [config_for(args, mode, model_cfg, prefill_nodes=n) for n in _ints(args.prefill_nodes)]
+        else:
+            out += [config_for(args, mode, model_cfg, prefill_devices=n) for n in _ints(args.prefill_devices)]
+    return out
+
+
+def mode_label(cfg: SimConfig) -> str:
+    """``time-shared``, ``colocated``, ``pooled 4P:4D`` (per node) or ``pooled 4P:4D nodes`` (cluster)."""
+    if cfg.mode != "pooled":
+        return cfg.mode
+    if cfg.pool_scope == "cluster":
+        p = cfg.num_prefill_nodes
+        return f"pooled {p}P:{cfg.nodes - p}D nodes"
+    p = cfg.num_prefill_devices
+    return f"pooled {p}P:{cfg.devices - p}D"
+
+
+def table_row(trace: str, rate: float | None, cfg: SimConfig, summary, stats: dict) -> str:
+    """A markdown row: trace, rate, mode, goodput, SLO attainment, p90 TTFT/TPOT, switches, transfers."""
+    gib = stats.get("transfer_bytes", 0) / 2**30
+    r = "—" if rate is None else f"{rate:g}"
+    return (f"| {trace} | {r} | {mode_label(cfg)} | {summary.goodput:.2f} | "
+            f"{summary.slo_attainment:.1%} | {summary.ttft_ms.p90:.1f} | {summary.tpot_ms.p90:.2f} | "
+            f"{stats.get('switches', 0)} | {stats.get('transfers', 0)} ({gib:.0f} GiB) |")
+
+
+TABLE_HEAD = ("| trace | rate (req/s) | mode | goodput (req/s) | SLO attainment | p90 TTFT (ms) | p90 TPOT (ms) | "
+              "switches | transfers |\n|---|---:|---|---:|---:|---:|---:|---:|---:|")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         model_cfg = load_config(args.model_config or shared_dir() / "models" / "stories260k")
         cost = load_cost_model(args.cost_model)
-        modes = [m.strip() for m in args.mode.split(",") if m.strip()]
-        configs = [config_for(args, m, model_cfg) for m in modes]
-        wl = build_workload(spec_from_args(args, max_model_len=configs[0].max_model_len))
+        configs = configs_for(args, model_cfg)
+        rates = [float(x) for x in args.rates.split(",")] if args.rates else [args.rate]
+        workloads = [build_workload(spec_from_args(args, rate_rps=r, max_model_len=configs[0].max_model_len))
+                     for r in rates]
     except (OSError, ValueError, KeyError) as e:
         print(f"bench.sim: {e}", file=sys.stderr)
         return 2
-    out = {"workload": wl.describe(), "cost_model": json.loads(Path(args.cost_model).read_text()), "runs": []}
+    out = {"cost_model": json.loads(Path(args.cost_model).read_text()), "runs": []}
     out["cost_model"].pop("calibration", None)
-    for cfg in configs:
-        res = simulate(wl.requests, cfg, cost)
-        title = f"Simulated: {cfg.mode}, {cfg.nodes} node(s) x {cfg.devices} device(s)"
-        print(format_summary(res.summary, title))
-        st = res.stats
-        print(f"switches {st.get('switches', 0)}, pause {st.get('pause_s', 0.0):.3f} s, transfers {st.get('transfers', 0)} "
-              f"({st.get('transfer_bytes', 0) / 2**20:.1f} MiB), preemptions {st.get('preemptions', 0)}\n")
-        out["runs"].append({"config": vars(cfg) | {"num_prefill_devices": cfg.num_prefill_devices},
-                            "summary": res.summary.as_dict(), "stats": st})
+    rows = []
+    for rate, wl in zip(rates, workloads):
+        for cfg in configs:
+            res = simulate(wl.requests, cfg, cost)
+            st = res.stats
+            if args.table:
+                rows.append(table_row(args.trace, rate, cfg, res.summary, st))
+                print(rows[-1], file=sys.stderr, flush=True)  # progress
+            else:
+                title = f"Simulated: {mode_label(cfg)}, {cfg.nodes} node(s) x {cfg.devices} device(s)"
+                print(format_summary(res.summary, title))
+                print(f"switches {st.get('switches', 0)}, pause {st.get('pause_s', 0.0):.3f} s, transfers "
+                      f"{st.get('transfers', 0)} ({st.get('transfer_bytes', 0) / 2**20:.1f} MiB), "
+                      f"preemptions {st.get('preemptions', 0)}\n")
+            out["runs"].append({"workload": wl.describe(), "mode": mode_label(cfg),
+                                "config": vars(cfg) | {"num_prefill_devices": cfg.num_prefill_devices},
+                                "summary": res.summary.as_dict(), "stats": st})
+    if args.table:
+        print(TABLE_HEAD)
+        print("\n".join(rows))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1))

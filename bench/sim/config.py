@@ -12,9 +12,24 @@ from dataclasses import dataclass
 
 from node.plan import DTYPE_BYTES, Geometry, kv_bytes_per_token, kv_token_capacity, param_count
 
-__all__ = ["MODES", "SimConfig", "kv_geometry"]
+__all__ = ["MODES", "SimAborted", "SimConfig", "kv_geometry", "count_late"]
 
 MODES = ("time-shared", "colocated", "pooled")
+
+
+class SimAborted(RuntimeError):
+    """A run stopped early: ``abort_late`` requests were certainly going to miss the TTFT SLO."""
+
+
+def count_late(arrivals, now_s: float, ttft_slo_s: float, limit: int) -> int:
+    """How many of ``arrivals`` (seconds, oldest first) are older than ``ttft_slo_s`` at ``now_s``;
+    counts up to ``limit`` only."""
+    n = 0
+    for a in arrivals:
+        if now_s - a <= ttft_slo_s or n >= limit:
+            break
+        n += 1
+    return n
 
 
 @dataclass(frozen=True)
@@ -26,12 +41,35 @@ class SimConfig:
         devices: devices per node; pooled splits them into ``prefill_devices`` and the rest decode.
         kv_blocks, block_size: KV pool per device (blocks of ``block_size`` tokens).
         kv_bytes_per_token: KV of one token over all layers (bytes), for pooled transfers.
-        link_gbps: per prefill device link rate for KV transfers (Gb/s, line rate).
+        link_gbps: per prefill device link rate for KV transfers inside a node (Gb/s, line rate).
+        pool_scope: pooled only. ``node``: every node splits its own devices into
+            ``prefill_devices`` + the rest and KV moves inside the node over ``link_gbps``;
+            ``cluster``: one pool over all nodes, the first ``prefill_nodes`` nodes prefill only,
+            the others decode only, and KV crosses nodes over ``internode_gbps``.
+        prefill_nodes: pooled, cluster scope: nodes whose devices all prefill (default half).
+        internode_gbps: pooled, cluster scope: each device's network link (one NIC per device, as
+            GPU-direct RDMA nodes have; Gb/s, line rate). A KV transfer between nodes holds the
+            source device's link and the destination device's link for its whole duration.
+        transfer: pooled. ``blocking``: the prefill device runs no step while it sends a KV cache (what
+            the node's ``DeviceEngine.migrate`` does: the copy runs between steps); ``overlap``: the
+            copy runs on the link alone and the prefill device goes on (asynchronous transfers).
+        max_unsent: pooled: prompts in flight plus unsent caches per prefill device (the node's
+            ``--max-unsent``, the :class:`node.core.pooled.PooledRouter` bound).
+        step_overhead_ms: host time added to every step (the node's shell around a model step:
+            batch forming, thread hop, output processing), on top of the cost model.
+        request_overhead_ms: time from a client's send to the node's scheduler (HTTP, parsing,
+            validation, first-chunk delivery): every request reaches the node this much after its
+            arrival, so its TTFT grows by it and its TPOT does not.
+        pause_ms: time-shared: a role switch's pause when the cost model's ``pause_s`` and the
+            ``reconfig_pause_ms`` floor are smaller (the switch's measured swap on the live node).
         max_num_batched_tokens: per-step token budget (chunked prefill; the prefill budget in
             time-shared mode), as the node's ``--max-num-batched-tokens``.
         expected_output: what time-shared placement is told of each output length: ``node`` (what
             the live node assumes for ``ignore_eos`` requests: ``min(max_tokens, 128)``) or ``oracle``.
         max_sim_s: requests not finished this long after the first arrival count as failed (s).
+        abort_late: stop the run (raise :class:`SimAborted`) as soon as this many requests are
+            certainly late — still waiting for a device more than ``ttft_slo_ms`` after arriving — so
+            that a capacity search does not simulate overloads to the end (``None``: never).
     """
 
     mode: str = "time-shared"
@@ -42,6 +80,14 @@ class SimConfig:
     block_size: int = 16
     kv_bytes_per_token: int = 0
     link_gbps: float = 100.0
+    pool_scope: str = "node"
+    prefill_nodes: int | None = None
+    internode_gbps: float = 400.0
+    transfer: str = "blocking"
+    max_unsent: int = 64
+    step_overhead_ms: float = 0.0
+    request_overhead_ms: float = 0.0
+    pause_ms: float = 0.0
     max_model_len: int = 2048
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -53,20 +99,37 @@ class SimConfig:
     stagger: str = "soft"
     expected_output: str = "node"
     max_sim_s: float = 3600.0
+    abort_late: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r} ({', '.join(MODES)})")
         if self.devices < 1 or self.nodes < 1:
             raise ValueError("need at least one device and one node")
-        if self.mode == "pooled" and self.devices < 2:
+        if self.mode == "pooled" and self.pool_scope == "node" and self.devices < 2:
             raise ValueError("pooled mode needs at least 2 devices per node (prefill and decode)")
+        if self.mode == "pooled" and self.pool_scope == "cluster" and self.nodes < 2:
+            raise ValueError("pooled mode with --pool-scope cluster needs at least 2 nodes")
+        if self.pool_scope not in ("node", "cluster"):
+            raise ValueError(f"unknown pool scope {self.pool_scope!r} (node, cluster)")
+        if self.transfer not in ("blocking", "overlap"):
+            raise ValueError(f"unknown transfer model {self.transfer!r} (blocking, overlap)")
+        if not (self.link_gbps > 0 and self.internode_gbps > 0):
+            raise ValueError("link rates must be positive")
+        if self.max_unsent < 1 or min(self.step_overhead_ms, self.request_overhead_ms, self.pause_ms) < 0:
+            raise ValueError("max_unsent must be at least 1, and overheads and pauses at least 0")
 
     @property
     def num_prefill_devices(self) -> int:
         """Pooled: prefill devices per node (default half, at least 1, leaving at least 1 to decode)."""
         n = self.prefill_devices if self.prefill_devices is not None else self.devices // 2
         return min(max(1, n), self.devices - 1)
+
+    @property
+    def num_prefill_nodes(self) -> int:
+        """Pooled, cluster scope: prefill-only nodes (default half, at least 1, leaving 1 to decode)."""
+        n = self.prefill_nodes if self.prefill_nodes is not None else self.nodes // 2
+        return min(max(1, n), self.nodes - 1)
 
 
 def kv_geometry(model_config: dict, *, dtype: str, block_size: int, kv_cache_bytes: int | None = None,

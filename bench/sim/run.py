@@ -1,6 +1,15 @@
 """Run a simulation: split the requests over the nodes, simulate each node in its mode, summarize.
 
-Requests go to the ``nodes`` identical nodes round-robin in arrival order (no routing policy yet).
+Requests go to the ``nodes`` identical nodes round-robin in arrival order (no cross-node routing
+policy: each node then places its share with its own policy). The exception is pooled mode with
+``pool_scope="cluster"``: one pool spans every node, and the node's pooled router places every
+request on a (prefill device, decode device) pair of the whole cluster (:mod:`bench.sim.pooled`).
+
+``step_overhead_ms`` is added to both fixed costs of the cost model (every step pays it once, mixed
+steps included), so the time-shared policy plans with it as the live node's refitted model would.
+``request_overhead_ms`` delays every request's arrival at the node (not its recorded arrival), so it
+adds to TTFT and E2E only.
+
 Each request's token times become a :class:`bench.metrics.RequestRecord` (send time = arrival), so the
 summary is :func:`bench.metrics.summarize`'s, the same as the live replay's: TTFT = first token −
 arrival, ITLs = gaps between tokens, E2E = last token − arrival, duration = first arrival to last finish.
@@ -8,17 +17,20 @@ arrival, ITLs = gaps between tokens, E2E = last token − arrival, duration = fi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import msgspec
 
 from bench.metrics import RequestRecord, Summary, summarize
-from bench.sim.batched import simulate_batched
+from bench.sim.batched import simulate_colocated
 from bench.sim.config import SimConfig
+from bench.sim.pooled import simulate_pooled
 from bench.sim.timeshared import simulate_time_shared
 from bench.traces import TraceRequest
 from node.core.cost import CostModel
 from node.core.virtual import RequestTrace
 
-__all__ = ["SimResult", "to_record", "simulate"]
+__all__ = ["SimResult", "to_record", "simulate", "with_step_overhead"]
 
 
 @dataclass
@@ -39,28 +51,47 @@ def to_record(t: RequestTrace) -> RequestRecord:
     return RequestRecord(t.ttft_s, t.itls_s, t.e2e_s, len(t.token_times_s), t.prompt_tokens, None, t.arrival_s)
 
 
-def _merge(total: dict, part: dict, node: int) -> None:
+def _merge(total: dict, part: dict, node: int | None) -> None:
     for k, v in part.items():
         if k == "busy_s":
-            total.setdefault(k, {}).update({f"n{node}/{dev}": s for dev, s in v.items()})
+            total.setdefault(k, {}).update({(dev if node is None else f"n{node}/{dev}"): s for dev, s in v.items()})
         else:
             total[k] = total.get(k, 0) + v
 
 
+def with_step_overhead(cost: CostModel, overhead_s: float) -> CostModel:
+    """``cost`` with ``overhead_s`` added to every step (both fixed costs)."""
+    if overhead_s <= 0:
+        return cost
+    return msgspec.structs.replace(cost, prefill_fixed_s=cost.prefill_fixed_s + overhead_s,
+                                   decode_fixed_s=cost.decode_fixed_s + overhead_s)
+
+
 def simulate(requests: list[TraceRequest], cfg: SimConfig, cost: CostModel) -> SimResult:
     """Simulate ``requests`` on ``cfg`` with step times from ``cost``."""
-    run = simulate_time_shared if cfg.mode == "time-shared" else simulate_batched
-    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
-    shares = [order[n::cfg.nodes] for n in range(cfg.nodes)]
+    cost = with_step_overhead(cost, cfg.step_overhead_ms / 1e3)
+    arrivals = [r.arrival_s for r in requests]
+    if cfg.request_overhead_ms > 0:
+        requests = [replace(r, arrival_s=r.arrival_s + cfg.request_overhead_ms / 1e3) for r in requests]
     traces: list[RequestTrace | None] = [None] * len(requests)
     stats: dict = {}
-    for n, idx in enumerate(shares):
-        if not idx:
-            continue
-        got, st = run([requests[i] for i in idx], cfg, cost, prefix=f"n{n}r")
-        for i, t in zip(idx, got):
-            traces[i] = t
-        _merge(stats, st, n)
+    if cfg.mode == "pooled" and cfg.pool_scope == "cluster":
+        traces, st = simulate_pooled(requests, cfg, cost, prefix="r", nodes=cfg.nodes)
+        _merge(stats, st, None)
+    else:
+        run = {"time-shared": simulate_time_shared, "colocated": simulate_colocated,
+               "pooled": simulate_pooled}[cfg.mode]
+        order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
+        shares = [order[n::cfg.nodes] for n in range(cfg.nodes)]
+        for n, idx in enumerate(shares):
+            if not idx:
+                continue
+            got, st = run([requests[i] for i in idx], cfg, cost, prefix=f"n{n}r")
+            for i, t in zip(idx, got):
+                traces[i] = t
+            _merge(stats, st, n)
+    for t, a in zip(traces, arrivals):
+        t.arrival_s = a  # the client's send time
     records = [to_record(t) for t in traces]
     summary = summarize(records, ttft_slo_ms=cfg.ttft_slo_ms, tpot_slo_ms=cfg.tpot_slo_ms)
     return SimResult(traces, records, summary, stats)

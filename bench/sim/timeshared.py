@@ -2,19 +2,20 @@
 
 The requests replay through :class:`node.core.virtual.VirtualNode` (devices advanced by the cost
 model, one step at a time) driven by :class:`node.core.roles.RoleScheduler` — the object the live node
-runs — configured the way :class:`node.runtime.node.Node` configures it from the same flags. The
+runs — configured the way :class:`node.runtime.node.Node` configures it from the same flags, and told each
+device's free sequence slots (``max_num_seqs`` minus resident and queued) as the live driver tells it. The
 policy's cost model is the simulation's, with ``pause_s`` raised to the ``reconfig_pause_ms`` floor (the
-live node adds that floor to every switch's measured swap).
+live node adds that floor to every switch's measured swap) and to ``pause_ms`` (a measured swap).
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from bench.sim.config import SimConfig
+from bench.sim.config import SimAborted, SimConfig, count_late
 from bench.traces import TraceRequest
 from node.core.cost import CostModel
-from node.core.roles import RoleScheduler, RoleSchedulerConfig
+from node.core.roles import NodeSnapshot, RoleScheduler, RoleSchedulerConfig
 from node.core.virtual import RequestTrace, VirtualNode, VirtualRequest
 
 __all__ = ["NODE_EXPECTED_OUTPUT_TOKENS", "simulate_time_shared"]
@@ -25,6 +26,26 @@ __all__ = ["NODE_EXPECTED_OUTPUT_TOKENS", "simulate_time_shared"]
 NODE_EXPECTED_OUTPUT_TOKENS = 128
 
 
+class CappedVirtualNode(VirtualNode):
+    """:class:`VirtualNode` whose snapshot carries each device's free sequence slots.
+
+    The live role driver tells the policy ``seq_slots_free = max_num_seqs - resident - queued`` per
+    device (``RoleDriver.snapshot``), so the scheduler never places more sequences on a device than its
+    batch cap; the plain virtual node leaves the field at its unbounded default.
+    """
+
+    def __init__(self, *args, max_num_seqs: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.max_num_seqs = max_num_seqs
+
+    def snapshot(self, now_s: float) -> NodeSnapshot:
+        snap = super().snapshot(now_s)
+        cap = self.max_num_seqs
+        devs = tuple(msgspec.structs.replace(st, seq_slots_free=max(0, cap - len(d.resident) - len(d.queue)))
+                     for st, d in zip(snap.devices, self.devices))
+        return msgspec.structs.replace(snap, devices=devs)
+
+
 def simulate_time_shared(requests: list[TraceRequest], cfg: SimConfig, cost: CostModel,
                          prefix: str = "r") -> tuple[list[RequestTrace], dict]:
     """Replay ``requests`` on one time-shared node; ``(traces in request order, stats)``."""
@@ -32,15 +53,24 @@ def simulate_time_shared(requests: list[TraceRequest], cfg: SimConfig, cost: Cos
         ttft_slo_ms=cfg.ttft_slo_ms, tpot_slo_ms=cfg.tpot_slo_ms, reconfig_pause_ms=cfg.reconfig_pause_ms,
         min_window_ms=cfg.min_window_ms, max_window_ms=cfg.max_window_ms,
         prefill_token_budget=cfg.max_num_batched_tokens, stagger=cfg.stagger)
-    cost = msgspec.structs.replace(cost, pause_s=max(cost.pause_s, cfg.reconfig_pause_ms / 1e3))
+    cost = msgspec.structs.replace(cost, pause_s=max(cost.pause_s, cfg.reconfig_pause_ms / 1e3,
+                                                     cfg.pause_ms / 1e3))
     scheduler = RoleScheduler(policy, cost)
-    vn = VirtualNode(scheduler, cost, num_devices=cfg.devices, kv_blocks=cfg.kv_blocks, block_size=cfg.block_size)
+    vn = CappedVirtualNode(scheduler, cost, num_devices=cfg.devices, kv_blocks=cfg.kv_blocks,
+                           block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs)
     vreqs = []
     for i, r in enumerate(requests):
         expected = r.output_tokens if cfg.expected_output == "oracle" else min(r.output_tokens, NODE_EXPECTED_OUTPUT_TOKENS)
         vreqs.append(VirtualRequest(f"{prefix}{i}", r.arrival_s, r.prompt_tokens, r.output_tokens, expected))
     t_end = (requests[0].arrival_s if requests else 0.0) + cfg.max_sim_s
-    traces = vn.run(vreqs, until_s=t_end, max_events=50_000_000)
+    slo_s, limit = cfg.ttft_slo_ms / 1e3, cfg.abort_late
+
+    def abort_when_late(now_s, snap, decisions):
+        if count_late((w.arrival_s for w in snap.waiting), now_s, slo_s, limit) >= limit:
+            raise SimAborted(f"{limit} requests waited past the TTFT SLO")
+
+    traces = vn.run(vreqs, until_s=t_end, max_events=50_000_000,
+                    on_decide=abort_when_late if limit is not None else None)
     pauses = [s for s in vn.steps if s.kind == "pause"]
     busy = {}
     for s in vn.steps:
