@@ -155,9 +155,9 @@ class PeerLinks:
                     await asyncio.sleep(STATUS_POLL_S)
             except asyncio.CancelledError:
                 raise
-            except (TransportError, OSError) as e:
+            except Exception as e:  # noqa: BLE001 - any failure (uvloop raises RuntimeError on a closed transport): reconnect
                 if peer.status is not None:
-                    log.warning("peer_unreachable", peer=peer.addr, error=str(e) or type(e).__name__)
+                    log.warning("peer_unreachable", peer=peer.addr, error=f"{type(e).__name__}: {e}")
                 peer.status = None
                 self._kick()
                 await asyncio.sleep(RECONNECT_S)
