@@ -330,6 +330,61 @@ def test_wrong_secret_and_layout_are_refused_and_requests_end():
             n.close()
 
 
+def test_a_briefly_stalled_peer_fails_nothing():
+    """The decode node stops for 2 s (SIGSTOP) under load: requests wait for it instead of failing with
+    'no decode peer reachable' (only a decode side gone for DECODE_WAIT_S fails work)."""
+    import signal
+
+    port = free_port()
+    d = decode_node(port)
+    p = prefill_node([port])
+    try:
+        wait_peers(p, 1)
+        body = {"prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True, "temperature": 0}
+        with cf.ThreadPoolExecutor(20) as ex:
+            futs = [ex.submit(p.client.post, "/v1/completions", json=body) for _ in range(20)]
+            time.sleep(0.3)
+            d.proc.send_signal(signal.SIGSTOP)
+            more = [ex.submit(p.client.post, "/v1/completions", json=body) for _ in range(10)]
+            time.sleep(2.0)
+            d.proc.send_signal(signal.SIGCONT)
+            res = [f.result(timeout=60) for f in futs + more]
+        assert [r.status_code for r in res] == [200] * 30, [r.text for r in res if r.status_code != 200][:2]
+        assert len({r.json()["choices"][0]["text"] for r in res}) == 1
+        p.wait_idle(5)
+        d.wait_idle(5)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_peer_with_a_shorter_context_refuses_only_what_it_cannot_hold():
+    """The decode node's --max-model-len is 128, the prefill node's 512: sequences that may grow past
+    128 tokens are refused in the offer (code invalid) and end with a clear error; the others, in the
+    same burst, are served with REF output."""
+    port = free_port()
+    d = decode_node(port, "--max-model-len", "128")
+    p = prefill_node([port])
+    try:
+        wait_peers(p, 1)
+        short = {"prompt": "Once upon a time", "max_tokens": 20, "temperature": 0, "return_token_ids": True}
+        long = {"prompt": list(range(3, 303)), "max_tokens": 20, "temperature": 0}
+        with cf.ThreadPoolExecutor(9) as ex:
+            futs = [ex.submit(p.client.post, "/v1/completions", json=short) for _ in range(8)]
+            bad = ex.submit(p.client.post, "/v1/completions", json=long)
+            res = [f.result(timeout=60) for f in futs]
+            r = bad.result(timeout=60)
+        assert {x.status_code for x in res} == {200} and len({str(x.json()["choices"][0]["token_ids"]) for x in res}) == 1
+        assert r.status_code == 500 and "cannot take this sequence" in r.json()["error"]["message"]
+        assert "--max-model-len 128" in r.json()["error"]["message"]
+        p.wait_idle(5)
+        d.wait_idle(5)
+        assert "step_failed" not in d.logs()
+    finally:
+        p.close()
+        d.close()
+
+
 def test_eviction_pressure_on_the_origin_keeps_unsent_blocks_pinned(stories_node):
     """B35: a prefill KV pool of ~2 long prompts under a burst and a slow link: blocks being sent are
     never reused, every request ends with its REF output by its deadline, nothing leaks."""

@@ -48,7 +48,7 @@ log = structlog.get_logger("shiftnode.peers")
 
 PEER_PREFIX = "peer:"
 STATUS_POLL_S = 0.05  # how often each peer's capacity is asked for
-STATUS_STALE_S = 1.0  # a peer not heard from for this long is not placed on
+STATUS_STALE_S = 3.0  # a peer not heard from for this long is not placed on (a busy loop delays replies)
 RECONNECT_S = 0.5  # pause before reconnecting a peer's control connection
 RELAY_IDLE_TIMEOUT_S = 10.0  # relay silence (the peer sends keep-alives every 2 s) that counts as a failure
 
@@ -243,7 +243,12 @@ class PeerLinks:
             else:  # the peer freed whatever it had reserved; our copy is intact
                 peer.failures += 1
                 log.warning("handoff_failed", seq=seq.seq_id, peer=peer.addr, error=str(e) or type(e).__name__)
-            if req.cancelled or not (refused or self._count_retry(req, index, f"KV hand-off to {peer.addr} failed: {e}")):
+            if refused and (isinstance(e, LayoutMismatch) or e.code == "invalid"):  # it never will take it
+                peer.failures += 1
+                if not req.finished[index]:
+                    req.emit(SeqDelta(index=index, error=f"peer {peer.addr} cannot take this sequence: {e}"))
+                _drop(engine, seq, blocks)
+            elif req.cancelled or not (refused or self._count_retry(req, index, f"KV hand-off to {peer.addr} failed: {e}")):
                 _drop(engine, seq, blocks)
             else:
                 engine.readopt(req, index, seq, blocks)
@@ -345,7 +350,7 @@ class KVReceiver:
         self.relayed = 0
         self.server = KVServer(cfg.kv_host or cfg.host, cfg.kv_port or 0, cfg.peer_secret or "", layout,
                                reserve=self._reserve, on_layer=self._on_layer, on_done=self._on_done,
-                               on_abort=self._on_abort, status=self._status, node_id=cfg.name)
+                               on_abort=self._on_abort, status=self._status, check=self._check, node_id=cfg.name)
 
     @property
     def port(self) -> int:
@@ -384,6 +389,12 @@ class KVReceiver:
             max_device_total_blocks=max((e.batcher.ledger.num_blocks for e in engines), default=0),
             seq_slots_free=sum(max(0, s) for _, s in rooms), accepting=bool(engines),
             decode_seqs=len(decoding), decode_context_tokens=sum(s.num_computed for s in decoding))
+
+    def _check(self, offer: TransferOffer) -> list[str]:
+        if offer.seq.max_len > self.node.max_model_len:
+            return [f"the sequence may grow to {offer.seq.max_len} tokens, past this node's --max-model-len "
+                    f"{self.node.max_model_len}"]
+        return []
 
     def _reserve(self, offer: TransferOffer) -> list[int] | None:
         """Blocks for the sequence's cached tokens plus its next one, on the roomiest device, or None."""

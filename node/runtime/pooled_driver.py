@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("shiftnode.pooled")
 
-DECODE_WAIT_S = 5.0  # with no decode device or peer reachable, work older than this fails
+DECODE_WAIT_S = 5.0  # once no decode device or peer has been reachable for this long, waiting work fails
 
 
 class PooledDriver(Driver):
@@ -47,6 +47,7 @@ class PooledDriver(Driver):
         self.target: dict[str, str] = {}  # request id → its decode device
         self.handing: set[str] = set()  # sequence ids whose transfer is under way
         self.sending: dict[str, str] = {}  # sequence id → prefill device, while its KV is on the way to a peer
+        self.unreachable_since: float | None = None  # when the whole decode side was last seen go away
         for d in prefill:
             node.engine(d).step_listeners.append(self._on_prefill_step)
 
@@ -106,7 +107,14 @@ class PooledDriver(Driver):
                     key=lambda e: (len(e.batcher.waiting), len(e.batcher.running))).add(req)
             return
         if not self.decode_ids and not peers:
-            self._fail_stranded(now)
+            if self.unreachable_since is None:
+                self.unreachable_since = now
+                log.warning("no_decode_peer_reachable", peers=self.node.config.peers)
+            if now - self.unreachable_since > DECODE_WAIT_S:
+                self._fail_stranded()
+        elif self.unreachable_since is not None:
+            log.info("decode_peer_reachable_again", after_s=round(now - self.unreachable_since, 3))
+            self.unreachable_since = None
         snap = PoolSnapshot(
             prefill=tuple(self._device(d, False) for d in self.prefill_ids),
             decode=tuple(self._device(d, True) for d in self.decode_ids) + tuple(self._peer_device(p) for p in peers),
@@ -172,16 +180,17 @@ class PooledDriver(Driver):
             log.info("handoff_deferred", seq=seq_id)  # retried on the next tick
         self.kick()
 
-    def _fail_stranded(self, now: float) -> None:
-        """No decode device and no reachable peer: fail what waited ``DECODE_WAIT_S`` for one."""
-        why = f"no decode peer reachable for {DECODE_WAIT_S:.0f} s (--peers {','.join(self.node.config.peers)})"
-        for req in [r for r in self.pending if now - r.stats.arrival_s > DECODE_WAIT_S]:
+    def _fail_stranded(self) -> None:
+        """No decode device and no peer reachable for ``DECODE_WAIT_S``: fail the waiting prompts and
+        the prefilled sequences that cannot be handed off (the peers' logs and ``/v1/node`` say why)."""
+        why = (f"no decode peer reachable for {DECODE_WAIT_S:.0f} s (--peers {','.join(self.node.config.peers)}; "
+               f"see GET /v1/node and the logs)")
+        for req in list(self.pending):
             self.pending.remove(req)
             req.fail(why)
         for d in self.prefill_ids:
             e = self.node.engine(d)
             for req in list(e.requests.values()):
-                if any(s.is_decoding and s.first_token_s is not None and now - s.first_token_s > DECODE_WAIT_S
-                       and s.seq_id not in self.handing for s in req.seqs):
+                if any(s.is_decoding and s.seq_id not in self.handing for s in req.seqs):
                     req.fail(why)
                     e.abort(req.request_id)

@@ -74,7 +74,9 @@ class KVServer:
         ``RelayEnd``. The sender hanging up or aborting first closes the iterator (``aclose``), which is
         where the caller drops the sequence;
       * ``on_abort(transfer_id, reason)``: free the reservation;
-      * ``status(n) -> StatusReply`` (optional): the answer to a peer's ``StatusQuery``.
+      * ``status(n) -> StatusReply`` (optional): the answer to a peer's ``StatusQuery``;
+      * ``check(offer) -> list[str]`` (optional): reasons this receiver cannot take the sequence at all
+        (e.g. longer than its context); any makes the offer refused with code ``invalid``.
     Timeouts (s): ``handshake_timeout_s`` for the whole handshake, ``idle_timeout_s`` between
     messages outside a transfer (the client's heartbeats keep it alive), ``stall_timeout_s`` for each
     frame or payload chunk during a transfer, ``reply_timeout_s`` for our own sends.
@@ -82,7 +84,8 @@ class KVServer:
 
     def __init__(self, host: str, port: int, secret: str | bytes, layout: Layout, *,
                  reserve: Reserve, on_layer: OnLayer, on_done: OnDone, on_abort: OnAbort,
-                 status: Status | None = None, node_id: str = "", relay_keepalive_s: float = 2.0, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+                 status: Status | None = None, check: Callable[[TransferOffer], list[str]] | None = None,
+                 node_id: str = "", relay_keepalive_s: float = 2.0, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
                  max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, handshake_timeout_s: float = 5.0,
                  idle_timeout_s: float = 60.0, stall_timeout_s: float = 10.0, reply_timeout_s: float = 10.0):
         self.host, self._port = host, port
@@ -90,6 +93,7 @@ class KVServer:
         self.layout = layout
         self._reserve, self._on_layer, self._on_done, self._on_abort = reserve, on_layer, on_done, on_abort
         self._status = status
+        self._check = check
         self.relay_keepalive_s = relay_keepalive_s
         self.node_id = node_id
         self.max_header_bytes = max_header_bytes
@@ -201,7 +205,7 @@ class KVServer:
             check_compatible(self.layout, offer.layout)
         except LayoutMismatch as exc:
             return await self._refuse(writer, offer, "layout", str(exc), log, exc.fields)
-        problems = offer_problems(offer)
+        problems = offer_problems(offer) + (self._check(offer) if self._check is not None else [])
         if offer.nbytes_per_layer > self.max_payload_bytes:
             problems.append(f"nbytes_per_layer {offer.nbytes_per_layer} > max_payload_bytes {self.max_payload_bytes}")
         if problems:
