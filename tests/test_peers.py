@@ -14,6 +14,7 @@ eviction pressure stay pinned until sent (B35), and a peer restarting under load
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures as cf
 import json
 import time
@@ -21,6 +22,8 @@ import time
 import httpx
 import pytest
 
+from node.cli import config_from_args, serve_parser
+from node.config import ConfigError
 from support import STORIES, NodeProcess, free_port, reference_cases, sse_events
 from test_metrics import scrape
 
@@ -540,11 +543,6 @@ def test_drain_moves_decoding_sequences_mid_decode_to_a_peer_node(stories_node):
     (["--imbalance-threshold", "-1"], "--imbalance-threshold"),
 ])
 def test_peer_flags_are_validated(argv, message, monkeypatch):
-    import argparse
-
-    from node.cli import config_from_args, serve_parser
-    from node.config import ConfigError
-
     monkeypatch.delenv("SHIFTNODE_PEER_SECRET", raising=False)
     parser = argparse.ArgumentParser()
     serve_parser(parser.add_subparsers(dest="command"))

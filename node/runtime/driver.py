@@ -78,7 +78,7 @@ class Driver:
     def recompute(self, req: RequestState, index: int) -> None:
         """Prefill one sequence again, here (its hand-off to a peer failed after the peer took it): on
         the device with the fewest queued and resident sequences."""
-        min(self.node.engines, key=lambda e: (len(e.batcher.waiting), len(e.batcher.running))).add_seq(req, index)
+        self.node.least_loaded().add_seq(req, index)
 
     def kick(self) -> None:
         self._event.set()

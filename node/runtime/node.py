@@ -192,9 +192,10 @@ class Node:
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000) % 10**9}"
 
-    def _place(self, req: RequestState) -> DeviceEngine:
-        """Least-loaded device by (queued prompts, resident sequences)."""
-        return min(self.engines, key=lambda e: (len(e.batcher.waiting), len(e.batcher.running)))
+    def least_loaded(self, device_ids: list[str] | None = None) -> DeviceEngine:
+        """The device (of ``device_ids``, default all) with the fewest queued, then resident, sequences."""
+        engines = self.engines if device_ids is None else [self.engine(d) for d in device_ids]
+        return min(engines, key=lambda e: (len(e.batcher.waiting), len(e.batcher.running)))
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int = 1) -> AsyncIterator[tuple[RequestState, SeqDelta]]:
         """Run one request; yield ``(state, delta)`` for every delta of every choice until all end.
@@ -215,7 +216,7 @@ class Node:
         if self.driver:
             self.driver.submit(req)
         else:
-            self._place(req).add(req)
+            self.least_loaded().add(req)
         reasons: list[str | None] = [None] * n
         first_s: list[float | None] = [None] * n  # per choice: first and last token times, tokens
         last_s: list[float] = [0.0] * n

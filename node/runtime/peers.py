@@ -215,7 +215,6 @@ class PeerLinks:
         start = time.monotonic()
         tid = f"{self.node.config.name}/{seq.seq_id}/{next(self._ids)}"
         client: KVClient | None = None
-        committed = False
         try:
             client = await KVClient.connect(peer.host, peer.port, self.secret, node_id=self.node.config.name,
                                             layout=self.layout, link_gbps=self.link_gbps, heartbeat_interval_s=None)
@@ -226,7 +225,6 @@ class PeerLinks:
 
             report = await client.send_sequence(self.layout, seq_state(req, seq, time.monotonic()), layer,
                                                 len(blocks), transfer_id=tid, relay=True)
-            committed = True
         except asyncio.CancelledError:  # the client left during the transfer
             _drop(engine, seq, blocks)
             settle(False)
@@ -264,7 +262,7 @@ class PeerLinks:
             await self._relay(client, tid, req, index, seq, peer)
         finally:
             await _close(client)
-        return committed
+        return True
 
     async def _relay(self, client: KVClient, tid: str, req: RequestState, index: int, seq: Sequence,
                      peer: Peer) -> None:

@@ -103,8 +103,7 @@ class PooledDriver(Driver):
         if not self.prefill_ids:  # a decode-only node serves its own arrivals on its decode devices
             for req in list(self.pending):
                 self.pending.remove(req)
-                min((self.node.engine(d) for d in self.decode_ids),
-                    key=lambda e: (len(e.batcher.waiting), len(e.batcher.running))).add(req)
+                self.node.least_loaded(self.decode_ids).add(req)
             return
         if not self.decode_ids and not peers:
             if self.unreachable_since is None:
