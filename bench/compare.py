@@ -4,13 +4,20 @@
 --model ../shared/models/stories260k --rates 2,4,8 --duration 20 --trace azure-conv --out DIR``
 
 For each mode it starts a node (``python -m node.cli serve --mode MODE ...`` on a free port, plus
-``--node-args`` and that mode's ``--mode-args``; a mode the node refuses at start-up — it exits with an
+``--node-args`` and that mode's ``--mode-args``; pooled splits ``--devices`` into prefill and decode halves
+unless its ``--mode-args`` name them; a mode the node refuses at start-up — it exits with an
 error — is reported as *not available*, never skipped), and for each rate: waits until the node is idle, replays the workload
 (:func:`bench.replay.replay`, the same requests for every mode), then reads ``GET /v1/node`` (the
 devices' switch records: the role timeline) and ``/metrics`` (counters, as differences across the run:
 ``shiftnode_role_switches_total``, and ``shiftnode_kv_transfers_total`` when the node has it, else 0).
 The node is always stopped (``try``/``finally``), and every run is bounded (``--duration`` of
 arrivals, then ``--drain-timeout``).
+
+``--prefix-caching on|off|both`` runs each mode with the node's prefix cache on (the default), off
+(``--no-prefix-caching``; rows ``MODE-nocache``) or both, side by side; each row gives the prefix hit
+rate (cached prompt tokens over prompt tokens, from every request's usage chunk) and p50/p90 TTFT.
+With ``--tokens-per-hash`` (Mooncake traces) each row also gives, in brackets, the replayed workload's
+own infinite-cache token hit ratio (:func:`bench.traces.infinite_cache_hit_ratio`) to compare with.
 
 Written to ``--out`` (default ``bench/out/<UTC timestamp>/``): ``results.md`` (the table: mode, rate,
 goodput, SLO attainment, p90 TTFT, p90 TPOT, switches, transfers), ``results.json``, per run
@@ -38,6 +45,7 @@ from bench.metrics import request_tpot_s
 from bench.node_process import REPO, NodeServer, NodeUnavailable
 from bench.replay import add_replay_args, fetch_server_info, replay, result_json
 from bench.timeline import switches_in
+from bench.traces import infinite_cache_hit_ratio
 from bench.workload import add_workload_args, build_workload, shared_dir, spec_from_args
 
 __all__ = ["counters", "node_args", "markdown_table", "main"]
@@ -56,8 +64,21 @@ def counters(metrics_text: str) -> dict[str, float]:
 
 
 def node_args(a: argparse.Namespace, mode: str) -> list[str]:
-    """``shiftnode serve`` flags for one mode."""
-    args = ["--mode", mode, "--devices", a.devices, "--ttft-slo-ms", str(a.ttft_slo_ms), "--tpot-slo-ms", str(a.tpot_slo_ms)]
+    """``shiftnode serve`` flags for one mode.
+
+    Pooled mode takes no ``--devices``: unless its ``--mode-args`` name the pools, the first half of
+    ``--devices`` (at least one) prefills and the rest decode, the simulator's default split.
+    """
+    extra = [x for v in a.mode_args or [] if v.partition("=")[0] == mode for x in shlex.split(v.partition("=")[2])]
+    if mode != "pooled":
+        devices = ["--devices", a.devices]
+    elif any(x.split("=")[0] in ("--prefill-devices", "--decode-devices") for x in extra):
+        devices = []
+    else:
+        devs = [d.strip() for d in a.devices.split(",") if d.strip()]
+        k = max(1, len(devs) // 2)
+        devices = ["--prefill-devices", ",".join(devs[:k]), "--decode-devices", ",".join(devs[k:]) or devs[0]]
+    args = ["--mode", mode, *devices, "--ttft-slo-ms", str(a.ttft_slo_ms), "--tpot-slo-ms", str(a.tpot_slo_ms)]
     if a.config:
         cfg = Path(a.config)
         args += ["--model", str(cfg.parent if cfg.is_file() else cfg), "--load-format", "dummy"]
@@ -66,8 +87,7 @@ def node_args(a: argparse.Namespace, mode: str) -> list[str]:
     for flag, value in (("--reconfig-pause-ms", a.reconfig_pause_ms), ("--max-num-batched-tokens", a.max_num_batched_tokens)):
         if value is not None:
             args += [flag, str(value)]
-    extra = [v.partition("=")[2] for v in a.mode_args or [] if v.partition("=")[0] == mode]
-    return args + shlex.split(a.node_args or "") + [x for v in extra for x in shlex.split(v)]
+    return args + shlex.split(a.node_args or "") + extra
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -76,17 +96,21 @@ def _fmt(x: float | None, spec: str) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     """The comparison table; unavailable modes get one row saying so, with the reason below."""
-    lines = ["| mode | rate (req/s) | requests ok/failed | goodput (req/s) | SLO attainment | p90 TTFT (ms) | "
-             "p90 TPOT (ms) | switches | transfers |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| mode | rate (req/s) | requests ok/failed | goodput (req/s) | SLO attainment | prefix hit "
+             "(infinite cache) | p50 TTFT (ms) | p90 TTFT (ms) | p90 TPOT (ms) | switches | transfers |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     notes = []
     for r in rows:
         if not r["available"]:
             notes.append(f"- `{r['mode']}`: {r['reason']}")
-            lines.append(f"| {r['mode']} | {_fmt(r.get('rate'), 'g')} | not available | — | — | — | — | — | — |")
+            lines.append(f"| {r['mode']} | {_fmt(r.get('rate'), 'g')} | not available | — | — | — | — | — | — | — | — |")
             continue
         s = r["summary"]
+        hit, inf = r.get("prefix_hit_rate"), r.get("infinite_hit_rate")
+        hit_s = ("—" if hit is None else format(hit, ".1%")) + ("" if inf is None else f" ({inf:.1%})")
         lines.append(f"| {r['mode']} | {r['rate']:g} | {s['completed']}/{s['failed']} | {s['goodput']:.2f} | "
-                     f"{s['slo_attainment']:.1%} | {s['ttft_ms']['p90']:.0f} | {s['tpot_ms']['p90']:.1f} | "
+                     f"{s['slo_attainment']:.1%} | {hit_s} | "
+                     f"{s['ttft_ms']['median']:.0f} | {s['ttft_ms']['p90']:.0f} | {s['tpot_ms']['p90']:.1f} | "
                      f"{r['switches']:.0f} | {r['transfers']:.0f} |")
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
@@ -97,7 +121,8 @@ async def _server_info(url: str, vocab_size: int | None):
 
 
 def run_rate(node: NodeServer, a: argparse.Namespace, mode: str, rate: float, info, out: Path) -> dict:
-    """One replay at ``rate`` on a running node; the row (and the run's files)."""
+    """One replay at ``rate`` on a running node; the row (and the run's files). ``mode``: the row's
+    label (the node's mode, ``-nocache`` when its prefix cache is off)."""
     if not node.wait_idle(a.idle_timeout):
         print(f"bench.compare: {mode} node not idle after {a.idle_timeout} s; running anyway", file=sys.stderr)
     wl = build_workload(spec_from_args(a, rate_rps=rate, max_model_len=info.max_model_len))
@@ -121,17 +146,22 @@ def run_rate(node: NodeServer, a: argparse.Namespace, mode: str, rate: float, in
                             title=f"{mode}, {rate:g} req/s: device roles{note}")
     ok = [r for r in res.records if r.success]
     return {"mode": mode, "rate": rate, "available": True, "summary": res.summary.as_dict(),
+            "prefix_hit_rate": res.prefix_hit_rate,
+            "infinite_hit_rate": infinite_cache_hit_ratio(wl.requests)[1] if any(r.hash_ids for r in wl.requests) else None,
             "switches": delta["shiftnode_role_switches_total"], "transfers": delta["shiftnode_kv_transfers_total"],
             "ttft_ms": [r.ttft_s * 1e3 for r in ok],
             "tpot_ms": [t * 1e3 for t in (request_tpot_s(r) for r in ok) if t is not None]}
 
 
-def run_mode(a: argparse.Namespace, mode: str, rates: list[float], out: Path) -> list[dict]:
-    """Every rate on one node of ``mode``; a node that will not start gives one 'not available' row."""
+def run_mode(a: argparse.Namespace, mode: str, rates: list[float], out: Path, cache: bool = True) -> list[dict]:
+    """Every rate on one node of ``mode`` (its prefix cache on or off); a node that will not start gives
+    one 'not available' row."""
     env = {"OMP_NUM_THREADS": str(a.omp_threads)} if a.omp_threads else {}
     rows: list[dict] = []
+    args = node_args(a, mode) + ([] if cache else ["--no-prefix-caching"])
+    mode = mode if cache else f"{mode}-nocache"
     try:
-        with NodeServer(node_args(a, mode), log_path=out / f"node_{mode}.log", env=env,
+        with NodeServer(args, log_path=out / f"node_{mode}.log", env=env,
                         startup_timeout_s=a.startup_timeout) as node:
             info = asyncio.run(_server_info(node.url, a.vocab_size))
             for rate in rates:
@@ -163,7 +193,7 @@ def write_plots(rows: list[dict], a: argparse.Namespace, out: Path) -> None:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--modes", default="time-shared,colocated", help="comma-separated node modes")
+    ap.add_argument("--modes", default="time-shared,colocated,pooled", help="comma-separated node modes")
     ap.add_argument("--devices", default="cpu:0,cpu:1")
     ap.add_argument("--model", default=None, help="model folder (default: stories260k from the shared folder)")
     ap.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
@@ -179,6 +209,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--omp-threads", type=int, default=None, help="OMP_NUM_THREADS of the node (default 1 on CPU devices)")
     ap.add_argument("--startup-timeout", type=float, default=180.0)
     ap.add_argument("--idle-timeout", type=float, default=60.0, help="wait for the node to drain between rates (s)")
+    ap.add_argument("--prefix-caching", default="on", choices=["on", "off", "both"],
+                    help="run each mode with the node's prefix cache on, off, or both side by side")
     ap.add_argument("--out", default=None, help="output folder (default bench/out/<timestamp>/)")
     add_replay_args(ap, slo=False)
     add_workload_args(ap, rates=True)
@@ -198,8 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out) if a.out else REPO / "bench" / "out" / stamp.strftime("%Y%m%dT%H%M%SZ")
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
+    caches = {"on": [True], "off": [False], "both": [True, False]}[a.prefix_caching]
     for mode in modes:
-        rows += run_mode(a, mode, rates, out)
+        for cache in caches:
+            rows += run_mode(a, mode, rates, out, cache)
     write_plots(rows, a, out)
     command = "python -m bench.compare " + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:]))
     table = markdown_table(rows)

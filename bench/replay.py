@@ -10,8 +10,13 @@ run start) as ``POST /v1/completions`` with ``stream: true``:
   ``[3, vocab_size)`` — so the count is exact for any tokenizer (``vocab_size``: ``--vocab-size``, else
   the ``vocab_size`` of ``GET /v1/models`` when the node gives one, else 256, which every model served
   here has);
+* with hash ids (a Mooncake trace read with ``--tokens-per-hash``), the prompt is built from them
+  instead (:func:`bench.traces.hash_prompt_ids`): shared hashes give shared tokens, so the node's
+  prefix cache sees the trace's reuse;
 * ``max_tokens`` is the trace's output length and ``ignore_eos: true``, so every request generates
-  exactly that many tokens (``return_token_ids`` counts them per chunk); greedy sampling.
+  exactly that many tokens (``return_token_ids`` counts them per chunk); greedy sampling;
+  ``stream_options.include_usage`` asks for the final usage chunk, whose
+  ``prompt_tokens_details.cached_tokens`` gives the request's prefix-cache hit.
 
 Per request it records (client clock, seconds): send time, TTFT (send to first token chunk), each ITL
 (gap between consecutive token chunks), E2E (send to last chunk), output tokens, and an error (HTTP
@@ -38,7 +43,7 @@ import aiohttp
 from tqdm import tqdm
 
 from bench.metrics import RequestRecord, Summary, format_summary, summarize
-from bench.traces import TraceRequest
+from bench.traces import TraceRequest, hash_prompt_ids
 from bench.workload import add_workload_args, build_workload, spec_from_args
 
 __all__ = ["ServerInfo", "RequestProgress", "ReplayResult", "fetch_server_info", "prompt_ids", "send_request",
@@ -71,6 +76,7 @@ class RequestProgress:
     last_s: float | None = None
     itls_s: list[float] = field(default_factory=list)
     tokens: int = 0
+    cached_tokens: int | None = None  # from the usage chunk: prompt tokens the node's prefix cache held
     error: str | None = None
     done: bool = False
 
@@ -95,6 +101,14 @@ class ReplayResult:
     node_clock_start_s: float | None
     node_clock_end_s: float | None
     wall_s: float
+    cached_tokens: list[int | None] = field(default_factory=list)  # per request, from its usage chunk
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        """Cached prompt tokens over prompt tokens, over the requests that reported usage."""
+        pairs = [(c, r.prompt_tokens) for c, r in zip(self.cached_tokens, self.records) if c is not None]
+        total = sum(p for _, p in pairs)
+        return sum(c for c, _ in pairs) / total if total else None
 
 
 async def _get_json(session: aiohttp.ClientSession, url: str) -> dict | None:
@@ -147,6 +161,8 @@ async def send_request(session: aiohttp.ClientSession, url: str, body: dict, p: 
                     p.done = True
                     break
                 chunk = json.loads(data)
+                if chunk.get("usage"):
+                    p.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                 if "error" in chunk:
                     p.error = f"stream error: {chunk['error'].get('message', chunk['error'])}"
                     return
@@ -171,9 +187,10 @@ async def replay(url: str, requests: list[TraceRequest], info: ServerInfo, *, se
     """Send ``requests`` at their arrival times, wait for them (at most ``drain_timeout_s`` after the
     last arrival) and summarize."""
     rng = random.Random(seed)
-    bodies = [{"model": info.model, "prompt": prompt_ids(r.prompt_tokens, info.vocab_size, rng),
-               "max_tokens": r.output_tokens, "ignore_eos": True, "temperature": 0.0, "stream": True,
-               "return_token_ids": True} for r in requests]
+    bodies = [{"model": info.model, "max_tokens": r.output_tokens, "ignore_eos": True, "temperature": 0.0,
+               "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
+               "prompt": (hash_prompt_ids(r, info.vocab_size, first_id=FIRST_ID, bos_id=BOS_ID, seed=seed)
+                          if r.hash_ids else prompt_ids(r.prompt_tokens, info.vocab_size, rng))} for r in requests]
     states = [RequestProgress(r) for r in requests]
     bar = tqdm(total=len(requests), unit="req", disable=not progress, file=sys.stderr, dynamic_ncols=True)
     conn = aiohttp.TCPConnector(limit=0)
@@ -200,7 +217,7 @@ async def replay(url: str, requests: list[TraceRequest], info: ServerInfo, *, se
     summary = summarize(records, ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms)
     start_clock = clock0["clock_s"] if clock0 and "clock_s" in clock0 else None
     end_clock = clock1["clock_s"] if clock1 and "clock_s" in clock1 else None
-    return ReplayResult(records, summary, start_clock, end_clock, wall)
+    return ReplayResult(records, summary, start_clock, end_clock, wall, [s.cached_tokens for s in states])
 
 
 def result_json(res: ReplayResult, config: dict, requests: list[TraceRequest]) -> dict:
@@ -208,13 +225,14 @@ def result_json(res: ReplayResult, config: dict, requests: list[TraceRequest]) -
     return {
         "config": config,
         "summary": res.summary.as_dict(),
+        "prefix_hit_rate": res.prefix_hit_rate,
         "wall_s": res.wall_s,
         "node_clock_start_s": res.node_clock_start_s,
         "node_clock_end_s": res.node_clock_end_s,
         "requests": [{"arrival_s": q.arrival_s, "start_s": r.start_s, "prompt_tokens": q.prompt_tokens,
                       "max_tokens": q.output_tokens, "output_tokens": r.output_tokens, "ttft_s": r.ttft_s,
-                      "e2e_s": r.e2e_s, "itls_s": list(r.itls_s), "error": r.error}
-                     for q, r in zip(requests, res.records)],
+                      "e2e_s": r.e2e_s, "itls_s": list(r.itls_s), "error": r.error, "cached_tokens": c}
+                     for q, r, c in zip(requests, res.records, res.cached_tokens or [None] * len(requests))],
     }
 
 

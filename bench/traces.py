@@ -23,20 +23,26 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
-__all__ = ["TraceRequest", "read_azure_csv", "read_mooncake_jsonl", "load_trace", "poisson_requests"]
+__all__ = ["TraceRequest", "read_azure_csv", "read_mooncake_jsonl", "load_trace", "poisson_requests",
+           "MOONCAKE_BLOCK_TOKENS", "scale_hash_blocks", "hash_prompt_ids", "infinite_cache_hit_ratio"]
+
+MOONCAKE_BLOCK_TOKENS = 512  # tokens each Mooncake hash id stands for
 
 
 @dataclass(frozen=True)
 class TraceRequest:
     """One request: arrival (s from the trace start), prompt and output lengths (tokens).
 
-    ``hash_ids``: Mooncake prefix-block hashes (512-token blocks), kept only when asked for.
+    ``hash_ids``: Mooncake prefix-block hashes, kept only when asked for; ``hash_block_tokens``: the
+    tokens each of them stands for in ``prompt_tokens`` (512 as read; fewer once scaled down by
+    :func:`scale_hash_blocks`; 0 without hashes).
     """
 
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
     hash_ids: tuple[int, ...] = ()
+    hash_block_tokens: int = 0
 
 
 _EPOCH = datetime(2000, 1, 1)
@@ -71,8 +77,9 @@ def read_mooncake_jsonl(path: str | Path, *, keep_hashes: bool = False) -> list[
             if not line.strip():
                 continue
             r = json.loads(line)
+            hashes = tuple(r.get("hash_ids", ())) if keep_hashes else ()
             out.append(TraceRequest(r["timestamp"] / 1000.0, int(r["input_length"]), int(r["output_length"]),
-                                    tuple(r.get("hash_ids", ())) if keep_hashes else ()))
+                                    hashes, MOONCAKE_BLOCK_TOKENS if hashes else 0))
     return out
 
 
@@ -125,3 +132,75 @@ def poisson_requests(rate_rps: float, *, lengths_from: list[TraceRequest], num_r
         out.append(TraceRequest(t, src.prompt_tokens, src.output_tokens))
         t += rng.expovariate(rate_rps)
     return out
+
+
+def scale_hash_blocks(rows: list[TraceRequest], block_tokens: int) -> list[TraceRequest]:
+    """Shrink requests with hash ids so each hash stands for ``block_tokens`` tokens instead of
+    ``hash_block_tokens`` (e.g. 512 → 16 fits Mooncake prompts to a small model's context): the
+    prompt keeps its whole hash blocks and the scaled share of its last, partial one,
+    ``(n - 1) * block_tokens + ceil(last * block_tokens / 512)`` tokens; the output shrinks by the same
+    factor (at least 1 token). Rows without hashes are returned unchanged."""
+    out = []
+    for r in rows:
+        if not r.hash_ids or not r.hash_block_tokens:
+            out.append(r)
+            continue
+        full = len(r.hash_ids) - 1
+        last = r.prompt_tokens - full * r.hash_block_tokens
+        prompt = full * block_tokens + max(1, math.ceil(last * block_tokens / r.hash_block_tokens))
+        output = max(1, round(r.output_tokens * block_tokens / r.hash_block_tokens))
+        out.append(replace(r, prompt_tokens=prompt, output_tokens=output, hash_block_tokens=block_tokens))
+    return out
+
+
+_HASH_BLOCKS: dict[tuple[int, int, int, int], tuple[int, ...]] = {}
+
+
+def hash_prompt_ids(r: TraceRequest, vocab_size: int, *, first_id: int = 3, bos_id: int | None = 1,
+                    seed: int = 0) -> list[int]:
+    """The request's prompt as token ids built from its hash ids: each hash id maps to a fixed block
+    of ``hash_block_tokens`` ids in ``[first_id, vocab_size)`` (seeded by the hash id and ``seed``),
+    so requests sharing leading hashes share leading tokens, as the trace's prompts did; the blocks
+    are concatenated and cut to ``prompt_tokens``; the first id is ``bos_id`` (when not ``None``).
+
+    Raises:
+        ValueError: no hash ids, or too few for ``prompt_tokens``.
+    """
+    n = r.hash_block_tokens
+    if not r.hash_ids or n <= 0 or len(r.hash_ids) * n < r.prompt_tokens:
+        raise ValueError(f"{len(r.hash_ids)} hash ids of {n} tokens cannot make a {r.prompt_tokens}-token prompt")
+    ids: list[int] = []
+    for h in r.hash_ids:
+        key = (h, n, vocab_size, seed)
+        block = _HASH_BLOCKS.get(key)
+        if block is None:
+            rng = random.Random(h * 1_000_003 + seed)
+            block = _HASH_BLOCKS[key] = tuple(rng.randrange(first_id, vocab_size) for _ in range(n))
+        ids.extend(block)
+        if len(ids) >= r.prompt_tokens:
+            break
+    ids = ids[: r.prompt_tokens]
+    if bos_id is not None:
+        ids[0] = bos_id
+    return ids
+
+
+def infinite_cache_hit_ratio(rows: list[TraceRequest]) -> tuple[float, float]:
+    """``(blocks, tokens)`` prefix-hit ratios of the rows replayed in arrival order on an infinite
+    cache, as ``shared/traces/README.md`` defines them: a request's hit is its leading hash ids seen
+    before (the hashes are prefix-chained), stopping at the first miss; tokens count
+    ``min(hits * hash_block_tokens, prompt_tokens)`` over all prompt tokens."""
+    seen: set[int] = set()
+    blocks = hit_blocks = tokens = hit_tokens = 0
+    for r in sorted(rows, key=lambda q: q.arrival_s):
+        hits = 0
+        for h in r.hash_ids:
+            if h not in seen:
+                break
+            hits += 1
+        seen.update(r.hash_ids)
+        blocks += len(r.hash_ids)
+        hit_blocks += hits
+        tokens += r.prompt_tokens
+        hit_tokens += min(hits * r.hash_block_tokens, r.prompt_tokens)
+    return (hit_blocks / blocks if blocks else 0.0), (hit_tokens / tokens if tokens else 0.0)

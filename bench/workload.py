@@ -12,7 +12,11 @@ output tokens) built from a named trace of ``shared/traces`` (or a trace file pa
    row ``K``); or ``trace="poisson"``: Poisson arrivals at ``rate_rps`` with lengths drawn from the
    ``lengths_from`` trace (:func:`bench.traces.poisson_requests`, seeded), or from a synthetic
    distribution (:func:`synthetic_lengths`: ``fixed:P:O``, ``uniform:LO:HI:O``, ``loguniform:LO:HI:O``);
-2. lengths — multiplied by ``length_scale`` (rounded, at least 1 token; keeps a trace's length
+2. lengths — with ``tokens_per_hash`` (Mooncake traces, whose ``hash_ids`` each stand for 512
+   tokens), every hash is scaled down to that many tokens (:func:`bench.traces.scale_hash_blocks`:
+   prompt and output shrink by ``tokens_per_hash / 512``) and the prompt is later built from the hash
+   blocks (:func:`bench.traces.hash_prompt_ids`), so shared hashes give shared tokens; then
+   multiplied by ``length_scale`` (rounded, at least 1 token; keeps a trace's length
    distribution when a small model's context cannot hold its prompts), then clipped to
    ``max_prompt_tokens`` / ``max_output_tokens``, then the prompt clipped so that prompt + output fits
    ``max_model_len`` (the served model's context).
@@ -30,7 +34,7 @@ import random
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from bench.traces import TraceRequest, load_trace, poisson_requests
+from bench.traces import TraceRequest, load_trace, poisson_requests, scale_hash_blocks
 
 __all__ = ["TRACES", "synthetic_lengths", "WorkloadSpec", "Workload", "shared_dir", "trace_path", "build_workload",
            "fit_lengths", "add_workload_args", "spec_from_args"]
@@ -76,6 +80,7 @@ class WorkloadSpec:
     max_model_len: int | None = None
     lengths_from: str = "azure-conv"
     seed: int = 0
+    tokens_per_hash: int | None = None  # Mooncake traces: keep hash ids, each scaled to this many tokens
 
 
 @dataclass(frozen=True)
@@ -166,12 +171,14 @@ def build_workload(spec: WorkloadSpec) -> Workload:
         rows = poisson_requests(spec.rate_rps, lengths_from=src, duration_s=spec.duration_s, seed=spec.seed)
         scale = 1.0
     elif spec.rate_rps:
-        rows, scale = _rate_scaled(load_trace(trace_path(spec.trace), start_s=spec.start_s), spec.rate_rps,
-                                   spec.duration_s)
+        rows, scale = _rate_scaled(load_trace(trace_path(spec.trace), start_s=spec.start_s,
+                                              keep_hashes=bool(spec.tokens_per_hash)), spec.rate_rps, spec.duration_s)
     else:
         scale = spec.time_scale
         rows = load_trace(trace_path(spec.trace), start_s=spec.start_s, duration_s=spec.duration_s / scale,
-                          time_scale=scale)
+                          time_scale=scale, keep_hashes=bool(spec.tokens_per_hash))
+    if spec.tokens_per_hash:
+        rows = scale_hash_blocks(rows, spec.tokens_per_hash)
     rows = fit_lengths(rows, length_scale=spec.length_scale, max_prompt_tokens=spec.max_prompt_tokens,
                        max_output_tokens=spec.max_output_tokens, max_model_len=spec.max_model_len)
     return Workload(spec, rows, scale)
@@ -196,6 +203,9 @@ def add_workload_args(p: argparse.ArgumentParser, *, rates: bool = False) -> Non
     g.add_argument("--lengths-from", default="azure-conv",
                    help="trace whose lengths Poisson requests draw, or fixed:P:O, uniform:LO:HI:O, loguniform:LO:HI:O")
     g.add_argument("--seed", type=int, default=0, help="seed of Poisson arrivals, length draws and prompt ids")
+    g.add_argument("--tokens-per-hash", type=int, default=None,
+                   help="Mooncake traces: build prompts from their hash ids, each scaled from 512 to N tokens "
+                        "(shared hashes give shared tokens; prompt and output shrink by N/512)")
 
 
 def spec_from_args(a: argparse.Namespace, *, rate_rps: float | None = None,
@@ -205,4 +215,4 @@ def spec_from_args(a: argparse.Namespace, *, rate_rps: float | None = None,
     return WorkloadSpec(trace=a.trace, duration_s=a.duration, rate_rps=rate, time_scale=a.time_scale,
                         start_s=a.start_s, length_scale=a.length_scale, max_prompt_tokens=a.max_prompt_tokens,
                         max_output_tokens=a.max_output_tokens, max_model_len=max_model_len,
-                        lengths_from=a.lengths_from, seed=a.seed)
+                        lengths_from=a.lengths_from, seed=a.seed, tokens_per_hash=getattr(a, "tokens_per_hash", None))

@@ -1,5 +1,6 @@
-"""One namespace for the hot-path operators: ``get_ops("torch")`` (the references, any device) or
-``get_ops("triton")`` (the Triton kernels).
+"""One namespace for the hot-path operators: ``get_ops("torch")`` (the references, any device, the
+test oracle), ``get_ops("cpu")`` (the CPU serving path, :mod:`kernels.cpu_ops`) or ``get_ops("triton")``
+(the Triton kernels). :func:`resolve_backend` turns ``auto`` into one of them for a device type.
 
 Importing this module is cheap and safe everywhere: Triton is only imported by ``get_ops("triton")``,
 which raises :class:`RuntimeError` when the kernels cannot run (Triton missing, or neither a CUDA
@@ -52,10 +53,35 @@ def triton_unavailable_reason() -> str | None:
     return None
 
 
+BACKENDS = ("auto", "torch", "cpu", "triton")
+"""The values of ``--attention-backend``."""
+
+
+def resolve_backend(backend: str, device_type: str) -> str:
+    """The concrete backend for ``backend`` on a device type (``"cuda"``, ``"cpu"``, ...): ``auto`` is
+    ``triton`` on CUDA and ``cpu`` elsewhere; any other name is returned as it is.
+
+    Raises:
+        ValueError: ``backend`` is not one of :data:`BACKENDS`.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "triton" if device_type == "cuda" else "cpu"
+    return backend
+
+
 def get_ops(backend: str) -> KernelOps:
-    """Return the operators of ``backend`` (``"torch"`` or ``"triton"``)."""
+    """Return the operators of ``backend`` (``"torch"``, ``"cpu"`` or ``"triton"``; see
+    :func:`resolve_backend` for ``auto``).
+
+    Raises:
+        ValueError: an unknown backend name. RuntimeError: the Triton kernels cannot run here.
+    """
     if backend == "torch":
         from kernels import reference as mod
+    elif backend == "cpu":
+        from kernels import cpu_ops as mod
     elif backend == "triton":
         reason = triton_unavailable_reason()
         if reason is not None:
@@ -65,5 +91,5 @@ def get_ops(backend: str) -> KernelOps:
         except ImportError as exc:  # e.g. a Triton build that does not match this torch
             raise RuntimeError(f"cannot import the Triton kernels: {exc}") from exc
     else:
-        raise ValueError(f"unknown kernel backend {backend!r}; expected 'torch' or 'triton'")
+        raise ValueError(f"unknown kernel backend {backend!r}; expected 'torch', 'cpu' or 'triton'")
     return KernelOps(backend=backend, **{name: getattr(mod, name) for name in OP_NAMES})

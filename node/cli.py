@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import os
 import re
+import socket
 import sys
 
 from node.config import NodeConfig
@@ -36,13 +38,18 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--max-model-len", type=int, default=None, help="context length in tokens (default: the model's)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="recompute every prompt (default: reuse the cached KV blocks of repeated prefixes)")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV cache bytes per device, e.g. 2GiB")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory for weights + KV")
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="new tokens per step (chunked-prefill budget)")
     p.add_argument("--max-queue", type=int, default=1024, help="queued requests before answering 503")
+    p.add_argument("--request-timeout-s", type=float, default=None,
+                   help="end a request still running after this many seconds with an error, freeing its KV "
+                        "(default: no bound)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"])
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly (default on CUDA with the triton backend: decode steps replay CUDA graphs)")
     p.add_argument("--log-format", default="console", choices=["console", "json"])
@@ -71,6 +78,13 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--peers", default=None, help="comma-separated host:kv-port of nodes this node may send KV to")
     k.add_argument("--peer-secret", default=os.environ.get("SHIFTNODE_PEER_SECRET"),
                    help="shared secret peers prove in the KV handshake (default $SHIFTNODE_PEER_SECRET)")
+    k.add_argument("--kv-connect-timeout-s", type=float, default=5.0,
+                   help="bound on opening a KV connection to a peer, and on its handshake (each)")
+    k.add_argument("--kv-transfer-timeout-s", type=float, default=10.0,
+                   help="bound on each wait inside a KV transfer (accept, every frame or payload chunk, commit) "
+                        "and on a relay's silence (the receiver sends keep-alives every 2 s)")
+    k.add_argument("--peer-stale-s", type=float, default=3.0,
+                   help="a peer whose capacity report is older than this is not placed on")
     g.add_argument("--reconfig-pause-ms", type=float, default=0.0, help="floor added to every role switch's measured cost")
     g.add_argument("--ttft-slo-ms", type=float, default=1000.0, help="time-to-first-token target")
     g.add_argument("--tpot-slo-ms", type=float, default=100.0, help="time-per-output-token target")
@@ -84,16 +98,72 @@ def _device_list(text: str | None) -> list[str]:
     return [d.strip() if ":" in d else f"{d.strip()}:0" for d in (text or "").split(",") if d.strip()]
 
 
+_DEVICE = re.compile(r"^(cpu|cuda):(\d+)$")
+
+
+def flag_errors(a: argparse.Namespace) -> str | None:
+    """The first contradiction among the device and mode flags as given, or None.
+
+    Checked before anything loads, so a wrong combination is one line at once rather than a flag
+    silently ignored (``--devices`` in pooled mode) or an error after the model has loaded.
+    """
+    pooled_flags = [f for f, v in (("--prefill-devices", a.prefill_devices), ("--decode-devices", a.decode_devices)) if v]
+    if a.mode != "pooled" and pooled_flags:
+        verb = "needs" if len(pooled_flags) == 1 else "need"
+        return f"{' and '.join(pooled_flags)} {verb} --mode pooled (the mode is {a.mode}, which takes --devices)"
+    if a.mode == "pooled" and (a.devices or a.device):
+        flag = "--devices" if a.devices else "--device"
+        return (f"{flag} is not used with --mode pooled: name the devices with --prefill-devices and --decode-devices "
+                f"(e.g. --prefill-devices cpu:0 --decode-devices cpu:1)")
+    if a.device and a.devices:
+        return "give --device or --devices, not both"
+    prefill, decode = _device_list(a.prefill_devices), _device_list(a.decode_devices)
+    both = sorted(set(prefill) & set(decode))
+    if both:
+        return f"{', '.join(both)} is in both --prefill-devices and --decode-devices; a device has one pool"
+    for flag, text in (("--device", a.device), ("--devices", a.devices), ("--prefill-devices", a.prefill_devices),
+                       ("--decode-devices", a.decode_devices)):
+        for d in _device_list(text):
+            if not _DEVICE.match(d):
+                return f"{flag}: {d!r} is not a device (want cpu, cpu:N or cuda:N)"
+    return _cuda_error(config_devices(a))
+
+
+def _cuda_error(devices: list[str]) -> str | None:
+    """Why a ``cuda:N`` device in ``devices`` cannot be used here, or None (torch is imported only if one is named)."""
+    cuda = [d for d in devices if d.startswith("cuda:")]
+    if not cuda:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        reason = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        return f"{cuda[0]} requested but CUDA is not available ({reason}); use cpu:N devices"
+    count = torch.cuda.device_count()
+    for d in cuda:
+        if int(d.partition(":")[2]) >= count:
+            return f"{d} requested but this machine has {count} CUDA device{'s' * (count != 1)} (cuda:0..cuda:{count - 1})"
+    return None
+
+
+def config_devices(a: argparse.Namespace) -> list[str]:
+    """The devices a node of these flags runs on: the pooled lists, else ``--devices``/``--device`` (cpu:0)."""
+    if a.mode == "pooled":
+        return _device_list(a.prefill_devices) + _device_list(a.decode_devices)
+    return _device_list(a.devices or a.device or "cpu:0")
+
+
 def config_from_args(a: argparse.Namespace) -> NodeConfig:
     prefill, decode = _device_list(a.prefill_devices), _device_list(a.decode_devices)
-    devices = prefill + decode if a.mode == "pooled" else _device_list(a.devices or a.device or "cpu:0")
+    devices = config_devices(a)
     return NodeConfig(
         model=a.model, served_model_name=a.served_model_name, load_format=a.load_format, devices=devices,
         dtype=a.dtype, host=a.host, port=a.port, api_key=a.api_key, max_model_len=a.max_model_len,
         block_size=a.block_size, kv_cache_memory_bytes=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, max_queue=a.max_queue,
+        request_timeout_s=a.request_timeout_s,
         seed=a.seed, attention_backend=a.attention_backend, log_format=a.log_format, mode=a.mode,
-        enforce_eager=a.enforce_eager,
+        enforce_eager=a.enforce_eager, prefix_caching=a.prefix_caching,
         reconfig_pause_ms=a.reconfig_pause_ms, ttft_slo_ms=a.ttft_slo_ms, tpot_slo_ms=a.tpot_slo_ms,
         min_window_ms=a.min_window_ms, max_window_ms=a.max_window_ms, stagger=a.stagger,
         sse_keepalive_s=a.sse_keepalive_s, body_timeout_s=a.body_timeout_s,
@@ -101,27 +171,63 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         node_id=a.node_id, kv_host=a.kv_host, kv_port=a.kv_port, peer_secret=a.peer_secret,
         peers=[p.strip() for p in (a.peers or "").split(",") if p.strip()],
         max_retries=a.max_retries, imbalance_threshold=a.imbalance_threshold,
+        kv_connect_timeout_s=a.kv_connect_timeout_s, kv_transfer_timeout_s=a.kv_transfer_timeout_s,
+        peer_stale_s=a.peer_stale_s,
     )
 
 
+def check_bindable(host: str, port: int, flag: str) -> None:
+    """Bind (and release) every address of ``host:port`` as aiohttp will, before the model loads.
+
+    Sockets get ``SO_REUSEADDR`` as asyncio's servers do, so a port in TIME_WAIT passes and one that
+    another process listens on fails here, in a second, not after minutes of loading.
+
+    Raises:
+        ConfigError: naming the address, the flag and the OS's reason.
+    """
+    from node.config import ConfigError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host!r} does not resolve: {e.strerror}") from e
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(addr)
+            except OSError as e:
+                where = f"[{addr[0]}]:{addr[1]}" if family == socket.AF_INET6 else f"{addr[0]}:{addr[1]}"
+                hint = " (is another node running? choose another " + flag + ")" if e.errno == errno.EADDRINUSE else ""
+                raise ConfigError(f"{flag} {port}: cannot bind {where}: {e.strerror}{hint}") from e
+
+
 def run_serve(config: NodeConfig) -> int:
+    """Validate, check the ports, then load and serve until stopped. Returns the exit status:
+    0 after a clean stop, 2 for flags the node cannot run with, 1 when loading fails."""
+    from node.config import ConfigError
+
+    try:  # before the heavy imports and the model load: a bad flag or a taken port is told at once
+        config.validate()
+        check_bindable(config.host, config.port, "--port")
+        if config.kv_port:  # 0 is an ephemeral port: always free
+            check_bindable(config.kv_host or config.host, config.kv_port, "--kv-port")
+    except ConfigError as e:
+        print(f"shiftnode: cannot start: {e}", file=sys.stderr)
+        return 2
+
     import uvloop
     from aiohttp import web
 
     from node.api.app import create_app
     from node.log import configure_logging
-
-    from node.config import ConfigError
     from node.worker.loader import StartupError
     from node.worker.model_config import ModelConfigError
     from node.worker.tokenizer import TokenizerError
     from node.worker.weights import WeightLoadError
 
-    try:
-        config.validate()
-    except ConfigError as e:
-        print(f"shiftnode: cannot start: {e}", file=sys.stderr)
-        return 2
     configure_logging(config.log_format)
     loop = uvloop.new_event_loop()
     asyncio.set_event_loop(loop)
@@ -147,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
         return plan_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "serve":
+        problem = flag_errors(args)
+        if problem:
+            print(f"shiftnode: cannot start: {problem}", file=sys.stderr)
+            return 2
         return run_serve(config_from_args(args))
     return 2
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import msgspec
 
 
+RELAY_KEEPALIVE_S = 2.0  # a peer relaying tokens sends a keep-alive after this much silence
+
+
 class ConfigError(ValueError):
     """A flag value the node cannot run with."""
 
@@ -25,15 +28,17 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     api_key: str | None = None
     max_model_len: int | None = None
     block_size: int = 16
+    prefix_caching: bool = True  # reuse cached full KV blocks of repeated prefixes (--no-prefix-caching: off)
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_queue: int = 1024
+    request_timeout_s: float | None = None  # a request still running after this long ends with an error (None: no bound)
     max_body_bytes: int = 16 * 1024 * 1024
     seed: int = 0
     log_format: str = "console"
-    attention_backend: str = "auto"  # auto | torch | triton
+    attention_backend: str = "auto"  # auto | torch | cpu | triton
     enforce_eager: bool = False  # no CUDA-graph decode (graphs are used on CUDA with the triton backend otherwise)
     mode: str = "time-shared"  # time-shared | colocated | pooled
     prefill_devices: list[str] = msgspec.field(default_factory=list)  # pooled mode
@@ -46,6 +51,9 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     peers: list[str] = msgspec.field(default_factory=list)  # host:kv_port of nodes this node may send KV to
     peer_secret: str | None = None  # shared secret both ends of a KV connection prove (HMAC challenge)
     max_retries: int = 2  # recomputes of a request whose KV hand-off to a peer failed, before an error
+    kv_connect_timeout_s: float = 5.0  # opening a KV connection, and its handshake (each)
+    kv_transfer_timeout_s: float = 10.0  # each wait inside a transfer (accept, frame/chunk, commit); relay silence
+    peer_stale_s: float = 3.0  # a peer whose last capacity report is older is not placed on
     imbalance_threshold: float = 1.0  # time-shared fallback trigger (see node.core.imbalance); 0: off
     reconfig_pause_ms: float = 0.0  # floor added to every measured role switch
     ttft_slo_ms: float = 1000.0
@@ -67,6 +75,8 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (self.max_num_seqs >= 1, f"--max-num-seqs must be at least 1, got {self.max_num_seqs}"),
             (self.max_num_batched_tokens >= 1, f"--max-num-batched-tokens must be at least 1, got {self.max_num_batched_tokens}"),
             (self.max_queue >= 1, f"--max-queue must be at least 1, got {self.max_queue}"),
+            (self.request_timeout_s is None or self.request_timeout_s > 0,
+             f"--request-timeout-s must be positive, got {self.request_timeout_s}"),
             (self.max_model_len is None or self.max_model_len >= 2, f"--max-model-len must be at least 2, got {self.max_model_len}"),
             (1 <= self.block_size <= 1024, f"--block-size must be in [1, 1024], got {self.block_size}"),
             (self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "--kv-cache-memory must be positive"),
@@ -85,6 +95,10 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (all(_is_host_port(p) for p in self.peers), f"--peers must be host:port entries, got {self.peers}"),
             (not self.peers or self.mode != "colocated", "--peers is for pooled and time-shared modes"),
             (self.max_retries >= 0, "--max-retries must be at least 0"),
+            (self.kv_connect_timeout_s > 0, f"--kv-connect-timeout-s must be positive, got {self.kv_connect_timeout_s}"),
+            (self.kv_transfer_timeout_s > RELAY_KEEPALIVE_S,
+             f"--kv-transfer-timeout-s must exceed the {RELAY_KEEPALIVE_S:g} s relay keep-alive, got {self.kv_transfer_timeout_s}"),
+            (self.peer_stale_s > 0, f"--peer-stale-s must be positive, got {self.peer_stale_s}"),
             (self.imbalance_threshold >= 0, "--imbalance-threshold must be at least 0 (0 turns the fallback off)"),
             (self.max_unsent >= 1, "--max-unsent must be at least 1"),
             (self.link_gbps is None or self.link_gbps > 0, "--link-gbps must be positive"),

@@ -1,6 +1,9 @@
 """Capacity planner: KV and weight arithmetic from a Hugging Face ``config.json`` (stdlib only).
 
-``shiftnode plan --config PATH [--link-gbps G] [--prompt-tokens N] [--device-memory-gib M] [--dtype bf16]``
+``shiftnode plan --config PATH [--link-gbps G] [--prompt-tokens N] [--device-memory-gib M] [--dtype auto]``
+
+``--dtype auto`` (the default) takes the checkpoint's ``torch_dtype`` (or ``dtype``), float32 when the
+config names none, exactly as ``shiftnode serve --dtype auto`` loads the weights and sizes the KV cache.
 
 Formulas (the seed note, *Prefill and Decode Disaggregation*, "The transfer that makes it possible"):
 
@@ -27,12 +30,22 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["DTYPE_BYTES", "Geometry", "Plan", "kv_bytes_per_token", "param_count", "transfer_s",
+__all__ = ["DTYPE_BYTES", "resolve_dtype", "Geometry", "Plan", "kv_bytes_per_token", "param_count", "transfer_s",
            "kv_token_capacity", "make_plan", "format_plan", "main"]
 
 GIB = 1 << 30
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "float": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
                "half": 2, "fp8": 1, "float8": 1, "float8_e4m3fn": 1, "int8": 1}
+
+
+def resolve_dtype(dtype: str, cfg: dict) -> str:
+    """``auto`` → the config's ``torch_dtype``/``dtype`` (float32 if absent, as the node loads it); other
+    names as given. Raises ValueError for a name not in :data:`DTYPE_BYTES`."""
+    name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32") if dtype == "auto" else dtype
+    if name not in DTYPE_BYTES:
+        where = " (the config's dtype)" if dtype == "auto" else ""
+        raise ValueError(f"unknown dtype {name!r}{where}; one of auto, {', '.join(sorted(DTYPE_BYTES))}")
+    return name
 
 
 @dataclass(frozen=True)
@@ -117,12 +130,16 @@ class Plan:
     decode_weight_read_s: float | None
 
 
-def make_plan(cfg: dict, *, dtype: str = "bf16", prompt_tokens: int = 4000, link_gbps: float = 100.0,
+def make_plan(cfg: dict, *, dtype: str = "auto", prompt_tokens: int = 4000, link_gbps: float = 100.0,
               device_memory_gib: float | None = None, memory_fraction: float = 0.9,
               hbm_tbps: float | None = None) -> Plan:
-    """All figures for one config. ``hbm_tbps`` (TB/s) adds the weight-read lower bound of a decode step."""
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {dtype!r}; one of {sorted(DTYPE_BYTES)}")
+    """All figures for one config, weights and KV in ``dtype`` (``auto``: the config's, see
+    :func:`resolve_dtype`). ``hbm_tbps`` (TB/s) adds the weight-read lower bound of a decode step.
+
+    Raises:
+        ValueError: an unknown dtype; KeyError: a config without the geometry fields.
+    """
+    dtype = resolve_dtype(dtype, cfg)
     g = Geometry.from_config(cfg)
     nb = DTYPE_BYTES[dtype]
     params = param_count(g)
@@ -193,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device-memory-gib", type=float, default=None, help="device memory (GiB)")
     ap.add_argument("--memory-fraction", type=float, default=0.9, help="share of device memory usable")
     ap.add_argument("--hbm-tbps", type=float, default=None, help="memory bandwidth (TB/s) for a decode bound")
-    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES), help="weight and KV dtype")
+    ap.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPE_BYTES)],
+                    help="weight and KV dtype (default auto: the config's torch_dtype, float32 if it has none)")
     try:
         args = ap.parse_args(argv)
     except SystemExit as e:  # --help, or a usage error already printed

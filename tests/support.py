@@ -48,7 +48,8 @@ class NodeProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"node exited with {self.proc.returncode}:\n{self.logs()}")
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                # up once it answers: 503 is a node that cannot serve yet (e.g. no decode peer ready)
+                if httpx.get(self.url + "/health", timeout=1).status_code in (200, 503):
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
@@ -63,6 +64,11 @@ class NodeProcess:
 
     def alive(self) -> bool:
         return self.proc.poll() is None and httpx.get(self.url + "/health", timeout=5).status_code == 200
+
+    def health(self) -> tuple[int, dict]:
+        """``GET /health``: (HTTP status, body)."""
+        r = httpx.get(self.url + "/health", timeout=5)
+        return r.status_code, r.json()
 
     def status(self) -> dict:
         return self.client.get("/v1/node").json()

@@ -41,6 +41,7 @@ def test_stop_string_limits(stories_node):
 
 
 @pytest.mark.parametrize("headers,body,status", [
+    ({}, b'{"prompt": "x"}', 415),  # valid JSON, no Content-Type: refused like a wrong one
     ({"Content-Type": "text/plain"}, b'{"prompt": "x"}', 415),
     ({"Content-Type": "application/x-www-form-urlencoded"}, b'{"prompt": "x"}', 415),
     ({"Content-Type": "application/json", "Content-Encoding": "gzip"}, b'{"prompt": "x"}', 400),
@@ -48,6 +49,12 @@ def test_stop_string_limits(stories_node):
 ])
 def test_bad_headers_and_nesting(stories_node, headers, body, status):
     assert_error(stories_node.client.post("/v1/completions", content=body, headers=headers), status)
+
+
+def test_chat_without_content_type_is_415(stories_node):
+    r = stories_node.client.post("/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "x"}]}')
+    assert "content-type" not in r.request.headers
+    assert_error(r, 415)
 
 
 def test_error_param_names_the_field(stories_node):

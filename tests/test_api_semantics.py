@@ -128,6 +128,9 @@ def test_b17_stream_usage(stories_node):
     events = stream(stories_node.client, "/v1/completions", body)
     usage = events[-2]["usage"]
     assert events[-2]["choices"] == []
+    # the stream's prompt is the whole answer's, so it comes from the prefix cache (never more than the prompt)
+    cached = usage.pop("prompt_tokens_details")["cached_tokens"]
+    assert whole["usage"].pop("prompt_tokens_details")["cached_tokens"] <= cached < usage["prompt_tokens"]
     assert usage == whole["usage"] and usage["completion_tokens"] == 14
     assert all(e["usage"] is None for e in events[:-2])
 

@@ -32,6 +32,28 @@ def test_metrics_count_requests_and_tokens(stories_node):
     assert after["shiftnode_inter_token_latency_seconds_count"] - before.get("shiftnode_inter_token_latency_seconds_count", 0) == 27
 
 
+def test_requests_are_counted_once_whatever_n(stories_node):
+    """shiftnode_requests_total counts requests; choices have shiftnode_request_choices_total."""
+    before = scrape(stories_node)
+    r = stories_node.client.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 5, "n": 3,
+                                                         "temperature": 1, "seed": 1})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3
+    after = scrape(stories_node)
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    assert sum(v for k, v in delta.items() if k.startswith("shiftnode_requests_total{")) == 1
+    assert sum(v for k, v in delta.items() if k.startswith("shiftnode_request_choices_total{")) == 3
+    assert delta["shiftnode_requests_total{finish_reason=length}"] == 1
+
+
+def test_request_outcome_is_the_worst_choice():
+    from node.runtime.metrics import request_outcome
+
+    assert request_outcome(["stop", "length", "stop"]) == "length"
+    assert request_outcome(["stop", "abort"]) == "abort"
+    assert request_outcome(["error", "abort"]) == "error"
+    assert request_outcome(["stop"]) == "stop"
+
+
 def test_b27_gauges_fall_to_idle_after_aborts():
     node = NodeProcess("--model", str(STORIES), "--max-num-seqs", "4")
     try:

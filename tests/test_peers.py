@@ -24,6 +24,7 @@ import pytest
 
 from node.cli import config_from_args, serve_parser
 from node.config import ConfigError
+from model_copies import change_one_weight, copy_model
 from support import STORIES, NodeProcess, free_port, reference_cases, sse_events
 from test_metrics import scrape
 
@@ -94,6 +95,9 @@ def test_two_nodes_equal_reference_and_leave_nothing_behind(pair):
     assert st_d["network"]["received_sequences"] >= len(reference_cases()) + 1
     peer = st_p["network"]["peers"][0]
     assert peer["healthy"] and peer["sent"] >= len(reference_cases()) + 1 and peer["failures"] == 0
+    assert peer["state"] == "ready" and peer["reason"] is None and peer["node_id"] == st_d["network"]["node_id"]
+    assert st_p["network"]["fingerprint"] == st_d["network"]["fingerprint"] and st_p["network"]["fingerprint"]["digest"]
+    assert p.health() == (200, {"status": "ok"}) and d.health() == (200, {"status": "ok"})
     moved = [t for t in st_p["kv_transfers"] if t["dst"].startswith("peer:")]
     assert moved and all(t["nbytes"] > 0 and t["reason"] == "pooled" for t in moved)
     assert scrape(p)[f"shiftnode_kv_transfers_total{{dst=peer:127.0.0.1:{st_d['network']['kv_port']},reason=pooled,src=cpu:0}}"] >= len(moved)
@@ -301,33 +305,47 @@ def test_past_max_retries_the_client_gets_a_clear_error():
         assert killed and time.monotonic() - t0 < 30
         errors = [e for e in events if e != "[DONE]" and "error" in e]
         assert errors and "max-retries" in errors[-1]["error"]["message"]
+        assert errors[-1]["error"]["code"] == "peer_unavailable" and errors[-1]["error"]["type"] == "service_unavailable"
         assert not any(c.get("finish_reason") in ("stop", "length") for e in events if e != "[DONE]" and "choices" in e
                        for c in e["choices"])
         p.wait_idle(5)
-        assert p.alive()
+        code, health = p.health()  # up, but a prefill-only node with its only peer gone cannot serve
+        assert p.proc.poll() is None and code == 503 and health["status"] == "unavailable"
+        assert any("unreachable" in r for r in health["reasons"]), health
     finally:
         p.close()
         d.close()
 
 
 def test_wrong_secret_and_layout_are_refused_and_requests_end():
-    """A peer without the secret, or with another KV layout (block size), is never used: the decode
-    side logs the refusal, the origin reports it unhealthy and fails requests after a bounded wait."""
+    """A peer without the secret, or with another KV layout (block size), is never used: both sides
+    log and count the refusal, the origin shows the peer refused and why (in /v1/node and /health:
+    503, it has no usable peer) and fails requests after a bounded wait with 503 peer_refused,
+    whose message gives the peer's reason."""
     port = free_port()
     d = decode_node(port)
     bad = prefill_node([port], secret="wrong-secret")
     other = prefill_node([port], "--block-size", "32")
     try:
         time.sleep(1.0)
-        for node in (bad, other):
-            assert not any(peer["healthy"] for peer in node.status()["network"]["peers"])
+        for node, code in ((bad, "auth"), (other, "layout")):
+            [peer] = node.status()["network"]["peers"]
+            assert not peer["healthy"] and peer["state"] == "refused" and peer["reason"].startswith(code), peer
+            assert scrape(node)[f"shiftnode_peer_refusals_total{{direction=outbound,reason={code}}}"] >= 1
+            status, health = node.health()
+            assert status == 503 and health["status"] == "unavailable"
+            assert any(f"refused: {code}" in r for r in health["reasons"]), health
         t0 = time.monotonic()
         r = bad.client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4})
-        assert r.status_code == 500 and "no decode peer reachable" in r.json()["error"]["message"]
+        err = r.json()["error"]
+        assert r.status_code == 503 and r.headers["Retry-After"] and err["code"] == "peer_refused"
+        assert "no decode peer reachable" in err["message"] and "could not prove the peer secret" in err["message"]
         assert time.monotonic() - t0 < 15
         assert "could not prove" in d.logs() and "kv_peer_rejected" in d.logs()
         assert "KV layout mismatch" in other.logs() and "block_size" in other.logs()
-        assert d.status()["network"]["received_sequences"] == 0
+        st = d.status()["network"]
+        assert st["received_sequences"] == 0 and {x["code"] for x in st["refused_inbound"]} == {"auth", "layout"}
+        assert d.health()[0] == 200 and d.health()[1]["status"] == "degraded"
     finally:
         for n in (bad, other, d):
             n.close()
@@ -378,11 +396,12 @@ def test_a_peer_with_a_shorter_context_refuses_only_what_it_cannot_hold():
             res = [f.result(timeout=60) for f in futs]
             r = bad.result(timeout=60)
         assert {x.status_code for x in res} == {200} and len({str(x.json()["choices"][0]["token_ids"]) for x in res}) == 1
-        assert r.status_code == 500 and "cannot take this sequence" in r.json()["error"]["message"]
+        assert r.status_code == 503 and "cannot take this sequence" in r.json()["error"]["message"]
+        assert r.json()["error"]["code"] == "peer_refused" and r.headers["Retry-After"]
         assert "--max-model-len 128" in r.json()["error"]["message"]
         p.wait_idle(5)
         d.wait_idle(5)
-        assert "step_failed" not in d.logs()
+        assert "engine_error" not in d.logs()
     finally:
         p.close()
         d.close()
@@ -435,10 +454,10 @@ def test_peer_restart_under_load_every_request_ends():
                     d2 = decode_node(port)
             res = [f.result(timeout=60) for f in futs]
         codes = [r.status_code for r in res]
-        assert set(codes) <= {200, 500}, codes
+        assert set(codes) <= {200, 503}, codes
         for r in res:
-            if r.status_code == 500:
-                assert r.json()["error"]["message"]
+            if r.status_code == 503:
+                assert r.json()["error"]["message"] and r.json()["error"]["code"] == "peer_unavailable"
         wait_peers(p, 1)
         r = p.client.post("/v1/completions", json=body)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 100
@@ -532,6 +551,128 @@ def test_drain_moves_decoding_sequences_mid_decode_to_a_peer_node(stories_node):
         b.close()
 
 
+def test_a_same_named_copy_with_one_changed_weight_is_refused(tmp_path):
+    """vLLM #42895: two decode peers serve copies of stories260k in folders of the same basename, one
+    with a single weight changed. The prefill node accepts the identical copy and refuses the other
+    (reason weights: logged, counted on both sides, shown in /v1/node and /health), and serves REF
+    output through the good one."""
+    good, bad = copy_model(tmp_path, "good"), copy_model(tmp_path, "bad")
+    change_one_weight(bad)
+    ports = [free_port(), free_port()]
+    d_good = NodeProcess("--model", str(good), "--mode", "pooled", "--decode-devices", "cpu:0",
+                         "--kv-port", str(ports[0]), "--peer-secret", SECRET)
+    d_bad = NodeProcess("--model", str(bad), "--mode", "pooled", "--decode-devices", "cpu:0",
+                        "--kv-port", str(ports[1]), "--peer-secret", SECRET)
+    p = prefill_node(ports)
+    try:
+        wait_peers(p, 1)
+        deadline = time.monotonic() + 10
+        while True:
+            peers = {x["addr"]: x for x in p.status()["network"]["peers"]}
+            if peers[f"127.0.0.1:{ports[1]}"]["state"] == "refused" or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        ok, refused = peers[f"127.0.0.1:{ports[0]}"], peers[f"127.0.0.1:{ports[1]}"]
+        assert ok["state"] == "ready" and refused["state"] == "refused", peers
+        assert refused["reason"].startswith("weights: KV layout mismatch (weights: ")
+        assert scrape(p)["shiftnode_peer_refusals_total{direction=outbound,reason=weights}"] >= 1
+        assert "peer_refused" in p.logs()
+        [inbound] = d_bad.status()["network"]["refused_inbound"]
+        assert inbound["code"] == "weights" and inbound["node_id"] == p.status()["network"]["node_id"]
+        assert scrape(d_bad)["shiftnode_peer_refusals_total{direction=inbound,reason=weights}"] >= 1
+        fps = [n.status()["network"]["fingerprint"] for n in (p, d_good, d_bad)]
+        assert fps[0] == fps[1] and fps[2]["weights"] != fps[0]["weights"] and fps[2]["config"] == fps[0]["config"]
+        status, health = p.health()
+        assert status == 200 and health["status"] == "degraded" and any("weights" in r for r in health["reasons"])
+        case = reference_cases()[0]
+        r = p.client.post("/v1/completions", json={"prompt": case["prompt"], "max_tokens": case["max_new_tokens"],
+                                                   "temperature": 0, "return_token_ids": True})
+        assert r.json()["choices"][0]["token_ids"] == case["output_token_ids"]
+        assert d_good.wait_idle(5)["network"]["received_sequences"] == 1
+        assert d_bad.status()["network"]["received_sequences"] == 0
+    finally:
+        for n in (p, d_good, d_bad):
+            n.close()
+
+
+def test_peers_added_and_removed_at_run_time_and_health_follows():
+    """The only decode peer dies: /health turns 503 naming it unreachable. A new decode node starts on
+    another address; POST /v1/node/peers swaps it in, and the node is healthy and serves again."""
+    old_port, new_port = free_port(), free_port()
+    d_old = decode_node(old_port)
+    p = prefill_node([old_port])
+    d_new = None
+    try:
+        wait_peers(p, 1)
+        assert p.health() == (200, {"status": "ok"})
+        d_old.proc.kill()
+        deadline = time.monotonic() + 10
+        while p.health()[0] != 503:
+            assert time.monotonic() < deadline, p.health()
+            time.sleep(0.05)
+        assert any(f"peer 127.0.0.1:{old_port} unreachable" in x for x in p.health()[1]["reasons"])
+        d_new = decode_node(new_port)
+        bad = p.client.post("/v1/node/peers", json={"add": ["nohost"]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "add"
+        r = p.client.post("/v1/node/peers", json={"add": [f"127.0.0.1:{new_port}"], "remove": [f"127.0.0.1:{old_port}"]})
+        assert r.status_code == 200 and r.json()["removed"] == [f"127.0.0.1:{old_port}"], r.text
+        assert [x["addr"] for x in r.json()["peers"]] == [f"127.0.0.1:{new_port}"]
+        wait_peers(p, 1)
+        assert p.health() == (200, {"status": "ok"})
+        assert scrape(p)["shiftnode_peers{state=ready}"] == 1
+        r = p.client.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        assert d_new.wait_idle(5)["network"]["received_sequences"] == 1
+    finally:
+        for n in (p, d_old, d_new):
+            if n is not None:
+                n.close()
+
+
+def test_a_relay_stalled_past_the_transfer_timeout_is_recomputed():
+    """--kv-transfer-timeout-s 3: the decode peer stops (SIGSTOP) for 4.5 s mid-decode. The origin's
+    relay times out (counted, stage relay), it recomputes the sequence (counted) and hands it off
+    again once the peer is back; the stream equals an undisturbed run."""
+    import signal
+
+    port = free_port()
+    d = decode_node(port)
+    p = prefill_node([port], "--kv-transfer-timeout-s", "3")
+    try:
+        wait_peers(p, 1)
+        assert p.status()["network"]["config"]["kv_transfer_timeout_s"] == 3.0
+        body = {"prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True, "temperature": 0}
+        ref, _ = stream_tokens(p, body)
+        seen: list[int] = []
+        stopped: list[float] = []
+
+        def on_event(e):
+            seen.extend(t for c in e["choices"] for t in c.get("token_ids") or [])
+            if len(seen) >= 20 and not stopped:
+                d.proc.send_signal(signal.SIGSTOP)
+                stopped.append(time.monotonic())
+
+        with cf.ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(stream_tokens, p, body, on_event)
+            while not stopped:
+                assert not fut.done(), "the sequence finished before the peer could be stopped"
+                time.sleep(0.01)
+            time.sleep(max(0.0, stopped[0] + 4.5 - time.monotonic()))
+            d.proc.send_signal(signal.SIGCONT)
+            got, events = fut.result(timeout=60)
+        assert got == ref and not any("error" in e for e in events if e != "[DONE]")
+        m = scrape(p)
+        assert m["shiftnode_kv_timeouts_total{side=sender,stage=relay}"] >= 1
+        assert m["shiftnode_kv_recomputes_total"] >= 1
+        assert m["shiftnode_remote_kv_waiting_requests{stage=unsent}"] == 0
+        p.wait_idle(5)
+        d.wait_idle(10)
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+        p.close()
+        d.close()
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--mode", "pooled", "--prefill-devices", "cpu:0"], "needs --peers"),
     (["--mode", "pooled", "--decode-devices", "cpu:0"], "needs --kv-port"),
@@ -541,6 +682,8 @@ def test_drain_moves_decoding_sequences_mid_decode_to_a_peer_node(stories_node):
     (["--kv-port", "70000", "--peer-secret", "s"], "--kv-port"),
     (["--max-retries", "-1"], "--max-retries"),
     (["--imbalance-threshold", "-1"], "--imbalance-threshold"),
+    (["--kv-transfer-timeout-s", "1"], "relay keep-alive"),
+    (["--kv-connect-timeout-s", "0"], "--kv-connect-timeout-s"),
 ])
 def test_peer_flags_are_validated(argv, message, monkeypatch):
     monkeypatch.delenv("SHIFTNODE_PEER_SECRET", raising=False)

@@ -29,8 +29,8 @@ def test_seed_kv_per_token():
 
 
 def test_seed_prompt_and_transfer():
-    mha = make_plan(llama(), prompt_tokens=4000, link_gbps=100)
-    gqa = make_plan(llama(num_key_value_heads=8), prompt_tokens=4000, link_gbps=100)
+    mha = make_plan(llama(), dtype="bf16", prompt_tokens=4000, link_gbps=100)
+    gqa = make_plan(llama(num_key_value_heads=8), dtype="bf16", prompt_tokens=4000, link_gbps=100)
     # the seed rounds: 4000 x 512 KiB = 1.95 GiB ("2 GiB"), 4000 x 128 KiB = 500 MiB ("512 MiB")
     assert mha.prompt_kv_bytes == 4000 * 512 * KIB and mha.prompt_kv_bytes == pytest.approx(2 * GIB, rel=0.03)
     assert gqa.prompt_kv_bytes == pytest.approx(512 * MIB, rel=0.03)
@@ -60,7 +60,7 @@ def test_shared_configs_param_counts(folder, params):
 
 def test_capacity_beside_weights():
     # 8B in bf16 = 16.06 GB of weights; 80 GiB x 0.9 leaves ~56.3 GiB = ~461k tokens at 128 KiB
-    plan = make_plan(llama(num_key_value_heads=8, intermediate_size=14336, vocab_size=128256),
+    plan = make_plan(llama(num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, torch_dtype="bfloat16"),
                      device_memory_gib=80, memory_fraction=0.9)
     assert plan.weight_bytes == 2 * 8_030_261_248
     assert plan.kv_tokens_fit == (int(80 * GIB * 0.9) - plan.weight_bytes) // (128 * KIB)
@@ -69,9 +69,40 @@ def test_capacity_beside_weights():
 
 def test_main_prints_a_table(tmp_path, capsys):
     cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(llama(num_key_value_heads=8)))
+    cfg.write_text(json.dumps(llama(num_key_value_heads=8, torch_dtype="bfloat16")))
     assert main(["--config", str(tmp_path), "--device-memory-gib", "80", "--hbm-tbps", "3.35"]) == 0
     out = capsys.readouterr().out
     assert "128.00 KiB" in out and "KV tokens beside weights" in out and "transfer at 100 Gb/s" in out
     assert main(["--config", str(tmp_path / "nope.json")]) == 2
     assert main(["--config", str(cfg), "--dtype", "int3"]) == 2
+
+
+def test_dtype_auto_is_the_models():
+    """stories260k is float32: auto plans 4-byte weights and KV, as the node serves it."""
+    cfg = json.loads((SHARED / "models" / "stories260k" / "config.json").read_text())
+    plan = make_plan(cfg)
+    g = Geometry.from_config(cfg)
+    assert plan.dtype == "float32" and plan.kv_bytes_per_token == kv_bytes_per_token(g, 4)
+    assert plan.weight_bytes == 4 * param_count(g)
+    assert make_plan(cfg, dtype="bf16").kv_bytes_per_token * 2 == plan.kv_bytes_per_token
+    assert make_plan(llama(dtype="float16")).dtype == "float16"  # transformers 5 writes "dtype"
+    assert make_plan(llama()).dtype == "float32"  # none named: float32, the node's default too
+    with pytest.raises(ValueError, match="config's dtype"):
+        make_plan(llama(torch_dtype="int3"))
+
+
+def test_main_auto_matches_the_node(capsys):
+    """The plan's KV per token equals what the node's own ModelConfig computes for its auto dtype."""
+    import torch
+
+    from node.worker.model_config import ModelConfig
+    from node.worker.weights import dtype_from_name
+
+    folder = SHARED / "models" / "stories260k"
+    assert main(["--config", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "weights (float32)" in out
+    mc = ModelConfig.from_folder(folder)
+    dt = dtype_from_name("auto", mc)
+    assert dt == torch.float32
+    assert make_plan(json.loads((folder / "config.json").read_text())).kv_bytes_per_token == mc.kv_bytes_per_token(dt)

@@ -3,11 +3,17 @@
 ``python -m bench.sim --mode time-shared,colocated,pooled --devices 8 --nodes 1 --trace azure-conv
 --rate 20 --duration 60 --link-gbps 100 --cost-model bench/cost_models/cpu_stories260k.json
 --model-config ../shared/models/stories260k``
+
+``--prefix-caching on|off|both`` simulates each mode with the devices' prefix cache on, off, or both
+(rows ``MODE +cache``); with ``--tokens-per-hash`` on a Mooncake trace the prompts share tokens as the
+trace's hash ids do, and the output gives the simulated prefix hit rate next to the workload's own
+infinite-cache ratio (:func:`bench.traces.infinite_cache_hit_ratio`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -16,6 +22,7 @@ from bench.calibrate import load_cost_model
 from bench.metrics import format_summary
 from bench.sim.config import MODES, SimConfig, kv_geometry
 from bench.sim.run import simulate
+from bench.traces import infinite_cache_hit_ratio
 from bench.workload import add_workload_args, build_workload, shared_dir, spec_from_args
 from node.cli import parse_bytes
 from node.plan import DTYPE_BYTES, load_config
@@ -67,6 +74,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--expected-output", default="node", choices=["node", "oracle"],
                     help="time-shared: output length the policy is told (node: min(max_tokens, 128))")
     ap.add_argument("--max-sim-s", type=float, default=3600.0, help="simulated seconds before unfinished requests fail")
+    ap.add_argument("--prefix-caching", default="off", choices=["on", "off", "both"],
+                    help="the devices' prefix cache (and placement that follows it): on, off, or both side by side")
     ap.add_argument("--out", default=None, help="write the summaries and stats as JSON")
     ap.add_argument("--table", action="store_true", help="print one markdown table row per (rate, mode) instead")
     add_workload_args(ap)
@@ -96,7 +105,8 @@ def config_for(args: argparse.Namespace, mode: str, model_cfg: dict, prefill_dev
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms, reconfig_pause_ms=args.reconfig_pause_ms,
         min_window_ms=args.min_window_ms, max_window_ms=args.max_window_ms, stagger=args.stagger,
-        expected_output=args.expected_output, max_sim_s=args.max_sim_s)
+        expected_output=args.expected_output, max_sim_s=args.max_sim_s,
+        prefix_caching=getattr(args, "prefix_caching", "off") == "on")
 
 
 def configs_for(args: argparse.Namespace, model_cfg: dict) -> list[SimConfig]:
@@ -109,31 +119,37 @@ def configs_for(args: argparse.Namespace, model_cfg: dict) -> list[SimConfig]:
             out += [config_for(args, mode, model_cfg, prefill_nodes=n) for n in _ints(args.prefill_nodes)]
         else:
             out += [config_for(args, mode, model_cfg, prefill_devices=n) for n in _ints(args.prefill_devices)]
+    if getattr(args, "prefix_caching", "off") == "both":
+        out = [c for cfg in out for c in (dataclasses.replace(cfg, prefix_caching=True), cfg)]
     return out
 
 
 def mode_label(cfg: SimConfig) -> str:
-    """``time-shared``, ``colocated``, ``pooled 4P:4D`` (per node) or ``pooled 4P:4D nodes`` (cluster)."""
+    """``time-shared``, ``colocated``, ``pooled 4P:4D`` (per node) or ``pooled 4P:4D nodes`` (cluster),
+    with `` +cache`` when the prefix cache is on."""
+    cache = " +cache" if cfg.prefix_caching else ""
     if cfg.mode != "pooled":
-        return cfg.mode
+        return cfg.mode + cache
     if cfg.pool_scope == "cluster":
         p = cfg.num_prefill_nodes
-        return f"pooled {p}P:{cfg.nodes - p}D nodes"
+        return f"pooled {p}P:{cfg.nodes - p}D nodes{cache}"
     p = cfg.num_prefill_devices
-    return f"pooled {p}P:{cfg.devices - p}D"
+    return f"pooled {p}P:{cfg.devices - p}D{cache}"
 
 
 def table_row(trace: str, rate: float | None, cfg: SimConfig, summary, stats: dict) -> str:
     """A markdown row: trace, rate, mode, goodput, SLO attainment, p90 TTFT/TPOT, switches, transfers."""
     gib = stats.get("transfer_bytes", 0) / 2**30
     r = "—" if rate is None else f"{rate:g}"
+    hit = stats.get("prefix_hit_rate")
     return (f"| {trace} | {r} | {mode_label(cfg)} | {summary.goodput:.2f} | "
-            f"{summary.slo_attainment:.1%} | {summary.ttft_ms.p90:.1f} | {summary.tpot_ms.p90:.2f} | "
+            f"{summary.slo_attainment:.1%} | {'—' if hit is None else format(hit, '.1%')} | "
+            f"{summary.ttft_ms.median:.1f} | {summary.ttft_ms.p90:.1f} | {summary.tpot_ms.p90:.2f} | "
             f"{stats.get('switches', 0)} | {stats.get('transfers', 0)} ({gib:.0f} GiB) |")
 
 
-TABLE_HEAD = ("| trace | rate (req/s) | mode | goodput (req/s) | SLO attainment | p90 TTFT (ms) | p90 TPOT (ms) | "
-              "switches | transfers |\n|---|---:|---|---:|---:|---:|---:|---:|---:|")
+TABLE_HEAD = ("| trace | rate (req/s) | mode | goodput (req/s) | SLO attainment | prefix hit | p50 TTFT (ms) | "
+              "p90 TTFT (ms) | p90 TPOT (ms) | switches | transfers |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,21 +171,29 @@ def main(argv: list[str] | None = None) -> int:
         for cfg in configs:
             res = simulate(wl.requests, cfg, cost)
             st = res.stats
+            prompt = sum(r.prompt_tokens for r in wl.requests)
+            st["prefix_hit_rate"] = st.get("cached_tokens", 0) / prompt if cfg.prefix_caching and prompt else None
             if args.table:
                 rows.append(table_row(args.trace, rate, cfg, res.summary, st))
                 print(rows[-1], file=sys.stderr, flush=True)  # progress
             else:
                 title = f"Simulated: {mode_label(cfg)}, {cfg.nodes} node(s) x {cfg.devices} device(s)"
                 print(format_summary(res.summary, title))
+                hit = st["prefix_hit_rate"]
                 print(f"switches {st.get('switches', 0)}, pause {st.get('pause_s', 0.0):.3f} s, transfers "
                       f"{st.get('transfers', 0)} ({st.get('transfer_bytes', 0) / 2**20:.1f} MiB), "
-                      f"preemptions {st.get('preemptions', 0)}\n")
+                      f"preemptions {st.get('preemptions', 0)}"
+                      + ("" if hit is None else f", prefix hit {hit:.1%}") + "\n")
             out["runs"].append({"workload": wl.describe(), "mode": mode_label(cfg),
                                 "config": vars(cfg) | {"num_prefill_devices": cfg.num_prefill_devices},
                                 "summary": res.summary.as_dict(), "stats": st})
     if args.table:
         print(TABLE_HEAD)
         print("\n".join(rows))
+    if getattr(args, "tokens_per_hash", None):
+        for rate, wl in zip(rates, workloads):
+            blocks, tokens = infinite_cache_hit_ratio(wl.requests)
+            print(f"infinite-cache prefix hit of the workload at {rate} req/s: blocks {blocks:.1%}, tokens {tokens:.1%}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1))

@@ -8,15 +8,19 @@ the objects a live device engine runs — with a fixed step kind, and each step 
 budget); an arriving request goes to the device with the fewest (queued prompts, resident sequences),
 ties to the lowest index, as ``Node._place`` does. Requests whose prompt cannot fit a device's whole
 pool are rejected at arrival. Pooled mode is :mod:`bench.sim.pooled`.
+
+With ``prefix_caching`` the devices' ledgers keep the prefix cache, and prompts carry token ids
+(:func:`prompt_token_ids`) so that requests sharing hash ids share cached blocks.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 from bench.sim.config import SimAborted, SimConfig, count_late
 from bench.sim.stepcost import plan_step_s
-from bench.traces import TraceRequest
+from bench.traces import TraceRequest, hash_prompt_ids
 from node.core.batcher import BatchConfig, Batcher, StepKind, StepPlan
 from node.core.cost import CostModel
 from node.core.ledger import BlockLedger
@@ -37,7 +41,7 @@ class SimDevice:
         self.device_id = device_id
         self.kind = kind
         self.node = node
-        self.batcher = Batcher(BlockLedger(cfg.kv_blocks, cfg.block_size),
+        self.batcher = Batcher(BlockLedger(cfg.kv_blocks, cfg.block_size, prefix_caching=cfg.prefix_caching),
                                BatchConfig(max_num_seqs=cfg.max_num_seqs, max_batched_tokens=cfg.max_num_batched_tokens))
         self.plan: StepPlan | None = None
         self.sampling: list[Sequence] = []
@@ -74,10 +78,26 @@ class SimDevice:
         return out
 
 
+SIM_VOCAB = 32000  # ids of hash-built prompts stay below this (any value works: the sim runs no model)
+
+
+def prompt_token_ids(rid: str, r: TraceRequest, prefix_caching: bool) -> list[int]:
+    """Token ids of a request's prompt in the simulator: built from its hash ids when it has them
+    (:func:`bench.traces.hash_prompt_ids`, as the live replay builds them, so shared hashes share
+    blocks); else, with the prefix cache on, a first id unique to the request (BLAKE2b of its id; the
+    block keys chain from it, so nothing of it is ever shared); else zeros (nothing is looked up)."""
+    if r.hash_ids and r.hash_block_tokens and len(r.hash_ids) * r.hash_block_tokens >= r.prompt_tokens:
+        return hash_prompt_ids(r, SIM_VOCAB)
+    if not prefix_caching or r.prompt_tokens == 0:
+        return [0] * r.prompt_tokens
+    first = -1 - int.from_bytes(hashlib.blake2b(rid.encode(), digest_size=7).digest(), "big")
+    return [first] + [0] * (r.prompt_tokens - 1)
+
+
 def new_sequence(rid: str, r: TraceRequest, cfg: SimConfig) -> Sequence:
     """The sequence a live node would make of a trace request (token-id prompt, ``ignore_eos``)."""
     params = SamplingParams(max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True)
-    return Sequence(rid, rid, 0, r.arrival_s, [0] * r.prompt_tokens, params, cfg.max_model_len)
+    return Sequence(rid, rid, 0, r.arrival_s, prompt_token_ids(rid, r, cfg.prefix_caching), params, cfg.max_model_len)
 
 
 def finished(seq: Sequence) -> bool:
@@ -125,5 +145,6 @@ def simulate_colocated(requests: list[TraceRequest], cfg: SimConfig, cost: CostM
         if now > t_end:
             break
     stats = {"switches": 0, "pause_s": 0.0, "busy_s": {d.device_id: d.busy_s for d in devices},
-             "transfers": 0, "transfer_bytes": 0, "preemptions": sum(d.batcher.num_preemptions for d in devices)}
+             "transfers": 0, "transfer_bytes": 0, "preemptions": sum(d.batcher.num_preemptions for d in devices),
+             "cached_tokens": sum(d.batcher.prefix_hit_tokens for d in devices)}
     return [traces[rid] for rid in ids], stats

@@ -67,6 +67,10 @@ class SimConfig:
         expected_output: what time-shared placement is told of each output length: ``node`` (what
             the live node assumes for ``ignore_eos`` requests: ``min(max_tokens, 128)``) or ``oracle``.
         max_sim_s: requests not finished this long after the first arrival count as failed (s).
+        prefix_caching: every device keeps the node's prefix cache (its block ledger's, and placement
+            that follows it); prompts get token ids from their hash ids (Mooncake traces, see
+            :func:`bench.sim.batched.prompt_token_ids`), others unique ones, so only the trace's own
+            reuse hits. Off (the default), every prompt is computed from scratch, as before.
         abort_late: stop the run (raise :class:`SimAborted`) as soon as this many requests are
             certainly late — still waiting for a device more than ``ttft_slo_ms`` after arriving — so
             that a capacity search does not simulate overloads to the end (``None``: never).
@@ -100,6 +104,7 @@ class SimConfig:
     expected_output: str = "node"
     max_sim_s: float = 3600.0
     abort_late: int | None = None
+    prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

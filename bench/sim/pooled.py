@@ -19,6 +19,11 @@ Links (each a FIFO queue; a transfer takes ``bytes x 8 / (gbps x 1e9)`` s, :func
 * between nodes (``pool_scope="cluster"``): the source device's network link and the destination
   device's, both at ``internode_gbps``; the transfer starts when both are free and holds both.
 
+With ``prefix_caching`` every device keeps the node's prefix cache: the router is shown each waiting
+prompt's cached tokens per device (the live driver's ``WaitingPrompt.cached_tokens``), a prefill device
+computes only what its cache lacks, and a decode device reuses its own cached prefix of the sequence
+and receives only the blocks after it (``kv_bytes_per_token`` x the tokens after it).
+
 ``transfer="blocking"`` (the node's behaviour: ``DeviceEngine.migrate`` copies between steps) keeps a
 prefill device from stepping while it sends, one cache after another; ``transfer="overlap"`` lets it go
 on while the link works.
@@ -108,6 +113,7 @@ class _Pool:
         self.transfer_bytes = 0
         self.transfer_s = 0.0
         self._views: dict[str, tuple[int, PoolDevice]] = {}  # device id → (its version, its view)
+        self._seqs: dict[str, Sequence] = {}  # waiting request id → its sequence (token ids, key memo)
         self._blocked_at: tuple | None = None  # state in which the router last placed nothing more
 
     # --- the router's view, as node.runtime.pooled_driver.PooledDriver._device builds it -----------
@@ -158,7 +164,8 @@ class _Pool:
             head = list(islice(self.waiting, ROUTER_BATCH))
             snap = PoolSnapshot(tuple(self._view(d, False) for d in self.front),
                                 tuple(self._view(d, True) for d in self.back),
-                                tuple(WaitingPrompt(rid, r.prompt_tokens, r.arrival_s, self._expected(r))
+                                tuple(WaitingPrompt(rid, r.prompt_tokens, r.arrival_s, self._expected(r),
+                                                    cached_tokens=self._cached(rid, r))
                                       for rid, r in head))
             decisions = self.router.decide(snap)
             reqs = dict(head)
@@ -169,7 +176,7 @@ class _Pool:
                     self.traces[dec.request_id].rejected = True
                 elif isinstance(dec, PlacePooled):
                     src, dst = by_id[dec.prefill_device], by_id[dec.decode_device]
-                    seq = new_sequence(dec.request_id, r, self.cfg)
+                    seq = self._seqs.pop(dec.request_id, None) or new_sequence(dec.request_id, r, self.cfg)
                     self.placed[dec.request_id] = _Placed(seq, src, dst, dec.decode_blocks)
                     self.held[src.device_id] += 1
                     self.bound[dst.device_id][0] += dec.decode_blocks
@@ -180,6 +187,20 @@ class _Pool:
                 self._blocked_at = self._state()
                 return
         self._blocked_at = None
+
+    def _cached(self, rid: str, r: TraceRequest) -> dict[str, int]:
+        """Prompt tokens each device's prefix cache holds for a waiting request (none with caching off)."""
+        if not self.cfg.prefix_caching:
+            return {}
+        seq = self._seqs.get(rid)
+        if seq is None:
+            seq = self._seqs[rid] = new_sequence(rid, r, self.cfg)
+        out = {}
+        for d in self.devices:
+            n = len(d.batcher.cached_prefix(seq)) * d.batcher.ledger.block_size
+            if n:
+                out[d.device_id] = n
+        return out
 
     def _unbind(self, p: _Placed) -> None:
         self.held[p.src.device_id] -= 1
@@ -211,13 +232,16 @@ class _Pool:
         seq, src, dst = p.seq, p.src, p.dst
         if seq not in src.batcher.running or not seq.is_decoding:
             return False
-        dst_blocks = dst.batcher.ledger.allocate(len(seq.block_ids))
-        if dst_blocks is None:
+        led = dst.batcher.ledger  # its own cached prefix of the sequence stays; the rest is sent
+        hits = led.match(seq.token_ids, seq.num_computed, seq.block_keys)[: len(seq.block_ids) - 1]
+        new = led.take(hits, len(seq.block_ids) - len(hits))
+        if new is None:
             return False
+        dst_blocks = hits + new
         src_blocks = src.batcher.release(seq)
         src.version += 1
         dst.version += 1
-        nbytes = self.cfg.kv_bytes_per_token * seq.num_computed
+        nbytes = self.cfg.kv_bytes_per_token * (seq.num_computed - len(hits) * led.block_size)
         links, gbps = link_plan(src, dst, self.cfg)
         start = max([now_s] + [self.link_free.get(k, 0.0) for k in links])
         end = start + transfer_s(nbytes, gbps)
@@ -298,7 +322,8 @@ class _Pool:
     def stats(self) -> dict:
         return {"switches": 0, "pause_s": 0.0, "busy_s": {d.device_id: d.busy_s for d in self.devices},
                 "transfers": self.transfers, "transfer_bytes": self.transfer_bytes,
-                "transfer_s": self.transfer_s, "preemptions": sum(d.batcher.num_preemptions for d in self.devices)}
+                "transfer_s": self.transfer_s, "preemptions": sum(d.batcher.num_preemptions for d in self.devices),
+                "cached_tokens": sum(d.batcher.prefix_hit_tokens for d in self.front)}
 
 
 def simulate_pooled(requests: list[TraceRequest], cfg: SimConfig, cost: CostModel, prefix: str = "r",

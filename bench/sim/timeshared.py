@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
+from bench.sim.batched import prompt_token_ids
 from bench.sim.config import SimAborted, SimConfig, count_late
 from bench.traces import TraceRequest
 from node.core.cost import CostModel
@@ -57,11 +58,14 @@ def simulate_time_shared(requests: list[TraceRequest], cfg: SimConfig, cost: Cos
                                                      cfg.pause_ms / 1e3))
     scheduler = RoleScheduler(policy, cost)
     vn = CappedVirtualNode(scheduler, cost, num_devices=cfg.devices, kv_blocks=cfg.kv_blocks,
-                           block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs)
+                           block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
+                           prefix_caching=cfg.prefix_caching)
     vreqs = []
     for i, r in enumerate(requests):
         expected = r.output_tokens if cfg.expected_output == "oracle" else min(r.output_tokens, NODE_EXPECTED_OUTPUT_TOKENS)
-        vreqs.append(VirtualRequest(f"{prefix}{i}", r.arrival_s, r.prompt_tokens, r.output_tokens, expected))
+        rid = f"{prefix}{i}"
+        ids = tuple(prompt_token_ids(rid, r, True)) if cfg.prefix_caching else ()
+        vreqs.append(VirtualRequest(rid, r.arrival_s, r.prompt_tokens, r.output_tokens, expected, ids))
     t_end = (requests[0].arrival_s if requests else 0.0) + cfg.max_sim_s
     slo_s, limit = cfg.ttft_slo_ms / 1e3, cfg.abort_late
 
@@ -77,5 +81,6 @@ def simulate_time_shared(requests: list[TraceRequest], cfg: SimConfig, cost: Cos
         if s.kind != "pause":
             busy[s.device_id] = busy.get(s.device_id, 0.0) + (s.end_s - s.start_s)
     stats = {"switches": len(vn.switches), "pause_s": sum(s.end_s - s.start_s for s in pauses),
-             "busy_s": busy, "transfers": 0, "transfer_bytes": 0, "preemptions": 0}
+             "busy_s": busy, "transfers": 0, "transfer_bytes": 0, "preemptions": 0,
+             "cached_tokens": sum(traces[v.request_id].cached_tokens for v in vreqs)}
     return [traces[v.request_id] for v in vreqs], stats

@@ -5,15 +5,18 @@ from __future__ import annotations
 import hmac
 import time
 
+import msgspec
 import structlog
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from node.api.errors import APIError, error_response
+from node.api.errors import APIError, bad_request, error_response, retry_after
 from node.api.openai import NODE_KEY, chat_completions, completions
 from node.config import NodeConfig
+from node.runtime.health import node_health
 from node.runtime.node import Node
+from node.runtime.peer_state import split_addr
 
 log = structlog.get_logger("shiftnode.api")
 
@@ -52,7 +55,11 @@ def auth_middleware(api_key: str | None):
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    """``GET /health``: 200 ``{"status": "ok"}`` or ``{"status": "degraded", "reasons": [...]}``; 503
+    ``{"status": "unavailable", "reasons": [...]}`` with ``Retry-After`` when the node cannot serve
+    (see :mod:`node.runtime.health`)."""
+    h = node_health(request.app[NODE_KEY])
+    return web.json_response(h.body(), status=h.http_status, headers=retry_after(2) if h.http_status == 503 else None)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -77,6 +84,39 @@ async def drain(request: web.Request) -> web.Response:
     except ValueError as e:
         return error_response(409, str(e), code="drain_unavailable")
     return web.json_response({"draining": True, "sequences_here": remaining})
+
+
+class PeerChange(msgspec.Struct, forbid_unknown_fields=True):
+    """Body of ``POST /v1/node/peers``: ``host:port`` KV addresses to start and to stop using."""
+
+    add: list[str] = []
+    remove: list[str] = []
+
+
+_PEER_CHANGE = msgspec.json.Decoder(PeerChange)
+
+
+async def change_peers(request: web.Request) -> web.Response:
+    """``POST /v1/node/peers`` ``{"add": [...], "remove": [...]}``: change the peer set at run time
+    (removals first; adding a present peer or removing an absent one changes nothing). Answers the
+    peers after the change. 400 for a malformed address, 409 on a node without peer links."""
+    node = request.app[NODE_KEY]
+    try:
+        body = _PEER_CHANGE.decode(await request.read())
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise bad_request(f"invalid body (want {{\"add\": [\"host:port\", ...], \"remove\": [...]}}): {e}") from e
+    if node.peers is None:
+        raise APIError(409, "this node has no peer links: start it with --peers or --peer-secret, in time-shared "
+                       "or pooled mode", code="peers_unavailable")
+    for field_name in ("add", "remove"):
+        for addr in getattr(body, field_name):
+            try:
+                split_addr(addr)
+            except ValueError as e:
+                raise bad_request(str(e), param=field_name) from e
+    removed = [a for a in body.remove if node.peers.remove(a)]
+    added = [a for a in body.add if node.peers.add(a)]
+    return web.json_response({"added": added, "removed": removed, "peers": node.status()["network"]["peers"]})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -106,6 +146,7 @@ def create_app(config: NodeConfig, node: Node | None = None) -> web.Application:
     app.router.add_get("/v1/node", node_status)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/node/drain", drain)
+    app.router.add_post("/v1/node/peers", change_peers)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     return app

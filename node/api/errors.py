@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
 from aiohttp import web
+
+if TYPE_CHECKING:
+    from node.runtime.output import SeqDelta
 
 _TYPES = {
     400: "invalid_request_error",
@@ -53,3 +59,16 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param, code="invalid_value" if param else None)
+
+
+def retry_after(seconds: float | None) -> dict[str, str]:
+    """The ``Retry-After`` header (whole seconds, at least 1) for ``seconds``, or none."""
+    return {} if seconds is None else {"Retry-After": str(max(1, math.ceil(seconds)))}
+
+
+def delta_error(delta: "SeqDelta") -> APIError:
+    """The API error of a choice that ended with ``delta.error``: the status, code and Retry-After the
+    node gave the failure (:meth:`node.runtime.request.RequestState.fail`), 500 ``internal_error``
+    when it gave none. A stream sends ``.body()`` as its error event."""
+    return APIError(delta.error_status, delta.error or "error", code=delta.error_code,
+                    headers=retry_after(delta.retry_after_s))

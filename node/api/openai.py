@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from node.api.errors import APIError, bad_request, error_body
+from node.api.errors import APIError, bad_request, delta_error
 from node.api.responses import ChoiceState, chat_logprobs, completion_logprobs, envelope, usage
 from node.api.sse import SSEWriter
 from node.api.validate import chat_prompt, check_model, completion_prompts, sampling_params
@@ -43,12 +43,15 @@ async def read_json(request: web.Request, kind: type) -> object:
     """Read and decode a JSON body into ``kind``.
 
     Raises:
-        APIError: 415 for a non-JSON content type, 413 for a body over the size limit, 408 for a body
+        APIError: 415 for a missing or non-JSON content type, 413 for a body over the size limit, 408 for a body
             slower than ``--body-timeout-s``, 400 for anything that does not decode.
     """
     node = request.app[NODE_KEY]
-    ctype = request.headers.get("Content-Type")
-    if ctype is not None and request.content_type != "application/json" and not request.content_type.endswith("+json"):
+    # A missing Content-Type is refused like a wrong one: the body's type is never guessed. aiohttp
+    # reports a missing header as application/octet-stream, so the header itself is checked.
+    if "Content-Type" not in request.headers:
+        raise APIError(415, "Content-Type: application/json is required")
+    if request.content_type != "application/json" and not request.content_type.endswith("+json"):
         raise APIError(415, f"Content-Type must be application/json, got {request.content_type!r}")
     if request.content_length is not None and request.content_length > node.config.max_body_bytes:
         raise APIError(413, f"request body of {request.content_length} bytes exceeds the limit of {node.config.max_body_bytes} bytes")
@@ -154,6 +157,12 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
     node = request.app[NODE_KEY]
     choices = [ChoiceState(i) for i in range(len(jobs) * n)]
     prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
+    cached = [0] * len(jobs)  # per prompt: its tokens found in the prefix cache (choice 0's first token says)
+
+    def note_cached(d: SeqDelta) -> None:
+        if d.cached_tokens is not None and d.index % n == 0:
+            cached[d.index // n] = d.cached_tokens
+
     deltas = merged_deltas(node, request_id, jobs, n)
     if not stream:
         try:
@@ -161,14 +170,15 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
                 if d is None:
                     continue
                 if d.error:
-                    raise APIError(500, d.error, code="internal_error")
+                    raise delta_error(d)
+                note_cached(d)
                 on_delta(choices[d.index], d)
         except QueueFullError as e:
             raise _queue_full(e) from e
         finally:
             await deltas.aclose()
         completion = sum(len(c.token_ids) for c in choices)
-        return web.json_response(final_body(choices, usage(prompt_tokens, completion)))
+        return web.json_response(final_body(choices, usage(prompt_tokens, completion, sum(cached))))
     # Streaming: check admission before the 200 goes out, so overload is a proper 503.
     first = None
     try:
@@ -192,14 +202,15 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
                 await sse.comment("keep-alive")
                 continue
             if d.error:
-                await sse.send(error_body(500, d.error, code="internal_error"))
+                await sse.send(delta_error(d).body())
                 break
+            note_cached(d)
             entry = on_delta(choices[d.index], d)
             if entry is not None:
                 await sse.send({**chunk_envelope, "choices": [entry], **({"usage": None} if include_usage else {})})
         if include_usage:
             completion = sum(len(c.token_ids) for c in choices)
-            await sse.send({**chunk_envelope, "choices": [], "usage": usage(prompt_tokens, completion)})
+            await sse.send({**chunk_envelope, "choices": [], "usage": usage(prompt_tokens, completion, sum(cached))})
         await sse.done()
     except (ConnectionResetError, asyncio.CancelledError):
         raise

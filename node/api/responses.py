@@ -22,9 +22,12 @@ class ChoiceState:
     detok: IncrementalDetokenizer | None = None  # token strings for completions logprobs
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI ``usage``: token counts, with ``prompt_tokens_details.cached_tokens`` the prompt tokens
+    taken from the prefix cache instead of computed (never more than ``prompt_tokens``)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": min(cached_tokens, prompt_tokens)}}
 
 
 def completion_logprobs(tok: TextTokenizer, entries: list[TokenLogprobs | None], token_ids: list[int],

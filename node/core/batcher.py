@@ -13,6 +13,14 @@ sequence cap and free blocks allow. The step kind restricts what may run, which 
 When a sequence needs a block and none is free, the newest running sequence is preempted: its
 blocks are freed and it is recomputed later from its prompt plus its output so far (vLLM's
 recompute preemption), so it never loses tokens and never fails for lack of memory.
+
+Prefix caching (the ledger's cache): a waiting sequence is admitted with its block table starting
+with the cached blocks of its longest cached prefix of full blocks, and ``num_computed`` at their
+tokens, so only the rest is computed. At most ``len(token_ids) - 1`` tokens are taken from the cache:
+the last one is always computed, since its logits give the next token (vLLM's rule). Sequences that
+want prompt logprobs compute their whole prompt. Every block that a planned step fills is registered
+in the cache at once, so a sequence admitted later in the same step reuses it (the step writes it
+before it reads it); :meth:`Batcher.discard` takes such registrations back if the step fails.
 """
 
 from __future__ import annotations
@@ -64,6 +72,7 @@ class StepPlan:
     kind: StepKind
     items: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    registered: list[int] = field(default_factory=list)  # blocks this step fills, cached as it was planned
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +80,17 @@ class StepPlan:
 
     def __bool__(self) -> bool:
         return bool(self.items)
+
+
+@dataclass(frozen=True)
+class PrefillQueue:
+    """A device's queued prompt work: prompt tokens still to compute, sequences, the oldest arrival
+    (s, ``None`` when empty), and ``runnable``: a PREFILL step could make progress on it now."""
+
+    tokens: int
+    seqs: int
+    oldest_arrival_s: float | None
+    runnable: bool
 
 
 class Batcher:
@@ -82,6 +102,8 @@ class Batcher:
         self.waiting: list[Sequence] = []  # arrival order
         self.running: list[Sequence] = []  # arrival order
         self.num_preemptions = 0
+        self.prefix_query_tokens = 0  # tokens of admitted sequences looked up in the prefix cache
+        self.prefix_hit_tokens = 0  # of which found cached (not computed)
 
     # --- membership -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -105,14 +127,54 @@ class Batcher:
         seq.status = SeqStatus.FINISHED
 
     def release(self, seq: Sequence) -> list[int]:
-        """Detach a running sequence without freeing its blocks (the caller now owns them)."""
+        """Detach a running sequence without freeing its blocks (the caller now owns them; they stay
+        referenced, so no eviction can take them, until the caller frees them)."""
         self.running.remove(seq)
         blocks, seq.block_ids = seq.block_ids, []
+        seq.num_registered = 0  # its next block table is registered afresh where it lands
         return blocks
 
     @property
     def num_decoding(self) -> int:
         return sum(1 for s in self.running if s.is_decoding)
+
+    def prefill_queue(self) -> "PrefillQueue":
+        """The device's queued prompt work (waiting sequences and running partial prefills): tokens,
+        sequences, the oldest arrival, and whether a PREFILL step could run it now."""
+        tokens = seqs = 0
+        oldest = None
+        for s in self.running + self.waiting:
+            if s.is_decoding:
+                continue
+            tokens += s.num_uncomputed
+            seqs += 1
+            oldest = s.arrival_s if oldest is None else min(oldest, s.arrival_s)
+        return PrefillQueue(tokens, seqs, oldest, seqs > 0 and self.prefill_runnable())
+
+    def prefill_runnable(self) -> bool:
+        """Whether PREFILL steps could now take the queue head's prompt work to its end.
+
+        Admitting a chunk is not enough: a partial prefill that cannot grow preempts the newest
+        running sequence, itself included, and one preempted again and again computes forever while
+        the decoding residents, which hold the blocks, never run (a PREFILL step decodes nothing).
+        So the head's whole remaining prefill must fit the free blocks, or, for a running partial
+        prefill, it must have a newer running sequence to preempt. The waiting head also needs a
+        sequence slot. (A prefix-cache hit may need fewer blocks than counted: the estimate errs
+        towards ending a window early, never towards one that cannot end.)
+        """
+        for s in self.running:
+            if s.is_decoding:
+                continue
+            need = self.ledger.blocks_for(len(s.token_ids)) - len(s.block_ids)
+            return need <= self.ledger.num_free or self.running[-1] is not s
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return False
+        s = self.waiting[0]
+        if not self.config.chunked_prefill and s.num_uncomputed > self.config.max_batched_tokens:
+            return False
+        need = self.ledger.blocks_for(len(s.token_ids)) - len(s.block_ids)
+        keep = self.config.watermark_blocks if self.running else 0
+        return need + keep <= self.ledger.num_free
 
     def has_work(self, kind: StepKind) -> bool:
         if kind is StepKind.DECODE:
@@ -136,6 +198,7 @@ class Batcher:
             if not self._grow(seq, n, plan):
                 continue  # seq itself was preempted; running[i] is now the next one
             plan.items.append(ScheduledSeq(seq, n))
+            self._register(seq, seq.num_computed + n, plan)
             budget -= n
             i += 1
         if kind is not StepKind.DECODE and not plan.preempted:
@@ -159,9 +222,10 @@ class Batcher:
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.running.remove(seq)
         plan.items = [it for it in plan.items if it.seq is not seq]
-        self.ledger.free(seq.block_ids)
+        self.ledger.free(seq.block_ids)  # its cached blocks stay findable: the recompute may reuse them
         seq.block_ids = []
         seq.num_computed = 0
+        seq.num_registered = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SeqStatus.WAITING
@@ -171,23 +235,89 @@ class Batcher:
     def _admit(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = seq.num_uncomputed
-            if n > budget:
-                if not self.config.chunked_prefill:
-                    break
-                n = budget
-            need = self.ledger.blocks_for(seq.num_computed + n) - len(seq.block_ids)
-            if self.ledger.num_free - need < self.config.watermark_blocks and self.running:
+            adm = self._admission(seq, budget)
+            if adm is None:
                 break
-            got = self.ledger.allocate(need)
+            hits, n, new = adm
+            got = self.ledger.take(hits, new)
             if got is None:
                 break
-            seq.block_ids.extend(got)
+            cached = len(hits) * self.ledger.block_size
+            if self._may_reuse(seq):
+                self.prefix_query_tokens += len(seq.token_ids)
+                self.prefix_hit_tokens += cached
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = min(cached, seq.prompt_len)
+            if hits:  # the block table starts with the cached blocks, already registered
+                seq.num_registered = len(hits)
+            seq.block_ids.extend(hits + got)
+            seq.num_computed += cached
             self.waiting.pop(0)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             plan.items.append(ScheduledSeq(seq, n))
+            self._register(seq, seq.num_computed + n, plan)
             budget -= n
+
+    # --- prefix cache -----------------------------------------------------------------------
+    def _may_reuse(self, seq: Sequence) -> bool:
+        """A waiting sequence may start from cached blocks: caching is on, it holds no blocks yet, and
+        it does not want prompt logprobs (they need every prompt position's logits)."""
+        return (self.ledger.prefix_caching and not seq.block_ids and seq.num_computed == 0
+                and seq.params.prompt_logprobs is None)
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks a waiting ``seq`` would start from (its longest cached prefix of full blocks,
+        short of its last token); changes nothing."""
+        if not self._may_reuse(seq):
+            return []
+        return self.ledger.match(seq.token_ids, len(seq.token_ids) - 1, seq.block_keys)
+
+    def _admission(self, seq: Sequence, budget: int) -> tuple[list[int], int, int] | None:
+        """How the waiting head ``seq`` would start this step: (cached blocks it reuses, tokens it
+        computes, blocks it allocates), or ``None`` when it cannot (budget, blocks or watermark).
+
+        With its cached prefix first; if that does not fit the free blocks (reusing reclaimable blocks
+        consumes free ones too), without it, so the cache never admits less than no cache would.
+        """
+        options = [self.cached_prefix(seq)]
+        if options[0]:
+            options.append([])
+        for hits in options:
+            cached = len(hits) * self.ledger.block_size
+            n = seq.num_uncomputed - cached
+            if n > budget:
+                if not self.config.chunked_prefill:
+                    continue
+                n = budget
+            new = self.ledger.blocks_for(seq.num_computed + cached + n) - len(seq.block_ids) - len(hits)
+            cost = new + self.ledger.reuse_cost(hits)
+            keep = self.config.watermark_blocks if self.running else 0
+            if cost + keep <= self.ledger.num_free:
+                return hits, n, new
+        return None
+
+    def _register(self, seq: Sequence, upto_tokens: int, plan: StepPlan) -> None:
+        """Offer ``seq``'s full blocks within its first ``upto_tokens`` tokens (computed, or computed by
+        this step) to the prefix cache."""
+        if not self.ledger.prefix_caching:
+            return
+        bs = self.ledger.block_size
+        full = min(upto_tokens // bs, len(seq.block_ids))
+        if seq.num_registered >= full:
+            return
+        keys = self.ledger.keys(seq.token_ids, full, seq.block_keys)
+        for i in range(seq.num_registered, full):
+            b = seq.block_ids[i]
+            if self.ledger.register(b, keys[i], keys[i - 1] if i else None, seq.token_ids[i * bs : (i + 1) * bs]):
+                plan.registered.append(b)
+        seq.num_registered = full
+
+    def discard(self, plan: StepPlan) -> None:
+        """The step of ``plan`` failed: the blocks it was to fill leave the prefix cache (their content
+        was never written). Call before freeing the step's sequences."""
+        self.ledger.forget(plan.registered)
+        plan.registered = []
 
     def commit(self, plan: StepPlan) -> None:
         """Advance ``num_computed`` for every scheduled sequence after its step ran."""

@@ -3,71 +3,249 @@
 Allocation is check-then-commit: :meth:`BlockLedger.allocate` returns ``None`` when it cannot satisfy
 the whole request, and never hands out a block that is in use. The tensor pool only maps block ids to
 memory, so the same ledger decides admission live and in simulation.
+
+**Prefix cache.** A *full* block (``block_size`` tokens) can be registered under a key chained over
+its parent's key and its token ids (:func:`block_key`, BLAKE2b-128; vLLM's and SGLang's scheme), so
+a later sequence whose leading tokens are the same reuses the block instead of recomputing it. A hit
+is confirmed by the stored parent key and token ids, never by the hash alone. Every block is in
+exactly one of three states:
+
+* **referenced** (refcount > 0): held by sequences (several share a cached block), or pinned by a
+  transfer that has not committed — never evicted, whatever the pressure;
+* **cached, unreferenced**: its content stays valid and findable, and it is *reclaimable*: it counts
+  as free, and :meth:`allocate` evicts the least recently released of these when no clean block is
+  left (a sequence's blocks are released tail first, so shared heads outlive private tails);
+* **free**: no content worth keeping.
+
+Registration happens when the step that fills a block is *planned*, so sequences admitted later in
+the same step share it: the forward pass writes every new token's K/V of a layer before that layer
+attends, so such a block is never read before it is written. A step that fails :meth:`forget` s what
+it registered (its content was never written).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Sequence as Seq
 
 
 class LedgerError(RuntimeError):
     """A block was freed twice or was never allocated (a bookkeeping bug, never a client error)."""
 
 
-class BlockLedger:
-    """Free list and reference counts of ``num_blocks`` blocks of ``block_size`` tokens each."""
+def block_key(parent: bytes | None, tokens: Seq[int]) -> bytes:
+    """Cache key of a full block: BLAKE2b (16-byte digest) over the parent block's key (none for the
+    first block) and the block's token ids as signed 64-bit integers."""
+    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
 
-    def __init__(self, num_blocks: int, block_size: int):
+
+class BlockLedger:
+    """Free list, reference counts and prefix cache of ``num_blocks`` blocks of ``block_size`` tokens.
+
+    Args:
+        num_blocks, block_size: pool geometry (both >= 1).
+        prefix_caching: keep full blocks findable by content; off (the default of this pure class,
+            so plain ledgers behave as before; the node turns it on unless ``--no-prefix-caching``),
+            :meth:`register` and :meth:`match` do nothing and every prompt is computed from scratch.
+
+    Raises:
+        ValueError: an empty geometry.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token (got {num_blocks} x {block_size})")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.prefix_caching = prefix_caching
+        self._free: deque[int] = deque(range(num_blocks))  # unreferenced, nothing cached
+        self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced, cached: oldest release first
         self._refs = [0] * num_blocks
+        self._key: list[bytes | None] = [None] * num_blocks
+        self._entries: dict[bytes, tuple[int, bytes | None, tuple[int, ...]]] = {}  # key → (block, parent, tokens)
+        self.num_evictions = 0
 
+    # --- counts ---------------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        """Blocks not referenced by any sequence."""
-        return len(self._free)
+        """Blocks an allocation may take: clean ones plus cached, unreferenced (reclaimable) ones."""
+        return len(self._free) + len(self._lru)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Blocks referenced by sequences or pinned by transfers (the live KV)."""
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks findable in the prefix cache, referenced or not."""
+        return len(self._entries)
+
+    @property
+    def num_reclaimable(self) -> int:
+        """Cached blocks no one references: free for allocation, findable until evicted."""
+        return len(self._lru)
+
+    def refcount(self, block: int) -> int:
+        return self._refs[block]
+
+    def is_cached(self, block: int) -> bool:
+        return self._key[block] is not None
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens: ``ceil(num_tokens / block_size)``."""
         return -(-num_tokens // self.block_size)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_free
 
+    # --- allocation -----------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int] | None:
-        """Take ``n`` free blocks (refcount 1 each), or return ``None`` and change nothing."""
-        if n > len(self._free):
+        """Take ``n`` blocks (refcount 1 each), clean ones first, then evicting the least recently
+        released cached ones; or return ``None`` and change nothing."""
+        if n > self.num_free:
             return None
-        out = [self._free.popleft() for _ in range(n)]
-        for b in out:
+        out = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.popleft()
+            else:
+                b, _ = self._lru.popitem(last=False)
+                del self._entries[self._key[b]]
+                self._key[b] = None
+                self.num_evictions += 1
             self._refs[b] = 1
+            out.append(b)
         return out
 
-    def free(self, blocks: list[int]) -> None:
-        """Drop one reference from each block; blocks reaching zero return to the free list.
+    def reuse_cost(self, blocks: Seq[int]) -> int:
+        """Free blocks that taking a reference on ``blocks`` consumes: those nobody references now."""
+        return sum(1 for b in blocks if self._refs[b] == 0)
+
+    def take(self, cached: Seq[int], n: int) -> list[int] | None:
+        """Reference the cached blocks ``cached`` (from :meth:`match`) and allocate ``n`` new ones, all
+        or nothing. Returns the new blocks, or ``None`` (nothing changed) when they do not fit."""
+        if n + self.reuse_cost(cached) > self.num_free:
+            return None
+        for b in cached:
+            if self._key[b] is None:
+                raise LedgerError(f"block {b} is not cached")
+            if self._refs[b] == 0:
+                del self._lru[b]  # referenced now: out of eviction's reach before allocate runs
+            self._refs[b] += 1
+        out = self.allocate(n)
+        assert out is not None  # checked above
+        return out
+
+    def free(self, blocks: Seq[int]) -> None:
+        """Drop one reference from each block; a block reaching zero becomes reclaimable if cached,
+        else clean. Blocks are released last first, so a sequence's tail is evicted before its head.
 
         Raises:
             LedgerError: a block that is not allocated.
         """
-        for b in blocks:
+        for b in reversed(blocks):
             if not 0 <= b < self.num_blocks or self._refs[b] <= 0:
                 raise LedgerError(f"block {b} freed but not allocated")
             self._refs[b] -= 1
             if self._refs[b] == 0:
+                if self._key[b] is not None:
+                    self._lru[b] = None
+                else:
+                    self._free.append(b)
+
+    # --- the prefix cache -----------------------------------------------------------------------
+    def keys(self, token_ids: Seq[int], num_blocks: int, memo: list[bytes]) -> list[bytes]:
+        """Keys of the first ``num_blocks`` full blocks of ``token_ids``, extending ``memo`` (the keys
+        already computed for these tokens, which only ever grow) as needed."""
+        bs = self.block_size
+        while len(memo) < num_blocks:
+            i = len(memo)
+            memo.append(block_key(memo[-1] if memo else None, token_ids[i * bs : (i + 1) * bs]))
+        return memo
+
+    def match(self, token_ids: Seq[int], max_tokens: int, memo: list[bytes] | None = None) -> list[int]:
+        """Cached blocks holding the longest run of leading full blocks of ``token_ids[:max_tokens]``
+        (``[]`` with caching off). Changes nothing; take them with :meth:`take`.
+
+        ``memo``: the tokens' key list (see :meth:`keys`); keys are computed only as far as the match
+        goes. A candidate must also carry the same parent key and the same token ids.
+        """
+        if not self.prefix_caching or not self._entries:
+            return []
+        bs = self.block_size
+        memo = [] if memo is None else memo
+        out: list[int] = []
+        parent = None
+        for i in range(max(0, max_tokens) // bs):
+            key = self.keys(token_ids, i + 1, memo)[i]
+            entry = self._entries.get(key)
+            if entry is None or entry[1] != parent or entry[2] != tuple(token_ids[i * bs : (i + 1) * bs]):
+                break
+            out.append(entry[0])
+            parent = key
+        return out
+
+    def register(self, block: int, key: bytes, parent: bytes | None, tokens: Seq[int]) -> bool:
+        """Make the referenced full ``block`` findable under ``key`` (its parent's key and its token
+        ids confirm a hit). False, changing nothing, when caching is off, the block is already
+        cached, or another block already holds this content (the first one stays the cached copy).
+
+        Raises:
+            LedgerError: the block is not referenced, or ``tokens`` is not one full block.
+        """
+        if not 0 <= block < self.num_blocks or self._refs[block] <= 0:
+            raise LedgerError(f"block {block} registered but not allocated")
+        if len(tokens) != self.block_size:
+            raise LedgerError(f"block {block} registered with {len(tokens)} tokens, not {self.block_size}")
+        if not self.prefix_caching or self._key[block] is not None or key in self._entries:
+            return False
+        self._entries[key] = (block, parent, tuple(tokens))
+        self._key[block] = key
+        return True
+
+    def forget(self, blocks: Seq[int]) -> None:
+        """Drop ``blocks`` from the prefix cache (their content is not valid: the step that was to
+        write them failed). An unreferenced one becomes clean."""
+        for b in blocks:
+            key = self._key[b]
+            if key is None:
+                continue
+            del self._entries[key]
+            self._key[b] = None
+            if self._refs[b] == 0:
+                del self._lru[b]
                 self._free.append(b)
 
     def check(self) -> None:
-        """Invariant: free list and refcounts agree (used in tests and when idle)."""
+        """Invariants (used in tests and when idle): every block is exactly one of referenced, free
+        (clean) or reclaimable (cached, unreferenced); the cache index and block keys agree.
+
+        Raises:
+            LedgerError: the first invariant found broken.
+        """
         free = set(self._free)
         if len(free) != len(self._free):
             raise LedgerError("a block is on the free list twice")
         for b, r in enumerate(self._refs):
-            if (r == 0) != (b in free):
-                raise LedgerError(f"block {b} has refcount {r} but free={b in free}")
+            in_free, in_lru, key = b in free, b in self._lru, self._key[b]
+            if r < 0:
+                raise LedgerError(f"block {b} has refcount {r}")
+            if r > 0 and (in_free or in_lru):
+                raise LedgerError(f"block {b} has refcount {r} but is free")
+            if r == 0 and in_free + in_lru != 1:
+                raise LedgerError(f"block {b} is unreferenced but free={in_free} reclaimable={in_lru}")
+            if in_free and key is not None:
+                raise LedgerError(f"block {b} is clean but cached")
+            if in_lru and key is None:
+                raise LedgerError(f"block {b} is reclaimable but not cached")
+            if key is not None and self._entries.get(key, (None,))[0] != b:
+                raise LedgerError(f"block {b} has a key the cache index does not map to it")
+        if len(self._entries) != sum(k is not None for k in self._key):
+            raise LedgerError("the cache index names a block that does not carry its key")
+        if not self.prefix_caching and self._entries:
+            raise LedgerError("blocks cached with prefix caching off")

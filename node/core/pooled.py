@@ -13,6 +13,20 @@ in (arrival, request id) order:
   whose KV holds the prompt and whose prompts in flight plus finished-but-unsent caches stay under
   ``max_unsent_per_device`` (stranded state is bounded).
 
+**Following the prefix cache** (each waiting prompt carries, per device, the prompt tokens its prefix
+cache holds: ``WaitingPrompt.cached_tokens``). Among the devices that can take it, the prompt goes to
+the one of least cost, NVIDIA Dynamo's KV-router rule (``overlap_weight * prefill_blocks +
+active_blocks``) with weight 1 on each side's own resource:
+
+* decode side: ``cost = (prompt blocks - cached blocks there) - free blocks after reservations`` —
+  blocks it must receive (the cached prefix is reused in place, only the rest is sent) against the
+  room it has, in blocks (with no cache: the roomiest device, as before);
+* prefill side: ``cost = queued tokens + (prompt - cached tokens there)`` — prompt tokens it must
+  compute before this one is done, in tokens (with no cache: the least queued device).
+
+So a prefix draws its conversation to the device that holds it until that device is busier than the
+others by more than what the cache saves. Ties: snapshot order.
+
 A prompt that no pair can take waits (so do all prompts while either pool is empty, e.g. every decode
 peer unreachable) (the shell bounds the queue and answers 503 past ``--max-queue``);
 a later prompt does not overtake it (FIFO), so backpressure from a saturated decode pool reaches the
@@ -93,14 +107,16 @@ class PooledRouter:
                    if pre_need[d.device_id] <= prefill[d.device_id][0] and prefill[d.device_id][2] + w.seqs <= self.max_unsent]
             if not dec or not pre:
                 break  # FIFO: later prompts wait behind this one
-            d_best = max(dec, key=lambda d: (decode[d.device_id][0], -snapshot.decode.index(d)))
-            p_best = min(pre, key=lambda d: (prefill[d.device_id][1], snapshot.prefill.index(d)))
+            d_best = min(dec, key=lambda d: (
+                dec_need[d.device_id] - w.cached_tokens.get(d.device_id, 0) // w.seqs // d.block_size
+                - decode[d.device_id][0], snapshot.decode.index(d)))
+            p_best = min(pre, key=lambda d: (prefill[d.device_id][1] + w.new_tokens(d.device_id), snapshot.prefill.index(d)))
             out.append(PlacePooled(w.request_id, p_best.device_id, d_best.device_id,
                                    pre_need[p_best.device_id], dec_need[d_best.device_id]))
             decode[d_best.device_id][0] -= dec_need[d_best.device_id]
             decode[d_best.device_id][1] -= w.seqs
             p = prefill[p_best.device_id]
             p[0] -= pre_need[p_best.device_id]
-            p[1] += w.prompt_tokens
+            p[1] += w.new_tokens(p_best.device_id)
             p[2] += w.seqs
         return out

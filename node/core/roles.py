@@ -58,14 +58,41 @@ A device with no resident sequence switches (or parks in PREFILL) at once: no on
 placed on it (queue drained, or ``R`` spent). Idle devices stay parked in PREFILL.
 
 **Admission and routing.** Waiting prompts are taken in (arrival, request id) order and placed on the
-prefill-role device (PREFILL, or switching to it) where they fit KV and window and finish first (ties:
-snapshot order). A prompt that fits nowhere stays waiting (the shell bounds the queue and answers 503
+prefill-role device (PREFILL, or switching to it) where they fit KV and window and cost least (ties:
+snapshot order; the cost follows). A prompt that fits nowhere stays waiting (the shell bounds the queue and answers 503
 past ``--max-queue``); one that cannot fit an *empty* device is rejected. Once an urgent prompt cannot be
 placed, later prompts wait behind it (no starvation of long prompts by short ones). A prompt's age
 keeps growing until it is urgent and forces a window (once the sequences near their end have
 finished, which they do as the device decodes), so every admissible prompt is placed eventually; a
 decoding sequence is never stalled past its deadline except by the single window it was born in or
 one forced window, as above.
+
+**Cache-aware placement.** A waiting prompt carries, per device, the prompt tokens that device's prefix
+cache holds (``cached_tokens``); a device computes only the rest, ``new = prompt - cached``, which is
+what its queue ``q`` grows by and what the window must fit. Among the devices where it fits, the
+prompt goes to the one of least cost (seconds)::
+
+    cost = t0 + P(q + new)  +  DECODE_LOAD_WEIGHT * E * d(n + 1, ctx + q + prompt + n + 1)
+
+the prompt's prefill end there — the cached prefix it need not compute (the *overlap*) against the
+prefill queued there (the *load*), both in seconds of prefill — plus its expected decode time there,
+``E`` expected output tokens at the decode step ``d`` of that device's batch once it joins (``n``
+resident and queued sequences of ``ctx`` tokens). This is NVIDIA Dynamo's KV-router cost
+(``overlap_weight * prefill_blocks + active_blocks``, weight 1) in time units, so a cached prefix
+draws its conversation to one device only while that device is not already the busier one by more than
+the prefill the cache saves; ``DECODE_LOAD_WEIGHT = 1`` weighs a second of expected decode like a
+second of prefill (0 would ignore decode load, and place by prefill end alone).
+
+**Liveness.** While work exists, some device steps or switches: a PREFILL window also ends
+(``blocked``) when its queued work cannot run (``prefill_runnable`` false: e.g. a sequence preempted
+for lack of KV, whose blocks the residents hold; the residents give them back only by decoding), and
+no prompt is placed on such a device. A DECODE device whose own queue can run (sequences it preempted,
+or a recompute) switches for it as for waiting prompts — a ``recompute`` window when affordable, or a
+forced one once the oldest of that work is urgent — and a device with nothing resident parks in
+PREFILL at once. A DECODE phase lasts at least ``dwell`` and decodes every resident, so outputs grow
+between windows; outputs are bounded, so every sequence ends (the property test in
+``tests/core/test_liveness.py`` drives this policy over the live :class:`~node.core.batcher.Batcher`
+with pools down to one sequence).
 
 The shell applies decisions in list order (a :class:`SwitchRole` precedes the :class:`Place` s on the
 same device), and on completing a switch sets ``role = switching_to`` and ``role_since_s = switch_done_s``.
@@ -87,6 +114,7 @@ __all__ = [
 ]
 
 INF = math.inf
+DECODE_LOAD_WEIGHT = 1.0  # weight of a placement's expected decode time against its prefill end (Dynamo's 1:1)
 EPS = 1e-9  # s; float slack in time comparisons
 
 
@@ -97,13 +125,22 @@ class Role(enum.Enum):
 
 
 class WaitingPrompt(msgspec.Struct, frozen=True):
-    """A prompt not yet placed on a device. ``arrival_s`` on the policy clock (s)."""
+    """A prompt not yet placed on a device. ``arrival_s`` on the policy clock (s).
+
+    ``cached_tokens``: device id → prompt tokens (all its sequences) that device's prefix cache holds
+    now, which it would not compute (absent: none).
+    """
 
     request_id: str
     prompt_tokens: int
     arrival_s: float
     expected_output_tokens: int
     seqs: int = 1  # sequences the prompt becomes (its ``n`` choices); each takes a sequence slot
+    cached_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+
+    def new_tokens(self, device_id: str) -> int:
+        """Prompt tokens the device would compute: those its prefix cache does not hold."""
+        return max(0, self.prompt_tokens - self.cached_tokens.get(device_id, 0))
 
 
 class ResidentSeq(msgspec.Struct, frozen=True):
@@ -135,11 +172,15 @@ class DeviceState(msgspec.Struct, frozen=True, kw_only=True):
         resident: decoding sequences held here.
         prefill_queue_tokens, prefill_queue_seqs: prompt tokens (and prompts) placed here and not yet
             fully prefilled, the step in flight included.
-        kv_free_blocks: blocks not allocated in the ledger.
+        kv_free_blocks: blocks an allocation may take: unreferenced ones, cached (reclaimable) included.
         kv_reserved_blocks: blocks promised to work already here but not yet allocated (the rest of
             each placed prompt's and resident sequence's :func:`reserve_blocks`).
         seq_slots_free: sequences the device can still hold (its batch cap); a prompt is placed only
             where its sequences fit, so placed work can always run.
+        prefill_queue_oldest_s: arrival of the oldest queued prompt work here (s; ``None``: none).
+        prefill_runnable: a PREFILL step could make progress on the queued work now (its head fits
+            the free blocks and a sequence slot). False for work that waits on resident sequences
+            giving back blocks, e.g. a sequence preempted for lack of KV: the residents must decode.
     """
 
     device_id: str
@@ -156,6 +197,8 @@ class DeviceState(msgspec.Struct, frozen=True, kw_only=True):
     kv_total_blocks: int = 0
     seq_slots_free: int = 1 << 30  # sequences the device may still take (its max_num_seqs minus held and queued)
     block_size: int = 16
+    prefill_queue_oldest_s: float | None = None
+    prefill_runnable: bool = True
 
 
 class NodeSnapshot(msgspec.Struct, frozen=True):
@@ -169,7 +212,7 @@ class SwitchRole(msgspec.Struct, frozen=True, tag="switch"):
     """Start a switch of ``device_id`` to ``to_role`` (it pauses, then takes the role).
 
     ``window_s``/``window_tokens``: planned prefill window (s, prompt tokens); 0 for DECODE.
-    ``reason``: queue | ttft | idle | park | drained | window.
+    ``reason``: queue | recompute | ttft | idle | park | drained | window | blocked.
     """
 
     device_id: str
@@ -352,9 +395,9 @@ class RoleScheduler:
             else:
                 remaining.append(w)
         remaining = self._place(now_s, remaining, [dv for dv in devs if dv.target], out)
-        for dv in devs:  # end drained windows
-            if dv.st.role is Role.PREFILL and dv.holder and dv.q == 0 and dv.placed == 0:
-                reason = "window" if self._limit_s(dv) <= 0 else "drained"
+        for dv in devs:  # end drained windows, and windows whose queued work waits on the residents' KV
+            if dv.st.role is Role.PREFILL and dv.holder and dv.placed == 0 and (dv.q == 0 or self._blocked(dv)):
+                reason = "blocked" if dv.q else "window" if self._limit_s(dv) <= 0 else "drained"
                 out.append(SwitchRole(dv.st.device_id, Role.DECODE, reason))
                 dv.target, dv.decodeish = False, True
                 self._forced_until.pop(dv.st.device_id, None)
@@ -362,8 +405,8 @@ class RoleScheduler:
         order = sorted((dv for dv in devs if dv.st.role is Role.DECODE),
                        key=lambda dv: (dv.holder, -self._afford_s(dv, now_s), dv.idx))
         for dv in order:
-            if not remaining and dv.holder:
-                break
+            if not remaining and dv.holder and not self._own_work(dv):
+                continue
             remaining = self._maybe_switch(now_s, dv, devs, remaining, out)
         return out
 
@@ -404,9 +447,10 @@ class RoleScheduler:
             if not blocked:
                 for dv in open_:
                     need = self._fits_kv(dv, w)
-                    if need < 0 or self.prefill_s(dv.q + w.prompt_tokens) > self._limit_s(dv, w) + EPS:
+                    new = w.new_tokens(dv.st.device_id)
+                    if need < 0 or self.prefill_s(dv.q + new) > self._limit_s(dv, w) + EPS:
                         continue
-                    key = (dv.t0 + self.prefill_s(dv.q + w.prompt_tokens), dv.idx, dv, need)
+                    key = (self._placement_cost_s(dv, w, new), dv.idx, dv, need)
                     if best is None or key[:2] < best[:2]:
                         best = key
             if best is None:
@@ -415,7 +459,7 @@ class RoleScheduler:
                 continue
             _, _, dv, need = best
             out.append(Place(w.request_id, dv.st.device_id, need))
-            dv.q += w.prompt_tokens
+            dv.q += w.new_tokens(dv.st.device_id)
             dv.qn += 1
             dv.kv -= need
             dv.slots -= w.seqs
@@ -429,9 +473,33 @@ class RoleScheduler:
                 open_.remove(dv)
         return left
 
+    def _placement_cost_s(self, dv: _Dev, w: WaitingPrompt, new_tokens: int) -> float:
+        """Seconds a placement of ``w`` on the device costs (lower is better; see *Cache-aware
+        placement* in the module docstring): its prefill end, counting only the tokens the device's
+        prefix cache lacks, plus ``DECODE_LOAD_WEIGHT`` times its expected decode time there."""
+        finish = dv.t0 + self.prefill_s(dv.q + new_tokens)
+        if DECODE_LOAD_WEIGHT == 0:
+            return finish
+        n = dv.res.n + dv.qn + w.seqs
+        d = self.cost.decode_step_s(n, dv.res.ctx + dv.q + w.prompt_tokens + n)
+        return finish + DECODE_LOAD_WEIGHT * max(1, w.expected_output_tokens // max(1, w.seqs)) * d
+
     def _closed(self, dv: _Dev) -> bool:
-        """No prompt can be added: no free block, or one more token would overrun the window."""
-        return dv.kv <= 0 or dv.slots <= 0 or self.prefill_s(dv.q + 1) > self._limit_s(dv) + EPS
+        """No prompt can be added: no free block, its queue is blocked, or one more token would
+        overrun the window."""
+        return (dv.kv <= 0 or dv.slots <= 0 or self._blocked(dv)
+                or self.prefill_s(dv.q + 1) > self._limit_s(dv) + EPS)
+
+    @staticmethod
+    def _blocked(dv: _Dev) -> bool:
+        """Work is queued on the device that no PREFILL step can run until residents free KV."""
+        return dv.st.prefill_queue_tokens > 0 and not dv.st.prefill_runnable
+
+    @staticmethod
+    def _own_work(dv: _Dev) -> bool:
+        """A DECODE device holds queued prompt work a PREFILL step could run now (sequences it
+        preempted for KV, to recompute; or a recompute after a lost hand-off)."""
+        return dv.st.prefill_queue_tokens > 0 and dv.st.prefill_runnable
 
     def _forced_cap_s(self, st: DeviceState, now_s: float, t0: float) -> float:
         """Longest forced window (s) from ``t0``; -inf when none may open now.
@@ -468,7 +536,11 @@ class RoleScheduler:
             return remaining
         fitting: list[WaitingPrompt] = []
         kv, slots = dv.kv, dv.slots
-        tokens = 0
+        own = self._own_work(dv)  # its own queue goes first; its KV is already its own
+        tokens = dv.q if own else 0
+        own_urgent = own and (now_s - (st.prefill_queue_oldest_s if st.prefill_queue_oldest_s is not None else now_s)
+                              + self.pause_s + self.prefill_s(dv.q)
+                              >= self.config.ttft_urgency * self.config.ttft_slo_ms / 1e3)
         for w in remaining:
             if kv <= 0 or slots <= 0 or self.prefill_s(tokens) > self.wmax:
                 break  # enough to size the window
@@ -477,23 +549,24 @@ class RoleScheduler:
                 fitting.append(w)
                 kv -= need
                 slots -= w.seqs
-                tokens += w.prompt_tokens
+                tokens += w.new_tokens(st.device_id)
             elif not fitting and self.urgent(w, now_s):
                 break  # keep FIFO behind an urgent prompt this device cannot hold
         forced_until = -INF
         if not dv.holder:
             reason, window = ("idle" if fitting else "park"), self.wmax
-        elif not fitting:
+        elif not fitting and not own:
             return remaining
         else:
             afford = self.window_left_s(st, t0, t0)
             need_s = self.prefill_s(tokens)
-            first_s = min(self.prefill_s(w.prompt_tokens) for w in fitting)
+            first_s = min([self.prefill_s(w.prompt_tokens) for w in fitting] + ([self.prefill_s(dv.q)] if own else []))
+            head_tokens = dv.q if own else fitting[0].prompt_tokens
+            head_urgent = own_urgent if own else self.urgent(fitting[0], now_s)
             if not staggered and afford + EPS >= max(self.wmin, min(need_s, self.wmax), first_s):
-                reason, window = "queue", min(afford, self.wmax)
-            elif self.urgent(fitting[0], now_s) and (
-                    (cap := self._forced_cap_s(st, now_s, t0)) >= self.prefill_s(fitting[0].prompt_tokens)):
-                urgent_tokens = 0
+                reason, window = ("queue" if fitting else "recompute"), min(afford, self.wmax)
+            elif head_urgent and ((cap := self._forced_cap_s(st, now_s, t0)) >= self.prefill_s(head_tokens)):
+                urgent_tokens = dv.q if own else 0
                 for w in fitting:
                     if not self.urgent(w, now_s):
                         break

@@ -49,13 +49,20 @@ class Sequence:
 
     ``token_ids`` holds prompt then output tokens; ``num_computed`` counts leading tokens whose K/V are
     in the cache; ``block_ids`` is the block table in logical order. After a preemption the sequence
-    is recomputed from scratch: ``num_computed`` returns to 0 and its output so far is prefilled too.
+    is recomputed from scratch: ``num_computed`` returns to 0 and its output so far is prefilled too
+    (less whatever the device's prefix cache still holds).
+
+    Prefix cache: ``block_keys`` memoizes the cache keys of the leading full blocks of ``token_ids``
+    (they never change, since tokens are only appended); ``num_registered`` counts the leading blocks of
+    ``block_ids`` already offered to the device's cache; ``num_cached_tokens`` is the number of prompt
+    tokens found in the cache when the sequence was first admitted (``None`` before), which the API
+    reports as ``usage.prompt_tokens_details.cached_tokens``.
     """
 
     __slots__ = (
         "seq_id", "request_id", "index", "arrival_s", "token_ids", "prompt_len", "params",
         "max_len", "num_computed", "block_ids", "status", "num_preemptions", "device_id",
-        "last_token_s", "first_token_s",
+        "last_token_s", "first_token_s", "block_keys", "num_registered", "num_cached_tokens",
     )
 
     def __init__(self, seq_id: str, request_id: str, index: int, arrival_s: float,
@@ -75,6 +82,9 @@ class Sequence:
         self.device_id: str | None = None
         self.last_token_s: float | None = None
         self.first_token_s: float | None = None
+        self.block_keys: list[bytes] = []
+        self.num_registered = 0
+        self.num_cached_tokens: int | None = None
 
     @property
     def num_output(self) -> int:

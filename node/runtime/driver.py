@@ -20,6 +20,7 @@ log = structlog.get_logger("shiftnode.driver")
 TICK_S = 0.005  # re-decide at least this often while prompts wait or sequences are resident
 SAMPLES = 256  # most recent samples kept
 DEFAULT_EXPECTED_OUTPUT = 128  # tokens, until enough requests have finished to estimate it
+CACHE_LOOKUPS = 64  # pending prompts (oldest first) whose cached prefix is looked up per decision round
 
 
 class Driver:
@@ -66,6 +67,21 @@ class Driver:
         ``max_tokens`` (the request's own bound), or a default until 8 have been seen."""
         est = DEFAULT_EXPECTED_OUTPUT if len(self._outputs) < 8 else int(sum(self._outputs) / len(self._outputs)) + 1
         return min(req.params.max_tokens, est)
+
+    def cached_tokens(self, req: RequestState, position: int, device_ids: list[str]) -> dict[str, int]:
+        """Prompt tokens (all choices) each device's prefix cache holds for pending ``req`` (the
+        ``position``-th pending): what placement may count as not to compute there. Only the oldest
+        ``CACHE_LOOKUPS`` pending prompts are looked up, since placement is FIFO and each lookup walks
+        the prompt's blocks; the key memo lives on the sequence, so a prompt is hashed once."""
+        if position >= CACHE_LOOKUPS or not req.seqs:
+            return {}
+        out = {}
+        for d in device_ids:
+            b = self.node.engine(d).batcher
+            hit = len(b.cached_prefix(req.seqs[0])) * b.ledger.block_size
+            if hit:
+                out[d] = hit * len(req.seqs)
+        return out
 
     def reserved_on(self, device_id: str) -> int:
         """Blocks promised on a device to its requests and not yet allocated there."""

@@ -16,7 +16,7 @@ from typing import Callable
 
 import structlog
 
-from node.core.batcher import Batcher, StepKind, StepPlan
+from node.core.batcher import Batcher, ScheduledSeq, StepKind, StepPlan
 from node.core.roles import Role
 from node.core.sequence import Sequence, SeqStatus
 from node.runtime.request import RequestState
@@ -101,13 +101,17 @@ class DeviceEngine:
         self.last_step_s = 0.0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._current_plan: StepPlan | None = None  # the step being run or post-processed
+        self.errors: dict[str, int] = {}  # contained failures by stage (step | listener | reconfigure | postprocess)
+        self.failure: str | None = None  # why the device is down (its step loop ended), else None
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"engine-{self.device_id}")
+        self._task.add_done_callback(self._on_loop_done)
 
     async def stop(self) -> None:
-        if self._task:
+        if self._task and not self._task.done():  # a loop that already ended was reported by _on_loop_done
             self._task.cancel()
             with suppress(asyncio.CancelledError):
                 await self._task
@@ -206,6 +210,9 @@ class DeviceEngine:
         source blocks freed and the sequence adopted by the destination with its position counter
         (``num_computed``) unchanged. On any failure the destination blocks are freed and the
         sequence goes back to the source untouched.
+
+        Prefix cache: the destination reuses its own cached blocks of the sequence's longest cached
+        prefix of full, computed blocks (:meth:`reserve_for`) and receives only the blocks after it.
         """
         loop = asyncio.get_running_loop()
         while self._migrations:
@@ -213,7 +220,7 @@ class DeviceEngine:
             entry = self._by_seq.get(seq.seq_id)
             blocks = None
             if entry is not None and seq in self.batcher.running and seq.is_decoding:
-                blocks = dst.batcher.ledger.allocate(len(seq.block_ids))
+                blocks, reused = dst.reserve_for(seq.token_ids, seq.num_computed, len(seq.block_ids), seq.block_keys)
             if blocks is None:
                 fut.set_result(None)
                 continue
@@ -222,8 +229,8 @@ class DeviceEngine:
             src_blocks = self.batcher.release(seq)
             try:
                 report = await loop.run_in_executor(self._executor, partial(
-                    copy_sequence_blocks, self.runner.kv_cache, src_blocks, dst.runner.kv_cache, blocks,
-                    link_gbps=self.link_gbps))
+                    copy_sequence_blocks, self.runner.kv_cache, src_blocks[reused:], dst.runner.kv_cache,
+                    blocks[reused:], link_gbps=self.link_gbps))
             except Exception as e:  # noqa: BLE001 - a failed copy leaves the sequence where it was
                 log.warning("migration_failed", seq=seq.seq_id, src=self.device_id, dst=dst.device_id, error=str(e))
                 dst.batcher.ledger.free(blocks)
@@ -244,10 +251,28 @@ class DeviceEngine:
             seq.block_ids = blocks
             dst.adopt(req, index, seq)
             record = MigrationRecord(seq.seq_id, self.device_id, dst.device_id, start, self.clock(),
-                                     report.nbytes, len(blocks), reason)
-            for listener in self.migration_listeners:
-                listener(self, dst, seq, record)
+                                     report.nbytes, len(blocks), reason)  # nbytes: only the blocks not reused
+            self._notify(self.migration_listeners, dst, seq, record)
             fut.set_result(record)
+
+    def cached_blocks_of(self, token_ids: list[int], num_computed: int, memo: list[bytes] | None = None) -> list[int]:
+        """This device's cached blocks of the longest cached prefix of full blocks within the first
+        ``num_computed`` tokens of a sequence arriving from elsewhere (changes nothing)."""
+        return self.batcher.ledger.match(token_ids, num_computed, memo)
+
+    def reserve_for(self, token_ids: list[int], num_computed: int, num_blocks: int,
+                    memo: list[bytes] | None = None) -> tuple[list[int] | None, int]:
+        """Blocks here for a sequence of ``num_blocks`` blocks arriving from elsewhere: this device's
+        cached blocks of its longest cached prefix (:meth:`cached_blocks_of`; referenced now, so never
+        evicted, and never written by the copy, since their tokens lie before ``num_computed``), then
+        new ones. Returns ``(blocks, reused)`` — the first ``reused`` are the cached ones, which need
+        not be received — or ``(None, 0)`` when they do not fit."""
+        led = self.batcher.ledger
+        hits = self.cached_blocks_of(token_ids, num_computed, memo)[:num_blocks]
+        new = led.take(hits, num_blocks - len(hits))
+        if new is None:
+            return None, 0
+        return hits + new, len(hits)
 
     def adopt(self, req: RequestState, index: int, seq: Sequence) -> None:
         """Take over a decoding sequence whose KV was just copied into this device's blocks."""
@@ -277,38 +302,97 @@ class DeviceEngine:
 
     # --- the loop --------------------------------------------------------------------------------
     async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
+        """Run steps until cancelled. A failure anywhere in one iteration is contained
+        (:meth:`_contain`): the requests it touched fail with a clear error and the device goes on."""
         while True:
-            self._apply_aborts()
-            self._apply_detaches()
-            if self._migrations:
-                await self._apply_migrations()
-                continue
-            kind = StepKind.MIXED if self.role is None else self.role.step_kind
-            plan = self.batcher.schedule(kind) if kind is not None and self.batcher.has_work(kind) else None
-            if not plan:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            t0 = self.step_started_s = self.clock()
-            self._idle.clear()
             try:
-                outs = await loop.run_in_executor(self._executor, self.runner.execute, build_step_input(plan))
-            except Exception as e:  # a failed step fails its requests, never the node
-                log.exception("step_failed", device=self.device_id, error=str(e))
-                for req in {id(it.seq): self._by_seq[it.seq.seq_id][0] for it in plan.items}.values():
-                    req.fail(f"internal error while running the model: {e}")
-                    self._finish_request(req)
-                continue
-            finally:
-                self.step_started_s = None
-                self._idle.set()
-            self.batcher.commit(plan)
-            self.steps += 1
-            self._postprocess(plan, outs)
-            self.last_step_s = self.clock() - t0
-            for listener in self.step_listeners:
-                listener(self, plan, self.last_step_s)
+                await self._iteration()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the device must outlive any one bug
+                self._contain("step", e, self._current_plan)
+                await asyncio.sleep(0)  # let aborts and the driver run before the next try
+
+    async def _iteration(self) -> None:
+        """One pass: apply membership changes, then run one step of the current role (or wait)."""
+        self._current_plan = None
+        self._apply_aborts()
+        self._apply_detaches()
+        if self._migrations:
+            await self._apply_migrations()
+            return
+        kind = StepKind.MIXED if self.role is None else self.role.step_kind
+        plan = self.batcher.schedule(kind) if kind is not None and self.batcher.has_work(kind) else None
+        if not plan:
+            self._wake.clear()
+            await self._wake.wait()
+            return
+        self._current_plan = plan
+        t0 = self.step_started_s = self.clock()
+        self._idle.clear()
+        try:
+            outs = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self.runner.execute, build_step_input(plan))
+        except Exception:
+            self.batcher.discard(plan)  # blocks it was to fill must not be found in the prefix cache
+            raise
+        finally:
+            self.step_started_s = None
+            self._idle.set()
+        self.batcher.commit(plan)
+        self.steps += 1
+        self._postprocess(plan, outs)
+        self.last_step_s = self.clock() - t0
+        self._notify(self.step_listeners, plan, self.last_step_s)
+        self._current_plan = None
+
+    def _contain(self, stage: str, error: BaseException, plan: StepPlan | None) -> None:
+        """Fail the requests ``plan`` touched (all of this device's when unknown: their state may be
+        inconsistent), log and count the error; the device keeps serving the others."""
+        self.errors[stage] = self.errors.get(stage, 0) + 1
+        log.error("engine_error", device=self.device_id, stage=stage, error=f"{type(error).__name__}: {error}",
+                  exc_info=error)
+        if plan is not None and plan.items:
+            reqs = {self._by_seq[it.seq.seq_id][0].request_id: self._by_seq[it.seq.seq_id][0]
+                    for it in plan.items if it.seq.seq_id in self._by_seq}
+        else:
+            reqs = dict(self.requests)
+        for req in reqs.values():
+            req.fail(f"internal error on {self.device_id} ({stage}): {type(error).__name__}: {error}")
+            try:
+                self._finish_request(req)
+            except Exception as e:  # noqa: BLE001 - bookkeeping already broken: drop the request's entries
+                log.error("engine_cleanup_failed", device=self.device_id, request=req.request_id, error=str(e))
+                for seq in req.seqs:
+                    self._by_seq.pop(seq.seq_id, None)
+                    with suppress(ValueError):
+                        self.batcher.running.remove(seq)
+                    with suppress(ValueError):
+                        self.batcher.waiting.remove(seq)
+                self.requests.pop(req.request_id, None)
+        self._current_plan = None
+
+    def _notify(self, listeners: list[Callable], *args) -> None:
+        """Call each listener; one that raises is logged and counted, and the others still run."""
+        for listener in listeners:
+            try:
+                listener(self, *args)
+            except Exception as e:  # noqa: BLE001 - an observer's bug must not stop the device
+                self.errors["listener"] = self.errors.get("listener", 0) + 1
+                log.error("engine_listener_failed", device=self.device_id, listener=getattr(listener, "__qualname__", repr(listener)),
+                          error=f"{type(e).__name__}: {e}", exc_info=e)
+
+    def _on_loop_done(self, task: asyncio.Task) -> None:
+        """The step loop ended other than by cancellation (it should not): the device is down. Its
+        requests fail and ``failure`` says why (``/health`` reports it)."""
+        if task.cancelled():
+            return
+        error = task.exception()
+        self.failure = f"step loop ended: {type(error).__name__}: {error}" if error else "step loop ended"
+        log.error("engine_down", device=self.device_id, reason=self.failure)
+        for req in list(self.requests.values()):
+            req.fail(f"device {self.device_id} is down: {self.failure}", status=503, code="engine_down",
+                     retry_after_s=1.0)
 
     async def switch_role(self, to_role: Role, reason: str) -> SwitchRecord:
         """Drain the step in flight, reconfigure for ``to_role`` and pay the pause; then take the role."""
@@ -317,7 +401,11 @@ class DeviceEngine:
         prev = self.role.begin(to_role, start)
         await self._idle.wait()
         drained = self.clock()
-        await asyncio.get_running_loop().run_in_executor(self._executor, self.reconfigure, to_role)
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.reconfigure, to_role)
+        except Exception as e:  # noqa: BLE001 - the role still changes (steps of it run eagerly)
+            self.errors["reconfigure"] = self.errors.get("reconfigure", 0) + 1
+            log.error("reconfigure_failed", device=self.device_id, to_role=to_role.value, error=str(e), exc_info=e)
         swap_s = self.clock() - drained
         deadline = self.clock() + self.role.pause_floor_s
         while (left := deadline - self.clock()) > 0:  # event-loop timers may fire a little early
@@ -327,8 +415,7 @@ class DeviceEngine:
                               round(swap_s * 1e3, 3), round((swap_s + self.role.pause_floor_s) * 1e3, 3), reason)
         self.role.finish(record)
         log.info("role_switch", **record.as_dict())
-        for listener in self.switch_listeners:
-            listener(self, record)
+        self._notify(self.switch_listeners, record)
         self.wake()
         return record
 
@@ -342,24 +429,32 @@ class DeviceEngine:
     def _postprocess(self, plan: StepPlan, outs: dict[str, SeqOutput]) -> None:
         now = self.clock()
         for it in plan.items:
-            seq = it.seq
-            entry = self._by_seq.get(seq.seq_id)
-            if entry is None:
-                continue
-            req, i = entry
-            out = outs[seq.seq_id]
-            if out.prompt_logprobs:  # rows start.. predict prompt tokens start+1..; idempotent on recompute
-                start = seq.num_computed - it.num_tokens
-                req.prompt_logprobs[start : start + len(out.prompt_logprobs)] = out.prompt_logprobs
-            if out.token_id is None:
-                continue
-            seq.token_ids.append(out.token_id)
-            seq.last_token_s = now
-            if seq.first_token_s is None:
-                seq.first_token_s = now
-            delta = req.outputs[i].on_token(out.token_id, out.logprobs)
-            if delta.finish_reason is not None:
-                self._finish_seq(seq)
-            req.emit(delta)
-            if req.done:
-                self.requests.pop(req.request_id, None)
+            try:
+                self._postprocess_one(it, outs, now)
+            except Exception as e:  # noqa: BLE001 - one sequence's failure (detokenizer, stop logic) is its own
+                self._contain("postprocess", e, StepPlan(plan.kind, [it]))
+
+    def _postprocess_one(self, it: ScheduledSeq, outs: dict[str, SeqOutput], now: float) -> None:
+        """Append one scheduled sequence's sampled token and emit its delta."""
+        seq = it.seq
+        entry = self._by_seq.get(seq.seq_id)
+        if entry is None:
+            return
+        req, i = entry
+        out = outs[seq.seq_id]
+        if out.prompt_logprobs:  # rows start.. predict prompt tokens start+1..; idempotent on recompute
+            start = seq.num_computed - it.num_tokens
+            req.prompt_logprobs[start : start + len(out.prompt_logprobs)] = out.prompt_logprobs
+        if out.token_id is None:
+            return
+        seq.token_ids.append(out.token_id)
+        seq.last_token_s = now
+        if seq.first_token_s is None:
+            seq.first_token_s = now
+        delta = req.outputs[i].on_token(out.token_id, out.logprobs)
+        if seq.num_output == 1:
+            delta.cached_tokens = seq.num_cached_tokens or 0
+        if delta.finish_reason is not None:
+            self._finish_seq(seq)
+        req.emit(delta)  # the request leaves ``requests`` with its last sequence (_finish_seq), not when
+        # it is done: one that failed elsewhere (a timeout) still holds blocks until its abort applies

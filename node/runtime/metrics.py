@@ -7,10 +7,13 @@ never lag behind an abort.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from node.runtime.peer_state import READY, REFUSED, UNREACHABLE
 
 if TYPE_CHECKING:
     from node.runtime.node import Node
@@ -24,7 +27,13 @@ class NodeMetrics:
     def __init__(self, node: "Node"):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("shiftnode_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
+        # One per request (a prompt with its n choices), labelled by its worst choice (REQUEST_OUTCOME_ORDER);
+        # choices have their own counter, so n > 1 does not inflate the request count.
+        self.requests = Counter("shiftnode_requests", "Finished requests (one per prompt, whatever n) by the "
+                                "finish reason of their worst choice: error > abort > length > stop",
+                                ["finish_reason"], registry=r)
+        self.choices = Counter("shiftnode_request_choices", "Finished choices (n per request) by finish reason",
+                               ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("shiftnode_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("shiftnode_generation_tokens", "Generated tokens", registry=r)
         self.ttft = Histogram("shiftnode_time_to_first_token_seconds", "TTFT", buckets=LATENCY_BUCKETS_S, registry=r)
@@ -47,11 +56,30 @@ class NodeMetrics:
         self.kv_handoff_failures = Counter("shiftnode_kv_handoff_failures", "KV hand-offs to peers that failed "
                                            "(each counted against --max-retries)", registry=r)
         self.kv_received = Counter("shiftnode_kv_received_sequences", "Sequences adopted from peer nodes", registry=r)
+        self.peer_refusals = Counter("shiftnode_peer_refusals", "Peer handshakes refused, by reason (auth, version, "
+                                     "layout, config, weights, tokenizer, fingerprint) and direction (outbound: "
+                                     "to a peer of ours; inbound: to our KV port)", ["reason", "direction"], registry=r)
+        self.kv_recomputes = Counter("shiftnode_kv_recomputes", "Sequences recomputed here after their KV was lost "
+                                     "on a peer (relay broken after the commit)", registry=r)
+        self.kv_timeouts = Counter("shiftnode_kv_timeouts", "KV transfer waits that timed out, by stage (connect, "
+                                   "handshake, accept, stall, commit, relay, status, idle) and side", ["stage", "side"],
+                                   registry=r)
+        self.request_timeouts = Counter("shiftnode_request_timeouts", "Requests ended by --request-timeout-s "
+                                        "(their KV freed)", registry=r)
         self.rejected = Counter("shiftnode_rejected_requests", "Requests refused for overload (503)", registry=r)
         r.register(_StateCollector(node))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+REQUEST_OUTCOME_ORDER = ("error", "abort", "length", "stop")  # the first present labels a request
+
+
+def request_outcome(reasons: list[str]) -> str:
+    """A request's finish reason from its choices' (``["stop", "length"]`` → ``"length"``): the first of
+    :data:`REQUEST_OUTCOME_ORDER` present, else the first choice's (a reason outside the list)."""
+    return next((r for r in REQUEST_OUTCOME_ORDER if r in reasons), reasons[0] if reasons else "abort")
 
 
 class _StateCollector:
@@ -63,14 +91,66 @@ class _StateCollector:
         queue = GaugeMetricFamily("shiftnode_queue_depth", "Requests waiting for a device")
         queue.add_metric([], n.num_waiting)
         yield queue
-        used = GaugeMetricFamily("shiftnode_kv_blocks_used", "KV blocks held by live sequences", labels=["device"])
+        used = GaugeMetricFamily("shiftnode_kv_blocks_used", "KV blocks held by live sequences and transfers "
+                                 "(cached, reclaimable blocks apart)", labels=["device"])
+        cached = GaugeMetricFamily("shiftnode_kv_blocks_cached", "KV blocks findable in the prefix cache",
+                                   labels=["device"])
+        reclaimable = GaugeMetricFamily("shiftnode_kv_blocks_reclaimable", "Cached KV blocks no live sequence holds "
+                                        "(free for allocation)", labels=["device"])
+        queries = CounterMetricFamily("shiftnode_prefix_cache_queries", "Tokens of admitted sequences looked up in "
+                                      "the prefix cache", labels=["device"], unit="tokens")
+        hits = CounterMetricFamily("shiftnode_prefix_cache_hits", "Of those, tokens found cached (not computed)",
+                                   labels=["device"], unit="tokens")
         total = GaugeMetricFamily("shiftnode_kv_blocks_total", "KV blocks of the device's pool", labels=["device"])
         usage = GaugeMetricFamily("shiftnode_kv_usage_ratio", "Share of KV blocks in use", labels=["device"])
         running = GaugeMetricFamily("shiftnode_running_sequences", "Resident sequences", labels=["device"])
+        yield from _peer_gauges(n)
+        oldest = GaugeMetricFamily("shiftnode_oldest_request_age_seconds", "Age of the oldest admitted request "
+                                   "not yet finished (0 with none): a stuck request shows here")
+        oldest.add_metric([], n.oldest_request_age_s(time.monotonic()))
+        live = GaugeMetricFamily("shiftnode_live_requests", "Admitted requests not yet finished")
+        live.add_metric([], len(n.live))
+        errors = CounterMetricFamily("shiftnode_engine_errors", "Failures contained in a device's step loop, by "
+                                     "stage (step, postprocess, listener, reconfigure): the requests they touched "
+                                     "failed, the device went on", labels=["device", "stage"])
+        down = GaugeMetricFamily("shiftnode_engine_down", "1 when the device's step loop has ended (it serves "
+                                 "nothing; see /health)", labels=["device"])
+        preempt = CounterMetricFamily("shiftnode_preemptions", "Sequences preempted for KV (recomputed later)",
+                                      labels=["device"])
+        for e in n.engines:
+            for stage, count in e.errors.items():
+                errors.add_metric([e.device_id, stage], count)
+            down.add_metric([e.device_id], 1.0 if e.failure else 0.0)
+            preempt.add_metric([e.device_id], e.batcher.num_preemptions)
+        yield from (oldest, live, errors, down, preempt)
         for e in n.engines:
             led = e.batcher.ledger
             used.add_metric([e.device_id], led.num_used)
             total.add_metric([e.device_id], led.num_blocks)
             usage.add_metric([e.device_id], led.num_used / led.num_blocks)
             running.add_metric([e.device_id], len(e.batcher.running))
-        yield from (used, total, usage, running)
+            cached.add_metric([e.device_id], led.num_cached)
+            reclaimable.add_metric([e.device_id], led.num_reclaimable)
+            queries.add_metric([e.device_id], e.batcher.prefix_query_tokens)
+            hits.add_metric([e.device_id], e.batcher.prefix_hit_tokens)
+        yield from (used, total, usage, running, cached, reclaimable, queries, hits)
+
+
+def _peer_gauges(n: "Node") -> Iterable[GaugeMetricFamily]:
+    """Peers by state, and requests waiting for remote KV by stage: ``unsent`` (prefilled here,
+    waiting for a peer to take them), ``sending`` (a hand-off under way), ``receiving`` (a peer's
+    transfer into this node)."""
+    if n.peers is not None:
+        peers = GaugeMetricFamily("shiftnode_peers", "Peer nodes by state", labels=["state"])
+        now = time.monotonic()
+        states = [p.state(now, n.peers.stale_s)[0] for p in list(n.peers.peers.values())]
+        for s in (READY, UNREACHABLE, REFUSED):
+            peers.add_metric([s], states.count(s))
+        yield peers
+    waiting = GaugeMetricFamily("shiftnode_remote_kv_waiting_requests", "Sequences waiting for KV to or from a "
+                                "peer node, by stage", labels=["stage"])
+    unsent = getattr(n.driver, "unsent_to_peers", None)
+    waiting.add_metric(["unsent"], unsent() if unsent is not None else 0)
+    waiting.add_metric(["sending"], len(n.peers.sending) if n.peers is not None else 0)
+    waiting.add_metric(["receiving"], len(n.receiver.incoming) if n.receiver is not None else 0)
+    yield waiting

@@ -30,9 +30,11 @@ from node.runtime.peers import KVReceiver, PeerLinks
 from node.runtime.pooled_driver import PooledDriver
 from node.runtime.role_driver import RoleDriver
 from node.runtime.switching import DeviceRole
-from node.runtime.metrics import NodeMetrics
+from node.runtime.metrics import NodeMetrics, request_outcome
 from node.runtime.output import SeqDelta
 from node.runtime.request import RequestState
+from node.transport.fingerprint import node_fingerprint
+from node.transport.protocol import Fingerprint
 from node.worker.loader import LoadedModel, StartupError, build_runner, load_model_info
 
 log = structlog.get_logger("shiftnode.node")
@@ -51,16 +53,15 @@ class NodeDraining(QueueFullError):
 
 
 def select_ops(backend: str, device_type: str) -> object:
-    """The operator set for the model: Triton kernels on CUDA (``auto``), torch references otherwise."""
+    """The operator set for the model: under ``auto`` Triton kernels on CUDA, the CPU serving path
+    (``kernels.cpu_ops``) elsewhere (:func:`kernels.ops.resolve_backend`)."""
     try:
-        from kernels.ops import get_ops
+        from kernels.ops import get_ops, resolve_backend
     except ImportError:  # kernels.ops not present: references only
         import kernels.reference as ref
 
         return ref
-    if backend == "auto":
-        backend = "triton" if device_type == "cuda" else "torch"
-    return get_ops(backend)
+    return get_ops(resolve_backend(backend, device_type))
 
 
 class Node:
@@ -69,7 +70,8 @@ class Node:
     Use ``await Node.create(config)`` (loads weights in threads), then ``start()``; ``close()`` stops.
     """
 
-    def __init__(self, config: NodeConfig, info: LoadedModel, engines: list[DeviceEngine]):
+    def __init__(self, config: NodeConfig, info: LoadedModel, engines: list[DeviceEngine],
+                 fingerprint: Fingerprint | None = None):
         self.config = config
         self.info = info
         self.tokenizer = info.tokenizer
@@ -83,13 +85,18 @@ class Node:
         self.driver: RoleDriver | PooledDriver | None = None
         self.migrations: deque[MigrationRecord] = deque(maxlen=1000)
         self.draining = False
+        self.live: dict[str, RequestState] = {}  # request id → state, from admission until its last delta
+        self.timed_out = 0  # requests ended by --request-timeout-s
         self.peers: PeerLinks | None = None
         self.receiver: KVReceiver | None = None
-        if config.peers or config.kv_port is not None:
+        self.fingerprint: Fingerprint | None = None
+        if self.networked(config):
             from node.transport.tensors import layout_of
 
-            layout = layout_of(engines[0].runner.kv_cache, config.model_name)
-            self.peers = PeerLinks(self, layout) if config.peers else None
+            self.fingerprint = fingerprint or node_fingerprint(config, info, engines[0].runner.model)
+            layout = layout_of(engines[0].runner.kv_cache, config.model_name, self.fingerprint)
+            # peers can be added at run time (POST /v1/node/peers) wherever they could be given at start
+            self.peers = PeerLinks(self, layout) if config.peers or config.mode != "colocated" else None
             self.receiver = KVReceiver(self, layout) if config.kv_port is not None else None
         if config.mode == "time-shared":
             policy = RoleSchedulerConfig(
@@ -115,7 +122,7 @@ class Node:
         for device_id in config.devices:
             ops = select_ops(config.attention_backend, device_id.partition(":")[0])
             runner = await loop.run_in_executor(None, build_runner, config, info, device_id, ops)
-            ledger = BlockLedger(runner.num_blocks, config.block_size)
+            ledger = BlockLedger(runner.num_blocks, config.block_size, prefix_caching=config.prefix_caching)
             batcher = Batcher(ledger, BatchConfig(
                 max_num_seqs=config.max_num_seqs,
                 max_batched_tokens=config.max_num_batched_tokens,
@@ -128,7 +135,18 @@ class Node:
             # Pooled decode devices get no role: they decode, and recompute a sequence that an
             # underestimated output forced them to preempt (vLLM's recompute), in mixed steps.
             engines.append(DeviceEngine(device_id, runner, batcher, time.monotonic, role))
-        return cls(config, info, engines)
+        fingerprint = None
+        if cls.networked(config):  # hashed once, off the event loop (see node.transport.fingerprint)
+            fingerprint = await loop.run_in_executor(None, node_fingerprint, config, info, engines[0].runner.model)
+            log.info("model_fingerprint", digest=fingerprint.digest, weights=fingerprint.weights[:16],
+                     tokenizer=fingerprint.tokenizer[:16], config=fingerprint.config[:16])
+        return cls(config, info, engines, fingerprint)
+
+    @staticmethod
+    def networked(config: NodeConfig) -> bool:
+        """Whether the node talks to peers: ``--peers``, ``--kv-port``, or a ``--peer-secret`` (peers
+        may then be added at run time)."""
+        return bool(config.peers) or config.kv_port is not None or bool(config.peer_secret and config.mode != "colocated")
 
     def start(self) -> None:
         for e in self.engines:
@@ -161,10 +179,10 @@ class Node:
         Raises:
             ValueError: the node has no peers or is not in time-shared mode.
         """
-        if self.peers is None or self.config.mode != "time-shared":
+        if self.peers is None or not self.peers.peers or self.config.mode != "time-shared":
             raise ValueError("drain needs time-shared mode and --peers to move the sequences to")
         if not self.draining:
-            log.info("node_draining", peers=self.config.peers)
+            log.info("node_draining", peers=[p.addr for p in self.peers.peers.values()])
         self.draining = True
         self.driver.kick()
         return sum(len(e.batcher.running) + len(e.batcher.waiting) for e in self.engines) + len(self.driver.pending)
@@ -213,6 +231,10 @@ class Node:
         req = RequestState(request_id, prompt_ids, params, n, self.tokenizer, self._eos_ids(),
                            self.max_model_len, time.monotonic())
         m.prompt_tokens.inc(len(prompt_ids))
+        self.live[request_id] = req
+        timer = None
+        if self.config.request_timeout_s is not None:
+            timer = asyncio.get_running_loop().call_later(self.config.request_timeout_s, self._expire, req)
         if self.driver:
             self.driver.submit(req)
         else:
@@ -243,14 +265,11 @@ class Node:
                 req.stats.output_tokens += len(delta.token_ids)
                 yield req, delta
         finally:
+            if timer is not None:
+                timer.cancel()
+            self.live.pop(request_id, None)
             if not req.done:
-                req.cancelled = True
-            if not req.done and not (self.driver and self.driver.withdraw(req)):
-                for device_id in dict.fromkeys(s.device_id for s in req.seqs if s.device_id):
-                    if device_id in self._by_id:
-                        self.engine(device_id).abort(request_id)
-                if self.peers:  # hand-offs in flight and relays from peers: the peers drop their copies
-                    self.peers.cancel(request_id)
+                self._cancel(req)
             reasons = [r or "abort" for r in reasons]
             if self.peers:
                 for seq in req.seqs:
@@ -261,7 +280,8 @@ class Node:
             end = time.monotonic()
             m.e2e.observe(end - s.arrival_s)
             for r in reasons:
-                m.requests.labels(finish_reason=r).inc()
+                m.choices.labels(finish_reason=r).inc()
+            m.requests.labels(finish_reason=request_outcome(reasons)).inc()
             with suppress(Exception):
                 log.info(
                     "request", request_id=request_id, device=req.seqs[0].device_id, prompt_tokens=s.prompt_tokens,
@@ -269,6 +289,36 @@ class Node:
                     ttft_ms=None if first_s[0] is None else round((first_s[0] - s.arrival_s) * 1e3, 2),
                     total_ms=round((end - s.arrival_s) * 1e3, 2),
                 )
+
+    def _cancel(self, req: RequestState) -> None:
+        """Stop all work for a request that will not be consumed further: withdraw it if unplaced,
+        else abort it on its devices (its blocks return to the ledgers at their next step boundary)
+        and tell the peers to drop their copies."""
+        req.cancelled = True
+        if self.driver and self.driver.withdraw(req):
+            return
+        for device_id in dict.fromkeys(s.device_id for s in req.seqs if s.device_id):
+            if device_id in self._by_id:
+                self.engine(device_id).abort(req.request_id)
+        if self.peers:  # hand-offs in flight and relays from peers: the peers drop their copies
+            self.peers.cancel(req.request_id)
+
+    def _expire(self, req: RequestState) -> None:
+        """``--request-timeout-s`` passed: free the request's work and end its unfinished choices with
+        an error (503 ``request_timeout`` for a non-streamed client, an error event in a stream)."""
+        if req.done:
+            return
+        self.timed_out += 1
+        self.metrics.request_timeouts.inc()
+        log.warning("request_timeout", request_id=req.request_id, timeout_s=self.config.request_timeout_s,
+                    output_tokens=req.stats.output_tokens)
+        self._cancel(req)
+        req.fail(f"request exceeded --request-timeout-s {self.config.request_timeout_s:g} s and was stopped",
+                 status=503, code="request_timeout", retry_after_s=1.0)
+
+    def oldest_request_age_s(self, now_s: float) -> float:
+        """Age (s) of the oldest request admitted and not yet finished; 0 with none."""
+        return max((now_s - r.stats.arrival_s for r in list(self.live.values())), default=0.0)
 
     def _eos_ids(self) -> list[int]:
         return self.tokenizer.eos_token_ids or list(self.info.cfg.eos_token_ids)
@@ -286,12 +336,20 @@ class Node:
                 "role": e.role.role.value if e.role else ("decode" if e.device_id in self.config.decode_devices else "mixed"),
                 "kv_blocks_total": e.batcher.ledger.num_blocks,
                 "kv_blocks_free": e.batcher.ledger.num_free,
-                "kv_blocks_used": e.batcher.ledger.num_used,
+                "kv_blocks_used": e.batcher.ledger.num_used,  # held by live requests (and transfers)
+                "kv_blocks_cached": e.batcher.ledger.num_cached,  # findable prefix blocks, held or not
+                "kv_blocks_reclaimable": e.batcher.ledger.num_reclaimable,  # cached, unheld: counted as free
+                "prefix_cache": {"enabled": e.batcher.ledger.prefix_caching,
+                                 "query_tokens": e.batcher.prefix_query_tokens,
+                                 "hit_tokens": e.batcher.prefix_hit_tokens,
+                                 "evictions": e.batcher.ledger.num_evictions},
                 "running": len(e.batcher.running),
                 "resident_decoding": e.batcher.num_decoding,
                 "waiting": len(e.batcher.waiting),
                 "steps": e.steps,
                 "preemptions": e.batcher.num_preemptions,
+                "errors": dict(e.errors),  # contained failures by stage; the device kept serving
+                "failure": e.failure,  # why the device is down, or null
             }
             if e.role is not None:
                 r = e.role
@@ -311,6 +369,10 @@ class Node:
             "slo": {"ttft_ms": self.config.ttft_slo_ms, "tpot_ms": self.config.tpot_slo_ms},
             "reconfig_pause_ms": self.config.reconfig_pause_ms,
             "queue_depth": self.num_waiting,
+            "request_timeout_s": self.config.request_timeout_s,
+            "live_requests": len(self.live),
+            "oldest_request_age_s": round(self.oldest_request_age_s(now), 4),
+            "requests_timed_out": self.timed_out,
             "draining": self.draining,
             "clock_s": round(now, 6),
             "devices": devices,
@@ -319,14 +381,18 @@ class Node:
         }
 
     def _network_status(self, now: float) -> dict:
-        out: dict = {"node_id": self.config.name, "kv_port": self.receiver.port if self.receiver else None}
+        """``network`` of ``GET /v1/node``: this node's fingerprint and transfer settings, each peer's
+        state (ready / unreachable / refused) and reason, and the inbound connections refused."""
+        cfg = self.config
+        out: dict = {"node_id": cfg.name, "kv_port": self.receiver.port if self.receiver else None,
+                     "fingerprint": msgspec.structs.asdict(self.fingerprint) if self.fingerprint else None,
+                     "config": {"kv_connect_timeout_s": cfg.kv_connect_timeout_s,
+                                "kv_transfer_timeout_s": cfg.kv_transfer_timeout_s, "peer_stale_s": cfg.peer_stale_s,
+                                "max_retries": cfg.max_retries, "link_gbps": cfg.link_gbps}}
         if self.receiver:
             out["received_sequences"] = self.receiver.relayed
+            out["receiving"] = len(self.receiver.incoming)
+            out["refused_inbound"] = self.receiver.refused.as_list(now)
         if self.peers:
-            healthy = {p.id for p in self.peers.healthy(now)}
-            out["peers"] = [{"addr": p.addr, "healthy": p.id in healthy, "sent": p.sent,
-                             "failures": p.failures,
-                             "kv_free_blocks": p.status.kv_free_blocks if p.status else None,
-                             "seq_slots_free": p.status.seq_slots_free if p.status else None}
-                            for p in self.peers.peers.values()]
+            out["peers"] = [p.as_dict(now, self.peers.stale_s) for p in list(self.peers.peers.values())]
         return out

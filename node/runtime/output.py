@@ -25,6 +25,11 @@ class SeqDelta:
     finish_reason: str | None = None
     error: str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # echo: logprobs of prompt tokens 1..L-1
+    cached_tokens: int | None = None  # on a choice's first token: prompt tokens found in the prefix cache
+    # With ``error``: how the API answers it (HTTP status, OpenAI error code, Retry-After seconds).
+    error_status: int = 500
+    error_code: str | None = "internal_error"
+    retry_after_s: float | None = None
 
 
 def _held_suffix(text: str, stops: tuple[str, ...]) -> int:

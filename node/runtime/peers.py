@@ -4,7 +4,7 @@
 A hand-off of one decoding sequence (the node that owns the client's HTTP stream is the *origin*):
 
 1. the origin's device detaches the sequence at a step boundary; its blocks stay pinned;
-2. a fresh connection to the peer (HMAC handshake, layout check) offers the sequence with
+2. a fresh connection to the peer (HMAC handshake, layout and fingerprint check) offers the sequence with
    ``relay=True``; the peer reserves blocks before the first byte or refuses;
 3. layers stream in order (gathered in the device's worker thread, CRC-checked on arrival, scattered
    into the reserved blocks in the peer's worker thread);
@@ -15,8 +15,11 @@ A hand-off of one decoding sequence (the node that owns the client's HTTP stream
 Failures: refused or failed before the commit → the sequence goes back to its device with its own
 blocks (nothing lost). The relay breaking after the commit (the peer or the link died) → the origin
 recomputes the prompt plus every token already streamed on a local device, counted against
-``--max-retries``; past it the choice ends with an error. The client leaving closes the connection,
-which makes the peer drop the sequence.
+``--max-retries``; past it the choice ends with an error (503 ``peer_unavailable``). A peer that
+can never take the sequence (e.g. a shorter context) ends it at once (503 ``peer_refused``, with the
+peer's reason). The client leaving closes the connection, which makes the peer drop the sequence.
+Every wait is bounded by ``--kv-connect-timeout-s`` / ``--kv-transfer-timeout-s``; timeouts are
+counted by stage in ``shiftnode_kv_timeouts_total``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ import asyncio
 import itertools
 import time
 from contextlib import suppress
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 import msgspec
@@ -34,11 +36,13 @@ import structlog
 from node.core.roles import Role, blocks_for
 from node.core.sequence import SamplingParams, Sequence, SeqStatus
 from node.runtime.engine import DeviceEngine, MigrationRecord
-from node.runtime.output import SeqDelta
+from node.config import RELAY_KEEPALIVE_S
 from node.runtime.request import RequestState
-from node.transport import (KVClient, KVServer, Layout, ReceiveReport, SeqState, TransferOffer, TransferRefused,
-                            TransportError)
-from node.transport.protocol import LayoutMismatch, RelayEnd, StatusReply, TokenRelay
+from node.runtime.peer_state import (READY, REFUSED, InboundRefusals, Peer, is_peer, peer_id,  # noqa: F401 - re-exported
+                                     split_addr)
+from node.transport import (KVClient, KVServer, Layout, PeerRefused, ReceiveReport, SeqState, TransferOffer,
+                            TransferRefused, TransportError, timeout_stage)
+from node.transport.protocol import RelayEnd, StatusReply, TokenRelay
 from node.worker.sampler import TokenLogprobs
 
 if TYPE_CHECKING:
@@ -46,20 +50,10 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("shiftnode.peers")
 
-PEER_PREFIX = "peer:"
 STATUS_POLL_S = 0.05  # how often each peer's capacity is asked for
-STATUS_STALE_S = 3.0  # a peer not heard from for this long is not placed on (a busy loop delays replies)
 RECONNECT_S = 0.5  # pause before reconnecting a peer's control connection
-RELAY_IDLE_TIMEOUT_S = 10.0  # relay silence (the peer sends keep-alives every 2 s) that counts as a failure
-
-
-def peer_id(addr: str) -> str:
-    """The placement id of a peer node (``peer:host:port``), used where a device id would be."""
-    return PEER_PREFIX + addr
-
-
-def is_peer(device_id: str | None) -> bool:
-    return bool(device_id) and device_id.startswith(PEER_PREFIX)
+REFUSED_RETRY_S = 2.0  # pause before asking a refused peer again (it may restart with the right model)
+RETRY_AFTER_S = 2.0  # Retry-After of a request failed for want of a usable peer
 
 
 def lp_to_wire(lp: TokenLogprobs | None) -> list | None:
@@ -79,30 +73,21 @@ def seq_state(req: RequestState, seq: Sequence, now: float) -> SeqState:
                     num_preemptions=seq.num_preemptions)
 
 
-@dataclass
-class Peer:
-    """A peer node as this node sees it: its last capacity report and when it came (monotonic s)."""
-
-    addr: str
-    host: str
-    port: int
-    status: StatusReply | None = None
-    status_s: float = 0.0
-    sent: int = 0
-    failures: int = 0
-    hold_until: float = 0.0  # no new hand-off before this (after a refusal or a failure)
-
-    @property
-    def id(self) -> str:
-        return peer_id(self.addr)
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
 class PeerLinks:
-    """The sending side: capacity polling of every ``--peers`` node and sequence hand-offs to them.
+    """The sending side: capacity polling of every peer node and sequence hand-offs to them.
+
+    Peers start as ``--peers`` and change at run time with :meth:`add` / :meth:`remove`
+    (``POST /v1/node/peers``). Each peer keeps a control connection that is re-opened after any
+    failure (resolving its hostname again, so a peer that restarts, on the same address or behind a
+    name that moved, is found again) and polled for capacity every ``STATUS_POLL_S``.
 
     Args:
         node: the origin node (its engines, driver, metrics and config).
-        layout: this node's KV layout; a peer with another layout is refused in the handshake.
+        layout: this node's KV layout and fingerprint; a peer with another is refused in the handshake.
     """
 
     def __init__(self, node: "Node", layout: Layout):
@@ -111,60 +96,132 @@ class PeerLinks:
         self.layout = layout
         self.secret = cfg.peer_secret or ""
         self.link_gbps = cfg.link_gbps
+        self.stale_s = cfg.peer_stale_s
         self.peers: dict[str, Peer] = {}
+        self._pollers: dict[str, asyncio.Task] = {}  # peer id → its poller
+        self._started = False
         for addr in cfg.peers:
-            host, _, port = addr.rpartition(":")
-            p = Peer(addr, host, int(port))
-            self.peers[p.id] = p
+            self.add(addr)
         self.tasks: dict[str, set[asyncio.Task]] = {}  # request id → its hand-off tasks
         self.retries: dict[str, int] = {}  # sequence id → recomputes after failed hand-offs
-        self._pollers: list[asyncio.Task] = []
+        self.sending: set[str] = set()  # sequence ids whose hand-off is not yet settled
         self._ids = itertools.count()
 
+    # --- the peer set ---------------------------------------------------------------------------
+    def add(self, addr: str) -> bool:
+        """Start using the peer at ``host:port``; False when it is already one. Raises ValueError."""
+        host, port = split_addr(addr)
+        addr = f"{host}:{port}"
+        if peer_id(addr) in self.peers:
+            return False
+        p = Peer(addr, host, port)
+        self.peers[p.id] = p
+        if self._started:
+            self._start_poller(p)
+        log.info("peer_added", peer=addr)
+        return True
+
+    def remove(self, addr: str) -> bool:
+        """Stop placing on the peer at ``host:port`` (hand-offs and relays under way go on to their
+        end); False when it is not one. Raises ValueError for a malformed address."""
+        host, port = split_addr(addr)
+        p = self.peers.pop(peer_id(f"{host}:{port}"), None)
+        if p is None:
+            return False
+        task = self._pollers.pop(p.id, None)
+        if task is not None:
+            task.cancel()
+        log.info("peer_removed", peer=p.addr)
+        self._kick()
+        return True
+
     def start(self) -> None:
-        self._pollers = [asyncio.get_running_loop().create_task(self._poll(p), name=f"peer-{p.addr}")
-                         for p in self.peers.values()]
+        self._started = True
+        for p in self.peers.values():
+            self._start_poller(p)
+
+    def _start_poller(self, p: Peer) -> None:
+        self._pollers[p.id] = asyncio.get_running_loop().create_task(self._poll(p), name=f"peer-{p.addr}")
 
     async def close(self) -> None:
-        tasks = self._pollers + [t for ts in self.tasks.values() for t in ts]
+        tasks = list(self._pollers.values()) + [t for ts in self.tasks.values() for t in ts]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def healthy(self, now: float) -> list[Peer]:
-        """Peers whose capacity report is fresh and who accept transfers (placement targets)."""
-        return [p for p in self.peers.values() if p.status is not None and p.status.accepting
-                and now - p.status_s < STATUS_STALE_S]
+        """Peers whose capacity report is fresh, who accept transfers and were not refused (placement targets)."""
+        return [p for p in self.peers.values() if p.state(now, self.stale_s)[0] == READY]
 
     def ready(self, now: float) -> list[Peer]:
         """Healthy peers not held back after a refusal or a failure (hand-off targets now)."""
         return [p for p in self.healthy(now) if now >= p.hold_until]
 
+    def unusable(self, now: float) -> tuple[str, str]:
+        """Why no peer can be used now: (``peer_refused`` when every peer was refused, else
+        ``peer_unavailable``; each peer's state and reason, for a client's error message)."""
+        states = [(p.addr, *p.state(now, self.stale_s)) for p in self.peers.values()]
+        if not states:
+            return "peer_unavailable", "no peers configured"
+        code = "peer_refused" if all(s == REFUSED for _, s, _ in states) else "peer_unavailable"
+        return code, "; ".join(f"{a} {s}" + (f" ({r})" if r else "") for a, s, r in states)
+
+    async def connect(self, peer: Peer, **kw) -> KVClient:
+        """A fresh, authenticated connection to ``peer`` with the configured timeouts."""
+        cfg = self.node.config
+        return await KVClient.connect(
+            peer.host, peer.port, self.secret, node_id=cfg.name, layout=self.layout,
+            connect_timeout_s=cfg.kv_connect_timeout_s, handshake_timeout_s=cfg.kv_connect_timeout_s,
+            accept_timeout_s=cfg.kv_transfer_timeout_s, stall_timeout_s=cfg.kv_transfer_timeout_s,
+            commit_timeout_s=cfg.kv_transfer_timeout_s, **kw)
+
+    def _refused(self, peer: Peer, e: PeerRefused) -> None:
+        """A handshake with ``peer`` was refused (by it or by us): counted, logged when new, shown."""
+        reason = str(e)
+        peer.refusals += 1
+        peer.status = None
+        self.node.metrics.peer_refusals.labels(reason=e.code, direction="outbound").inc()
+        if peer.refusal != (e.code, reason):
+            log.warning("peer_refused", peer=peer.addr, code=e.code, reason=reason)
+        peer.refusal = (e.code, reason)
+        self._kick()
+
+    def _timed_out(self, e: BaseException, side: str = "sender") -> None:
+        stage = timeout_stage(e)
+        if stage is not None:
+            self.node.metrics.kv_timeouts.labels(stage=stage, side=side).inc()
+
     async def _poll(self, peer: Peer) -> None:
         """Keep a control connection to ``peer`` and refresh its capacity every ``STATUS_POLL_S``."""
         while True:
             client = None
+            pause = RECONNECT_S
             try:
-                client = await KVClient.connect(peer.host, peer.port, self.secret, node_id=self.node.config.name,
-                                                layout=self.layout, heartbeat_interval_s=None)
-                log.info("peer_connected", peer=peer.addr, peer_node=client.peer_node_id)
+                client = await self.connect(peer, heartbeat_interval_s=None)
+                if peer.refusal is not None or peer.error is not None:
+                    log.info("peer_connected", peer=peer.addr, peer_node=client.peer_node_id)
+                peer.refusal, peer.error, peer.node_id = None, None, client.peer_node_id
                 while True:
-                    peer.status = await client.query_status()
+                    peer.status = await client.query_status(timeout_s=self.stale_s)
                     peer.status_s = time.monotonic()
                     self._kick()
                     await asyncio.sleep(STATUS_POLL_S)
             except asyncio.CancelledError:
                 raise
+            except PeerRefused as e:
+                self._refused(peer, e)
+                pause = REFUSED_RETRY_S
             except Exception as e:  # noqa: BLE001 - any failure (uvloop raises RuntimeError on a closed transport): reconnect
-                if peer.status is not None:
-                    log.warning("peer_unreachable", peer=peer.addr, error=f"{type(e).__name__}: {e}")
-                peer.status = None
+                self._timed_out(e)
+                if peer.error is None:
+                    log.warning("peer_unreachable", peer=peer.addr, error=_why(e))
+                peer.status, peer.refusal, peer.error = None, None, _why(e)
                 self._kick()
-                await asyncio.sleep(RECONNECT_S)
             finally:
                 if client is not None:
                     with suppress(Exception):
                         await client.close()
+            await asyncio.sleep(pause)
 
     def _kick(self) -> None:
         if self.node.driver is not None:
@@ -179,7 +236,14 @@ class PeerLinks:
         (the task then relays the tokens until the sequence ends), False when the sequence stayed here
         (back on ``engine``, or dropped). The task returns whether the peer committed.
         """
-        task = asyncio.get_running_loop().create_task(self._hand_off(engine, req, seq, peer, reason, settled))
+        self.sending.add(seq.seq_id)
+
+        def settle(committed: bool) -> None:
+            self.sending.discard(seq.seq_id)
+            if settled is not None:
+                settled(committed)
+
+        task = asyncio.get_running_loop().create_task(self._hand_off(engine, req, seq, peer, reason, settle))
         self.tasks.setdefault(req.request_id, set()).add(task)
         task.add_done_callback(lambda t, rid=req.request_id: self._forget(rid, t))
         return task
@@ -197,11 +261,7 @@ class PeerLinks:
             t.cancel()
 
     async def _hand_off(self, engine: DeviceEngine, req: RequestState, seq: Sequence, peer: Peer, reason: str,
-                        settled: Callable[[bool], None] | None) -> bool:
-        def settle(committed: bool) -> None:
-            if settled is not None:
-                settled(committed)
-
+                        settle: Callable[[bool], None]) -> bool:
         try:
             detached = await engine.detach(seq)
         except asyncio.CancelledError:
@@ -216,8 +276,7 @@ class PeerLinks:
         tid = f"{self.node.config.name}/{seq.seq_id}/{next(self._ids)}"
         client: KVClient | None = None
         try:
-            client = await KVClient.connect(peer.host, peer.port, self.secret, node_id=self.node.config.name,
-                                            layout=self.layout, link_gbps=self.link_gbps, heartbeat_interval_s=None)
+            client = await self.connect(peer, link_gbps=self.link_gbps, heartbeat_interval_s=None)
             kv = engine.runner.kv_cache
 
             def layer(i: int):
@@ -231,25 +290,8 @@ class PeerLinks:
             await _close(client)
             raise
         except Exception as e:  # noqa: BLE001 - whatever broke the transfer, the sequence must not be stranded
-            refused = isinstance(e, (TransferRefused, LayoutMismatch))  # nothing was reserved there
-            if not isinstance(e, (TransportError, OSError)):
-                log.exception("handoff_error", seq=seq.seq_id, peer=peer.addr)
             await _close(client)
-            peer.hold_until = time.monotonic() + (STATUS_POLL_S if refused else RECONNECT_S)
-            if refused:
-                log.info("handoff_refused", seq=seq.seq_id, peer=peer.addr, reason=str(e))
-            else:  # the peer freed whatever it had reserved; our copy is intact
-                peer.failures += 1
-                log.warning("handoff_failed", seq=seq.seq_id, peer=peer.addr, error=str(e) or type(e).__name__)
-            if refused and (isinstance(e, LayoutMismatch) or e.code == "invalid"):  # it never will take it
-                peer.failures += 1
-                if not req.finished[index]:
-                    req.emit(SeqDelta(index=index, error=f"peer {peer.addr} cannot take this sequence: {e}"))
-                _drop(engine, seq, blocks)
-            elif req.cancelled or not (refused or self._count_retry(req, index, f"KV hand-off to {peer.addr} failed: {e}")):
-                _drop(engine, seq, blocks)
-            else:
-                engine.readopt(req, index, seq, blocks)
+            self._settle_failed(e, engine, req, index, seq, blocks, peer)
             settle(False)
             return False
         engine.free_pinned(blocks)
@@ -264,11 +306,40 @@ class PeerLinks:
             await _close(client)
         return True
 
+    def _settle_failed(self, e: Exception, engine: DeviceEngine, req: RequestState, index: int, seq: Sequence,
+                       blocks: list[int], peer: Peer) -> None:
+        """A transfer that did not commit: the sequence goes back to ``engine`` with its own blocks
+        (to be sent again, to this peer or another), or ends with an error when the peer can never
+        take it or the retries are spent. Nothing was adopted there, whatever happened."""
+        refused_offer = isinstance(e, TransferRefused)  # nothing was reserved there
+        if not isinstance(e, (TransportError, OSError)):
+            log.exception("handoff_error", seq=seq.seq_id, peer=peer.addr)
+        self._timed_out(e)
+        peer.hold_until = time.monotonic() + (STATUS_POLL_S if refused_offer else RECONNECT_S)
+        if isinstance(e, PeerRefused):  # the handshake (or the layout in the offer): not this peer for now
+            self._refused(peer, e)
+        elif refused_offer:
+            log.info("handoff_refused", seq=seq.seq_id, peer=peer.addr, reason=str(e))
+        else:  # the peer freed whatever it had reserved; our copy is intact
+            peer.failures += 1
+            log.warning("handoff_failed", seq=seq.seq_id, peer=peer.addr, error=str(e) or type(e).__name__)
+        if refused_offer and e.code == "invalid":  # it never will take this sequence
+            peer.failures += 1
+            if not req.finished[index]:
+                req.fail_choice(index, f"peer {peer.addr} cannot take this sequence: {e.reason}", status=503,
+                                code="peer_refused", retry_after_s=RETRY_AFTER_S)
+            _drop(engine, seq, blocks)
+        elif req.cancelled or not (refused_offer or isinstance(e, PeerRefused)
+                                   or self._count_retry(req, index, f"KV hand-off to {peer.addr} failed: {e}")):
+            _drop(engine, seq, blocks)
+        else:
+            engine.readopt(req, index, seq, blocks)
+
     async def _relay(self, client: KVClient, tid: str, req: RequestState, index: int, seq: Sequence,
                      peer: Peer) -> None:
         """Feed the peer's tokens for ``seq`` through the choice's output state until it finishes."""
         out = req.outputs[index]
-        relay = client.relay(tid, RELAY_IDLE_TIMEOUT_S)
+        relay = client.relay(tid, self.node.config.kv_transfer_timeout_s)
         error = None
         try:
             async for msg in relay:
@@ -289,7 +360,8 @@ class PeerLinks:
         except Exception as e:  # noqa: BLE001 - a broken relay is retried, never left hanging
             if not isinstance(e, (TransportError, OSError)):
                 log.exception("relay_error", seq=seq.seq_id, peer=peer.addr)
-            error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            self._timed_out(e)
+            error = _why(e)
         finally:
             with suppress(Exception):
                 await relay.aclose()
@@ -299,19 +371,20 @@ class PeerLinks:
             if self._count_retry(req, index, f"decode on peer {peer.addr} failed: {error}"):
                 seq.num_computed, seq.block_ids, seq.status = 0, [], SeqStatus.WAITING
                 seq.num_preemptions += 1
+                self.node.metrics.kv_recomputes.inc()
                 self.node.driver.recompute(req, index)
 
     def _count_retry(self, req: RequestState, index: int, why: str) -> bool:
         """Count a failed hand-off against ``--max-retries``: True while within it; past it, end the
-        choice with an error (the client sees it; the stream never looks finished)."""
+        choice with an error (503 ``peer_unavailable``; the stream never looks finished)."""
         seq_id = req.seqs[index].seq_id
         n = self.retries[seq_id] = self.retries.get(seq_id, 0) + 1
         self.node.metrics.kv_handoff_failures.inc()
         if n <= self.node.config.max_retries:
             return True
         if not req.finished[index]:
-            req.emit(SeqDelta(index=index, error=f"{why} (gave up after {n - 1} retries, --max-retries "
-                                                 f"{self.node.config.max_retries})"))
+            req.fail_choice(index, f"{why} (gave up after {n - 1} retries, --max-retries {self.node.config.max_retries})",
+                            status=503, code="peer_unavailable", retry_after_s=RETRY_AFTER_S)
         return False
 
 
@@ -344,11 +417,25 @@ class KVReceiver:
         cfg = node.config
         self.node = node
         self.layout = layout
-        self.incoming: dict[str, tuple[DeviceEngine, list[int]]] = {}  # transfer id → (device, reserved blocks)
+        # transfer id → (device, reserved blocks, how many of them are its own cached prefix: not received)
+        self.incoming: dict[str, tuple[DeviceEngine, list[int], int]] = {}
         self.relayed = 0
+        self.refused = InboundRefusals()
         self.server = KVServer(cfg.kv_host or cfg.host, cfg.kv_port or 0, cfg.peer_secret or "", layout,
                                reserve=self._reserve, on_layer=self._on_layer, on_done=self._on_done,
-                               on_abort=self._on_abort, status=self._status, check=self._check, node_id=cfg.name)
+                               on_abort=self._on_abort, status=self._status, check=self._check,
+                               on_refused=self._on_refused, on_timeout=self._on_timeout, node_id=cfg.name,
+                               relay_keepalive_s=RELAY_KEEPALIVE_S, handshake_timeout_s=cfg.kv_connect_timeout_s,
+                               stall_timeout_s=cfg.kv_transfer_timeout_s, reply_timeout_s=cfg.kv_transfer_timeout_s)
+
+    def _on_refused(self, peer: str, peer_node_id: str, code: str, reason: str) -> None:
+        """A node's connection to our KV port was refused (by us or by it): counted and kept for
+        ``GET /v1/node`` and ``/health`` (the log line is the server's ``kv_peer_rejected``)."""
+        self.node.metrics.peer_refusals.labels(reason=code, direction="inbound").inc()
+        self.refused.record(peer, peer_node_id, code, reason, time.monotonic())
+
+    def _on_timeout(self, stage: str) -> None:
+        self.node.metrics.kv_timeouts.labels(stage=stage, side="receiver").inc()
 
     @property
     def port(self) -> int:
@@ -394,27 +481,35 @@ class KVReceiver:
                     f"{self.node.max_model_len}"]
         return []
 
-    def _reserve(self, offer: TransferOffer) -> list[int] | None:
-        """Blocks for the sequence's cached tokens plus its next one, on the roomiest device, or None."""
-        need = blocks_for(offer.seq.num_computed + 1, self.layout.block_size)
+    def _reserve(self, offer: TransferOffer) -> tuple[list[int], int] | None:
+        """Blocks for the sequence's cached tokens plus its next one, or None: on the device with the
+        most free blocks plus blocks of the sequence's prefix it already caches (those it reuses in
+        place and is not sent; Dynamo's overlap-against-load rule, in blocks). Returns the blocks and
+        how many leading ones are cached."""
+        st = offer.seq
+        need = blocks_for(st.num_computed + 1, self.layout.block_size)
+        # At least the last block travels (every layer carries one block or more).
+        reusable = min(st.num_computed, (offer.num_blocks - 1) * self.layout.block_size)
         best = None
         for e in self._decode_engines():
             free, slots = self._room(e)
-            if slots > 0 and free >= need and (best is None or free > best[0]):
-                best = (free, e)
+            hits = len(e.cached_blocks_of(st.token_ids, reusable))
+            if slots > 0 and free >= need and (best is None or free + hits > best[0]):
+                best = (free + hits, e)
         if best is None:
             return None
         e = best[1]
-        blocks = e.batcher.ledger.allocate(offer.num_blocks)
-        if blocks is not None:
-            self.incoming[offer.transfer_id] = (e, blocks)
-        return blocks
+        blocks, reused = e.reserve_for(st.token_ids, reusable, offer.num_blocks)
+        if blocks is None:
+            return None
+        self.incoming[offer.transfer_id] = (e, blocks, reused)
+        return blocks, reused
 
     async def _on_layer(self, tid: str, layer: int, data: bytearray) -> None:
         from node.transport.tensors import scatter_layer_bytes
 
-        e, blocks = self.incoming[tid]
-        await e.in_worker(scatter_layer_bytes, data, self.layout, e.runner.kv_cache, layer, blocks)
+        e, blocks, reused = self.incoming[tid]
+        await e.in_worker(scatter_layer_bytes, data, self.layout, e.runner.kv_cache, layer, blocks[reused:])
 
     def _on_abort(self, tid: str, reason: str) -> None:
         entry = self.incoming.pop(tid, None)
@@ -422,7 +517,7 @@ class KVReceiver:
             entry[0].free_pinned(entry[1])
 
     def _on_done(self, tid: str, report: ReceiveReport) -> AsyncIterator:
-        e, blocks = self.incoming.pop(tid)
+        e, blocks, _ = self.incoming.pop(tid)
         st = report.offer.seq
         node = self.node
         params = msgspec.convert(st.sampling, SamplingParams)

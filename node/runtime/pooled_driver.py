@@ -25,7 +25,7 @@ from node.core.pooled import PlacePooled, PoolDevice, PooledRouter, PoolSnapshot
 from node.core.roles import Reject, WaitingPrompt
 from node.runtime.driver import Driver
 from node.runtime.engine import DeviceEngine
-from node.runtime.peers import Peer, is_peer
+from node.runtime.peers import RETRY_AFTER_S, Peer, is_peer
 
 if TYPE_CHECKING:
     from node.runtime.node import Node
@@ -108,7 +108,7 @@ class PooledDriver(Driver):
         if not self.decode_ids and not peers:
             if self.unreachable_since is None:
                 self.unreachable_since = now
-                log.warning("no_decode_peer_reachable", peers=self.node.config.peers)
+                log.warning("no_decode_peer_reachable", peers=self.node.peers.unusable(now)[1] if self.node.peers else None)
             if now - self.unreachable_since > DECODE_WAIT_S:
                 self._fail_stranded()
         elif self.unreachable_since is not None:
@@ -118,7 +118,9 @@ class PooledDriver(Driver):
             prefill=tuple(self._device(d, False) for d in self.prefill_ids),
             decode=tuple(self._device(d, True) for d in self.decode_ids) + tuple(self._peer_device(p) for p in peers),
             waiting=tuple(WaitingPrompt(r.request_id, len(r.prompt_ids) * len(r.seqs), r.stats.arrival_s,
-                                        self.expected_output(r) * len(r.seqs), seqs=len(r.seqs)) for r in self.pending),
+                                        self.expected_output(r) * len(r.seqs), seqs=len(r.seqs),
+                                        cached_tokens=self.cached_tokens(r, i, self.prefill_ids + self.decode_ids))
+                          for i, r in enumerate(self.pending)),
         )
         by_id = {r.request_id: r for r in self.pending}
         for d in self.router.decide(snap):
@@ -127,7 +129,8 @@ class PooledDriver(Driver):
                 continue
             self.pending.remove(req)
             if isinstance(d, Reject):
-                req.fail(f"request cannot be served: {d.reason}")
+                req.fail(f"request cannot be served: {d.reason} (its prompt times n, plus one token, must fit "
+                         f"one device's KV cache even when empty)", status=400, code="kv_capacity_exceeded")
             elif isinstance(d, PlacePooled):
                 self.reserve[req.request_id] = d.decode_blocks
                 self.target[req.request_id] = d.decode_device
@@ -163,6 +166,17 @@ class PooledDriver(Driver):
                 fut.add_done_callback(lambda f, sid=seq.seq_id: self._handed(
                     sid, not f.cancelled() and f.exception() is None and f.result() is not None))
 
+    def unsent_to_peers(self) -> int:
+        """Prefilled sequences on the prefill devices waiting for a peer to take their KV (not yet
+        being sent): the ``unsent`` stage of ``shiftnode_remote_kv_waiting_requests``."""
+        n = 0
+        for d in self.prefill_ids:
+            e = self.node.engine(d)
+            for seq in e.batcher.running:
+                if seq.is_decoding and seq.seq_id not in self.handing and is_peer(self.target.get(seq.request_id)):
+                    n += 1
+        return n
+
     def _peer_for(self, wanted: str, need_blocks: int) -> Peer | None:
         """The peer the router chose if it is healthy, else the roomiest healthy peer that fits."""
         healthy = [p for p in self.node.peers.ready(self.clock())
@@ -181,15 +195,16 @@ class PooledDriver(Driver):
 
     def _fail_stranded(self) -> None:
         """No decode device and no peer reachable for ``DECODE_WAIT_S``: fail the waiting prompts and
-        the prefilled sequences that cannot be handed off (the peers' logs and ``/v1/node`` say why)."""
-        why = (f"no decode peer reachable for {DECODE_WAIT_S:.0f} s (--peers {','.join(self.node.config.peers)}; "
-               f"see GET /v1/node and the logs)")
+        the prefilled sequences that cannot be handed off with 503 (``peer_refused`` when every peer
+        was refused, else ``peer_unavailable``), naming each peer's state and reason."""
+        code, states = self.node.peers.unusable(self.clock()) if self.node.peers else ("peer_unavailable", "no peers")
+        why = f"no decode peer reachable for {DECODE_WAIT_S:.0f} s: {states}"
         for req in list(self.pending):
             self.pending.remove(req)
-            req.fail(why)
+            req.fail(why, status=503, code=code, retry_after_s=RETRY_AFTER_S)
         for d in self.prefill_ids:
             e = self.node.engine(d)
             for req in list(e.requests.values()):
                 if any(s.is_decoding and s.seq_id not in self.handing for s in req.seqs):
-                    req.fail(why)
+                    req.fail(why, status=503, code=code, retry_after_s=RETRY_AFTER_S)
                     e.abort(req.request_id)

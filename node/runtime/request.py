@@ -61,8 +61,20 @@ class RequestState:
             self.finished[delta.index] = True
         self.queue.put_nowait(delta)
 
-    def fail(self, message: str) -> None:
-        """End every unfinished choice with an error (the node keeps serving)."""
+    def fail(self, message: str, *, status: int = 500, code: str | None = "internal_error",
+             retry_after_s: float | None = None) -> None:
+        """End every unfinished choice with an error (the node keeps serving).
+
+        ``status`` and ``code`` are what the API answers (a non-streamed request gets that HTTP status;
+        a stream's error event carries the code): the default is a server fault (500
+        ``internal_error``); unavailability is 503 with ``retry_after_s`` (the ``Retry-After`` header).
+        """
         for i, fin in enumerate(self.finished):
             if not fin:
-                self.emit(SeqDelta(index=i, error=message))
+                self.fail_choice(i, message, status=status, code=code, retry_after_s=retry_after_s)
+
+    def fail_choice(self, index: int, message: str, *, status: int = 500, code: str | None = "internal_error",
+                    retry_after_s: float | None = None) -> None:
+        """End choice ``index`` with an error (see :meth:`fail`)."""
+        self.emit(SeqDelta(index=index, error=message, error_status=status, error_code=code,
+                           retry_after_s=retry_after_s))

@@ -106,7 +106,8 @@ class RoleDriver(Driver):
                 req = by_id.pop(d.request_id, None)
                 if req is not None:
                     self.pending.remove(req)
-                    req.fail(f"request cannot be served: {d.reason}")
+                    req.fail(f"request cannot be served: {d.reason} (its prompt times n, plus one token, must fit "
+                             f"one device's KV cache even when empty)", status=400, code="kv_capacity_exceeded")
 
     def _peers(self, now: float) -> tuple[DeviceState, ...]:
         """Ready peer nodes as DECODE-role devices: each one's roomiest device, from its last report."""
@@ -206,6 +207,7 @@ class RoleDriver(Driver):
             resident = residents[e.device_id]
             q_tokens, q_seqs = queued[e.device_id]
             busy_until = now if e.step_started_s is None else max(now, e.step_started_s + e.last_step_s)
+            pq = e.batcher.prefill_queue()
             devices.append(DeviceState(
                 device_id=e.device_id, role=r.role, role_since_s=r.since_s if r.role is not Role.SWITCHING else r.switch_started_s,
                 switching_to=r.switching_to, switch_done_s=r.switch_done_est_s, busy_until_s=busy_until,
@@ -214,11 +216,14 @@ class RoleDriver(Driver):
                 kv_reserved_blocks=self.reserved_on(e.device_id) + incoming[e.device_id],
                 kv_total_blocks=e.batcher.ledger.num_blocks, block_size=e.batcher.ledger.block_size,
                 seq_slots_free=e.batcher.config.max_num_seqs - len(resident) - q_seqs,
+                prefill_queue_oldest_s=pq.oldest_arrival_s, prefill_runnable=pq.runnable,
             ))
+        ids = [e.device_id for e in self.node.engines]
         waiting = tuple(
             WaitingPrompt(req.request_id, len(req.prompt_ids) * len(req.seqs), req.stats.arrival_s,
-                          self.expected_output(req) * len(req.seqs), seqs=len(req.seqs))
-            for req in self.pending
+                          self.expected_output(req) * len(req.seqs), seqs=len(req.seqs),
+                          cached_tokens=self.cached_tokens(req, i, ids))
+            for i, req in enumerate(self.pending)
         )
         return NodeSnapshot(tuple(devices), waiting)
 

@@ -10,6 +10,7 @@ Modules
 ``throttle``  :class:`LinkThrottle` (emulated link, Gb/s)
 ``tensors``   torch glue: layout of a cache, gather/scatter one layer ↔ payload bytes
 ``local``     :func:`copy_sequence_blocks` between two caches of one process
+``fingerprint`` :func:`model_fingerprint`: what decides the KV bytes (weights, tokenizer, config), hashed
 
 Frames
 ------
@@ -22,18 +23,24 @@ a payload above ``max_payload_bytes`` (default 1 GiB) drops the connection with 
 Handshake (client C, server S, shared secret K = ``--peer-secret``, 32-byte random nonces)
 ---------------------------------------------------------------------------------------------
   C → S  Hello(version, node_id, nonce_c, layout?)
-  S → C  HelloReply(version, node_id, nonce_s, mac = HMAC-SHA256(K, "shiftnode-kv/1/server|" nonce_c nonce_s), layout)
-  C → S  HelloProof(mac = HMAC-SHA256(K, "shiftnode-kv/1/client|" nonce_c nonce_s))
-Each side checks the version (must be equal: a layout-changing upgrade bumps it) and the other's MAC
-(the labels differ, so a MAC cannot be reflected); a failure sends ``Goodbye(reason)``, closes and
-logs ``kv_peer_rejected`` / ``kv_connect_failed``. The client also refuses a server whose layout
-differs from its own. The whole handshake is bounded by ``handshake_timeout_s``.
+  S → C  HelloReply(version, node_id, nonce_s, mac = HMAC-SHA256(K, "shiftnode-kv/2/server|" nonce_c nonce_s), layout)
+  C → S  HelloProof(mac = HMAC-SHA256(K, "shiftnode-kv/2/client|" nonce_c nonce_s))
+  S → C  HelloAck
+Each side checks the version (must be equal: a layout-changing upgrade bumps it), the other's MAC
+(the labels differ, so a MAC cannot be reflected) and the other's :class:`Layout` including its
+:class:`Fingerprint` (the client before it sends its proof, the server only once the client proved
+the secret). A failure sends ``Goodbye(reason, code)`` (``code``: auth, version, layout, config,
+weights, tokenizer, fingerprint), closes and logs ``kv_peer_rejected`` / ``kv_connect_failed``; the
+other side raises :class:`PeerRefused` with that code. The whole handshake is bounded by
+``handshake_timeout_s``.
 
 Transfer (one at a time per connection)
 ---------------------------------------
   C → S  TransferOffer(transfer_id, layout, seq: SeqState, num_blocks, nbytes_per_layer)
   S → C  TransferRefuse(code, reason)           layout mismatch / invalid offer / no room: nothing reserved
-     or  TransferAccept                         sent only after ``reserve(offer)`` returned the blocks
+     or  TransferAccept(cached_blocks)          sent only after ``reserve(offer)`` returned the blocks;
+                                                the first cached_blocks it holds already (prefix cache)
+                                                are not sent: each layer then covers the blocks after them
   C → S  LayerHeader(layer=0, nbytes, crc32) + payload, layer 1, …, layer L-1   (in order)
   C → S  TransferDone
   S → C  TransferCommitted                      after ``on_done``: the sender may now free its blocks
@@ -49,18 +56,19 @@ never clock readings, since the two nodes' clocks are unrelated.
 
 from node.transport.client import KVClient, SendReport, TransferUnconfirmed
 from node.transport.protocol import (
-    PROTOCOL_VERSION, AuthError, ChecksumMismatch, FrameTooLarge, Layout, LayoutMismatch, ProtocolError,
-    SeqState, TransferAborted, TransferOffer, TransferRefused, TransportError, TransportTimeout,
-    check_compatible,
+    PROTOCOL_VERSION, AuthError, ChecksumMismatch, Fingerprint, FrameTooLarge, Layout, LayoutMismatch, PeerRefused,
+    ProtocolError, SeqState, TransferAborted, TransferOffer, TransferRefused, TransportError, TransportTimeout,
+    VersionMismatch, check_compatible, timeout_stage,
 )
 from node.transport.server import KVServer, ReceiveReport
 from node.transport.throttle import LinkThrottle
 
 __all__ = [
-    "PROTOCOL_VERSION", "AuthError", "ChecksumMismatch", "FrameTooLarge", "KVClient", "KVServer", "Layout",
-    "LayoutMismatch", "LinkThrottle", "ProtocolError", "ReceiveReport", "SendReport", "SeqState",
-    "TransferAborted", "TransferOffer", "TransferRefused", "TransferUnconfirmed", "TransportError",
-    "TransportTimeout", "check_compatible", "copy_sequence_blocks", "layout_of",
+    "PROTOCOL_VERSION", "AuthError", "ChecksumMismatch", "Fingerprint", "FrameTooLarge", "KVClient", "KVServer",
+    "Layout", "LayoutMismatch", "LinkThrottle", "PeerRefused", "ProtocolError", "ReceiveReport", "SendReport",
+    "SeqState", "TransferAborted", "TransferOffer", "TransferRefused", "TransferUnconfirmed", "TransportError",
+    "TransportTimeout", "VersionMismatch", "check_compatible", "copy_sequence_blocks", "layout_of",
+    "timeout_stage",
 ]
 
 

@@ -24,7 +24,8 @@ from node.transport.protocol import (
 )
 from node.transport.throttle import LinkThrottle, as_throttle
 from node.transport.wire import (
-    DEFAULT_CHUNK_BYTES, DEFAULT_MAX_HEADER_BYTES, client_handshake, drain, encode, read_msg, say_goodbye, send,
+    DEFAULT_CHUNK_BYTES, DEFAULT_MAX_HEADER_BYTES, client_handshake, drain, encode, read_msg, refusal_code,
+    say_goodbye, send,
 )
 
 _log = structlog.get_logger("node.transport")
@@ -51,6 +52,7 @@ class SendReport:
     accept_s: float = 0.0
     layer_end_s: list[float] = field(default_factory=list)  # last byte of layer i handed to the socket
     done_s: float = 0.0  # TransferCommitted received
+    cached_blocks: int = 0  # leading blocks the receiver held in its prefix cache (not sent)
 
     @property
     def gbps(self) -> float:
@@ -67,6 +69,14 @@ def payload_view(obj: Any) -> memoryview:
         from node.transport.tensors import tensor_bytes
         return tensor_bytes(obj)
     return memoryview(obj).cast("B")
+
+
+def skip_blocks(view: memoryview, skip: int, num_blocks: int) -> bytes:
+    """The ``[2, num_blocks - skip, ...]`` payload of a ``[2, num_blocks, ...]`` layer payload: its
+    K and V halves, each without its first ``skip`` blocks (the receiver holds them cached)."""
+    half = view.nbytes // 2
+    per = half // num_blocks
+    return bytes(view[skip * per : half]) + bytes(view[half + skip * per :])
 
 
 class _Layers:
@@ -137,23 +147,26 @@ class KVClient:
                       commit_timeout_s: float = 10.0, heartbeat_interval_s: float | None = 5.0,
                       max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                       fault_hook: FaultHook | None = None) -> "KVClient":
-        """Connect and authenticate (both ways). With ``layout``, a peer whose layout differs is
-        refused here (:class:`LayoutMismatch`). ``link_gbps``: None (unthrottled), Gb/s, or a shared
-        :class:`LinkThrottle`. Raises ``TransportTimeout``, ``AuthError``, ``OSError``."""
+        """Connect and authenticate (both ways). With ``layout``, a peer whose layout or fingerprint
+        differs is refused here (:class:`LayoutMismatch`, before our proof is sent), and the peer
+        checks ours. ``link_gbps``: None (unthrottled), Gb/s, or a shared :class:`LinkThrottle`.
+        The hostname is resolved on every call, so a reconnect finds a peer that moved.
+        Raises ``TransportTimeout`` (stage ``connect`` or ``handshake``), ``PeerRefused`` (its
+        subclasses ``AuthError``, ``VersionMismatch``, ``LayoutMismatch``; ``code`` says why),
+        ``OSError``."""
         secret_b = secret_bytes(secret)
         try:
             async with asyncio.timeout(connect_timeout_s):
                 reader, writer = await asyncio.open_connection(host, port, limit=2 * chunk_bytes)
         except TimeoutError:
-            raise TransportTimeout(f"connect to {host}:{port} not done within {connect_timeout_s} s") from None
+            raise TransportTimeout(f"connect to {host}:{port} not done within {connect_timeout_s} s",
+                                   "connect") from None
         try:
             reply = await client_handshake(reader, writer, secret_b, node_id, layout, handshake_timeout_s,
                                            max_header_bytes)
-            if layout is not None and reply.layout is not None:
-                check_compatible(layout, reply.layout)
         except BaseException as exc:
             _log.warning("kv_connect_failed", peer=f"{host}:{port}", reason=str(exc) or type(exc).__name__)
-            say_goodbye(writer, f"handshake failed: {exc}")
+            say_goodbye(writer, f"handshake failed: {exc}", refusal_code(exc))
             raise
         return cls(reader, writer, peer_node_id=reply.node_id, peer_layout=reply.layout,
                    link=as_throttle(link_gbps), accept_timeout_s=accept_timeout_s,
@@ -206,12 +219,12 @@ class KVClient:
             self._dead = exc
         self._inbox.put_nowait(exc)
 
-    async def _next(self, timeout_s: float | None, what: str) -> Message:
+    async def _next(self, timeout_s: float | None, what: str, stage: str) -> Message:
         try:
             async with asyncio.timeout(timeout_s):
                 item = await self._inbox.get()
         except TimeoutError:
-            raise TransportTimeout(f"no {what} within {timeout_s} s") from None
+            raise TransportTimeout(f"no {what} within {timeout_s} s", stage) from None
         if isinstance(item, BaseException):
             self._inbox.put_nowait(item)  # sticky
             raise item
@@ -237,7 +250,7 @@ class KVClient:
                 async with self._lock:
                     n += 1
                     await send(self._writer, Heartbeat(n=n), self.stall_timeout_s)
-                    reply = await self._next(self.stall_timeout_s, "heartbeat echo")
+                    reply = await self._next(self.stall_timeout_s, "heartbeat echo", "heartbeat")
                     if not (isinstance(reply, Heartbeat) and reply.n == n):
                         raise ProtocolError(f"expected heartbeat echo {n}, got {reply!r:.200}")
         except asyncio.CancelledError:
@@ -255,7 +268,7 @@ class KVClient:
                 raise TransportError(f"connection is closed: {self._dead}")
             self._status_n += 1
             await send(self._writer, StatusQuery(n=self._status_n), self.stall_timeout_s)
-            reply = await self._next(timeout_s, "StatusReply")
+            reply = await self._next(timeout_s, "StatusReply", "status")
             if not (isinstance(reply, StatusReply) and reply.n == self._status_n):
                 raise ProtocolError(f"expected StatusReply {self._status_n}, got {reply!r:.200}")
             return reply
@@ -270,7 +283,7 @@ class KVClient:
             finished = False
             try:
                 while True:
-                    msg = await self._next(idle_timeout_s, "relayed tokens")
+                    msg = await self._next(idle_timeout_s, "relayed tokens", "relay")
                     if isinstance(msg, Heartbeat):
                         continue
                     if isinstance(msg, (TokenRelay, RelayEnd)) and msg.transfer_id == transfer_id:
@@ -318,7 +331,7 @@ class KVClient:
             source = _Layers(layers, layout.num_layers)
             try:
                 await send(self._writer, offer, self.stall_timeout_s)
-                reply = await self._next(self.accept_timeout_s, "TransferAccept")
+                reply = await self._next(self.accept_timeout_s, "TransferAccept", "accept")
                 if isinstance(reply, TransferRefuse) and reply.transfer_id == tid:
                     log.info("kv_transfer_refused", code=reply.code, reason=reply.reason)
                     if reply.code == "layout":
@@ -328,14 +341,22 @@ class KVClient:
                     raise TransferAborted(f"receiver aborted: {reply.reason}")
                 if not (isinstance(reply, TransferAccept) and reply.transfer_id == tid):
                     raise ProtocolError(f"expected TransferAccept, got {reply!r:.200}")
+                skip = reply.cached_blocks
+                if not 0 <= skip < num_blocks:
+                    raise ProtocolError(f"peer holds {skip} of {num_blocks} blocks cached")
                 report.accept_s = time.monotonic() - t0
+                report.cached_blocks = skip
+                sent = layout.layer_bytes(num_blocks - skip)
                 for layer in range(layout.num_layers):
-                    await self._send_layer(tid, layer, await source.get(layer), per_layer)
-                    report.nbytes += per_layer
+                    payload = await source.get(layer)
+                    if skip:
+                        payload = skip_blocks(payload_view(payload), skip, num_blocks)
+                    await self._send_layer(tid, layer, payload, sent)
+                    report.nbytes += sent
                     report.layer_end_s.append(time.monotonic() - t0)
                 await send(self._writer, TransferDone(transfer_id=tid), self.stall_timeout_s)
                 try:
-                    reply = await self._next(self.commit_timeout_s, "TransferCommitted")
+                    reply = await self._next(self.commit_timeout_s, "TransferCommitted", "commit")
                 except TransportError as exc:
                     raise TransferUnconfirmed(f"transfer {tid}: {exc}") from exc
                 if isinstance(reply, TransferAbort) and reply.transfer_id == tid:

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Layout carries a Fingerprint; the handshake ends with HelloAck
 NONCE_BYTES = 32
 
 # Element size (bytes) of each KV dtype the protocol knows, by torch name without "torch.".
@@ -38,15 +38,37 @@ class FrameTooLarge(ProtocolError):
     """A frame or payload is larger than the configured bound; the connection is dropped."""
 
 
-class AuthError(TransportError):
-    """The peer could not prove the shared secret, or spoke another protocol version."""
+class PeerRefused(TransportError):
+    """A handshake ended in a refusal (by either side); ``code`` says why, for logs and metrics:
+    ``auth`` (the secret), ``version``, ``layout`` (cache geometry, dtype, block size or model id),
+    ``config``, ``weights``, ``tokenizer`` (the :class:`Fingerprint`), ``fingerprint`` (one side has none)."""
+
+    code = "refused"
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        if code:
+            self.code = code
 
 
-class LayoutMismatch(TransportError):
-    """Two KV layouts differ; ``fields`` names the differing fields."""
+class AuthError(PeerRefused):
+    """The peer could not prove the shared secret."""
+
+    code = "auth"
+
+
+class VersionMismatch(AuthError):
+    """The peer speaks another protocol version."""
+
+    code = "version"
+
+
+class LayoutMismatch(PeerRefused):
+    """Two KV layouts differ; ``fields`` names the differing fields (``weights``, ``tokenizer``,
+    ``config`` for the fingerprint's parts) and ``code`` the most basic of them (see :func:`mismatch_code`)."""
 
     def __init__(self, fields: list[str], message: str):
-        super().__init__(message)
+        super().__init__(message, mismatch_code(fields))
         self.fields = fields
 
 
@@ -68,12 +90,46 @@ class ChecksumMismatch(TransferAborted):
 
 
 class TransportTimeout(TransportError):
-    """A bounded wait expired (connect, handshake, accept, layer stall, commit, idle)."""
+    """A bounded wait expired; ``stage`` names it: ``connect``, ``handshake``, ``accept``, ``stall``
+    (a frame or payload chunk during a transfer, or a send the peer does not read), ``commit``,
+    ``relay`` (relayed tokens), ``status`` (a capacity report), ``heartbeat``, ``idle``."""
+
+    def __init__(self, message: str, stage: str = "io"):
+        super().__init__(message)
+        self.stage = stage
+
+
+def timeout_stage(exc: BaseException | None) -> str | None:
+    """The ``stage`` of the :class:`TransportTimeout` that caused ``exc`` (itself or along its
+    ``__cause__``/``__context__`` chain), or None when no timeout is involved."""
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, TransportTimeout):
+            return exc.stage
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return None
 
 
 # ---------------------------------------------------------------------------------------- layout
+class Fingerprint(msgspec.Struct, frozen=True, kw_only=True):
+    """What decides the bytes of a KV cache (and what a receiver does with a sequence), as SHA-256 hex
+    digests (see :mod:`node.transport.fingerprint`): ``weights`` (the checkpoint's content, or the
+    random weights actually drawn), ``tokenizer`` (tokenizer.json and the end-of-sequence ids),
+    ``config`` (config.json, canonical). ``digest`` covers those three plus the KV dtype, the block
+    size and :data:`PROTOCOL_VERSION`."""
+
+    weights: str
+    tokenizer: str
+    config: str
+    digest: str
+
+
+FINGERPRINT_PARTS = ("config", "weights", "tokenizer")
+
+
 class Layout(msgspec.Struct, frozen=True, kw_only=True):
-    """Geometry of a device's paged KV cache; two ends must agree on every field.
+    """Geometry of a device's paged KV cache and the model's fingerprint; two ends must agree on every field.
 
     The cache is ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` of ``dtype``
     (a torch dtype name without ``torch.``, e.g. ``"bfloat16"``).
@@ -85,6 +141,7 @@ class Layout(msgspec.Struct, frozen=True, kw_only=True):
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    fingerprint: Fingerprint | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -103,12 +160,39 @@ class Layout(msgspec.Struct, frozen=True, kw_only=True):
         return num_blocks * self.block_bytes
 
 
+def mismatch_code(fields: list[str]) -> str:
+    """The reason label of a layout mismatch: ``layout`` when the geometry differs, else the first
+    differing fingerprint part in the order config, weights, tokenizer (a different config usually
+    means different weights too: the more basic difference is named)."""
+    if any(f in Layout.__struct_fields__ and f != "fingerprint" for f in fields):
+        return "layout"
+    for part in FINGERPRINT_PARTS:
+        if part in fields:
+            return part
+    return "fingerprint"
+
+
+def _short(value: object) -> str:
+    return repr(value[:12] + "…") if isinstance(value, str) and len(value) > 16 else repr(value)
+
+
 def check_compatible(a: Layout, b: Layout) -> None:
-    """Raise :class:`LayoutMismatch` naming every field where ``a`` and ``b`` differ."""
-    diffs = [f for f in a.__struct_fields__ if getattr(a, f) != getattr(b, f)]
+    """Raise :class:`LayoutMismatch` naming every field where ``a`` and ``b`` differ: the geometry
+    fields, then the fingerprint's parts (``config``, ``weights``, ``tokenizer``; ``fingerprint``
+    when only one side has one, or only the digest differs)."""
+    diffs = [(f, getattr(a, f), getattr(b, f)) for f in a.__struct_fields__
+             if f != "fingerprint" and getattr(a, f) != getattr(b, f)]
+    fa, fb = a.fingerprint, b.fingerprint
+    if (fa is None) != (fb is None):
+        diffs.append(("fingerprint", fa and fa.digest, fb and fb.digest))
+    elif fa is not None and fa != fb:
+        parts = [(p, getattr(fa, p), getattr(fb, p)) for p in FINGERPRINT_PARTS if getattr(fa, p) != getattr(fb, p)]
+        if not parts and not diffs:  # only what the digest alone covers (dtype, block size, version)
+            parts = [("fingerprint", fa.digest, fb.digest)]
+        diffs += parts
     if diffs:
-        detail = ", ".join(f"{f}: {getattr(a, f)!r} != {getattr(b, f)!r}" for f in diffs)
-        raise LayoutMismatch(diffs, f"KV layout mismatch ({detail})")
+        detail = ", ".join(f"{f}: {_short(x)} != {_short(y)}" for f, x, y in diffs)
+        raise LayoutMismatch([f for f, _, _ in diffs], f"KV layout mismatch ({detail})")
 
 
 # ------------------------------------------------------------------------------------- sequence
@@ -188,10 +272,17 @@ class HelloProof(Msg):
     mac: bytes
 
 
+class HelloAck(Msg):
+    """Server → client, last frame of the handshake: the client's proof and layout were accepted (a
+    refusal is a ``Goodbye`` with a ``code`` instead)."""
+
+
 class Goodbye(Msg):
-    """Either side, just before it closes the connection on purpose: why."""
+    """Either side, just before it closes the connection on purpose: why (``code``: a
+    :class:`PeerRefused` code when the handshake was refused)."""
 
     reason: str
+    code: str = ""
 
 
 class Heartbeat(Msg):
@@ -212,9 +303,15 @@ class TransferOffer(Msg):
 
 
 class TransferAccept(Msg):
-    """Receiver → sender, only after it reserved ``num_blocks`` blocks for the transfer."""
+    """Receiver → sender, only after it reserved ``num_blocks`` blocks for the transfer.
+
+    ``cached_blocks``: the receiver already holds the sequence's first ``cached_blocks`` blocks (its
+    prefix cache), so the sender sends only the others: every layer is then the
+    ``[2, num_blocks - cached_blocks, block_size, Hkv, D]`` buffer of the blocks after them.
+    """
 
     transfer_id: str
+    cached_blocks: int = 0
 
 
 class TransferRefuse(Msg):
@@ -299,7 +396,7 @@ class RelayEnd(Msg):
     error: str | None = None
 
 
-Message = (Hello | HelloReply | HelloProof | Goodbye | Heartbeat | TransferOffer | TransferAccept
+Message = (Hello | HelloReply | HelloProof | HelloAck | Goodbye | Heartbeat | TransferOffer | TransferAccept
            | TransferRefuse | LayerHeader | TransferDone | TransferCommitted | TransferAbort
            | StatusQuery | StatusReply | TokenRelay | RelayEnd)
 

@@ -25,11 +25,11 @@ from node.transport.protocol import (
     ChecksumMismatch, FrameTooLarge, Goodbye, Heartbeat, LayerHeader, Layout, LayoutMismatch,
     ProtocolError, RelayEnd, StatusQuery, StatusReply, TransferAbort, TransferAborted, TransferAccept,
     TransferCommitted, TransferDone, TransferOffer, TransferRefuse, TransportError, check_compatible,
-    offer_problems, secret_bytes,
+    offer_problems, secret_bytes, timeout_stage,
 )
 from node.transport.wire import (
-    DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_PAYLOAD_BYTES, encode, read_msg, read_payload, say_goodbye, send,
-    server_handshake,
+    DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_PAYLOAD_BYTES, encode, read_msg, read_payload, refusal_code, say_goodbye,
+    send, server_handshake,
 )
 
 _log = structlog.get_logger("node.transport")
@@ -57,15 +57,19 @@ class ReceiveReport:
     layer_arrival_s: list[float] = field(default_factory=list)
     nbytes: int = 0
     done_s: float | None = None
+    cached_blocks: int = 0  # leading blocks the receiver already held (not sent)
 
 
 class KVServer:
     """Accept KV transfers on ``host:port`` (``port=0``: any free port, see :attr:`port`).
 
     Callbacks may be plain functions or coroutines:
-      * ``reserve(offer) -> list[int] | None``: block ids in logical order, ``None`` to refuse;
+      * ``reserve(offer) -> list[int] | (list[int], int) | None``: block ids in logical order, ``None``
+        to refuse; with a count ``c``, the first ``c`` blocks already hold the sequence's KV (the
+        receiver's prefix cache, ``0 <= c < num_blocks``) and are not sent;
       * ``on_layer(transfer_id, layer, payload: bytearray)``: layer ``layer`` landed and passed its
-        checksum; ``payload`` is the ``[2, n, block_size, Hkv, D]`` buffer (see
+        checksum; ``payload`` is the ``[2, n - c, block_size, Hkv, D]`` buffer of the blocks after the
+        cached ones (see
         :func:`node.transport.tensors.layer_from_bytes`); layers come in order 0..L-1;
       * ``on_done(transfer_id, report)``: every layer landed; adopt the sequence (raising aborts). For
         an offer with ``relay=True`` it returns an async iterator of ``TokenRelay`` messages ending with
@@ -76,7 +80,10 @@ class KVServer:
       * ``on_abort(transfer_id, reason)``: free the reservation;
       * ``status(n) -> StatusReply`` (optional): the answer to a peer's ``StatusQuery``;
       * ``check(offer) -> list[str]`` (optional): reasons this receiver cannot take the sequence at all
-        (e.g. longer than its context); any makes the offer refused with code ``invalid``.
+        (e.g. longer than its context); any makes the offer refused with code ``invalid``;
+      * ``on_refused(peer, peer_node_id, code, reason)`` (optional, plain function): a handshake was
+        refused, by us or by the client (``code``: see :class:`~node.transport.protocol.PeerRefused`);
+      * ``on_timeout(stage)`` (optional, plain function): a bounded wait on a connection expired.
     Timeouts (s): ``handshake_timeout_s`` for the whole handshake, ``idle_timeout_s`` between
     messages outside a transfer (the client's heartbeats keep it alive), ``stall_timeout_s`` for each
     frame or payload chunk during a transfer, ``reply_timeout_s`` for our own sends.
@@ -85,7 +92,8 @@ class KVServer:
     def __init__(self, host: str, port: int, secret: str | bytes, layout: Layout, *,
                  reserve: Reserve, on_layer: OnLayer, on_done: OnDone, on_abort: OnAbort,
                  status: Status | None = None, check: Callable[[TransferOffer], list[str]] | None = None,
-                 node_id: str = "", relay_keepalive_s: float = 2.0, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+                 on_refused: Callable[[str, str, str, str], None] | None = None,
+                 on_timeout: Callable[[str], None] | None = None, node_id: str = "", relay_keepalive_s: float = 2.0, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
                  max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, handshake_timeout_s: float = 5.0,
                  idle_timeout_s: float = 60.0, stall_timeout_s: float = 10.0, reply_timeout_s: float = 10.0):
         self.host, self._port = host, port
@@ -94,6 +102,8 @@ class KVServer:
         self._reserve, self._on_layer, self._on_done, self._on_abort = reserve, on_layer, on_done, on_abort
         self._status = status
         self._check = check
+        self._on_refused = on_refused
+        self._on_timeout = on_timeout
         self.relay_keepalive_s = relay_keepalive_s
         self.node_id = node_id
         self.max_header_bytes = max_header_bytes
@@ -141,14 +151,20 @@ class KVServer:
         task = asyncio.current_task()
         self._conns.add(task)
         peer = writer.get_extra_info("peername")
-        log = _log.bind(peer=f"{peer[0]}:{peer[1]}" if peer else "?")
+        addr = f"{peer[0]}:{peer[1]}" if peer else "?"
+        log = _log.bind(peer=addr)
         try:
             try:
                 hello = await server_handshake(reader, writer, self._secret, self.node_id, self.layout,
                                                self.handshake_timeout_s, self.max_header_bytes)
             except (TransportError, asyncio.IncompleteReadError, ConnectionError) as exc:
-                log.warning("kv_peer_rejected", reason=str(exc) or type(exc).__name__)
-                say_goodbye(writer, f"handshake failed: {exc}")
+                code = refusal_code(exc)
+                log.warning("kv_peer_rejected", reason=str(exc) or type(exc).__name__, code=code or None,
+                            peer_node=getattr(exc, "peer_node_id", "") or None)
+                say_goodbye(writer, f"handshake failed: {exc}", code)
+                if code and self._on_refused is not None:
+                    self._on_refused(addr, getattr(exc, "peer_node_id", ""), code, str(exc))
+                self._timed_out(exc)
                 return
             log = log.bind(peer_node=hello.node_id)
             log.info("kv_peer_connected")
@@ -158,6 +174,7 @@ class KVServer:
         except TransportError as exc:
             log.warning("kv_peer_dropped", reason=str(exc), error=type(exc).__name__)
             say_goodbye(writer, str(exc))
+            self._timed_out(exc)
         except asyncio.CancelledError:
             # only close() cancels these tasks; ending normally keeps asyncio's stream callback quiet
             say_goodbye(writer, "server closing")
@@ -168,9 +185,14 @@ class KVServer:
             writer.close()
             self._conns.discard(task)
 
+    def _timed_out(self, exc: BaseException) -> None:
+        stage = timeout_stage(exc)
+        if stage is not None and self._on_timeout is not None:
+            self._on_timeout(stage)
+
     async def _messages(self, reader, writer, peer_node_id: str, log) -> None:
         while True:
-            msg = await read_msg(reader, self.max_header_bytes, self.idle_timeout_s)
+            msg = await read_msg(reader, self.max_header_bytes, self.idle_timeout_s, "idle")
             if isinstance(msg, Heartbeat):
                 await send(writer, msg, self.reply_timeout_s)
             elif isinstance(msg, StatusQuery):
@@ -219,15 +241,21 @@ class KVServer:
             return await self._refuse(writer, offer, "no_room", f"reserve raised {type(exc).__name__}: {exc}", log)
         if block_ids is None:
             return await self._refuse(writer, offer, "no_room", f"cannot reserve {offer.num_blocks} blocks", log)
+        cached = 0
+        if isinstance(block_ids, tuple):
+            block_ids, cached = block_ids
+        per_layer = offer.layout.layer_bytes(offer.num_blocks - cached)
 
-        report = ReceiveReport(tid, offer, list(block_ids), peer_node_id)
+        report = ReceiveReport(tid, offer, list(block_ids), peer_node_id, cached_blocks=cached)
         self.in_flight[tid] = report
         adopted = False
         try:
             if len(block_ids) != offer.num_blocks:
                 raise TransferAborted(f"reserve returned {len(block_ids)} blocks, the offer needs {offer.num_blocks}")
+            if not 0 <= cached < offer.num_blocks:
+                raise TransferAborted(f"reserve said {cached} of {offer.num_blocks} blocks are cached")
             t0 = time.monotonic()
-            await send(writer, TransferAccept(transfer_id=tid), self.reply_timeout_s)
+            await send(writer, TransferAccept(transfer_id=tid, cached_blocks=cached), self.reply_timeout_s)
             for layer in range(offer.layout.num_layers):
                 head = await self._next_of_transfer(reader, tid)
                 if not isinstance(head, LayerHeader) or head.layer != layer:
@@ -235,9 +263,9 @@ class KVServer:
                 if head.nbytes > self.max_payload_bytes:
                     raise FrameTooLarge(f"layer {layer} payload of {head.nbytes} bytes exceeds "
                                         f"max_payload_bytes {self.max_payload_bytes}")
-                if head.nbytes != offer.nbytes_per_layer:
-                    raise ProtocolError(f"layer {layer} has {head.nbytes} bytes, "
-                                        f"the offer said {offer.nbytes_per_layer}")
+                if head.nbytes != per_layer:
+                    raise ProtocolError(f"layer {layer} has {head.nbytes} bytes, not {per_layer} for "
+                                        f"{offer.num_blocks - cached} uncached blocks")
                 data, crc = await read_payload(reader, head.nbytes, self.stall_timeout_s)
                 if crc != head.checksum:
                     raise ChecksumMismatch(f"layer {layer}: crc32 {crc:#010x} != header {head.checksum:#010x}")
@@ -321,7 +349,7 @@ class KVServer:
                     await aclose()
 
     async def _next_of_transfer(self, reader, tid: str):
-        msg = await read_msg(reader, self.max_header_bytes, self.stall_timeout_s)
+        msg = await read_msg(reader, self.max_header_bytes, self.stall_timeout_s, "stall")
         if isinstance(msg, TransferAbort):
             raise TransferAborted(f"sender aborted: {msg.reason}")
         if getattr(msg, "transfer_id", tid) != tid:

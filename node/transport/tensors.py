@@ -8,7 +8,7 @@ import warnings
 import torch
 
 from kernels import reference
-from node.transport.protocol import DTYPE_BYTES, Layout
+from node.transport.protocol import DTYPE_BYTES, Fingerprint, Layout
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -23,13 +23,14 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def layout_of(kv_cache: torch.Tensor, model_id: str) -> Layout:
-    """The :class:`Layout` of ``kv_cache [num_layers, 2, num_blocks, block_size, Hkv, D]``."""
+def layout_of(kv_cache: torch.Tensor, model_id: str, fingerprint: Fingerprint | None = None) -> Layout:
+    """The :class:`Layout` of ``kv_cache [num_layers, 2, num_blocks, block_size, Hkv, D]`` (with the
+    model's ``fingerprint``, see :mod:`node.transport.fingerprint`)."""
     L, two, _, bs, h, d = kv_cache.shape
     if two != 2:
         raise ValueError(f"kv_cache dim 1 must be 2 (K, V), got shape {tuple(kv_cache.shape)}")
     return Layout(model_id=model_id, dtype=dtype_name(kv_cache.dtype), block_size=bs, num_layers=L,
-                  num_kv_heads=h, head_dim=d)
+                  num_kv_heads=h, head_dim=d, fingerprint=fingerprint)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

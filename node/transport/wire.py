@@ -13,9 +13,9 @@ import struct
 import msgspec
 
 from node.transport.protocol import (
-    NONCE_BYTES, PROTOCOL_VERSION, AuthError, FrameTooLarge, Goodbye, Hello, HelloProof, HelloReply,
-    Layout, Message, ProtocolError, TransportError, TransportTimeout, checksum, client_mac, mac_ok,
-    server_mac,
+    NONCE_BYTES, PROTOCOL_VERSION, AuthError, FrameTooLarge, Goodbye, Hello, HelloAck, HelloProof, HelloReply,
+    Layout, Message, PeerRefused, ProtocolError, TransportError, TransportTimeout, VersionMismatch, checksum,
+    check_compatible, client_mac, mac_ok, server_mac,
 )
 
 _LEN = struct.Struct(">I")
@@ -33,9 +33,11 @@ def encode(msg: Message) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-async def read_msg(reader: asyncio.StreamReader, max_header_bytes: int, timeout_s: float | None) -> Message:
+async def read_msg(reader: asyncio.StreamReader, max_header_bytes: int, timeout_s: float | None,
+                   stage: str = "idle") -> Message:
     """Read one frame within ``timeout_s`` s. Raises ``FrameTooLarge`` (length > ``max_header_bytes``),
-    ``ProtocolError`` (undecodable), ``TransportTimeout``, ``asyncio.IncompleteReadError`` (EOF)."""
+    ``ProtocolError`` (undecodable), ``TransportTimeout`` (its ``stage`` is ``stage``),
+    ``asyncio.IncompleteReadError`` (EOF)."""
     try:
         async with asyncio.timeout(timeout_s):
             (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
@@ -43,7 +45,7 @@ async def read_msg(reader: asyncio.StreamReader, max_header_bytes: int, timeout_
                 raise FrameTooLarge(f"frame of {n} bytes exceeds max_header_bytes {max_header_bytes}")
             body = await reader.readexactly(n)
     except TimeoutError:
-        raise TransportTimeout(f"no frame within {timeout_s} s") from None
+        raise TransportTimeout(f"no frame within {timeout_s} s", stage) from None
     try:
         return _DEC.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -73,7 +75,7 @@ async def read_payload(reader: asyncio.StreamReader, nbytes: int, stall_timeout_
                 crc = checksum(piece, crc)
                 off += k
     except TimeoutError:
-        raise TransportTimeout(f"payload stalled at {off}/{nbytes} bytes for {stall_timeout_s} s") from None
+        raise TransportTimeout(f"payload stalled at {off}/{nbytes} bytes for {stall_timeout_s} s", "stall") from None
     return buf, crc
 
 
@@ -82,7 +84,7 @@ async def drain(writer: asyncio.StreamWriter, timeout_s: float | None) -> None:
         async with asyncio.timeout(timeout_s):
             await writer.drain()
     except TimeoutError:
-        raise TransportTimeout(f"peer did not read for {timeout_s} s") from None
+        raise TransportTimeout(f"peer did not read for {timeout_s} s", "stall") from None
 
 
 async def send(writer: asyncio.StreamWriter, msg: Message, timeout_s: float | None) -> None:
@@ -90,26 +92,41 @@ async def send(writer: asyncio.StreamWriter, msg: Message, timeout_s: float | No
     await drain(writer, timeout_s)
 
 
-def say_goodbye(writer: asyncio.StreamWriter, reason: str) -> None:
-    """Best effort: queue a Goodbye and close (no await; never raises)."""
+def say_goodbye(writer: asyncio.StreamWriter, reason: str, code: str = "") -> None:
+    """Best effort: queue a Goodbye (``code``: why a handshake was refused) and close (no await; never raises)."""
     try:
         if not writer.is_closing():
-            writer.write(encode(Goodbye(reason=reason[:1000])))
+            writer.write(encode(Goodbye(reason=reason[:1000], code=code)))
         writer.close()
     except Exception:  # noqa: BLE001 - the connection may already be gone
         pass
 
 
+def refusal_code(exc: BaseException) -> str:
+    """The ``Goodbye.code`` that tells the other side why a handshake failed ("" when it was not a refusal)."""
+    return exc.code if isinstance(exc, PeerRefused) else ""
+
+
 def _peer_goodbye(msg: Message, step: str) -> TransportError:
     if isinstance(msg, Goodbye):
-        return AuthError(f"peer closed during {step}: {msg.reason}")
+        if msg.code:
+            return PeerRefused(f"peer refused the handshake: {msg.reason}", msg.code)
+        return TransportError(f"peer closed during {step}: {msg.reason}")  # it gave up (e.g. its timeout)
     return ProtocolError(f"expected {step}, got {type(msg).__name__}")
 
 
 async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes,
                            node_id: str, layout: Layout | None, timeout_s: float,
                            max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> HelloReply:
-    """Client side: send Hello, check the server's proof and version, send ours. Raises AuthError."""
+    """Client side: send Hello, check the server's proof, version and (with ``layout``) its layout,
+    send ours, wait for the server's ``HelloAck``.
+
+    Raises:
+        AuthError / VersionMismatch: the server could not prove the secret or speaks another version.
+        LayoutMismatch: the server's layout or fingerprint differs from ``layout`` (no proof is sent).
+        PeerRefused: the server refused us (its ``Goodbye.code`` is the exception's ``code``).
+        TransportTimeout: not done within ``timeout_s`` s (stage ``handshake``).
+    """
     nonce = secrets.token_bytes(NONCE_BYTES)
     try:
         async with asyncio.timeout(timeout_s):
@@ -118,27 +135,41 @@ async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
             if not isinstance(reply, HelloReply):
                 raise _peer_goodbye(reply, "HelloReply")
             if reply.version != PROTOCOL_VERSION:
-                raise AuthError(f"server speaks protocol {reply.version}, we speak {PROTOCOL_VERSION}")
+                raise VersionMismatch(f"server speaks protocol {reply.version}, we speak {PROTOCOL_VERSION}")
             if len(reply.nonce) != NONCE_BYTES or not mac_ok(server_mac(secret, nonce, reply.nonce), reply.mac):
                 raise AuthError(f"server {reply.node_id!r} could not prove the peer secret")
+            if layout is not None and reply.layout is not None:
+                check_compatible(layout, reply.layout)
             await send(writer, HelloProof(mac=client_mac(secret, nonce, reply.nonce)), None)
+            ack = await read_msg(reader, max_header_bytes, None)
+            if not isinstance(ack, HelloAck):
+                raise _peer_goodbye(ack, "HelloAck")
     except TimeoutError:
-        raise TransportTimeout(f"handshake not done within {timeout_s} s") from None
+        raise TransportTimeout(f"handshake not done within {timeout_s} s", "handshake") from None
     return reply
 
 
 async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes,
                            node_id: str, layout: Layout | None, timeout_s: float,
                            max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> Hello:
-    """Server side: answer the client's challenge with ours, check its proof. Raises AuthError."""
+    """Server side: answer the client's challenge with ours, check its proof and then (only for an
+    authenticated client) its layout, and acknowledge.
+
+    Raises:
+        AuthError / VersionMismatch / LayoutMismatch: the client is refused (the caller says why in
+            a ``Goodbye`` with the exception's ``code``); ``PeerRefused``: the client refused us.
+            Every ``TransportError`` raised carries ``peer_node_id`` (the client's, "" before its Hello).
+        TransportTimeout: not done within ``timeout_s`` s (stage ``handshake``).
+    """
     nonce = secrets.token_bytes(NONCE_BYTES)
+    hello = None
     try:
         async with asyncio.timeout(timeout_s):
             hello = await read_msg(reader, max_header_bytes, None)
             if not isinstance(hello, Hello):
                 raise ProtocolError(f"expected Hello, got {type(hello).__name__}")
             if hello.version != PROTOCOL_VERSION:
-                raise AuthError(f"client speaks protocol {hello.version}, we speak {PROTOCOL_VERSION}")
+                raise VersionMismatch(f"client speaks protocol {hello.version}, we speak {PROTOCOL_VERSION}")
             if len(hello.nonce) != NONCE_BYTES:
                 raise AuthError(f"client nonce of {len(hello.nonce)} bytes, want {NONCE_BYTES}")
             mac = server_mac(secret, hello.nonce, nonce)
@@ -149,6 +180,12 @@ async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
                 raise _peer_goodbye(proof, "HelloProof")
             if not mac_ok(client_mac(secret, hello.nonce, nonce), proof.mac):
                 raise AuthError(f"client {hello.node_id!r} could not prove the peer secret")
+            if layout is not None and hello.layout is not None:
+                check_compatible(layout, hello.layout)
+            await send(writer, HelloAck(), None)
     except TimeoutError:
-        raise TransportTimeout(f"handshake not done within {timeout_s} s") from None
+        raise TransportTimeout(f"handshake not done within {timeout_s} s", "handshake") from None
+    except TransportError as exc:
+        exc.peer_node_id = hello.node_id if isinstance(hello, Hello) else ""  # who, for the refusal log
+        raise
     return hello

@@ -1,10 +1,16 @@
 """Tokenizer, chat template and incremental detokenizer, on the ``tokenizers`` library and jinja2.
 
-Hugging Face folders are read as transformers 4.x reads a fast tokenizer: ``tokenizer.json`` as
-written (its post-processor adds BOS), ``tokenizer_config.json`` for special tokens and the
-``chat_template`` (or ``chat_template.jinja``), ``generation_config.json`` for EOS ids. Chat
-templates render in a sandboxed jinja2 environment with ``trim_blocks``/``lstrip_blocks``, like
-transformers' ``apply_chat_template``.
+Hugging Face folders are read as transformers reads a fast tokenizer (``TokenizersBackend`` in 5.x,
+``PreTrainedTokenizerFast`` in 4.x): ``tokenizer.json`` as written (its post-processor adds BOS), with
+no truncation or padding; ``tokenizer_config.json`` for special tokens (one missing from
+``tokenizer.json`` is added as a special token) and the ``chat_template`` (or ``chat_template.jinja``);
+``generation_config.json`` for EOS ids. Special tokens written as text in a prompt (``"<s>"``) are
+parsed as their ids, as transformers does by default (``split_special_tokens=False``).
+
+One deliberate difference: :meth:`TextTokenizer.encode` adds BOS (or EOS) only where the text does not
+already begin (end) with it, so a prompt pre-rendered with a chat template that writes
+``{{ bos_token }}`` gets one BOS, not two (vLLM #9519). Chat templates render in a sandboxed jinja2
+environment with ``trim_blocks``/``lstrip_blocks``, like ``apply_chat_template``.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 DEFAULT_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'system' %}{{ message['content'] }}\n\n"
@@ -48,6 +54,9 @@ class TextTokenizer:
 
     def __init__(self, tok: Tokenizer, config: dict[str, Any], chat_template: str | None, eos_token_ids: list[int]):
         self._tok = tok
+        tok.no_truncation()  # transformers encodes without truncation or padding unless asked
+        tok.no_padding()
+        tok.encode_special_tokens = bool(config.get("split_special_tokens", False))
         self.bos_token = _token_str(config.get("bos_token"))
         self.eos_token = _token_str(config.get("eos_token"))
         self.chat_template = chat_template
@@ -60,6 +69,7 @@ class TextTokenizer:
         self.max_chars_per_token = max(len(p) for p in tok.get_vocab(with_added_tokens=True)) + 1
         self._anchor_id = tok.encode("a", add_special_tokens=False).ids[-1]
         self._anchor_text = tok.decode([self._anchor_id], skip_special_tokens=False)
+        self._added_prefix, self._added_suffix = _post_processor_ids(tok)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "TextTokenizer":
@@ -82,6 +92,7 @@ class TextTokenizer:
         eos: list[int] = []
         e = _read_json(folder / "generation_config.json").get("eos_token_id")
         eos = e if isinstance(e, list) else ([] if e is None else [e])
+        _add_config_special_tokens(tok, cfg)
         vocab = tok.get_vocab_size(with_added_tokens=True)
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in eos):
             raise TokenizerError(f"generation_config.json eos_token_id {e!r} must be token ids below {vocab}")
@@ -104,7 +115,21 @@ class TextTokenizer:
         return cls(tok, cfg, DEFAULT_CHAT_TEMPLATE, [2])
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of ``text`` (special-token text such as ``"<s>"`` becomes its special id).
+
+        With ``add_special_tokens`` the ids the post-processor adds (BOS for Llama) are added, except
+        where the text's own ids already begin (or end) with them: at most one BOS, never a doubled
+        one from a pre-rendered chat prompt.
+        """
+        if not add_special_tokens:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        if self._added_prefix is None:  # a post-processor that does more than add ids: use it as is
+            return self._tok.encode(text, add_special_tokens=True).ids
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        pre, suf = self._added_prefix, self._added_suffix
+        head = [] if ids[: len(pre)] == pre else pre
+        tail = [] if suf and len(ids) >= len(suf) and ids[-len(suf):] == suf else suf
+        return head + ids + tail
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -150,6 +175,52 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise TokenizerError(f"{path} must hold a JSON object")
     return data
+
+
+def _post_processor_ids(tok: Tokenizer) -> tuple[list[int] | None, list[int]]:
+    """The ids the post-processor puts before and after a single text (``([1], [])`` for Llama).
+
+    Found from a probe text; ``(None, [])`` when the post-processor does something other than add
+    ids around the text, so callers fall back to the library's own ``add_special_tokens=True``.
+    """
+    plain = tok.encode("a b", add_special_tokens=False).ids
+    full = tok.encode("a b", add_special_tokens=True).ids
+    for i in range(len(full) - len(plain) + 1):
+        if full[i : i + len(plain)] == plain:
+            return full[:i], full[i + len(plain) :]
+    return None, []
+
+
+_NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _add_config_special_tokens(tok: Tokenizer, cfg: dict[str, Any]) -> None:
+    """Add the tokens of ``tokenizer_config.json`` that ``tokenizer.json`` lacks, as transformers does.
+
+    ``added_tokens_decoder`` entries keep their flags; named special tokens (``bos_token``...) and
+    ``additional_special_tokens``/``extra_special_tokens`` are added as special, unnormalized tokens,
+    so their text in a prompt is parsed as the token (a content already in the vocabulary keeps its id).
+    """
+    have = {t.content for t in tok.get_added_tokens_decoder().values()}
+    new: list[AddedToken] = []
+    decoder = cfg.get("added_tokens_decoder")
+    if isinstance(decoder, dict):
+        for _, spec in sorted(decoder.items(), key=lambda kv: int(kv[0]) if str(kv[0]).isdigit() else 0):
+            if isinstance(spec, dict) and isinstance(spec.get("content"), str) and spec["content"] not in have:
+                flags = {k: bool(spec[k]) for k in ("single_word", "lstrip", "rstrip", "normalized", "special") if k in spec}
+                new.append(AddedToken(spec["content"], **flags))
+                have.add(spec["content"])
+    named = [_token_str(cfg.get(k)) for k in _NAMED_SPECIAL]
+    for key in ("additional_special_tokens", "extra_special_tokens"):
+        extra = cfg.get(key)
+        if isinstance(extra, list):
+            named += [_token_str(t) for t in extra]
+    for content in named:
+        if isinstance(content, str) and content and content not in have:
+            new.append(AddedToken(content, special=True, normalized=False))
+            have.add(content)
+    if new:
+        tok.add_tokens(new)
 
 
 def _raise(message: str) -> None:

@@ -40,7 +40,10 @@ def test_every_message_round_trips_through_a_frame():
     msgs = [
         p.Hello(version=1, node_id="a", nonce=b"n" * 32, layout=LAYOUT),
         p.HelloReply(version=1, node_id="b", nonce=b"m" * 32, mac=b"x" * 32),
-        p.HelloProof(mac=b"y" * 32), p.Goodbye(reason="bye"), p.Heartbeat(n=3),
+        p.Hello(version=2, node_id="a", nonce=b"n" * 32, layout=msgspec.structs.replace(LAYOUT, fingerprint=p.Fingerprint(
+            weights="w" * 64, tokenizer="t" * 64, config="c" * 64, digest="d" * 64))),
+        p.HelloProof(mac=b"y" * 32), p.HelloAck(), p.Goodbye(reason="bye"), p.Goodbye(reason="no", code="weights"),
+        p.Heartbeat(n=3),
         p.TransferOffer(transfer_id="t", layout=LAYOUT, seq=s, num_blocks=2, nbytes_per_layer=LAYOUT.layer_bytes(2)),
         p.TransferAccept(transfer_id="t"), p.TransferRefuse(transfer_id="t", code="no_room", reason="full"),
         p.LayerHeader(transfer_id="t", layer=0, nbytes=10, checksum=123), p.TransferDone(transfer_id="t"),

@@ -1,0 +1,264 @@
+"""CPU attention: the reference (``--attention-backend torch``) against the CPU serving path (``cpu``).
+
+``python -m bench.cpu_attention --out bench/out/cpu_attention.json``
+
+Two parts, side by side in one run:
+
+1. **Attention alone**: :func:`kernels.reference.paged_attention` and
+   :func:`kernels.cpu_attention.paged_attention` on the same decode batches (1/16/64/256 sequences,
+   contexts uniform in ``[1, max]`` for max 512 and 4,096, blocks scattered over the pool, block size
+   16) for the stories260k attention geometry (8 query heads, 4 KV heads) at head_dim 8 and 32. Each
+   cell is the best of ``--repeats`` calls (ms; the best, because the machine is shared) and the
+   norm-relative difference of the two outputs.
+2. **Streamed throughput**: a ``shiftnode serve`` node (:class:`bench.node_process.NodeServer`) per
+   (model, backend), fed ``--streams`` concurrent streaming requests by :func:`bench.replay.replay`
+   (all sent at t=0, seeded prompt lengths uniform in ``[16, 192]``, ``--output-tokens`` each,
+   ``ignore_eos``); the figure is output tokens per second (first send to last token). The models
+   are stories260k and its head_dim-32 copy (:func:`pad_head_dim`).
+
+The head_dim-32 copy computes the same function as the original: each head's 8 dims are placed at
+dims ``0..3`` and ``16..19`` of 32 (rotate-half pairs ``(i, i + D/2)`` stay pairs), the other dims
+have zero q/k/v weights (zero rows) and zero ``o_proj`` columns. Rotary frequencies
+``theta ** (-2i / D)`` stay the same for the live pairs when ``theta' = theta ** (D' / D)``
+(``(theta ** (D'/D)) ** (-2i / D') = theta ** (-2i / D)``), and the scale ``D' ** -0.5`` is undone by
+multiplying the q rows by ``sqrt(D' / D)`` (2 here, exact in float). Up to float rounding of the
+rotary table the logits are unchanged; the bench checks greedy tokens on the stories260k reference
+prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kernels import cpu_attention, reference
+
+__all__ = ["pad_head_dim", "decode_batch", "time_attention", "stream_throughput", "main"]
+
+STORIES = Path(os.environ.get("SHIFTNODE_SHARED", Path(__file__).resolve().parents[2] / "shared")) / "models" / "stories260k"
+
+
+def pad_head_dim(src: Path, dst: Path, head_dim: int) -> Path:
+    """Write a copy of the Llama checkpoint folder ``src`` with ``head_dim`` per head into ``dst``,
+    computing the same function (see the module docstring for the layout and the rotary argument).
+
+    Raises:
+        ValueError: ``head_dim`` is not a larger even size, the model has biases or q/k norms (not
+            handled), or ``rope_scaling`` is set.
+    """
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((src / "config.json").read_text())
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    if head_dim <= d or head_dim % 2:
+        raise ValueError(f"head_dim {head_dim} must be even and above the model's {d}")
+    if cfg.get("attention_bias") or cfg.get("rope_scaling") or cfg.get("model_type") == "qwen3":
+        raise ValueError("pad_head_dim handles plain Llama attention only (no bias, q/k norm or rope scaling)")
+    half, new_half = d // 2, head_dim // 2
+    # old dim j -> new dim: the first rotate-half lane stays at j, the second moves to new_half + (j - half)
+    where = torch.tensor([j if j < half else new_half + j - half for j in range(d)])
+
+    def pad_rows(w: torch.Tensor, n_heads: int, gain: float = 1.0) -> torch.Tensor:  # [n*d, in] -> [n*D', in]
+        out = w.new_zeros(n_heads, head_dim, w.shape[1])
+        out[:, where] = w.view(n_heads, d, -1) * gain
+        return out.reshape(n_heads * head_dim, -1)
+
+    tensors = load_file(src / "model.safetensors")
+    gain = math.sqrt(head_dim / d)  # undoes the scale change head_dim ** -0.5
+    for name in list(tensors):
+        w = tensors[name]
+        if name.endswith("self_attn.q_proj.weight"):
+            tensors[name] = pad_rows(w, heads, gain)
+        elif name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+            tensors[name] = pad_rows(w, kv_heads)
+        elif name.endswith("self_attn.o_proj.weight"):  # [hidden, heads*d] -> [hidden, heads*D']
+            out = w.new_zeros(w.shape[0], heads, head_dim)
+            out[:, :, where] = w.view(w.shape[0], heads, d)
+            tensors[name] = out.reshape(w.shape[0], -1)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, dst / f.name)
+    theta = float(cfg.get("rope_theta", 10000.0))
+    cfg.update(head_dim=head_dim, rope_theta=theta ** (head_dim / d))
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, dst / "model.safetensors")
+    return dst
+
+
+def decode_batch(num_seqs: int, max_ctx: int, *, heads: int = 8, kv_heads: int = 4, head_dim: int = 8,
+                 block_size: int = 16, seed: int = 0) -> tuple:
+    """A random decode batch: contexts uniform in ``[1, max_ctx]``, each sequence's blocks drawn without
+    replacement from a pool with some spare blocks. Returns the positional arguments of
+    ``paged_attention`` up to ``max_seqlen_q``: ``(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)``."""
+    g = torch.Generator().manual_seed(seed)
+    ctx = torch.randint(1, max_ctx + 1, (num_seqs,), generator=g)
+    n_blocks = (ctx + block_size - 1) // block_size
+    total = int(n_blocks.sum())
+    pool = total + total // 8 + 1
+    ids = torch.randperm(pool, generator=g)[:total]
+    table = torch.full((num_seqs, int(n_blocks.max())), -1, dtype=torch.int32)
+    offsets = torch.cumsum(n_blocks, 0) - n_blocks
+    for i in range(num_seqs):
+        table[i, : n_blocks[i]] = ids[offsets[i] : offsets[i] + n_blocks[i]].int()
+    k_cache = torch.randn(pool, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(pool, block_size, kv_heads, head_dim, generator=g)
+    q = torch.randn(num_seqs, heads, head_dim, generator=g)
+    cu = torch.arange(num_seqs + 1, dtype=torch.int32)
+    return q, k_cache, v_cache, table, ctx.int(), cu
+
+
+def _best_ms(fn, repeats: int, budget_s: float) -> float:
+    fn()  # warm-up
+    best, spent = math.inf, 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t
+        best, spent = min(best, dt), spent + dt
+        if spent > budget_s:
+            break
+    return best * 1e3
+
+
+def time_attention(batches: list[int], contexts: list[int], head_dims: list[int], repeats: int,
+                   budget_s: float) -> list[dict]:
+    """Part 1: one row per (head_dim, max context, batch) with both timings (ms), speed-up and error."""
+    rows = []
+    for d in head_dims:
+        for max_ctx in contexts:
+            for n in batches:
+                args = decode_batch(n, max_ctx, head_dim=d)
+                scale = d**-0.5
+                ref_out = reference.paged_attention(*args, 1, scale)
+                new_out = cpu_attention.paged_attention(*args, 1, scale)
+                err = float((new_out - ref_out).norm() / ref_out.norm())
+                ref_ms = _best_ms(lambda: reference.paged_attention(*args, 1, scale), repeats, budget_s)
+                new_ms = _best_ms(lambda: cpu_attention.paged_attention(*args, 1, scale), repeats, budget_s)
+                row = dict(head_dim=d, max_context=max_ctx, batch=n, context_tokens=int(args[4].sum()),
+                           reference_ms=round(ref_ms, 3), cpu_ms=round(new_ms, 3),
+                           speedup=round(ref_ms / new_ms, 2), rel_err=err)
+                print(f"attention head_dim={d} ctx<={max_ctx} batch={n}: reference {ref_ms:.2f} ms, "
+                      f"cpu {new_ms:.2f} ms, x{ref_ms / new_ms:.1f}, err {err:.1e}", flush=True)
+                rows.append(row)
+    return rows
+
+
+def greedy_check(original: Path, padded: Path, backend: str) -> dict:
+    """Greedy tokens of both folders on the reference prompts (through :class:`ModelRunner`, no node):
+    how many cases agree on every token."""
+    from node.config import NodeConfig
+    from node.runtime.node import select_ops
+    from node.worker.loader import build_runner, load_model_info
+    from node.worker.runner import SeqInput, StepInput
+    from node.worker.sampler import SampleRequest
+    from node.core.sequence import SamplingParams
+
+    cases = json.loads((original / "reference_greedy.json").read_text())["cases"]
+    outs = []
+    for folder in (original, padded):
+        config = NodeConfig(model=str(folder), kv_cache_memory_bytes=64 << 20)
+        runner = build_runner(config, load_model_info(config), "cpu:0", select_ops(backend, "cpu"))
+        bs = runner.block_size
+        tokens_per_case = []
+        for case in cases:
+            ids = list(case["prompt_token_ids"])
+            n_prompt = len(ids)
+            total = n_prompt + case["max_new_tokens"]
+            blocks = list(range((total + bs - 1) // bs))
+            start = 0
+            while len(ids) < total:
+                req = SampleRequest(SamplingParams(max_tokens=total, temperature=0.0), ids[:n_prompt], ids[n_prompt:], len(ids) - n_prompt)
+                out = runner.execute(StepInput([SeqInput("s", ids[start:], start, blocks, sample=req)]))
+                start = len(ids)
+                ids.append(out["s"].token_id)
+            tokens_per_case.append(ids[n_prompt:])
+        outs.append(tokens_per_case)
+    same = sum(a == b for a, b in zip(*outs))
+    return {"cases": len(cases), "identical": same,
+            "original_matches_reference": sum(o == c["output_token_ids"] for o, c in zip(outs[0], cases))}
+
+
+def stream_throughput(model: Path, backend: str, streams: int, output_tokens: int, log_dir: Path,
+                      seed: int = 0) -> dict:
+    """Part 2: one node, ``streams`` concurrent streams; output tokens/s and TPOT (ms)."""
+    from bench.node_process import NodeServer
+    from bench.replay import fetch_server_info, replay
+    from bench.traces import TraceRequest
+    import aiohttp
+
+    rng = random.Random(seed)
+    requests = [TraceRequest(0.0, rng.randint(16, 192), output_tokens) for _ in range(streams)]
+    args = ["--model", str(model), "--attention-backend", backend, "--max-num-seqs", str(max(streams, 1))]
+    with NodeServer(args, log_path=log_dir / f"{model.name}-{backend}.log") as node:
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                info = await fetch_server_info(s, node.url)
+            # one short request first: the first steps of a fresh process are slower
+            await replay(node.url, [TraceRequest(0.0, 16, 8)], info, progress=False)
+            return await replay(node.url, requests, info, seed=seed, progress=False, drain_timeout_s=600)
+
+        res = asyncio.run(go())
+    s = res.summary
+    row = dict(model=model.name, backend=backend, streams=streams, output_tokens=s.total_output_tokens,
+               failed=s.failed, duration_s=round(s.duration_s, 2), tokens_per_s=round(s.output_throughput, 1),
+               tpot_p50_ms=round(s.tpot_ms.median, 2))
+    print(f"stream {model.name} backend={backend}: {row['tokens_per_s']} tokens/s, TPOT p50 "
+          f"{row['tpot_p50_ms']} ms, {s.failed} failed", flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.cpu_attention", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, default=STORIES, help="the unpadded model folder (stories260k)")
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--contexts", default="512,4096", help="largest context of each batch (tokens)")
+    ap.add_argument("--head-dims", default="8,32")
+    ap.add_argument("--repeats", type=int, default=5, help="attention calls timed per cell (best kept)")
+    ap.add_argument("--cell-budget-s", type=float, default=10.0, help="stop repeating a cell after this long")
+    ap.add_argument("--padded-head-dim", type=int, default=32)
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--output-tokens", type=int, default=256)
+    ap.add_argument("--backends", default="torch,cpu", help="node backends of part 2")
+    ap.add_argument("--skip-attention", action="store_true")
+    ap.add_argument("--skip-stream", action="store_true")
+    ap.add_argument("--work-dir", type=Path, default=Path("bench/out/cpu_attention"))
+    ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    a = ap.parse_args(argv)
+    doc = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.processor() or platform.machine()}, "
+           f"{torch.get_num_threads()} torch threads, torch {torch.__version__}", "command": " ".join(sys.argv)}
+    if not a.skip_attention:
+        doc["attention"] = time_attention([int(x) for x in a.batches.split(",")], [int(x) for x in a.contexts.split(",")],
+                                          [int(x) for x in a.head_dims.split(",")], a.repeats, a.cell_budget_s)
+    if not a.skip_stream:
+        padded = pad_head_dim(a.model, a.work_dir / f"{a.model.name}-hd{a.padded_head_dim}", a.padded_head_dim)
+        doc["greedy_check"] = greedy_check(a.model, padded, "cpu")
+        print(f"greedy check (original vs head_dim {a.padded_head_dim}): {doc['greedy_check']}", flush=True)
+        rows = [stream_throughput(m, b, a.streams, a.output_tokens, a.work_dir)
+                for m in (a.model, padded) for b in a.backends.split(",")]
+        doc["stream"] = rows
+        by = {(r["model"], r["backend"]): r["tokens_per_s"] for r in rows}
+        for b in a.backends.split(","):
+            ratio = by[(padded.name, b)] / by[(a.model.name, b)]
+            print(f"backend {b}: head_dim {a.padded_head_dim} / unpadded throughput = {ratio:.2f}")
+            doc.setdefault("padded_ratio", {})[b] = round(ratio, 3)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""The node's health for ``GET /health``: ``ok``, ``degraded`` (it serves, but something is wrong:
+a peer unreachable or refused, the node draining, a device down) or ``unavailable`` (it cannot serve
+a request at all: every device down, or a pooled node whose prefill or decode side is wholly gone).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from node.runtime.peer_state import READY
+
+if TYPE_CHECKING:
+    from node.runtime.node import Node
+
+INBOUND_REFUSAL_WINDOW_S = 60.0  # an inbound refusal this recent makes the node degraded
+OK, DEGRADED, UNAVAILABLE = "ok", "degraded", "unavailable"
+
+
+@dataclass
+class Health:
+    """``status`` (ok / degraded / unavailable) and why (empty when ok)."""
+
+    status: str
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def http_status(self) -> int:
+        """200 while the node can serve (ok or degraded), 503 when it cannot."""
+        return 503 if self.status == UNAVAILABLE else 200
+
+    def body(self) -> dict:
+        return {"status": self.status} | ({"reasons": self.reasons} if self.reasons else {})
+
+
+def _down(engine) -> str | None:
+    # the engine's containment sets ``failure`` (a message) when its device stopped serving
+    return getattr(engine, "failure", None)
+
+
+def node_health(node: "Node", now: float | None = None) -> Health:
+    """The health of ``node`` at ``now`` (its monotonic clock; default: the current time)."""
+    now = time.monotonic() if now is None else now
+    cfg = node.config
+    reasons: list[str] = []
+    fatal: list[str] = []
+    down = {e.device_id: f for e in node.engines if (f := _down(e))}
+    reasons += [f"engine {d} down: {f}" for d, f in down.items()]
+    if len(down) == len(node.engines):
+        fatal.append("every engine is down")
+    if node.draining:
+        reasons.append("draining: the node takes no new requests")
+    ready = 0
+    if node.peers is not None:
+        for p in list(node.peers.peers.values()):
+            state, why = p.state(now, node.peers.stale_s)
+            if state == READY:
+                ready += 1
+            else:
+                reasons.append(f"peer {p.addr} {state}: {why}")
+    if node.receiver is not None:
+        reasons += [f"refused peer {r.node_id or r.peer} connecting to the KV port ({r.code}): {r.reason}"
+                    for r in node.receiver.refused.recent(now, INBOUND_REFUSAL_WINDOW_S)]
+    if cfg.mode == "pooled" and cfg.prefill_devices:
+        if all(d in down for d in cfg.prefill_devices):
+            fatal.append("no prefill device is up")
+        if ready == 0 and all(d in down for d in cfg.decode_devices):
+            fatal.append("no decode device is up and no decode peer is ready" if cfg.decode_devices
+                         else "no decode peer is ready")
+    if fatal:
+        return Health(UNAVAILABLE, fatal + reasons)
+    return Health(DEGRADED if reasons else OK, reasons)

@@ -1,0 +1,176 @@
+"""Engine failures are contained, and requests have a deadline (issue: every fault is explicit).
+
+A failure in any part of a step (the model, post-processing of one sequence, a listener, a role
+switch's reconfiguration) fails only the requests it touched, with a clear error; it is logged and
+counted; the device goes on serving with exact outputs and every block freed. A step loop that ends
+anyway marks its device down. ``--request-timeout-s`` ends a request with an error and frees its KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from node.config import NodeConfig
+from node.core.sequence import SamplingParams
+from node.runtime.node import Node
+from node.runtime.output import OutputState
+from support import STORIES, NodeProcess, reference_cases
+
+CASE = reference_cases()[0]
+PARAMS = SamplingParams(max_tokens=40, temperature=0.0)
+
+
+async def collect(node: Node, rid: str, params: SamplingParams = PARAMS) -> tuple[list[int], list]:
+    ids, errors = [], []
+    async for _, d in node.generate(rid, CASE["prompt_token_ids"], params):
+        ids += d.token_ids
+        if d.error:
+            errors.append(d)
+    return ids, errors
+
+
+async def idle(node: Node, timeout_s: float = 10.0) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if all(e.batcher.ledger.num_used == 0 and not e.batcher.running and not e.batcher.waiting for e in node.engines):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError([(e.device_id, e.batcher.ledger.num_used) for e in node.engines])
+
+
+def with_node(body, **config):
+    async def go():
+        node = await Node.create(NodeConfig(model=str(STORIES), **config))
+        node.start()
+        try:
+            await body(node)
+        finally:
+            await node.close()
+    asyncio.run(go())
+
+
+def test_a_postprocess_failure_fails_only_its_request():
+    expected = CASE["output_token_ids"][:40]
+
+    async def body(node: Node):
+        real = OutputState.on_token
+
+        def flaky(self, token_id, logprobs):
+            if self.seq.request_id == "bad" and self.seq.num_output == 5:
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+            return real(self, token_id, logprobs)
+
+        OutputState.on_token = flaky
+        try:
+            (good_ids, good_err), (bad_ids, bad_err) = await asyncio.gather(collect(node, "good"), collect(node, "bad"))
+        finally:
+            OutputState.on_token = real
+        assert good_err == [] and good_ids == expected
+        assert len(bad_err) == 1 and "postprocess" in bad_err[0].error and "UnicodeDecodeError" in bad_err[0].error
+        assert len(bad_ids) == 4  # the tokens before the failure were streamed
+        assert node.engines[0].errors == {"postprocess": 1}
+        await idle(node)
+        assert (await collect(node, "after"))[0] == expected  # the device goes on
+        assert b'shiftnode_engine_errors_total{device="cpu:0",stage="postprocess"} 1.0' in node.metrics.render()
+
+    with_node(body)
+
+
+def test_a_model_failure_and_a_raising_listener_are_contained():
+    expected = CASE["output_token_ids"][:40]
+
+    async def body(node: Node):
+        engine = node.engines[0]
+        real = engine.runner.execute
+        calls = {"n": 0}
+
+        def failing_once(step):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("injected device fault")
+            return real(step)
+
+        engine.runner.execute = failing_once
+        ids, errors = await collect(node, "hit")
+        assert len(errors) == 1 and "injected device fault" in errors[0].error
+        await idle(node)
+
+        def broken_listener(*_):
+            raise ValueError("observer bug")
+
+        engine.step_listeners.append(broken_listener)
+        ids, errors = await collect(node, "listened")
+        assert errors == [] and ids == expected
+        assert engine.errors["step"] == 1 and engine.errors["listener"] >= 40
+        await idle(node)
+        engine.batcher.ledger.check()
+
+    with_node(body)
+
+
+def test_a_failed_reconfiguration_still_completes_the_switch():
+    expected = CASE["output_token_ids"][:40]
+
+    async def body(node: Node):
+        engine = node.engines[0]
+
+        def broken(to_role):
+            raise RuntimeError("graph capture exploded")
+
+        engine.reconfigure = broken
+        ids, errors = await collect(node, "switching")
+        assert errors == [] and ids == expected
+        assert engine.errors["reconfigure"] >= 1
+
+    with_node(body, reconfig_pause_ms=1.0)
+
+
+def test_an_engine_whose_loop_ends_is_reported_down_and_fails_its_requests():
+    async def body(node: Node):
+        engine = node.engines[0]
+
+        async def dies():
+            await asyncio.sleep(0.05)
+            raise GeneratorExit("the loop is gone")  # not an Exception: escapes containment, as a real bug might
+
+        engine._iteration = dies
+        engine._task.cancel()
+        await asyncio.sleep(0)
+        engine._task = asyncio.get_running_loop().create_task(engine._loop())
+        engine._task.add_done_callback(engine._on_loop_done)
+        task = asyncio.create_task(collect(node, "stranded"))
+        await asyncio.sleep(0.3)
+        ids, errors = await asyncio.wait_for(task, 5)
+        assert engine.failure and "GeneratorExit" in engine.failure
+        assert len(errors) == 1 and errors[0].error_status == 503 and errors[0].error_code == "engine_down"
+        assert node.status()["devices"][0]["failure"] == engine.failure
+        assert b'shiftnode_engine_down{device="cpu:0"} 1.0' in node.metrics.render()
+
+    with_node(body, mode="colocated")
+
+
+def test_request_timeout_ends_the_request_and_frees_its_kv():
+    async def body(node: Node):
+        params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        ids, errors = await asyncio.wait_for(collect(node, "slow", params), 30)
+        assert len(errors) == 1 and errors[0].error_code == "request_timeout" and errors[0].error_status == 503
+        assert 0 < len(ids) < 400
+        await idle(node)
+        assert node.status()["requests_timed_out"] == 1 and node.status()["live_requests"] == 0
+        ok, errs = await collect(node, "quick", SamplingParams(max_tokens=5, temperature=0.0))
+        assert errs == [] and len(ok) == 5
+
+    with_node(body, request_timeout_s=0.3)
+
+
+def test_request_timeout_over_http_is_503_with_retry_after():
+    node = NodeProcess("--model", str(STORIES), "--request-timeout-s", "0.2")
+    try:
+        r = node.client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 450, "ignore_eos": True})
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "request_timeout" and "--request-timeout-s" in r.json()["error"]["message"]
+        assert int(r.headers["Retry-After"]) >= 1
+        assert node.status()["request_timeout_s"] == 0.2
+        node.wait_idle()
+        assert "shiftnode_request_timeouts_total 1.0" in node.client.get("/metrics").text
+    finally:
+        node.close()
