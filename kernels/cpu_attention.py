@@ -73,16 +73,17 @@ def paged_attention(
         block_tables: ``[num_seqs, max_blocks_per_seq]`` int32; entries past a sequence's last block
             may hold any value (they are never read).
         seq_lens: ``[num_seqs]`` int32 context lengths, new tokens included.
-        cu_seqlens_q: ``[num_seqs + 1]`` int32 prefix sums of query lengths (a sequence may have 0).
+        cu_seqlens_q: ``[num_seqs + 1]`` int32 prefix sums of query lengths (a sequence may have 0,
+            and then any context, 0 included).
         max_seqlen_q: the largest query length (unused here beyond the reference's contract).
         scale: softmax scale, usually ``head_dim ** -0.5``.
 
     Returns:
-        ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``; rows of a sequence with no context
-        (``seq_lens == 0``) are zero, as in the reference.
+        ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
 
     Raises:
-        ValueError: ``num_heads`` not a multiple of ``num_kv_heads``, or a query longer than its context.
+        ValueError: ``num_heads`` not a multiple of ``num_kv_heads``, or a sequence with more new
+            tokens than context (its context counts its new tokens, so a query row always sees itself).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -161,12 +162,7 @@ def _decode_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    lens: list[int], scale: float, out: torch.Tensor) -> None:
     """The torch decode path, in groups of sequences that fit :data:`GATHER_BUDGET_BYTES`."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    live = [ctx for ctx in lens if ctx > 0]
-    if len(live) < len(lens):
-        out.zero_()  # sequences with no context attend to nothing (the reference's zeros)
-    if not live:
-        return
-    m = chunk_blocks_for(sum(live) / len(live), block_size)
+    m = chunk_blocks_for(sum(lens) / len(lens), block_size)
     chunk = m * block_size
     bytes_per_chunk = 2 * chunk * num_kv_heads * head_dim * 4
     start, chunks = 0, 0
@@ -187,14 +183,6 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     chunk = m * block_size
-    keep = [i for i, ctx in enumerate(lens) if ctx > 0]
-    if len(keep) < num_seqs:  # drop context-less rows (already zeroed by the caller)
-        idx = torch.tensor(keep, dtype=torch.long, device=dev)
-        part = torch.empty((len(keep), num_heads, head_dim), dtype=out.dtype, device=dev)
-        _decode_group(q.index_select(0, idx), k_cache, v_cache, block_tables.index_select(0, idx),
-                      [lens[i] for i in keep], m, scale, part)
-        out.index_copy_(0, idx, part)
-        return
     ctx = torch.tensor(lens, dtype=torch.long, device=dev)  # [S]
     n_chunks_max = -(-max(lens) // chunk)
     width = n_chunks_max * m

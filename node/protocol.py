@@ -71,6 +71,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}: structured output is not supported
 
 
 def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:

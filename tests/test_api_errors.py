@@ -100,6 +100,7 @@ def test_b03_context_limit(stories_node):
     (b'{"prompt": "hi", "logit_bias": {"5": 1}}', 400),
     (b'{"prompt": "hi", "model": "gpt-4"}', 404),
     (b'{"messages": "hi"}', 400),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}', 400),
 ])
 def test_b05_malformed(stories_node, body, status):
     path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
@@ -162,3 +163,9 @@ def test_api_key_required():
         assert node.client.get("/health").status_code == 200  # health needs no key
     finally:
         node.close()
+
+
+def test_plain_text_response_format_is_accepted(stories_node):
+    r = post(stories_node, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                    "response_format": {"type": "text"}})
+    assert r.status_code == 200, r.text

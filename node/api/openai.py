@@ -231,8 +231,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     tok = node.tokenizer
     vocab = node.info.cfg.vocab_size
     prompts = await off_loop(completion_prompts, req, tok, vocab, node.max_model_len)
-    if len(prompts) > node.config.max_queue:
-        raise bad_request(f"{len(prompts)} prompts in one request exceed the queue limit of {node.config.max_queue}", param="prompt")
+    if len(prompts) * req.n > node.config.max_queue:
+        raise bad_request(f"{len(prompts)} prompts x n={req.n} = {len(prompts) * req.n} sequences in one request exceed "
+                          f"the queue limit of {node.config.max_queue} (--max-queue)", param="prompt")
     echo_lp = req.logprobs if req.echo else None
     jobs = []
     for p, ids in enumerate(prompts):
@@ -309,6 +310,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     check_model(req, node.config.model_name)
     if req.tools:
         raise bad_request("tools are not supported by this server", param="tools")
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise bad_request(f"response_format {req.response_format.get('type')!r} is not supported by this server "
+                          "(only 'text'; no structured output)", param="response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
     tok = node.tokenizer

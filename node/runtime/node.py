@@ -203,8 +203,9 @@ class Node:
     # --- requests ----------------------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
-        """Requests not yet placed plus sequences placed but not yet admitted to a step."""
-        pending = len(self.driver.pending) if self.driver else 0
+        """Sequences waiting: those of requests not yet placed (``n`` each) plus those placed but not
+        yet admitted to a step. ``--max-queue`` bounds this count."""
+        pending = sum(len(r.seqs) for r in self.driver.pending) if self.driver else 0
         return pending + sum(len(e.batcher.waiting) for e in self.engines)
 
     def new_request_id(self, prefix: str) -> str:

@@ -109,7 +109,8 @@ def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: obj
     if num_blocks * config.block_size < info.max_model_len:
         raise StartupError(
             f"KV budget of {kv_bytes} bytes on {device_id} holds {num_blocks * config.block_size} tokens "
-            f"({per_token} bytes/token after {wbytes} bytes of weights), fewer than one max-length sequence "
+            f"(in whole blocks of {config.block_size} at {per_token} bytes/token; the {wbytes} bytes of weights "
+            f"are apart from it), fewer than one max-length sequence "
             f"of {info.max_model_len} tokens; lower --max-model-len or raise the KV budget"
         )
     log.info(

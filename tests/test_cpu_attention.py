@@ -1,0 +1,200 @@
+"""The CPU serving attention (``--attention-backend cpu``) against the torch reference.
+
+Every case draws fresh random inputs: ragged contexts over blocks scattered in the pool, block tables
+holding -1 past each sequence's blocks, and caches holding NaN in every slot outside a context (the
+reference reads such slots, so it gets a clean copy). Both decode kernels run: the compiled Numba
+kernel (``auto``, skipped where Numba is missing) and the torch chunks (``torch``). Errors are
+norm-relative, float32 <= 1e-5 (bf16/fp16 caches: 1e-2).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from kernels import cpu_attention, cpu_decode_numba
+from kernels import reference as ref
+from kernels.ops import get_ops, resolve_backend
+
+HAS_NUMBA = importlib.util.find_spec("numba") is not None
+KERNELS = [pytest.param("auto", marks=pytest.mark.skipif(not HAS_NUMBA, reason="numba not installed")), "torch"]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+@pytest.fixture(params=KERNELS)
+def decode_kernel(request, monkeypatch):
+    monkeypatch.setattr(cpu_attention, "DECODE_KERNEL", request.param)
+    return request.param
+
+
+def make_case(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32, seed=0):
+    """Returns ``(args with NaN-poisoned caches, args with clean caches)`` for ``paged_attention``."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = [-(-c // block_size) for c in ctx_lens]
+    num_blocks = sum(blocks) + 3
+    perm = torch.randperm(num_blocks, generator=g)
+    table = torch.full((len(ctx_lens), max(blocks, default=0) + 2), -1, dtype=torch.int32)
+    used = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    nxt = 0
+    for s, (nb, ctx) in enumerate(zip(blocks, ctx_lens)):
+        table[s, :nb] = perm[nxt : nxt + nb].to(torch.int32)
+        pos = torch.arange(ctx)
+        used[table[s, pos // block_size].long(), pos % block_size] = True
+        nxt += nb
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(*shape, generator=g).to(dtype)
+    v_cache = torch.randn(*shape, generator=g).to(dtype)
+    k_bad, v_bad = k_cache.clone(), v_cache.clone()
+    k_bad[~used] = float("nan")
+    v_bad[~used] = float("nan")
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(dtype)
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0)
+    meta = (table, torch.tensor(ctx_lens, dtype=torch.int32), cu, max(q_lens, default=0), head_dim**-0.5)
+    return (q, k_bad, v_bad, *meta), (q, k_cache, v_cache, *meta)
+
+
+def check(args, ref_args):
+    out = cpu_attention.paged_attention(*args)
+    expect = ref.paged_attention(*ref_args)
+    assert out.shape == expect.shape and out.dtype == expect.dtype
+    assert not torch.isnan(out).any(), f"{int(torch.isnan(out).sum())} NaN of {out.numel()}"
+    if expect.numel():
+        err = float((out.float() - expect.float()).norm() / expect.float().norm().clamp_min(1e-30))
+        assert err <= TOL[expect.dtype], err
+    return out
+
+
+def ragged(n, max_ctx, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, max_ctx + 1, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("head_dim", [8, 32, 64, 128])
+def test_decode_matches_reference(decode_kernel, block_size, group, head_dim):
+    ctx = ragged(9, 150, seed=block_size * 1000 + group * 100 + head_dim) + [1, block_size, block_size + 1]
+    check(*make_case([1] * len(ctx), ctx, 2 * group, 2, head_dim, block_size, seed=head_dim + group))
+
+
+@pytest.mark.parametrize("num_seqs,max_ctx", [(1, 700), (40, 300), (3, 2100)])
+def test_decode_long_and_wide(decode_kernel, num_seqs, max_ctx):
+    """Several chunks per sequence in the torch path (and its scatter-max), long contexts."""
+    ctx = ragged(num_seqs, max_ctx, seed=num_seqs)
+    check(*make_case([1] * num_seqs, ctx, 8, 4, 32, 16, seed=num_seqs))
+
+
+def test_decode_groups_under_gather_budget(monkeypatch):
+    """A batch bigger than the gather budget runs in several groups and still matches."""
+    monkeypatch.setattr(cpu_attention, "DECODE_KERNEL", "torch")
+    monkeypatch.setattr(cpu_attention, "GATHER_BUDGET_BYTES", 40_000)
+    ctx = ragged(20, 200, seed=7)
+    check(*make_case([1] * 20, ctx, 4, 2, 16, 8, seed=7))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_half_caches(decode_kernel, dtype):
+    ctx = ragged(12, 90, seed=3)
+    check(*make_case([1] * 12, ctx, 8, 2, 64, 16, dtype=dtype, seed=3))
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (2, 8), (4, 32), (8, 128)])
+def test_prefill_and_chunked_prefill_on_cached_context(block_size, group, head_dim):
+    # whole prompts (q_len == ctx), chunks after a cached prefix (q_len < ctx), a 2-token chunk
+    q_lens = [37, 16, 5, 2, 29]
+    ctx = [37, 80, 5 + 3 * block_size, 2 + block_size, 29 + 1]
+    check(*make_case(q_lens, ctx, 2 * group, 2, head_dim, block_size, seed=block_size + group))
+
+
+def test_mixed_step_with_empty_and_single_token_sequences(decode_kernel):
+    # decode rows, prompt chunks, a sequence with no new tokens and one with no context at all
+    q_lens = [1, 12, 0, 1, 7, 1, 0, 1]
+    ctx = [40, 12, 33, 1, 50, 129, 0, 17]
+    out = check(*make_case(q_lens, ctx, 8, 2, 32, 16, seed=11))
+    assert out.shape[0] == sum(q_lens)
+
+
+def test_empty_batches(decode_kernel):
+    args, _ = make_case([], [], 4, 2, 8, 16)
+    assert cpu_attention.paged_attention(*args).shape == (0, 4, 8)
+    args, _ = make_case([0, 0, 0], [5, 0, 9], 4, 2, 8, 16)
+    assert cpu_attention.paged_attention(*args).shape == (0, 4, 8)
+
+
+def test_rejects_bad_shapes():
+    args, _ = make_case([1], [5], 6, 4, 8, 16)
+    with pytest.raises(ValueError, match="multiple"):
+        cpu_attention.paged_attention(*args)
+    for q_lens, ctx in (([3], [2]), ([1, 1], [4, 0])):  # a query row must see at least itself
+        args, _ = make_case(q_lens, ctx, 4, 2, 8, 16)
+        with pytest.raises(ValueError, match="new tokens"):
+            cpu_attention.paged_attention(*args)
+
+
+def test_chunk_size_follows_mean_context():
+    assert cpu_attention.chunk_blocks_for(1, 16) == 1
+    assert cpu_attention.chunk_blocks_for(256, 16) * 16 == 128
+    assert cpu_attention.chunk_blocks_for(10_000, 16) * 16 == cpu_attention.MAX_CHUNK_TOKENS
+    assert cpu_attention.chunk_blocks_for(10_000, 512) == 1
+
+
+@pytest.mark.skipif(not HAS_NUMBA, reason="numba not installed")
+def test_numba_kernel_runs_where_it_applies():
+    args, _ = make_case([1, 1], [20, 3], 4, 2, 8, 16)
+    q, k, v, table, lens, _, _, scale = args
+    out = torch.empty_like(q)
+    assert cpu_decode_numba.paged_decode(q, k, v, table, lens, scale, out)
+    assert not cpu_decode_numba.paged_decode(q, k.bfloat16(), v.bfloat16(), table, lens, scale, out)
+    assert not cpu_decode_numba.paged_decode(q, k.transpose(1, 2), v, table, lens, scale, out)
+
+
+def test_backend_selection():
+    assert resolve_backend("auto", "cpu") == "cpu"
+    assert resolve_backend("auto", "cuda") == "triton"
+    assert resolve_backend("torch", "cpu") == "torch"
+    with pytest.raises(ValueError):
+        resolve_backend("fast", "cpu")
+    ops = get_ops("cpu")
+    assert ops.backend == "cpu" and ops.paged_attention is cpu_attention.paged_attention
+    assert get_ops("torch").paged_attention is ref.paged_attention
+
+
+def test_stories260k_greedy_equals_reference(decode_kernel):
+    """Greedy tokens through the model runner on the cpu backend equal the llama2.c references
+    (prefill of the prompt, then one decode step per token)."""
+    from support import reference_cases, STORIES, require_shared
+
+    from node.config import NodeConfig
+    from node.core.sequence import SamplingParams
+    from node.worker.loader import build_runner, load_model_info
+    from node.worker.runner import SeqInput, StepInput
+    from node.worker.sampler import SampleRequest
+
+    require_shared()
+    config = NodeConfig(model=str(STORIES), kv_cache_memory_bytes=8 << 20)
+    runner = build_runner(config, load_model_info(config), "cpu:0", get_ops("cpu"))
+    # two sequences decoding side by side, their blocks interleaved in the pool
+    cases = reference_cases()[:2]
+    state = []
+    for j, case in enumerate(cases):
+        total = len(case["prompt_token_ids"]) + case["max_new_tokens"]
+        blocks = [2 * b + j for b in range(-(-total // runner.block_size))]
+        state.append({"ids": list(case["prompt_token_ids"]), "start": 0, "blocks": blocks, "case": case})
+    while any(len(st["ids"]) < len(st["case"]["prompt_token_ids"]) + st["case"]["max_new_tokens"] for st in state):
+        live = [st for st in state if len(st["ids"]) < len(st["case"]["prompt_token_ids"]) + st["case"]["max_new_tokens"]]
+        seqs = []
+        for j, st in enumerate(live):
+            n_prompt = len(st["case"]["prompt_token_ids"])
+            params = SamplingParams(max_tokens=st["case"]["max_new_tokens"], temperature=0.0)
+            req = SampleRequest(params, st["ids"][:n_prompt], st["ids"][n_prompt:], len(st["ids"]) - n_prompt)
+            seqs.append(SeqInput(str(j), st["ids"][st["start"]:], st["start"], st["blocks"], sample=req))
+        outs = runner.execute(StepInput(seqs))
+        for j, st in enumerate(live):
+            st["start"] = len(st["ids"])
+            st["ids"].append(outs[str(j)].token_id)
+    for st in state:
+        assert st["ids"][len(st["case"]["prompt_token_ids"]):] == st["case"]["output_token_ids"]
