@@ -34,6 +34,8 @@ with ``tolist()``: meant for CPU tensors (on a GPU that would be a sync per laye
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -41,9 +43,10 @@ from kernels import cpu_decode_numba
 
 __all__ = ["paged_attention", "DECODE_KERNEL", "MAX_CHUNK_TOKENS", "GATHER_BUDGET_BYTES"]
 
-DECODE_KERNEL = "auto"
+DECODE_KERNEL = os.environ.get("SHIFTNODE_CPU_DECODE", "auto")
 """Decode rows: ``"auto"`` runs the compiled kernel where it applies (Numba installed, float32) and
-the torch chunks otherwise; ``"torch"`` always runs the torch chunks (tests and benches set it)."""
+the torch chunks otherwise; ``"torch"`` always runs the torch chunks. Read from
+``$SHIFTNODE_CPU_DECODE`` at import (benches compare the two in a node); tests set it directly."""
 
 MAX_CHUNK_TOKENS = 256
 """Upper bound of the decode chunk (tokens): past it a GEMM is already long enough to amortise its

@@ -7,15 +7,18 @@ kernel walks each sequence's block table and reads the K/V rows where they lie, 
 online softmax of FlashAttention (Dao et al. 2022; Milakov & Gimelshein 2018): per block, the
 ``block_size`` scores, the block maximum, one rescale of the running sum and accumulator when the
 maximum grows, then ``exp`` and the weighted V rows. One job per (sequence, KV head) computes its
-``G = heads / kv_heads`` query heads, so grouped-query heads share each K/V row they read; jobs run
-in parallel (``prange``) over the Numba thread pool. Float32 only (the CPU serving dtype); other
-dtypes take the torch path.
+``G = heads / kv_heads`` query heads, so grouped-query heads share each K/V row they read. Float32
+only (the CPU serving dtype); other dtypes take the torch path.
+
+The loop runs on the calling thread, without a thread pool, on purpose: the node's event loop and
+every emulated device's worker thread share the same cores, and on this project's 2-core machine a
+2-thread ``prange`` version ran 1x to 8x slower than the serial one from run to run (a parallel
+region waits for its slowest thread, and the other core is rarely free), while devices stepping in
+their own threads still run their kernels side by side (``nogil``).
 
 Numba is optional: :func:`available` is False when it cannot be imported, and the caller falls back.
 The kernel is compiled on first use (about 3 s, then cached on disk next to this file, so later
-processes load it in well under a second). Numba's default ``workqueue`` threading layer must not be
-entered by two threads at once, and each emulated CPU device steps in its own thread, so calls are
-serialised by a lock.
+processes load it in well under a second).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 
 __all__ = ["available", "paged_decode"]
 
-_lock = threading.Lock()
+_lock = threading.Lock()  # one compile, whichever device thread asks first
 _kernel = None
 _import_error: str | None = None
 
@@ -35,14 +38,19 @@ def _build():
     import math
 
     import numpy as np
-    from numba import njit, prange
+    from numba import njit
 
-    @njit(parallel=True, fastmath=True, cache=True, boundscheck=False, nogil=True)
+    @njit(fastmath=True, cache=True, boundscheck=False, nogil=True)
     def decode(q, k, v, tables, lens, scale, out):  # pragma: no cover - compiled
         # q, out [S, Hkv, G, D]; k, v [num_blocks, bs, Hkv, D]; tables [S, W] int32; lens [S] int32
         num_seqs, num_kv_heads, group, head_dim = q.shape
         block_size = k.shape[1]
-        for job in prange(num_seqs * num_kv_heads):
+        run_max = np.empty(group, dtype=np.float32)
+        run_sum = np.empty(group, dtype=np.float32)
+        acc = np.empty((group, head_dim), dtype=np.float32)
+        scores = np.empty((group, block_size), dtype=np.float32)
+        qs = np.empty((group, head_dim), dtype=np.float32)
+        for job in range(num_seqs * num_kv_heads):
             s = job // num_kv_heads
             h = job - s * num_kv_heads
             ctx = lens[s]
@@ -51,11 +59,9 @@ def _build():
                     for d in range(head_dim):
                         out[s, h, g, d] = 0.0
                 continue
-            run_max = np.full(group, -np.inf, dtype=np.float32)
-            run_sum = np.zeros(group, dtype=np.float32)
-            acc = np.zeros((group, head_dim), dtype=np.float32)
-            scores = np.empty((group, block_size), dtype=np.float32)
-            qs = np.empty((group, head_dim), dtype=np.float32)
+            run_max[:] = -np.inf
+            run_sum[:] = 0.0
+            acc[:] = 0.0
             for g in range(group):
                 for d in range(head_dim):
                     qs[g, d] = q[s, h, g, d] * scale
@@ -92,7 +98,9 @@ def _build():
 
 
 def available() -> bool:
-    """True when the Numba kernel can run (Numba imports); compiles it on the first call."""
+    """True when the Numba kernel can run (Numba imports). The first call compiles it (or loads it from
+    the disk cache) by running it once on a one-token batch, so a node pays that at start-up
+    (:func:`kernels.ops.get_ops` calls this for the ``cpu`` backend) rather than in its first step."""
     global _kernel, _import_error
     if _kernel is not None:
         return True
@@ -101,9 +109,16 @@ def available() -> bool:
     with _lock:
         if _kernel is None and _import_error is None:
             try:
-                _kernel = _build()
+                kernel = _build()
             except ImportError as e:
                 _import_error = str(e)
+                return False
+            import numpy as np
+
+            q = np.zeros((1, 1, 1, 2), dtype=np.float32)
+            kv = np.zeros((1, 1, 1, 2), dtype=np.float32)
+            kernel(q, kv, kv, np.zeros((1, 1), dtype=np.int32), np.ones(1, dtype=np.int32), 1.0, q.copy())
+            _kernel = kernel
     return _kernel is not None
 
 
@@ -129,10 +144,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     shape4 = (num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    with _lock:
-        import numba
-
-        numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
-        _kernel(q.view(shape4).numpy(), k_cache.numpy(), v_cache.numpy(), block_tables.numpy(),
-                seq_lens.numpy(), float(scale), out.view(shape4).numpy())
+    _kernel(q.view(shape4).numpy(), k_cache.numpy(), v_cache.numpy(), block_tables.numpy(),
+            seq_lens.numpy(), float(scale), out.view(shape4).numpy())
     return True

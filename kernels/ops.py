@@ -81,7 +81,9 @@ def get_ops(backend: str) -> KernelOps:
     if backend == "torch":
         from kernels import reference as mod
     elif backend == "cpu":
-        from kernels import cpu_ops as mod
+        from kernels import cpu_decode_numba, cpu_ops as mod
+
+        cpu_decode_numba.available()  # compile (or load) the decode kernel now, not in the first step
     elif backend == "triton":
         reason = triton_unavailable_reason()
         if reason is not None:

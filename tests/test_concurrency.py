@@ -68,8 +68,11 @@ def test_b25_abort_mid_prefill_and_mid_decode():
     try:
         long_prompt = b'{"prompt": [' + b",".join([b"300"] * 500) + b'], "max_tokens": 10, "stream": true}'
         socks = [_raw_request(node.port, long_prompt) for _ in range(4)]
-        time.sleep(0.3)
-        assert any(d["kv_blocks_used"] > 0 for d in node.status()["devices"])  # prefill under way
+        deadline = time.monotonic() + 5
+        while not any(d["kv_blocks_used"] > 0 for d in node.status()["devices"]):  # wait for the prefill
+            assert time.monotonic() < deadline, "the prefill never started"
+            time.sleep(0.005)
+        assert any(d["running"] and d["resident_decoding"] == 0 for d in node.status()["devices"])  # mid-prefill
         for s in socks:
             s.close()
         node.wait_idle(5)

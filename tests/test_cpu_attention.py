@@ -198,3 +198,26 @@ def test_stories260k_greedy_equals_reference(decode_kernel):
             st["ids"].append(outs[str(j)].token_id)
     for st in state:
         assert st["ids"][len(st["case"]["prompt_token_ids"]):] == st["case"]["output_token_ids"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_write_and_rotary_match_reference(dtype):
+    from kernels import cpu_ops
+
+    g = torch.Generator().manual_seed(5)
+    k_cache = torch.zeros(6, 16, 2, 32, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    key, value = torch.randn(7, 2, 32, generator=g).to(dtype), torch.randn(7, 2, 32, generator=g).to(dtype)
+    for slots in (torch.randperm(96, generator=g)[:7], torch.tensor([3, -1, 40, 41, -1, 90, 0])):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        cpu_ops.reshape_and_cache(key, value, kc, vc, slots)
+        ref.reshape_and_cache(key, value, k_cache, v_cache, slots)
+        assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache)
+    table = ref.rope_cos_sin_cache(1.0 / 10000 ** (torch.arange(0, 32, 2).float() / 32), 128)
+    positions = torch.randint(0, 128, (7,), generator=g)
+    q = torch.randn(7, 4, 32, generator=g).to(dtype)
+    q1, k1, q2, k2 = q.clone(), key.clone(), q.clone(), key.clone()
+    cpu_ops.rotary_embedding(positions, q1, k1, table)
+    ref.rotary_embedding(positions, q2, k2, table)
+    torch.testing.assert_close(q1, q2, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k1, k2, rtol=1e-6, atol=1e-6)
