@@ -131,7 +131,7 @@ def measure(args: argparse.Namespace) -> tuple[list[tuple[int, float]], list[tup
         if blocks is None:
             raise RuntimeError("KV pool too small for the calibration batch; raise --kv-cache-memory")
         ids = [(7 * i + j) % (vocab - 3) + 3 for j in range(new)]
-        return SeqInput(f"s{i}", ids, cached, blocks, SampleRequest(params, [], [], 0))
+        return SeqInput(f"s{i}", ids, cached, blocks, SampleRequest(params, ids, len(ids), 0))
 
     prefill_steps = []
     for n in doubling(16, args.max_num_batched_tokens):

@@ -366,7 +366,7 @@ def decode_step(p: Profile, batch: int, ctx: int, blocks: Blocks, vocab: int):
     rng = random.Random(batch)
     params = greedy()
     return StepInput([SeqInput(f"d{i}", [rng.randrange(vocab)], ctx - 1, blocks.take(ctx, p.block_size),
-                               SampleRequest(params, [], [], 0)) for i in range(batch)])
+                               SampleRequest(params, [], 0, 0)) for i in range(batch)])
 
 
 def sec_decode(p: Profile, state: dict) -> Iterator[dict]:
@@ -418,7 +418,7 @@ def greedy_generate(runner, prompts: list[list[int]], blocks: list[list[int]], s
         seqs = []
         for i, pr in enumerate(prompts):
             new, start = (pr, 0) if t == 0 else ([toks[i][-1]], len(pr) + t - 1)
-            seqs.append(SeqInput(f"g{i}", new, start, blocks[i], SampleRequest(params, pr, list(toks[i]), t)))
+            seqs.append(SeqInput(f"g{i}", new, start, blocks[i], SampleRequest(params, pr + toks[i], len(pr), t)))
         outs = runner.execute(StepInput(seqs))
         for i in range(len(prompts)):
             o = outs[f"g{i}"]
@@ -495,7 +495,7 @@ def sec_prefill(p: Profile, state: dict) -> Iterator[dict]:
     n = p.prefill_tokens
     toks = [rng.randrange(runner.cfg.vocab_size) for _ in range(n)]
     step = StepInput([SeqInput("p0", toks, 0, Blocks(runner.num_blocks).take(n, p.block_size),
-                               SampleRequest(greedy(), toks, [], 0))])
+                               SampleRequest(greedy(), toks, len(toks), 0))])
     t = timed_ms(lambda: runner.execute(step), p, warmup=min(p.warmup, 2))
     cfg = runner.cfg
     params = model_bytes(runner)["layer_params"]

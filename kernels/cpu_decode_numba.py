@@ -4,11 +4,31 @@ The torch formulation of :mod:`kernels.cpu_attention` must gather each sequence'
 contiguous buffer before its GEMMs, which copies every context byte once more than it reads it; on
 this project's 2-core machine that copy and the per-op overheads are most of a decode step. This
 kernel walks each sequence's block table and reads the K/V rows where they lie, with the block-wise
-online softmax of FlashAttention (Dao et al. 2022; Milakov & Gimelshein 2018): per block, the
-``block_size`` scores, the block maximum, one rescale of the running sum and accumulator when the
-maximum grows, then ``exp`` and the weighted V rows. One job per (sequence, KV head) computes its
-``G = heads / kv_heads`` query heads, so grouped-query heads share each K/V row they read. Float32
-only (the CPU serving dtype); other dtypes take the torch path.
+online softmax of FlashAttention (Dao et al. 2022; Milakov & Gimelshein 2018).
+
+Layout of the work, chosen from profiles at the node's shapes (64 sequences, 8 query / 4 KV heads,
+contexts up to ~320, block size 16; see the CPU attention section of ``bench/RESULTS.md``):
+
+* **One sequence at a time, all heads per block.** A block's ``[block_size, kv_heads, head_dim]`` K
+  (then V) is read front to back once, for every query head of the sequence (query head
+  ``h * G + g`` reads KV head ``h``, ``G = heads / kv_heads``), instead of once per KV head with a
+  stride. The running maximum, sum and ``[kv_heads, G, head_dim]`` accumulator of every head live
+  in small buffers for the whole sequence.
+* **Per block**: the ``block_size x heads`` scores (``head_dim``-long dot products, the inner loop
+  the compiler vectorises); per head the block maximum and one rescale of the running sum and
+  accumulator when it grows; then ``exp`` of the block's scores as one branch-free loop (Cephes
+  ``expf``: ``2**n * p(r)``, the polynomial and the exponent bits computed apart so both loops
+  vectorise; ~1e-7 relative error, scalar ``math.exp`` is a libm call per score); then the
+  probability-weighted V rows added into the accumulators (vectorised over ``head_dim``).
+* **Software prefetch** (``llvm.prefetch``) of the K and V rows of the block(s)
+  :data:`PREFETCH_BYTES` ahead in (sequence, block) order, across sequence boundaries, one token
+  row per token processed. The node's KV pool is far larger than the last-level cache and a
+  sequence's blocks are scattered in it, so each block is a fresh stream the hardware prefetcher
+  only catches up with after a few misses; at head_dim 32 the cache reads, not the arithmetic,
+  bound the kernel.
+
+Float32 only (the CPU serving dtype); other dtypes take the torch path. Slots of a block past the
+context are never read (a prefetch may cover them: a hint, it reads no value and cannot fault).
 
 The loop runs on the calling thread, without a thread pool, on purpose: the node's event loop and
 every emulated device's worker thread share the same cores, and on this project's 2-core machine a
@@ -17,8 +37,8 @@ region waits for its slowest thread, and the other core is rarely free), while d
 their own threads still run their kernels side by side (``nogil``).
 
 Numba is optional: :func:`available` is False when it cannot be imported, and the caller falls back.
-The kernel is compiled on first use (about 3 s, then cached on disk next to this file, so later
-processes load it in well under a second).
+The kernel is compiled on first use (about 8 s, then cached on disk next to this file, so later
+processes load it in about a second).
 """
 
 from __future__ import annotations
@@ -27,72 +47,172 @@ import threading
 
 import torch
 
-__all__ = ["available", "paged_decode"]
+__all__ = ["available", "paged_decode", "PREFETCH_BYTES"]
 
 _lock = threading.Lock()  # one compile, whichever device thread asks first
 _kernel = None
 _import_error: str | None = None
+_prefetch = _next_block = None  # compiled helpers of the kernel, set by _build
+
+PREFETCH_BYTES = 16 << 10
+"""How far ahead the kernel prefetches, in K+V bytes (whole blocks, at least one): about half the
+32 KiB L1 data cache, so the lines arrive before their use and are not evicted before it (measured on
+this project's 2-core VM: 1 block ahead was best at head_dim 32, 16 KiB of K+V a block; 2-4 blocks at
+head_dim 8, 4 KiB; farther was slower for both)."""
 
 
 def _build():
+    # The helpers go into module globals, not the kernel's closure: Numba keys its disk cache on the
+    # pickled closure, and an intrinsic or dispatcher pickles with a per-process id (no cache hit ever).
+    global _prefetch, _next_block
     import math
 
     import numpy as np
-    from numba import njit
+    from llvmlite import ir
+    from numba import njit, types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
 
-    @njit(fastmath=True, cache=True, boundscheck=False, nogil=True)
+    @intrinsic
+    def _prefetch(typingctx, arr, idx):
+        """``llvm.prefetch`` (read, keep in all levels) of ``arr``'s element ``idx`` (flat, C order): a
+        hint, never a fault, whatever the address."""
+        if not isinstance(arr, types.Array) or not isinstance(idx, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            ary = context.make_array(signature.args[0])(context, builder, args[0])
+            ptr = builder.gep(ary.data, [context.cast(builder, args[1], signature.args[1], types.intp)])
+            i32 = ir.IntType(32)
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [ir.PointerType(), i32, i32, i32]), "llvm.prefetch.p0")
+            builder.call(fn, [ptr, i32(0), i32(3), i32(1)])
+            return context.get_dummy_value()
+
+        return types.void(arr, idx), codegen
+
+    # Cephes expf (S. L. Moshier, Cephes Math Library, expf.c): exp(x) = 2**n * exp(r), n = round(x / ln 2),
+    # r = x - n ln 2 (ln 2 split in two for exactness), exp(r) by a degree-7 polynomial; relative error
+    # ~1e-7 on the range used here (x <= 0, clamped at -87 so 2**n stays a normal float).
+    log2e = np.float32(1.44269504088896341)
+    ln2_hi, ln2_lo = np.float32(0.693359375), np.float32(-2.12194440e-4)
+    p0, p1, p2 = np.float32(1.9875691500e-4), np.float32(1.3981999507e-3), np.float32(8.3334519073e-3)
+    p3, p4, p5 = np.float32(4.1665795894e-2), np.float32(1.6666665459e-1), np.float32(5.0000001201e-1)
+    x_min = np.float32(-87.0)
+    prefetch_bytes = PREFETCH_BYTES
+
+    @njit(cache=True, nogil=True)
+    def _next_block(lens, block_size, s, b):  # pragma: no cover - compiled
+        # the (sequence, block) after (s, b), skipping sequences without blocks; s == len(lens) at the end
+        b += 1
+        while s < lens.shape[0] and b * block_size >= lens[s]:
+            s += 1
+            b = 0
+        return s, b
+
+    # No nnan/ninf: the running maximum starts at -inf and must compare as such.
+    @njit(fastmath={"nsz", "arcp", "contract", "afn", "reassoc"}, cache=True, boundscheck=False, nogil=True)
     def decode(q, k, v, tables, lens, scale, out):  # pragma: no cover - compiled
         # q, out [S, Hkv, G, D]; k, v [num_blocks, bs, Hkv, D]; tables [S, W] int32; lens [S] int32
         num_seqs, num_kv_heads, group, head_dim = q.shape
         block_size = k.shape[1]
-        run_max = np.empty(group, dtype=np.float32)
-        run_sum = np.empty(group, dtype=np.float32)
-        acc = np.empty((group, head_dim), dtype=np.float32)
-        scores = np.empty((group, block_size), dtype=np.float32)
-        qs = np.empty((group, head_dim), dtype=np.float32)
-        for job in range(num_seqs * num_kv_heads):
-            s = job // num_kv_heads
-            h = job - s * num_kv_heads
+        rows = num_kv_heads * group  # query heads, row r = h * group + g
+        row_len = num_kv_heads * head_dim  # floats per token row of a block
+        run_max = np.empty(rows, dtype=np.float32)
+        run_sum = np.empty(rows, dtype=np.float32)
+        acc = np.empty((num_kv_heads, group, head_dim), dtype=np.float32)
+        qs = np.empty((num_kv_heads, group, head_dim), dtype=np.float32)
+        scores = np.empty((rows, block_size), dtype=np.float32)
+        pow2 = np.empty(block_size, dtype=np.int32)
+        pow2f = pow2.view(np.float32)
+        # Prefetch cursor: the block `dist` blocks ahead in (sequence, block) order, across sequences.
+        dist = max(1, prefetch_bytes // (2 * block_size * row_len * 4))
+        ps, pb = _next_block(lens, block_size, 0, -1)
+        for _ in range(dist):
+            ps, pb = _next_block(lens, block_size, ps, pb)
+        for s in range(num_seqs):
             ctx = lens[s]
             if ctx <= 0:  # no context: zeros, as the reference
-                for g in range(group):
-                    for d in range(head_dim):
-                        out[s, h, g, d] = 0.0
+                for h in range(num_kv_heads):
+                    for g in range(group):
+                        for d in range(head_dim):
+                            out[s, h, g, d] = 0.0
                 continue
-            run_max[:] = -np.inf
-            run_sum[:] = 0.0
-            acc[:] = 0.0
-            for g in range(group):
-                for d in range(head_dim):
-                    qs[g, d] = q[s, h, g, d] * scale
-            for b in range((ctx + block_size - 1) // block_size):
-                blk = tables[s, b]
-                n = min(block_size, ctx - b * block_size)
+            for h in range(num_kv_heads):
                 for g in range(group):
-                    block_max = np.float32(-np.inf)
-                    for t in range(n):
-                        dot = np.float32(0.0)
-                        for d in range(head_dim):
-                            dot += qs[g, d] * k[blk, t, h, d]
-                        scores[g, t] = dot
-                        if dot > block_max:
-                            block_max = dot
-                    if block_max > run_max[g]:  # rescale what was summed under the old maximum
-                        corr = math.exp(run_max[g] - block_max)
-                        run_sum[g] *= corr
-                        for d in range(head_dim):
-                            acc[g, d] *= corr
-                        run_max[g] = block_max
-                    m = run_max[g]
-                    for t in range(n):
-                        p = math.exp(scores[g, t] - m)
-                        run_sum[g] += p
-                        for d in range(head_dim):
-                            acc[g, d] += p * v[blk, t, h, d]
-            for g in range(group):
-                inv = np.float32(1.0) / run_sum[g]
-                for d in range(head_dim):
-                    out[s, h, g, d] = acc[g, d] * inv
+                    run_max[h * group + g] = -np.inf
+                    run_sum[h * group + g] = 0.0
+                    for d in range(head_dim):
+                        qs[h, g, d] = q[s, h, g, d] * scale
+                        acc[h, g, d] = 0.0
+            for b in range((ctx + block_size - 1) // block_size):
+                kb = k[tables[s, b]]
+                vb = v[tables[s, b]]
+                n = min(block_size, ctx - b * block_size)
+                have_next = ps < num_seqs
+                if have_next:
+                    kf = k[tables[ps, pb]].ravel()
+                    vf = v[tables[ps, pb]].ravel()
+                else:
+                    kf = kb.ravel()
+                    vf = vb.ravel()
+                # scores of the block's n tokens, every query head; token t also prefetches token row t
+                # of the block ahead (one hint per 64-byte line: 16 floats)
+                for t in range(n):
+                    if have_next:
+                        for i in range(t * row_len, (t + 1) * row_len, 16):
+                            _prefetch(kf, i)
+                            _prefetch(vf, i)
+                    for h in range(num_kv_heads):
+                        for g in range(group):
+                            dot = np.float32(0.0)
+                            for d in range(head_dim):
+                                dot += qs[h, g, d] * kb[t, h, d]
+                            scores[h * group + g, t] = dot
+                if have_next:
+                    for i in range(n * row_len, block_size * row_len, 16):
+                        _prefetch(kf, i)
+                        _prefetch(vf, i)
+                    ps, pb = _next_block(lens, block_size, ps, pb)
+                # online softmax: block maximum, one rescale when it grows, exp of the block's scores
+                for h in range(num_kv_heads):
+                    for g in range(group):
+                        r = h * group + g
+                        block_max = scores[r, 0]
+                        for t in range(1, n):
+                            block_max = max(block_max, scores[r, t])
+                        if block_max > run_max[r]:
+                            corr = math.exp(run_max[r] - block_max)
+                            run_sum[r] *= corr
+                            for d in range(head_dim):
+                                acc[h, g, d] *= corr
+                            run_max[r] = block_max
+                        m = run_max[r]
+                        for t in range(n):  # Cephes expf, one vectorisable loop: exp(r) and 2**n apart
+                            x = max(scores[r, t] - m, x_min)
+                            fx = np.floor(x * log2e + np.float32(0.5))
+                            z = x - fx * ln2_hi - fx * ln2_lo
+                            y = ((((p0 * z + p1) * z + p2) * z + p3) * z + p4) * z + p5
+                            scores[r, t] = y * z * z + z + np.float32(1.0)
+                            pow2[t] = (np.int32(fx) + np.int32(127)) << 23
+                        total = np.float32(0.0)
+                        for t in range(n):
+                            p = scores[r, t] * pow2f[t]
+                            scores[r, t] = p
+                            total += p
+                        run_sum[r] += total
+                # weighted V rows
+                for t in range(n):
+                    for h in range(num_kv_heads):
+                        for g in range(group):
+                            p = scores[h * group + g, t]
+                            for d in range(head_dim):
+                                acc[h, g, d] += p * vb[t, h, d]
+            for h in range(num_kv_heads):
+                for g in range(group):
+                    inv = np.float32(1.0) / run_sum[h * group + g]
+                    for d in range(head_dim):
+                        out[s, h, g, d] = acc[h, g, d] * inv
 
     return decode
 

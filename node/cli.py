@@ -50,6 +50,12 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
                         "(default: no bound)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"])
+    p.add_argument("--engine-layout", default="process", choices=["process", "thread"],
+                   help="process: one engine process per device (default); thread: models run in the node's process "
+                        "(debugging, and the baseline of bench/host_overhead.py)")
+    p.add_argument("--benchmark-model", default=None, metavar="zero|sleep:MS",
+                   help="BENCHMARK TOOL, outputs are meaningless: replace the model by one with no weights and fixed "
+                        "logits (zero: no compute; sleep:MS: each step sleeps MS ms) to measure the node's own overhead")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly (default on CUDA with the triton backend: decode steps replay CUDA graphs)")
     p.add_argument("--log-format", default="console", choices=["console", "json"])
@@ -163,7 +169,8 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, max_queue=a.max_queue,
         request_timeout_s=a.request_timeout_s,
         seed=a.seed, attention_backend=a.attention_backend, log_format=a.log_format, mode=a.mode,
-        enforce_eager=a.enforce_eager, prefix_caching=a.prefix_caching,
+        enforce_eager=a.enforce_eager, engine_layout=a.engine_layout, prefix_caching=a.prefix_caching,
+        benchmark_model=a.benchmark_model,
         reconfig_pause_ms=a.reconfig_pause_ms, ttft_slo_ms=a.ttft_slo_ms, tpot_slo_ms=a.tpot_slo_ms,
         min_window_ms=a.min_window_ms, max_window_ms=a.max_window_ms, stagger=a.stagger,
         sse_keepalive_s=a.sse_keepalive_s, body_timeout_s=a.body_timeout_s,
@@ -228,11 +235,14 @@ def run_serve(config: NodeConfig) -> int:
     from node.worker.tokenizer import TokenizerError
     from node.worker.weights import WeightLoadError
 
+    from node.worker.engine_process import prelaunch
+
     configure_logging(config.log_format)
+    prelaunched = prelaunch(config)  # forked now: before the event loop and any torch work in this process
     loop = uvloop.new_event_loop()
     asyncio.set_event_loop(loop)
     try:
-        web.run_app(create_app(config), host=config.host, port=config.port, loop=loop, handler_cancellation=True,
+        web.run_app(create_app(config, prelaunched=prelaunched), host=config.host, port=config.port, loop=loop, handler_cancellation=True,
                     print=lambda msg: print(f"shiftnode: serving on http://{config.host}:{config.port}", file=sys.stderr),
                     access_log=None, shutdown_timeout=5)
     except (StartupError, ModelConfigError, WeightLoadError, TokenizerError, OSError) as e:

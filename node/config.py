@@ -40,6 +40,8 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     log_format: str = "console"
     attention_backend: str = "auto"  # auto | torch | cpu | triton
     enforce_eager: bool = False  # no CUDA-graph decode (graphs are used on CUDA with the triton backend otherwise)
+    engine_layout: str = "process"  # process: one engine process per device | thread: in the node's process (debugging, bench baseline)
+    benchmark_model: str | None = None  # bench tool, not for serving: "zero" (fixed logits, no compute) | "sleep:MS" (each step sleeps MS ms)
     mode: str = "time-shared"  # time-shared | colocated | pooled
     prefill_devices: list[str] = msgspec.field(default_factory=list)  # pooled mode
     decode_devices: list[str] = msgspec.field(default_factory=list)  # pooled mode
@@ -82,6 +84,8 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "--kv-cache-memory must be positive"),
             (0.0 < self.gpu_memory_utilization <= 1.0, f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"),
             (len(set(self.devices)) == len(self.devices) and self.devices, f"--devices must list distinct devices, got {self.devices}"),
+            (self.engine_layout in ("process", "thread"), f"--engine-layout must be process or thread, got {self.engine_layout!r}"),
+            (_benchmark_model_error(self.benchmark_model) is None, _benchmark_model_error(self.benchmark_model)),
             (self.mode in ("time-shared", "colocated", "pooled"), f"--mode must be time-shared, colocated or pooled, got {self.mode!r}"),
             (self.mode != "pooled" or bool(self.prefill_devices or self.decode_devices),
              "--mode pooled needs --prefill-devices and/or --decode-devices"),
@@ -122,6 +126,33 @@ class NodeConfig(msgspec.Struct, kw_only=True):
         if self.model is None:
             return "shiftnode-default"
         return self.model.rstrip("/").split("/")[-1]
+
+
+def benchmark_sleep_ms(value: str) -> float:
+    """``--benchmark-model`` value → milliseconds each step sleeps: ``"zero"`` → 0.0, ``"sleep:MS"`` → MS.
+
+    Raises:
+        ConfigError: any other value, or MS not a finite number >= 0.
+    """
+    kind, sep, ms = value.partition(":")
+    if value == "zero":
+        return 0.0
+    try:
+        sleep_ms = float(ms) if kind == "sleep" and sep else -1.0
+    except ValueError:
+        sleep_ms = -1.0
+    if not 0.0 <= sleep_ms < 1e6:
+        raise ConfigError(f"--benchmark-model must be 'zero' or 'sleep:MS' (MS milliseconds >= 0), got {value!r}")
+    return sleep_ms
+
+
+def _benchmark_model_error(value: str | None) -> str | None:
+    """Why ``--benchmark-model value`` is refused, or None."""
+    try:
+        value is None or benchmark_sleep_ms(value)
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 def _is_host_port(text: str) -> bool:

@@ -218,3 +218,38 @@ def test_cache_write_and_rotary_match_reference(dtype):
     ref.rotary_embedding(positions, q2, k2, table)
     torch.testing.assert_close(q1, q2, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(k1, k2, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("head_dim", [2, 12, 40])
+def test_decode_head_dims_off_the_vector_width(decode_kernel, head_dim):
+    """Head dims that are not a multiple of the SIMD width (the compiled loops' remainders)."""
+    ctx = ragged(10, 120, seed=head_dim) + [1, 17]
+    check(*make_case([1] * len(ctx), ctx, 6, 2, head_dim, 16, seed=head_dim))
+
+
+def test_decode_peaked_softmax(decode_kernel):
+    """Scores hundreds apart: the kernel's exp clamps below -87 (where exp underflows anyway)."""
+    ctx = ragged(12, 200, seed=4)
+    args, ref_args = make_case([1] * 12, ctx, 8, 4, 32, 16, seed=4)
+    q = args[0] * 40.0
+    check((q, *args[1:]), (q, *ref_args[1:]))
+
+
+def test_numba_kernel_zero_contexts_and_prefetch_across_sequences():
+    """Direct kernel call with empty contexts first, in the middle and last (they get zeros and the
+    prefetch cursor skips them), one-token and exactly-one-block sequences, every block size."""
+    for block_size in (8, 16, 32):
+        ctx = [0, 5, 0, 0, 3 * block_size + 1, 1, block_size, 0, 70, 0]
+        live = [i for i, c in enumerate(ctx) if c]
+        args, ref_args = make_case([1] * len(live), [ctx[i] for i in live], 8, 2, 32, block_size, seed=block_size)
+        q, k, v, table, _, _, _, scale = args
+        full_q = torch.randn(len(ctx), 8, 32)
+        full_q[live] = q
+        full_table = torch.full((len(ctx), table.shape[1]), -1, dtype=torch.int32)
+        full_table[live] = table
+        out = torch.full_like(full_q, float("nan"))
+        assert cpu_decode_numba.paged_decode(full_q, k, v, full_table, torch.tensor(ctx, dtype=torch.int32), scale, out)
+        expect = ref.paged_attention(*ref_args)
+        dead = [i for i, c in enumerate(ctx) if not c]
+        assert torch.equal(out[dead], torch.zeros_like(out[dead]))
+        assert float((out[live] - expect).norm() / expect.norm()) <= TOL[torch.float32]

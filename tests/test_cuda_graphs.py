@@ -27,6 +27,8 @@ from node.worker.cuda_graphs import (
     DEFAULT_BUCKETS, DecodeGraphs, StaticDecodeInputs, decode_buckets, decode_graphs_unsupported, decode_lists,
     graph_decode_splits, pack_decode_batch, pick_bucket,
 )
+from node.worker.engine_core import EngineCore
+from node.worker.engine_process import LocalEngine
 from node.worker.loader import DEFAULT_MODEL_CONFIG, attach_decode_graphs
 from node.worker.model_config import ModelConfig
 from node.worker.runner import ModelRunner, SeqInput, StepInput
@@ -58,7 +60,7 @@ def decode_seqs(ctx: list[int], first_block: int = 1, vocab: int = VOCAB, seed: 
     for i, c in enumerate(ctx):
         n = -(-c // 16)
         seqs.append(SeqInput(f"s{i}", [rng.randrange(3, vocab)], c - 1, list(range(b, b + n)),
-                             SampleRequest(GREEDY, [], [], 0)))
+                             SampleRequest(GREEDY, [], 0, 0)))
         b += n
     return seqs
 
@@ -163,7 +165,7 @@ def greedy_tokens(runner: ModelRunner, prompts: list[list[int]], steps: int) -> 
     toks: list[list[int]] = [[] for _ in prompts]
     for t in range(steps + 1):
         seqs = [SeqInput(f"s{i}", p if t == 0 else [toks[i][-1]], 0 if t == 0 else len(p) + t - 1, blocks[i],
-                         SampleRequest(GREEDY, p, toks[i], t)) for i, p in enumerate(prompts)]
+                         SampleRequest(GREEDY, p + toks[i], len(p), t)) for i, p in enumerate(prompts)]
         outs = runner.execute(StepInput(seqs))
         for i in range(len(prompts)):
             toks[i].append(outs[f"s{i}"].token_id)
@@ -260,7 +262,7 @@ def test_failed_capture_turns_graphs_off_and_steps_run_eagerly(monkeypatch):
     assert all(o.token_id is not None for o in outs.values())
 
 
-def test_switch_to_decode_captures_in_the_worker_thread_and_is_reused():
+def test_switch_to_decode_captures_in_the_engine_thread_and_is_reused():
     runner = make_runner()
     graphs = attach(runner)
     threads = []
@@ -276,8 +278,8 @@ def test_switch_to_decode_captures_in_the_worker_thread_and_is_reused():
 
     async def go():
         role = DeviceRole("cpu:0", Role.PREFILL, time.monotonic(), 0.0)
-        engine = DeviceEngine("cpu:0", runner, Batcher(BlockLedger(runner.num_blocks, 16), BatchConfig()),
-                              time.monotonic, role)
+        engine = DeviceEngine("cpu:0", LocalEngine(EngineCore(runner)),
+                              Batcher(BlockLedger(runner.num_blocks, 16), BatchConfig()), time.monotonic, role)
         try:
             first = await engine.switch_role(Role.DECODE, "test")
             captured_ms = graphs.capture_ms
@@ -291,7 +293,7 @@ def test_switch_to_decode_captures_in_the_worker_thread_and_is_reused():
     assert graphs.captured and graphs.capture_ms == captured_ms  # the second switch reused them
     assert first.swap_ms >= captured_ms * 0.9  # the capture is paid inside the measured swap
     assert final_role is Role.DECODE
-    assert len(threads) == 2 and all(t.startswith("worker-cpu:0") for t in threads)  # only DECODE switches
+    assert len(threads) == 2 and all(t.startswith("engine") for t in threads)  # only DECODE switches, in the engine's thread
 
 
 def parse_serve(*argv: str) -> NodeConfig:

@@ -54,10 +54,10 @@ def test_a_postprocess_failure_fails_only_its_request():
     async def body(node: Node):
         real = OutputState.on_token
 
-        def flaky(self, token_id, logprobs):
-            if self.seq.request_id == "bad" and self.seq.num_output == 5:
+        def flaky(self, token_id, logprobs, position=None):
+            if self.seq.request_id == "bad" and position - self.seq.prompt_len + 1 == 5:  # the 5th output token
                 raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-            return real(self, token_id, logprobs)
+            return real(self, token_id, logprobs, position)
 
         OutputState.on_token = flaky
         try:
@@ -80,7 +80,7 @@ def test_a_model_failure_and_a_raising_listener_are_contained():
 
     async def body(node: Node):
         engine = node.engines[0]
-        real = engine.runner.execute
+        real = engine.runner.submit
         calls = {"n": 0}
 
         def failing_once(step):
@@ -89,7 +89,7 @@ def test_a_model_failure_and_a_raising_listener_are_contained():
                 raise RuntimeError("injected device fault")
             return real(step)
 
-        engine.runner.execute = failing_once
+        engine.runner.submit = failing_once
         ids, errors = await collect(node, "hit")
         assert len(errors) == 1 and "injected device fault" in errors[0].error
         await idle(node)

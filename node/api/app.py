@@ -124,15 +124,16 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
-def create_app(config: NodeConfig, node: Node | None = None) -> web.Application:
-    """Build the application. With ``node=None`` the node is created on startup and closed on cleanup."""
+def create_app(config: NodeConfig, node: Node | None = None, prelaunched: dict | None = None) -> web.Application:
+    """Build the application. With ``node=None`` the node is created on startup (with the engine
+    processes in ``prelaunched``, see :meth:`Node.create`) and closed on cleanup."""
     app = web.Application(
         middlewares=[errors_middleware, auth_middleware(config.api_key)],
         client_max_size=config.max_body_bytes,
     )
 
     async def node_ctx(app: web.Application):
-        n = node or await Node.create(config)
+        n = node or await Node.create(config, prelaunched)
         n.started_wall_s = time.time()
         n.start()
         await n.start_network()

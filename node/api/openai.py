@@ -24,7 +24,7 @@ from node.api.sse import SSEWriter
 from node.api.validate import chat_prompt, check_model, completion_prompts, sampling_params
 from node.core.sequence import SamplingParams
 from node.protocol import ChatCompletionRequest, CompletionRequest, decode_request
-from node.runtime.node import Node, NodeDraining, QueueFullError
+from node.runtime.node import EnginesDown, Node, NodeDraining, QueueFullError
 from node.runtime.output import SeqDelta
 from node.worker.tokenizer import IncrementalDetokenizer
 
@@ -141,6 +141,8 @@ async def off_loop(fn, *args):
 def _queue_full(e: QueueFullError) -> APIError:
     if isinstance(e, NodeDraining):
         return APIError(503, str(e), code="draining", headers={"Retry-After": "1"})
+    if isinstance(e, EnginesDown):
+        return APIError(503, f"no device can serve: {e}", code="engine_down", headers={"Retry-After": "1"})
     return APIError(503, f"server is overloaded: {e}", code="overloaded", headers={"Retry-After": "1"})
 
 

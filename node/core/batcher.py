@@ -191,7 +191,8 @@ class Batcher:
         i = 0
         while i < len(self.running) and budget > 0 and len(plan.items) < self.config.max_num_seqs:
             seq = self.running[i]
-            if (kind is StepKind.DECODE and not seq.is_decoding) or (kind is StepKind.PREFILL and seq.is_decoding):
+            if (kind is StepKind.DECODE and not seq.is_decoding) or (kind is StepKind.PREFILL and seq.is_decoding) \
+                    or (seq.is_decoding and len(seq.token_ids) >= seq.max_len):  # its last token needs no KV: it ends
                 i += 1
                 continue
             n = min(seq.num_uncomputed, budget)
@@ -303,6 +304,7 @@ class Batcher:
         if not self.ledger.prefix_caching:
             return
         bs = self.ledger.block_size
+        upto_tokens = min(upto_tokens, len(seq.token_ids) - seq.num_pending)  # a placeholder is not content
         full = min(upto_tokens // bs, len(seq.block_ids))
         if seq.num_registered >= full:
             return

@@ -38,6 +38,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
         return self.temperature == 0.0
 
 
+PENDING = -1  # a token id a step in flight will produce (see ``Sequence``)
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -57,12 +60,17 @@ class Sequence:
     ``block_ids`` already offered to the device's cache; ``num_cached_tokens`` is the number of prompt
     tokens found in the cache when the sequence was first admitted (``None`` before), which the API
     reports as ``usage.prompt_tokens_details.cached_tokens``.
+
+    Overlapped steps: while a step that samples for this sequence is in flight, its token is already
+    appended as :data:`PENDING` (``num_pending`` counts such tail entries, 0 or 1), so the next step
+    can be planned before the token is known; the device's engine feeds the real token itself and the
+    node writes it over the placeholder when the step's reply arrives.
     """
 
     __slots__ = (
         "seq_id", "request_id", "index", "arrival_s", "token_ids", "prompt_len", "params",
         "max_len", "num_computed", "block_ids", "status", "num_preemptions", "device_id",
-        "last_token_s", "first_token_s", "block_keys", "num_registered", "num_cached_tokens",
+        "last_token_s", "first_token_s", "block_keys", "num_registered", "num_cached_tokens", "num_pending",
     )
 
     def __init__(self, seq_id: str, request_id: str, index: int, arrival_s: float,
@@ -85,6 +93,7 @@ class Sequence:
         self.block_keys: list[bytes] = []
         self.num_registered = 0
         self.num_cached_tokens: int | None = None
+        self.num_pending = 0
 
     @property
     def num_output(self) -> int:

@@ -1,6 +1,7 @@
-"""The step loop of one device: schedule → run (in the device's worker thread) → postprocess.
+"""The step loop of one device: schedule → run (its engine, from the device's worker thread) → postprocess.
 
-The loop lives on the node's event loop; only ``ModelRunner.execute`` runs in the worker thread, so
+The loop lives on the node's event loop; the worker thread only hands a step's diff
+(:class:`~node.runtime.step_encoder.StepEncoder`) to the device's engine and waits for its reply, so
 the API keeps answering while a step runs. Membership changes (new sequences, aborts) happen between
 steps only, so a step in flight never sees its blocks freed under it.
 """
@@ -8,6 +9,7 @@ steps only, so a step in flight never sees its blocks freed under it.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from contextlib import suppress
 from dataclasses import dataclass
 from functools import partial
@@ -18,12 +20,14 @@ import structlog
 
 from node.core.batcher import Batcher, ScheduledSeq, StepKind, StepPlan
 from node.core.roles import Role
-from node.core.sequence import Sequence, SeqStatus
+from node.core.sequence import PENDING, Sequence, SeqStatus
 from node.runtime.request import RequestState
 from node.runtime.switching import DeviceRole, SwitchRecord
 from node.transport.local import copy_sequence_blocks
-from node.worker.runner import ModelRunner, SeqInput, SeqOutput, StepInput
-from node.worker.sampler import SampleRequest
+from node.runtime.step_encoder import StepEncoder
+from node.worker.engine_core import StepMsg, StepReply
+from node.worker.engine_process import EngineDied, EngineProcess, LocalEngine
+from node.worker.runner import SeqOutput
 
 log = structlog.get_logger("shiftnode.engine")
 
@@ -46,24 +50,15 @@ def _nothing() -> None:
     return None
 
 
-def build_step_input(plan: StepPlan) -> StepInput:
-    """Snapshot the plan into plain data for the worker thread."""
-    seqs = []
-    for it in plan.items:
-        s = it.seq
-        start = s.num_computed
-        toks = s.token_ids[start : start + it.num_tokens]
-        sample = None
-        if it.samples:
-            sample = SampleRequest(s.params, s.token_ids[: s.prompt_len], s.output_ids, s.num_output)
-        targets: list[int] = []
-        top = 0
-        if s.params.prompt_logprobs is not None and start < s.prompt_len and s.num_output == 0:
-            # Rows start..start+n-1 predict tokens start+1..start+n (within the prompt).
-            targets = s.token_ids[start + 1 : min(start + it.num_tokens + 1, s.prompt_len)]
-            top = s.params.prompt_logprobs
-        seqs.append(SeqInput(s.seq_id, toks, start, list(s.block_ids), sample, targets, top))
-    return StepInput(seqs)
+@dataclass
+class _InFlight:
+    """A step sent to the engine and not yet post-processed."""
+
+    plan: StepPlan
+    msg: StepMsg
+    reply: asyncio.Future  # → StepReply
+    sent_s: float
+    pending: list[tuple[Sequence, int]]  # sequences given a placeholder token, and its index
 
 
 class DeviceEngine:
@@ -71,13 +66,14 @@ class DeviceEngine:
 
     Args:
         device_id: e.g. ``"cpu:0"`` or ``"cuda:0"``.
-        runner: the device's model runner (weights + KV pool).
+        runner: the device's engine (:class:`EngineProcess`, or :class:`LocalEngine` in the thread
+            layout): runs steps, holds the KV pool (``kv_cache``, shared with this process).
         batcher: the device's pure batch former (owns the block ledger).
         role: the device's role state in time-shared mode; ``None`` runs MIXED steps (colocated).
         clock: monotonic seconds.
     """
 
-    def __init__(self, device_id: str, runner: ModelRunner, batcher: Batcher,
+    def __init__(self, device_id: str, runner: EngineProcess | LocalEngine, batcher: Batcher,
                  clock: Callable[[], float], role: DeviceRole | None = None):
         self.device_id = device_id
         self.runner = runner
@@ -97,31 +93,62 @@ class DeviceEngine:
         self.steps = 0
         self.step_listeners: list[Callable[[DeviceEngine, StepPlan, float], None]] = []
         self.switch_listeners: list[Callable[[DeviceEngine, SwitchRecord], None]] = []
-        self.step_started_s: float | None = None  # set while a step is in flight
+        self.down_listeners: list[Callable[[DeviceEngine], None]] = []  # called once the device is down
+        self.step_started_s: float | None = None  # when the oldest step in flight was sent, else None
         self.last_step_s = 0.0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._current_plan: StepPlan | None = None  # the step being run or post-processed
+        self._current_plan: StepPlan | None = None  # the step being post-processed
+        self._inflight: deque[_InFlight] = deque()  # steps sent to the engine, oldest first (at most 2)
+        self._jobs: deque[tuple[Callable, tuple, asyncio.Future]] = deque()  # in_worker jobs
+        self.busy_s = 0.0  # the engine's own time in steps, summed (s)
         self.errors: dict[str, int] = {}  # contained failures by stage (step | listener | reconfigure | postprocess)
         self.failure: str | None = None  # why the device is down (its step loop ended), else None
+        self._encoder = StepEncoder()  # what the engine holds of each sequence; steps are diffs
+        self._dead: str | None = None  # the engine process exited (seen between steps)
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"engine-{self.device_id}")
         self._task.add_done_callback(self._on_loop_done)
+        process = getattr(self.runner, "process", None)
+        if process is not None:
+            asyncio.get_running_loop().add_reader(process.sentinel, self._on_engine_exit)
+
+    def _on_engine_exit(self) -> None:
+        """The engine process ended: unless the node is stopping it, the device is down."""
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self.runner.process.sentinel)
+        if not self.runner.stopping:
+            self._dead = self.runner.death_reason()
+            self.wake()
 
     async def stop(self) -> None:
         if self._task and not self._task.done():  # a loop that already ended was reported by _on_loop_done
             self._task.cancel()
             with suppress(asyncio.CancelledError):
                 await self._task
+        process = getattr(self.runner, "process", None)
+        if process is not None:
+            self.runner.stopping = True
+            asyncio.get_running_loop().remove_reader(process.sentinel)
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.stop)
         self._executor.shutdown(wait=True)
 
     def wake(self) -> None:
         self._wake.set()
 
     # --- membership ------------------------------------------------------------------------------
+    def _refuse_if_down(self, req: RequestState) -> bool:
+        """A down device takes nothing: fail ``req`` (503) and say so."""
+        if self.failure is None:
+            return False
+        req.fail(f"device {self.device_id} is down: {self.failure}", status=503, code="engine_down", retry_after_s=1.0)
+        return True
+
     def add(self, req: RequestState) -> None:
+        if self._refuse_if_down(req):
+            return
         self.requests[req.request_id] = req
         for i, seq in enumerate(req.seqs):
             seq.device_id = self.device_id
@@ -132,6 +159,8 @@ class DeviceEngine:
     def add_seq(self, req: RequestState, index: int) -> None:
         """Queue one sequence of ``req`` for (re)computation here: a hand-off to a peer failed after the
         peer took it, so its prompt plus the tokens already streamed are prefilled again."""
+        if self._refuse_if_down(req):
+            return
         seq = req.seqs[index]
         seq.device_id = self.device_id
         self.requests[req.request_id] = req
@@ -153,9 +182,29 @@ class DeviceEngine:
         return fut
 
     def in_worker(self, fn: Callable, *args) -> asyncio.Future:
-        """Run ``fn(*args)`` on this device's worker thread, in order with its steps (e.g. a KV gather
-        or scatter for a transfer, which must not race a step on the same stream)."""
-        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        """Run ``fn(*args)`` on this device's worker thread at the next point where no step is in
+        flight, in order with the steps (a KV gather or scatter for a transfer must not race a step
+        writing the same pool). The future fails with ``RuntimeError`` if the device goes down first."""
+        fut = asyncio.get_running_loop().create_future()
+        if self.failure is not None:
+            fut.set_exception(RuntimeError(f"device {self.device_id} is down: {self.failure}"))
+            return fut
+        self._jobs.append((fn, args, fut))
+        self.wake()
+        return fut
+
+    async def _run_jobs(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._jobs:
+            fn, args, fut = self._jobs.popleft()
+            try:
+                result = await loop.run_in_executor(self._executor, fn, *args)
+            except Exception as e:  # noqa: BLE001 - the job's caller gets its own failure
+                if not fut.done():
+                    fut.set_exception(e)
+                continue
+            if not fut.done():
+                fut.set_result(result)
 
     def free_pinned(self, block_ids: list[int]) -> None:
         """Free blocks of a detached sequence once a peer has committed its copy. Queued behind the
@@ -307,44 +356,117 @@ class DeviceEngine:
         while True:
             try:
                 await self._iteration()
-            except asyncio.CancelledError:
-                raise
+            except (asyncio.CancelledError, EngineDied):
+                raise  # a dead engine ends the loop: _on_loop_done reports the device down
             except Exception as e:  # noqa: BLE001 - the device must outlive any one bug
                 self._contain("step", e, self._current_plan)
                 await asyncio.sleep(0)  # let aborts and the driver run before the next try
 
     async def _iteration(self) -> None:
-        """One pass: apply membership changes, then run one step of the current role (or wait)."""
+        """One pass: apply membership changes, then send one step of the current role, then finish
+        the step before it (so the engine computes step N while the node post-processes N-1 and
+        plans N+1: vLLM's async scheduling, SGLang's overlap scheduler). Changes that touch the KV
+        pool from this process (moves, in_worker jobs) first let every step in flight finish."""
         self._current_plan = None
+        if self._dead:
+            raise EngineDied(self._dead)
         self._apply_aborts()
+        if (self._detaches or self._migrations or self._jobs) and self._inflight:
+            await self._complete()
+            return
         self._apply_detaches()
         if self._migrations:
             await self._apply_migrations()
             return
+        if self._jobs:
+            await self._run_jobs()
+            return
         kind = StepKind.MIXED if self.role is None else self.role.step_kind
         plan = self.batcher.schedule(kind) if kind is not None and self.batcher.has_work(kind) else None
-        if not plan:
+        if plan:
+            await self._send(plan)
+        if self._inflight and (not plan or len(self._inflight) > 1):
+            await self._complete()
+        elif not plan:
             self._wake.clear()
             await self._wake.wait()
-            return
+
+    async def _send(self, plan: StepPlan) -> None:
+        """Encode ``plan`` as a diff, give each sampling sequence its placeholder token, advance the
+        batcher as if the step ran (the next plan builds on it) and hand the message to the engine."""
         self._current_plan = plan
-        t0 = self.step_started_s = self.clock()
-        self._idle.clear()
+        msg = self._encoder.encode(plan, self._by_seq)
+        pending = []
+        for it in plan.items:
+            if it.samples:
+                seq = it.seq
+                seq.token_ids.append(PENDING)
+                seq.num_pending += 1
+                pending.append((seq, len(seq.token_ids) - 1))
+        self._encoder.sent(msg)
+        self.batcher.commit(plan)
+        now = self.clock()
         try:
-            outs = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self.runner.execute, build_step_input(plan))
+            cf = await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.submit, msg)
+            reply = asyncio.wrap_future(cf)
+        except BaseException as e:
+            reply = asyncio.get_running_loop().create_future()
+            reply.set_exception(e)
+        if not self._inflight:
+            self.step_started_s = now
+        self._idle.clear()
+        self._inflight.append(_InFlight(plan, msg, reply, now, pending))
+        self._current_plan = None
+
+    async def _complete(self) -> None:
+        """Wait for the oldest step in flight, write its tokens over their placeholders, emit them."""
+        rec = self._inflight[0]
+        try:
+            reply: StepReply = await rec.reply
+        except EngineDied:
+            raise
         except Exception:
-            self.batcher.discard(plan)  # blocks it was to fill must not be found in the prefix cache
+            # The steps sent after it were planned on its outcome: they fail with it (at most one more).
+            failed = list(self._inflight)
+            self._inflight.clear()
+            for later in failed[1:]:
+                with suppress(Exception):
+                    await later.reply
+            for r in failed:
+                self._settle_failed(r)
+            self._current_plan = StepPlan(rec.plan.kind, [it for r in failed for it in r.plan.items])
             raise
         finally:
-            self.step_started_s = None
-            self._idle.set()
-        self.batcher.commit(plan)
+            if rec.reply.done() and self._inflight and self._inflight[0] is rec:
+                self._inflight.popleft()
+            self.step_started_s = self._inflight[0].sent_s if self._inflight else None
+            if not self._inflight:
+                self._idle.set()
+        self._current_plan = rec.plan
+        outs: dict[str, SeqOutput] = {}
+        for it, out in zip(rec.msg.items, reply.outputs):
+            outs[it.seq_id] = out
+        for seq, index in rec.pending:
+            seq.num_pending -= 1
+            token = outs[seq.seq_id].token_id
+            if index < len(seq.token_ids) and seq.token_ids[index] == PENDING:
+                seq.token_ids[index] = token
         self.steps += 1
-        self._postprocess(plan, outs)
-        self.last_step_s = self.clock() - t0
-        self._notify(self.step_listeners, plan, self.last_step_s)
+        self.busy_s += reply.busy_s
+        self._postprocess(rec, outs)
+        self.last_step_s = reply.busy_s
+        self._notify(self.step_listeners, rec.plan, self.last_step_s)
         self._current_plan = None
+
+    def _settle_failed(self, rec: _InFlight) -> None:
+        """A step failed: its placeholders go, the engine's state is rebuilt by the next message, the
+        blocks it was to fill leave the prefix cache; its requests are failed by the caller."""
+        for seq, index in rec.pending:
+            seq.num_pending -= 1
+            if index < len(seq.token_ids) and seq.token_ids[index] == PENDING:
+                del seq.token_ids[index:]
+        self._encoder.reset()
+        self.batcher.discard(rec.plan)
 
     def _contain(self, stage: str, error: BaseException, plan: StepPlan | None) -> None:
         """Fail the requests ``plan`` touched (all of this device's when unknown: their state may be
@@ -388,11 +510,24 @@ class DeviceEngine:
         if task.cancelled():
             return
         error = task.exception()
-        self.failure = f"step loop ended: {type(error).__name__}: {error}" if error else "step loop ended"
+        if isinstance(error, EngineDied):
+            self.failure = str(error)
+        else:
+            self.failure = f"step loop ended: {type(error).__name__}: {error}" if error else "step loop ended"
         log.error("engine_down", device=self.device_id, reason=self.failure)
         for req in list(self.requests.values()):
             req.fail(f"device {self.device_id} is down: {self.failure}", status=503, code="engine_down",
                      retry_after_s=1.0)
+            try:  # nothing runs here any more: drop its sequences and blocks now, not at a next step
+                self._finish_request(req)
+            except Exception as e:  # noqa: BLE001 - bookkeeping of a broken device: log and go on
+                log.error("engine_cleanup_failed", device=self.device_id, request=req.request_id, error=str(e))
+        self._inflight.clear()
+        while self._jobs:  # a transfer waiting for this device's worker fails instead of hanging
+            _fn, _args, fut = self._jobs.popleft()
+            if not fut.done():
+                fut.set_exception(RuntimeError(f"device {self.device_id} is down: {self.failure}"))
+        self._notify(self.down_listeners)
 
     async def switch_role(self, to_role: Role, reason: str) -> SwitchRecord:
         """Drain the step in flight, reconfigure for ``to_role`` and pay the pause; then take the role."""
@@ -426,16 +561,16 @@ class DeviceEngine:
         if to_role is Role.DECODE:
             self.runner.prepare_decode()
 
-    def _postprocess(self, plan: StepPlan, outs: dict[str, SeqOutput]) -> None:
+    def _postprocess(self, rec: _InFlight, outs: dict[str, SeqOutput]) -> None:
         now = self.clock()
-        for it in plan.items:
+        for it, item in zip(rec.plan.items, rec.msg.items):
             try:
-                self._postprocess_one(it, outs, now)
+                self._postprocess_one(it, item.start, outs, now)
             except Exception as e:  # noqa: BLE001 - one sequence's failure (detokenizer, stop logic) is its own
-                self._contain("postprocess", e, StepPlan(plan.kind, [it]))
+                self._contain("postprocess", e, StepPlan(rec.plan.kind, [it]))
 
-    def _postprocess_one(self, it: ScheduledSeq, outs: dict[str, SeqOutput], now: float) -> None:
-        """Append one scheduled sequence's sampled token and emit its delta."""
+    def _postprocess_one(self, it: ScheduledSeq, start: int, outs: dict[str, SeqOutput], now: float) -> None:
+        """Emit one scheduled sequence's sampled token (already written over its placeholder)."""
         seq = it.seq
         entry = self._by_seq.get(seq.seq_id)
         if entry is None:
@@ -443,16 +578,15 @@ class DeviceEngine:
         req, i = entry
         out = outs[seq.seq_id]
         if out.prompt_logprobs:  # rows start.. predict prompt tokens start+1..; idempotent on recompute
-            start = seq.num_computed - it.num_tokens
             req.prompt_logprobs[start : start + len(out.prompt_logprobs)] = out.prompt_logprobs
         if out.token_id is None:
             return
-        seq.token_ids.append(out.token_id)
+        position = start + it.num_tokens  # where the sampled token sits in token_ids
         seq.last_token_s = now
         if seq.first_token_s is None:
             seq.first_token_s = now
-        delta = req.outputs[i].on_token(out.token_id, out.logprobs)
-        if seq.num_output == 1:
+        delta = req.outputs[i].on_token(out.token_id, out.logprobs, position)
+        if position == seq.prompt_len:
             delta.cached_tokens = seq.num_cached_tokens or 0
         if delta.finish_reason is not None:
             self._finish_seq(seq)

@@ -1,7 +1,8 @@
 """The node: devices, their engines, and the request entry point used by the API.
 
-One asyncio event loop drives every device's step loop; each device runs its model steps in its own
-worker thread. ``generate`` is the only way requests enter, and it guarantees that a request which
+One asyncio event loop drives every device's step loop; each device's model runs in its own engine
+process (:mod:`node.worker.engine_process`; ``--engine-layout thread`` keeps it in this process), reached
+from a worker thread per device. ``generate`` is the only way requests enter, and it guarantees that a request which
 ends for any reason (finished, failed, client gone) leaves no sequence and no KV block behind.
 """
 
@@ -33,8 +34,9 @@ from node.runtime.switching import DeviceRole
 from node.runtime.metrics import NodeMetrics, request_outcome
 from node.runtime.output import SeqDelta
 from node.runtime.request import RequestState
-from node.transport.fingerprint import node_fingerprint
 from node.transport.protocol import Fingerprint
+from node.worker.engine_core import EngineCore
+from node.worker.engine_process import EngineProcess, LocalEngine
 from node.worker.loader import LoadedModel, StartupError, build_runner, load_model_info
 
 log = structlog.get_logger("shiftnode.node")
@@ -50,6 +52,10 @@ class QueueFullError(RuntimeError):
 
 class NodeDraining(QueueFullError):
     """The node is draining to its peers and takes no new requests (the API answers 503)."""
+
+
+class EnginesDown(QueueFullError):
+    """Every device's engine is down: nothing can serve (the API answers 503 ``engine_down``)."""
 
 
 def select_ops(backend: str, device_type: str) -> object:
@@ -93,7 +99,7 @@ class Node:
         if self.networked(config):
             from node.transport.tensors import layout_of
 
-            self.fingerprint = fingerprint or node_fingerprint(config, info, engines[0].runner.model)
+            self.fingerprint = fingerprint or engines[0].runner.fingerprint(config, info)
             layout = layout_of(engines[0].runner.kv_cache, config.model_name, self.fingerprint)
             # peers can be added at run time (POST /v1/node/peers) wherever they could be given at start
             self.peers = PeerLinks(self, layout) if config.peers or config.mode != "colocated" else None
@@ -111,17 +117,47 @@ class Node:
         elif config.mode != "colocated":
             raise StartupError(f"unknown mode {config.mode!r} (time-shared, colocated, pooled)")
         for e in engines:
+            e.down_listeners.append(self._on_engine_down)
             e.migration_listeners.append(self._on_migration)
             e.link_gbps = config.link_gbps
 
     @classmethod
-    async def create(cls, config: NodeConfig) -> "Node":
-        info = load_model_info(config)
+    async def create(cls, config: NodeConfig, prelaunched: dict[str, EngineProcess] | None = None) -> "Node":
+        """Load the model's metadata here and each device's engine (see ``--engine-layout``).
+
+        ``prelaunched``: engine processes already forked by ``shiftnode serve``
+        (:func:`~node.worker.engine_process.prelaunch`); the other devices' engines are spawned.
+
+        Raises:
+            StartupError: an engine failed to load (its message), or died while loading.
+        """
+        prelaunched = dict(prelaunched or {})
         loop = asyncio.get_running_loop()
+        handles: list = []
+        try:
+            info = load_model_info(config)
+            if config.engine_layout == "thread":
+                for device_id in config.devices:
+                    ops = select_ops(config.attention_backend, device_id.partition(":")[0])
+                    runner = await loop.run_in_executor(None, build_runner, config, info, device_id, ops)
+                    core = EngineCore(runner)
+                    await loop.run_in_executor(None, core.warm_up)
+                    handles.append(LocalEngine(core))
+            else:
+                handles = [prelaunched.pop(d, None) or EngineProcess.launch(config, d, "spawn") for d in config.devices]
+                results = await asyncio.gather(*(loop.run_in_executor(None, h.wait_ready) for h in handles),
+                                               return_exceptions=True)
+                failed = [r for r in results if isinstance(r, BaseException)]
+                if failed:
+                    raise StartupError(str(failed[0])) from failed[0]
+        except BaseException:
+            for h in handles + list(prelaunched.values()):
+                await loop.run_in_executor(None, h.stop)
+            raise
+        for h in prelaunched.values():  # forked for devices this config does not use (not expected)
+            h.stop()
         engines = []
-        for device_id in config.devices:
-            ops = select_ops(config.attention_backend, device_id.partition(":")[0])
-            runner = await loop.run_in_executor(None, build_runner, config, info, device_id, ops)
+        for device_id, runner in zip(config.devices, handles):
             ledger = BlockLedger(runner.num_blocks, config.block_size, prefix_caching=config.prefix_caching)
             batcher = Batcher(ledger, BatchConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -137,9 +173,11 @@ class Node:
             engines.append(DeviceEngine(device_id, runner, batcher, time.monotonic, role))
         fingerprint = None
         if cls.networked(config):  # hashed once, off the event loop (see node.transport.fingerprint)
-            fingerprint = await loop.run_in_executor(None, node_fingerprint, config, info, engines[0].runner.model)
+            fingerprint = await loop.run_in_executor(None, engines[0].runner.fingerprint, config, info)
             log.info("model_fingerprint", digest=fingerprint.digest, weights=fingerprint.weights[:16],
                      tokenizer=fingerprint.tokenizer[:16], config=fingerprint.config[:16])
+        log.info("engines_ready", layout=config.engine_layout,
+                 engines={e.device_id: e.runner.pid for e in engines})
         return cls(config, info, engines, fingerprint)
 
     @staticmethod
@@ -214,7 +252,16 @@ class Node:
     def least_loaded(self, device_ids: list[str] | None = None) -> DeviceEngine:
         """The device (of ``device_ids``, default all) with the fewest queued, then resident, sequences."""
         engines = self.engines if device_ids is None else [self.engine(d) for d in device_ids]
-        return min(engines, key=lambda e: (len(e.batcher.waiting), len(e.batcher.running)))
+        up = [e for e in engines if e.failure is None] or engines  # a down device fails what it is given
+        return min(up, key=lambda e: (len(e.batcher.waiting), len(e.batcher.running)))
+
+    def _on_engine_down(self, engine: DeviceEngine) -> None:
+        """A device went down; once none is left, requests waiting for placement fail (503)."""
+        if all(e.failure for e in self.engines) and self.driver is not None:
+            for req in list(self.driver.pending):
+                self.driver.withdraw(req)
+                req.fail(f"every device is down ({engine.device_id}: {engine.failure})", status=503,
+                         code="engine_down", retry_after_s=1.0)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int = 1) -> AsyncIterator[tuple[RequestState, SeqDelta]]:
         """Run one request; yield ``(state, delta)`` for every delta of every choice until all end.
@@ -226,6 +273,9 @@ class Node:
         if self.draining:
             m.rejected.inc()
             raise NodeDraining("the node is draining to its peers and takes no new requests")
+        if all(e.failure for e in self.engines):
+            m.rejected.inc()
+            raise EnginesDown("; ".join(f"{e.device_id} is down: {e.failure}" for e in self.engines))
         if self.num_waiting >= self.config.max_queue:
             m.rejected.inc()
             raise QueueFullError(f"{self.num_waiting} sequences are queued (limit {self.config.max_queue})")
@@ -335,6 +385,8 @@ class Node:
             d = {
                 "device": e.device_id,
                 "role": e.role.role.value if e.role else ("decode" if e.device_id in self.config.decode_devices else "mixed"),
+                "engine": {"layout": self.config.engine_layout, "pid": e.runner.pid},  # pid: null in the thread layout
+                "engine_busy_s": round(e.busy_s, 6),  # the engine's own time in steps, summed (wall minus this: waiting)
                 "kv_blocks_total": e.batcher.ledger.num_blocks,
                 "kv_blocks_free": e.batcher.ledger.num_free,
                 "kv_blocks_used": e.batcher.ledger.num_used,  # held by live requests (and transfers)
@@ -364,6 +416,7 @@ class Node:
             devices.append(d)
         return {
             "model": self.config.model_name,
+            "benchmark_model": self.config.benchmark_model,  # "zero" / "sleep:MS": a bench run, outputs meaningless
             "mode": self.config.mode,
             "max_model_len": self.max_model_len,
             "block_size": self.config.block_size,

@@ -65,32 +65,36 @@ class OutputState:
             self.text += self.detok.add(t)
         self.emitted = len(self.text)
 
-    def on_token(self, token_id: int, logprobs: TokenLogprobs | None) -> SeqDelta:
-        """Account for a token already appended to ``seq.token_ids``; return the delta to send."""
+    def on_token(self, token_id: int, logprobs: TokenLogprobs | None, position: int | None = None) -> SeqDelta:
+        """Account for a token already in ``seq.token_ids`` at ``position`` (default: the last; a later
+        step's placeholder may follow it); return the delta to send."""
         seq, p = self.seq, self.seq.params
+        length_so_far = len(seq.token_ids) if position is None else position + 1
+        num_output = length_so_far - seq.prompt_len
         delta = SeqDelta(index=seq.index, token_ids=[token_id], logprobs=[logprobs] if logprobs else [])
         stop_token = (token_id in self.eos and not p.ignore_eos) or token_id in p.stop_token_ids
-        if stop_token and seq.num_output > p.min_tokens - 1:
+        if stop_token and num_output > p.min_tokens - 1:
             self.finish_reason = "stop"
             delta.text = self._release(self.detok.flush(), final=True)
         else:
             new = self.detok.add(token_id)
-            length = seq.num_output >= p.max_tokens or len(seq.token_ids) >= seq.max_len
+            length = num_output >= p.max_tokens or length_so_far >= seq.max_len
             if length:
                 new += self.detok.flush()
-            delta.text = self._release(new, final=length)
+            delta.text = self._release(new, final=length, num_output=num_output)
             if length and self.finish_reason is None:
                 self.finish_reason = "length"
         delta.finish_reason = self.finish_reason
         return delta
 
-    def _release(self, new: str, final: bool) -> str:
+    def _release(self, new: str, final: bool, num_output: int | None = None) -> str:
         stops = self.seq.params.stop
         start = max(0, len(self.text) - max((len(s) for s in stops), default=0))
         self.text += new
         if stops:
             hits = [i for i in (self.text.find(s, start) for s in stops) if i >= 0]
-            if hits and self.seq.num_output >= self.seq.params.min_tokens:
+            n = self.seq.num_output if num_output is None else num_output
+            if hits and n >= self.seq.params.min_tokens:
                 self.text = self.text[: min(hits)]
                 self.finish_reason = "stop"
                 final = True

@@ -178,10 +178,11 @@ class RoleDriver(Driver):
     def snapshot(self, now: float) -> NodeSnapshot:
         """The policy's view of the node. A sequence whose move is under way counts on its destination
         (cooling down), with the blocks the destination will allocate for it reserved there."""
-        residents: dict[str, list[ResidentSeq]] = {e.device_id: [] for e in self.node.engines}
-        incoming: dict[str, int] = {e.device_id: 0 for e in self.node.engines}  # blocks of moves not yet applied
+        engines = [e for e in self.node.engines if e.failure is None]  # a down device is out of the policy's view
+        residents: dict[str, list[ResidentSeq]] = {e.device_id: [] for e in engines}
+        incoming: dict[str, int] = {e.device_id: 0 for e in engines}  # blocks of moves not yet applied
         queued: dict[str, tuple[int, int]] = {}
-        for e in self.node.engines:
+        for e in engines:
             q_tokens, q_seqs = 0, 0
             for req in e.requests.values():
                 for s in req.seqs:
@@ -190,8 +191,8 @@ class RoleDriver(Driver):
                     if s.num_output > 0 and s.is_decoding:
                         moving = s.seq_id in self._moving
                         dst = self._moving.get(s.seq_id, e.device_id)
-                        if is_peer(dst):
-                            continue  # leaving the node
+                        if is_peer(dst) or dst not in residents:
+                            continue  # leaving the node (or for a device that went down)
                         residents[dst].append(ResidentSeq(
                             s.seq_id, s.first_token_s or now, s.num_output, s.num_computed, self.expected_output(req),
                             now if moving else self._moved_s.get(s.seq_id)))
@@ -202,7 +203,7 @@ class RoleDriver(Driver):
                         q_seqs += 1
             queued[e.device_id] = (q_tokens, q_seqs)
         devices = []
-        for e in self.node.engines:
+        for e in engines:
             r = e.role
             resident = residents[e.device_id]
             q_tokens, q_seqs = queued[e.device_id]
@@ -218,7 +219,7 @@ class RoleDriver(Driver):
                 seq_slots_free=e.batcher.config.max_num_seqs - len(resident) - q_seqs,
                 prefill_queue_oldest_s=pq.oldest_arrival_s, prefill_runnable=pq.runnable,
             ))
-        ids = [e.device_id for e in self.node.engines]
+        ids = [e.device_id for e in engines]
         waiting = tuple(
             WaitingPrompt(req.request_id, len(req.prompt_ids) * len(req.seqs), req.stats.arrival_s,
                           self.expected_output(req) * len(req.seqs), seqs=len(req.seqs),

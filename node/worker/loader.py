@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 import torch
@@ -10,7 +11,7 @@ import torch
 from node.config import NodeConfig
 from node.worker.cuda_graphs import DecodeGraphs, decode_graphs_unsupported
 from node.worker.model_config import ModelConfig
-from node.worker.runner import ModelRunner, free_device_bytes, plan_kv_blocks, weight_bytes
+from node.worker.runner import KVAlloc, ModelRunner, free_device_bytes, plan_kv_blocks, weight_bytes
 from node.worker.tokenizer import TextTokenizer
 from node.worker.weights import build_model, dtype_from_name
 
@@ -56,7 +57,10 @@ def load_model_info(config: NodeConfig) -> LoadedModel:
         tok = TextTokenizer.byte_level()
     else:
         cfg = ModelConfig.from_folder(config.model)
-        tok = TextTokenizer.from_folder(config.model)
+        if config.benchmark_model and not (Path(config.model) / "tokenizer.json").is_file():
+            tok = TextTokenizer.byte_level()  # a config-only folder (bench/configs/*): bytes are text enough
+        else:
+            tok = TextTokenizer.from_folder(config.model)
     if tok.vocab_size > cfg.vocab_size:
         raise StartupError(f"tokenizer has {tok.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}")
     max_len = config.max_model_len or cfg.max_position_embeddings
@@ -77,7 +81,8 @@ def torch_device(device_id: str) -> torch.device:
     raise StartupError(f"unknown device {device_id!r} (cpu:N or cuda:N)")
 
 
-def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: object) -> ModelRunner:
+def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: object,
+                 kv_alloc: KVAlloc | None = None) -> ModelRunner:
     """Load weights on one device and size its KV pool.
 
     The KV budget is ``--kv-cache-memory`` bytes when given; on CUDA otherwise
@@ -94,8 +99,14 @@ def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: obj
     fmt = config.load_format
     if fmt == "auto":
         fmt = "dummy" if config.model is None else "safetensors"
-    model = build_model(cfg, folder=config.model, load_format=fmt, dtype=info.dtype, device=dev,
-                        max_positions=info.max_model_len, ops=ops, seed=config.seed)
+    if config.benchmark_model:  # bench tool: no weights, fixed logits (node.worker.benchmark_model)
+        from node.worker.benchmark_model import build_benchmark_model
+
+        model = build_benchmark_model(config.benchmark_model, cfg, info.tokenizer, dev, ops=ops, seed=config.seed,
+                                      rows=config.max_num_batched_tokens + config.max_num_seqs, device_id=device_id)
+    else:
+        model = build_model(cfg, folder=config.model, load_format=fmt, dtype=info.dtype, device=dev,
+                            max_positions=info.max_model_len, ops=ops, seed=config.seed)
     wbytes = weight_bytes(model)
     if config.kv_cache_memory_bytes is not None:
         kv_bytes = config.kv_cache_memory_bytes
@@ -123,7 +134,8 @@ def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: obj
         log.warning("random_weights", device=device_id, seed=config.seed,
                     message="weights are random (fixed seed): outputs are meaningless text")
     try:
-        runner = ModelRunner(model, cfg, dev, num_blocks, config.block_size, info.dtype, seed=config.seed)
+        runner = ModelRunner(model, cfg, dev, num_blocks, config.block_size, info.dtype, seed=config.seed,
+                             kv_alloc=kv_alloc)
     except (RuntimeError, MemoryError) as e:  # the KV pool could not be allocated
         raise StartupError(f"cannot allocate a KV pool of {num_blocks * config.block_size * per_token} bytes "
                            f"on {device_id}: {e}") from e

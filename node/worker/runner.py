@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass, field
+from typing import Callable
 
 import structlog
 import torch
@@ -20,6 +21,8 @@ from node.worker.model_config import ModelConfig
 from node.worker.sampler import SampleRequest, TokenLogprobs, logprobs_of, sample
 
 log = structlog.get_logger("shiftnode.runner")
+
+KVAlloc = Callable[[tuple, torch.dtype, torch.device], torch.Tensor]  # (shape, dtype, device) → a zeroed KV pool
 
 
 @dataclass
@@ -66,21 +69,21 @@ class ModelRunner:
         num_blocks, block_size: KV pool geometry; the pool is
             ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` in ``kv_dtype``.
         seed: seed of the generator used by unseeded sampling.
+        kv_alloc: allocates the zeroed pool (e.g. in memory shared with the node); ``torch.zeros`` by default.
 
     ``graphs`` (set by the loader, None for eager only): pure decode steps that fit a bucket replay a
     captured CUDA graph (:class:`~node.worker.cuda_graphs.DecodeGraphs`); every other step runs eagerly.
     """
 
     def __init__(self, model: CausalLM, cfg: ModelConfig, device: torch.device, num_blocks: int,
-                 block_size: int, kv_dtype: torch.dtype, seed: int = 0):
+                 block_size: int, kv_dtype: torch.dtype, seed: int = 0, kv_alloc: KVAlloc | None = None):
         self.model = model
         self.cfg = cfg
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.kv_cache = torch.zeros(
-            (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim), dtype=kv_dtype, device=device
-        )
+        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache = kv_alloc(shape, kv_dtype, device) if kv_alloc else torch.zeros(shape, dtype=kv_dtype, device=device)
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self._lock = threading.Lock()  # one step at a time, also against KV copies from transfers
         self.graphs: DecodeGraphs | None = None
@@ -126,14 +129,10 @@ class ModelRunner:
         if samplers:
             rows = torch.tensor([cu[i + 1] - 1 for i, _ in samplers], device=dev)
             logits = self.model.compute_logits(hidden[rows])
-            raw = logits.clone() if any(s.sample.params.logprobs is not None for _, s in samplers) else None
-            tokens = sample(logits, [s.sample for _, s in samplers], self.generator)
-            for j, (_, s) in enumerate(samplers):
+            tokens, logprobs = sample(logits, [s.sample for _, s in samplers], self.generator)
+            for (_, s), token, lp in zip(samplers, tokens, logprobs):
                 out = outputs[s.seq_id]
-                out.token_id = int(tokens[j])
-                k = s.sample.params.logprobs
-                if k is not None and raw is not None:
-                    out.logprobs = logprobs_of(raw[j : j + 1], tokens[j : j + 1], k)[0]
+                out.token_id, out.logprobs = token, lp
         for i, s in enumerate(step.seqs):
             if s.prompt_targets:
                 rows = torch.arange(cu[i], cu[i] + len(s.prompt_targets), device=dev)

@@ -1,0 +1,179 @@
+"""The engine side of a device: persistent per-sequence state, fed by diffs, running the model runner.
+
+The node's :class:`~node.runtime.engine.DeviceEngine` decides what each step computes (the pure
+``Batcher``); this module holds what the model needs to compute it, so a step message carries only
+what changed since the last one (vLLM's "cached requests" scheduler output does the same):
+
+* sequences new to this engine, with their token ids, prompt length and sampling parameters;
+* token ids a known sequence gained other than by this engine's own sampling (a recompute that
+  continues tokens a peer streamed), or a replaced token list;
+* block ids appended to a sequence's block table, or a replaced table (preemption, migration);
+* sequences that left the device;
+* per scheduled sequence: position of its first new token, number of new tokens, whether the step
+  samples, prompt logprobs wanted.
+
+The engine appends every token it samples to its own copy of the sequence, so a decode step's input
+costs the node nothing beyond the item itself: the message is O(changes), not O(context).
+
+:class:`EngineCore` is the same object in both engine layouts (``--engine-layout``): called in the
+node's worker thread (``thread``) or inside the device's engine process
+(:mod:`node.worker.engine_process`).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from node.core.sequence import SamplingParams
+from node.worker.runner import ModelRunner, SeqInput, SeqOutput, StepInput
+from node.worker.sampler import SampleRequest
+
+
+class NewSeq(msgspec.Struct, array_like=True):
+    """A sequence the engine does not know yet (or whose state the node resets)."""
+
+    seq_id: str
+    token_ids: list[int]
+    prompt_len: int
+    params: SamplingParams
+    block_ids: list[int]
+
+
+class SeqTokens(msgspec.Struct, array_like=True):
+    """Keep the first ``keep`` token ids of a known sequence, then append ``add``."""
+
+    seq_id: str
+    keep: int
+    add: list[int]
+
+
+class SeqBlocks(msgspec.Struct, array_like=True):
+    """Keep the first ``keep`` entries of a known sequence's block table, then append ``add``."""
+
+    seq_id: str
+    keep: int
+    add: list[int]
+
+
+class StepItem(msgspec.Struct, array_like=True):
+    """One scheduled sequence: compute tokens ``start .. start + num_tokens - 1``; ``sample`` draws the
+    next token; ``prompt_top >= 0`` asks for prompt logprobs with that many alternatives."""
+
+    seq_id: str
+    start: int
+    num_tokens: int
+    sample: bool
+    prompt_top: int = -1
+
+
+class StepMsg(msgspec.Struct, tag="step"):
+    """One step, as a diff against the engine's state. ``reset`` drops every sequence first."""
+
+    items: list[StepItem]
+    new: list[NewSeq] = []
+    tokens: list[SeqTokens] = []
+    blocks: list[SeqBlocks] = []
+    drop: list[str] = []
+    reset: bool = False
+
+
+class StepReply(msgspec.Struct, tag="step"):
+    """Outputs of a step, one per item, in item order; ``busy_s``: the engine's own time for the
+    step (applying the diff, building inputs, forward, sampling), in seconds."""
+
+    outputs: list[SeqOutput]
+    busy_s: float = 0.0
+
+
+class _SeqState:
+    __slots__ = ("token_ids", "prompt_len", "params", "block_ids")
+
+    def __init__(self, new: NewSeq):
+        self.token_ids = new.token_ids
+        self.prompt_len = new.prompt_len
+        self.params = new.params
+        self.block_ids = new.block_ids
+
+
+class EngineCore:
+    """Per-sequence state plus the model runner of one device.
+
+    Args:
+        runner: the device's :class:`ModelRunner` (weights, KV pool).
+
+    Errors: :meth:`step` raises ``KeyError`` for a diff that names a sequence the engine does not
+    hold (the node then resets the engine's state with its next message), and whatever the runner
+    raises; state changes of the message are kept (they describe the node's state, which is true
+    whether the step ran or not), tokens are appended only by a step that completed.
+    """
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.seqs: dict[str, _SeqState] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    @property
+    def kv_cache(self):
+        return self.runner.kv_cache
+
+    def apply(self, msg: StepMsg) -> None:
+        """Bring the per-sequence state up to date with the node's (the diff part of ``msg``)."""
+        seqs = self.seqs
+        if msg.reset:
+            seqs.clear()
+        for sid in msg.drop:
+            seqs.pop(sid, None)
+        for new in msg.new:
+            seqs[new.seq_id] = _SeqState(new)
+        for t in msg.tokens:
+            s = seqs[t.seq_id]
+            del s.token_ids[t.keep:]
+            s.token_ids.extend(t.add)
+        for b in msg.blocks:
+            s = seqs[b.seq_id]
+            del s.block_ids[b.keep:]
+            s.block_ids.extend(b.add)
+
+    def step(self, msg: StepMsg) -> StepReply:
+        """Apply the diff, run the forward pass and sampling over the items, append sampled tokens."""
+        self.apply(msg)
+        seqs = self.seqs
+        inputs = []
+        for it in msg.items:
+            s = seqs[it.seq_id]
+            toks = s.token_ids
+            start, n = it.start, it.num_tokens
+            sample = SampleRequest(s.params, toks, s.prompt_len, len(toks) - s.prompt_len) if it.sample else None
+            targets: list[int] = []
+            top = 0
+            if it.prompt_top >= 0 and start < s.prompt_len and len(toks) == s.prompt_len:
+                # Rows start..start+n-1 predict tokens start+1..start+n (within the prompt).
+                targets = toks[start + 1 : min(start + n + 1, s.prompt_len)]
+                top = it.prompt_top
+            inputs.append(SeqInput(it.seq_id, toks[start : start + n], start, s.block_ids, sample, targets, top))
+        outs = self.runner.execute(StepInput(inputs))
+        ordered = [outs[it.seq_id] for it in msg.items]
+        for it, out in zip(msg.items, ordered):
+            if out.token_id is not None:
+                seqs[it.seq_id].token_ids.append(out.token_id)
+        return StepReply(ordered)
+
+    def warm_up(self) -> None:
+        """Run a 2-token prefill and a decode step on block 0 once, before serving, so the first
+        request does not pay kernel compilation (numba, triton) or first-call allocations. The block
+        holds nothing of anyone's: every sequence writes its positions before it reads them."""
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        seqs = {"warm-up": _SeqState(NewSeq("warm-up", [1, 2], 2, params, [0]))}
+        saved, self.seqs = self.seqs, seqs
+        try:
+            self.step(StepMsg([StepItem("warm-up", 0, 2, True)]))
+            self.step(StepMsg([StepItem("warm-up", 2, 1, True)]))
+        finally:
+            self.seqs = saved
+
+    def prepare_decode(self) -> float:
+        """The decode role's reconfiguration (:meth:`ModelRunner.prepare_decode`); capture ms."""
+        return self.runner.prepare_decode()

@@ -1,0 +1,416 @@
+"""One engine process per device: the model runs outside the node's process, the node keeps the loop.
+
+Layout. The node process runs the asyncio event loop (API, pure policies, drivers, detokenization);
+each device's engine process owns the weights and runs :class:`~node.worker.engine_core.EngineCore`.
+A step is one request/reply pair: the node's per-device worker thread sends a
+:class:`~node.worker.engine_core.StepMsg` and blocks (without the GIL) until the
+:class:`~node.worker.engine_core.StepReply` comes back, so the node's own Python work (scheduling,
+post-processing, SSE) runs in parallel with the forward pass instead of competing with it for one
+interpreter.
+
+Channel. A ``multiprocessing.Pipe`` (an ``AF_UNIX`` socket pair) carrying msgspec MessagePack
+frames. One producer and one consumer on one host, strictly alternating request and reply: a socket
+pair gives ordered, reliable delivery with one system call per direction and no broker or polling;
+a peer that dies shows as end-of-file at once, which is how either side learns of the other's death.
+ZeroMQ (vLLM, SGLang) adds routing and many-to-many patterns this one-to-one channel does not need,
+and shared-memory rings add spinning; msgspec keeps encoding cheap (typed structs, no pickle).
+
+KV cache. The KV pool must be reachable from the node for transfers between devices and to peer
+nodes (:mod:`node.transport`), which run in the node process. On the CPU the engine allocates it in
+an anonymous ``memfd`` (not bounded by ``/dev/shm``'s size) and hands the file descriptor to the
+node over the socket pair (``SCM_RIGHTS``); both map the same pages. On CUDA the engine allocates it
+on its device and the node maps it through CUDA IPC (``torch.multiprocessing``'s reductions). The
+node touches the pool only through the device's worker thread, in order with its steps, so a
+transfer never races a step.
+
+Start. Engines for CPU devices are forked by ``shiftnode serve`` before the event loop starts
+(:func:`prelaunch`): the child shares the already imported modules, so it starts in milliseconds,
+and the parent has not yet run any parallel torch work that a fork would break. CUDA devices, and
+nodes created inside a process that has already computed (tests), spawn a fresh interpreter.
+
+Lifetime. The engine exits when the node says so, when its end of the pipe closes, and (Linux
+``PR_SET_PDEATHSIG``) when the node process dies in any way; it ignores SIGINT, which a terminal
+sends the whole process group, so a Ctrl-C stops the node, which then stops its engines. A dead
+engine is seen by the node as :class:`EngineDied` (its device is then reported down).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import mmap
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle, send_handle
+from typing import Any
+
+import msgspec
+import structlog
+import torch
+
+from node.config import NodeConfig
+from node.transport.protocol import Fingerprint
+from node.worker.engine_core import EngineCore, StepMsg, StepReply
+
+log = structlog.get_logger("shiftnode.engine_process")
+
+
+class EngineDied(RuntimeError):
+    """The device's engine process is gone (crashed, killed, or its pipe closed)."""
+
+
+class EngineError(RuntimeError):
+    """An exception inside the engine process while it served one request; the engine goes on.
+    ``kind`` is the engine-side exception's type name."""
+
+    def __init__(self, message: str, kind: str = ""):
+        super().__init__(message)
+        self.kind = kind
+
+
+# --- messages besides steps -------------------------------------------------------------------------
+class Prepare(msgspec.Struct, tag="prepare"):
+    """Run the decode role's reconfiguration (capture graphs where they exist)."""
+
+
+class GetFingerprint(msgspec.Struct, tag="fingerprint"):
+    """Compute the node's handshake fingerprint from this engine's weights."""
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+class Ready(msgspec.Struct, tag="ready"):
+    """Sent once after loading: the KV pool's geometry (its memory follows as a handle)."""
+
+    num_blocks: int
+    kv_shape: list[int]
+    kv_dtype: str
+    kv_cuda: bool
+    threads: int
+
+
+class Value(msgspec.Struct, tag="value"):
+    value: float
+
+
+class FingerprintReply(msgspec.Struct, tag="fp"):
+    fingerprint: Fingerprint
+
+
+class Failed(msgspec.Struct, tag="failed"):
+    """An exception in the engine: its type name, message and traceback (for the node's log)."""
+
+    kind: str
+    message: str
+    trace: str
+
+
+Request = StepMsg | Prepare | GetFingerprint | Shutdown
+Reply = StepReply | Ready | Value | FingerprintReply | Failed
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)}
+
+
+# --- the engine process ---------------------------------------------------------------------------------
+def _die_with_parent(parent_pid: int, device_id: str) -> None:
+    """SIGKILL this process when the parent dies (Linux), and name it for ``ps``/``top``
+    (``shiftnode-cpu:0``); exit now if the parent is already gone."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc.prctl(15, f"shiftnode-{device_id}".encode()[:15])  # PR_SET_NAME
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
+def _memfd_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, holder: dict) -> torch.Tensor:
+    """A CPU KV pool in an anonymous memfd (zero pages, filled lazily); keeps the fd in ``holder``."""
+    nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+    fd = os.memfd_create("shiftnode-kv", 0)
+    os.ftruncate(fd, max(nbytes, 1))
+    buf = mmap.mmap(fd, max(nbytes, 1))
+    holder.update(fd=fd, mmap=buf, nbytes=nbytes)
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
+def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid: int, threads: int) -> None:
+    """Entry point of an engine process: load, report :class:`Ready`, then serve requests until told
+    to stop or until the node's end of ``conn`` closes."""
+    _die_with_parent(parent_pid, device_id)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    enc = msgspec.msgpack.Encoder()
+    dec = msgspec.msgpack.Decoder(Request)
+    try:
+        from node.log import configure_logging
+        from node.runtime.node import select_ops
+        from node.worker.loader import build_runner, load_model_info
+
+        configure_logging(config.log_format)
+        if device_id.startswith("cpu"):
+            torch.set_num_threads(threads)
+        info = load_model_info(config)
+        ops = select_ops(config.attention_backend, device_id.partition(":")[0])
+        holder: dict = {}
+        kv_alloc = (lambda shape, dtype, device: _memfd_kv(shape, dtype, device, holder)) \
+            if device_id.startswith("cpu") else None
+        runner = build_runner(config, info, device_id, ops, kv_alloc=kv_alloc)
+        core = EngineCore(runner)
+        core.warm_up()
+        kv = runner.kv_cache
+        conn.send_bytes(enc.encode(Ready(runner.num_blocks, list(kv.shape), str(kv.dtype).removeprefix("torch."),
+                                         kv.is_cuda, torch.get_num_threads())))
+        if kv.is_cuda:
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            conn.send(reduce_tensor(kv))  # (rebuild function, args): a CUDA IPC handle
+        else:
+            send_handle(conn, holder["fd"], parent_pid)
+    except BaseException as e:  # noqa: BLE001 - report any start-up failure, then exit
+        conn.send_bytes(enc.encode(Failed(type(e).__name__, str(e), traceback.format_exc())))
+        return
+    while True:
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            return  # the node is gone
+        msg = dec.decode(data)
+        if isinstance(msg, Shutdown):
+            return
+        try:
+            if isinstance(msg, StepMsg):
+                t0 = time.perf_counter()
+                reply: Any = core.step(msg)
+                reply.busy_s = time.perf_counter() - t0
+            elif isinstance(msg, Prepare):
+                reply = Value(core.prepare_decode())
+            else:
+                from node.transport.fingerprint import node_fingerprint
+
+                reply = FingerprintReply(node_fingerprint(config, info, runner.model))
+        except Exception as e:  # noqa: BLE001 - one failed request is the node's to handle
+            reply = Failed(type(e).__name__, str(e), traceback.format_exc())
+        try:
+            conn.send_bytes(enc.encode(reply))
+        except (BrokenPipeError, OSError):
+            return
+
+
+# --- the node's handle ----------------------------------------------------------------------------------
+def _settle(fut: concurrent.futures.Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Resolve ``fut`` unless its waiter gave up (a cancelled step: its reply is dropped)."""
+    if fut.set_running_or_notify_cancel():
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+
+class EngineProcess:
+    """The node's handle on one device's engine process; the runner-like surface of a device
+    (``submit``, ``prepare_decode``, ``kv_cache``, ``num_blocks``, ``fingerprint``).
+
+    Use :meth:`launch` (starts the process), :meth:`wait_ready` (blocks until loaded; raises what
+    loading raised), then :meth:`submit` requests from any thread; a reader thread resolves them.
+
+    Errors: :class:`EngineDied` when the process is gone; :class:`EngineError` for an exception the
+    engine caught while serving one request (the engine goes on).
+    """
+
+    def __init__(self, config: NodeConfig, device_id: str, method: str):
+        self.device_id = device_id
+        self.method = method
+        threads = max(1, (os.cpu_count() or 1) // max(1, len(config.devices)))
+        ctx = multiprocessing.get_context(method)
+        self._conn, child = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(target=engine_main, name=f"shiftnode-engine-{device_id}",
+                                   args=(child, config, device_id, os.getpid(), threads), daemon=True)
+        self._child_conn = child
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(Reply)
+        self._lock = threading.Lock()  # guards the send order and ``_waiting`` together
+        self._waiting: deque[concurrent.futures.Future] = deque()
+        self._dead: EngineDied | None = None
+        self.kv_cache: torch.Tensor | None = None
+        self.num_blocks = 0
+        self.threads = 0
+        self._mmap: mmap.mmap | None = None
+        self.stopping = False
+
+    @classmethod
+    def launch(cls, config: NodeConfig, device_id: str, method: str | None = None) -> "EngineProcess":
+        """Start the engine process of ``device_id``: forked when ``method`` is ``"fork"`` (only safe
+        before the caller has run parallel torch work: see the module docstring), spawned otherwise."""
+        handle = cls(config, device_id, method or "spawn")
+        handle.process.start()
+        handle._child_conn.close()  # the child holds its own copy; ours would hide its death
+        return handle
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def wait_ready(self) -> None:
+        """Block until the engine has loaded and shared its KV pool.
+
+        Raises:
+            EngineError: loading failed in the engine (``kind`` names the exception type, e.g.
+                ``StartupError``; the message is the engine's).
+            EngineDied: the process ended before it was ready.
+        """
+        reply = self._recv()
+        if isinstance(reply, Failed):
+            self.process.join(5)
+            raise EngineError(reply.message, reply.kind)
+        assert isinstance(reply, Ready), reply
+        self.num_blocks, self.threads = reply.num_blocks, reply.threads
+        try:
+            if reply.kv_cuda:
+                rebuild, args = self._conn.recv()
+                self.kv_cache = rebuild(*args)
+            else:
+                fd = recv_handle(self._conn)
+                dtype = _DTYPES[reply.kv_dtype]
+                nbytes = int(torch.Size(reply.kv_shape).numel()) * torch.empty((), dtype=dtype).element_size()
+                self._mmap = mmap.mmap(fd, max(nbytes, 1))
+                os.close(fd)
+                self.kv_cache = torch.frombuffer(self._mmap, dtype=torch.uint8, count=nbytes).view(dtype).view(reply.kv_shape)
+        except (EOFError, OSError) as e:
+            raise EngineDied(f"engine process of {self.device_id} exited while sharing its KV pool") from e
+        threading.Thread(target=self._receive_replies, name=f"replies-{self.device_id}", daemon=True).start()
+
+    def _recv(self) -> Any:
+        try:
+            return self._dec.decode(self._conn.recv_bytes())
+        except (EOFError, OSError) as e:
+            raise EngineDied(self.death_reason()) from e
+
+    def death_reason(self) -> str:
+        """Why the process is gone, naming the device, pid and exit code or signal."""
+        self.process.join(0.5)
+        code = self.process.exitcode
+        how = "is still running but its pipe closed" if code is None else (
+            f"was killed by signal {-code}" if code < 0 else f"exited with code {code}")
+        return f"engine process of {self.device_id} (pid {self.process.pid}) {how}"
+
+    def _receive_replies(self) -> None:
+        """The reply reader (a daemon thread): replies come in request order, each resolves the oldest
+        waiting future. Reading all the time means the engine never blocks writing a reply while the
+        node blocks writing a large request (a socket pair full both ways would deadlock)."""
+        while True:
+            try:
+                reply = self._recv()
+            except Exception as e:  # noqa: BLE001 - dead, or a reply this side cannot read: both end the engine
+                if not isinstance(e, EngineDied):
+                    log.error("engine_reply_unreadable", device=self.device_id, error=f"{type(e).__name__}: {e}")
+                    e = EngineDied(f"engine process of {self.device_id}: unreadable reply ({type(e).__name__}: {e})")
+                with self._lock:
+                    self._dead = e
+                    waiting, self._waiting = list(self._waiting), deque()
+                for fut in waiting:
+                    _settle(fut, error=e)
+                return
+            with self._lock:
+                fut = self._waiting.popleft()
+            if isinstance(reply, Failed):
+                log.error("engine_request_failed", device=self.device_id, kind=reply.kind, trace=reply.trace)
+                _settle(fut, error=EngineError(f"{reply.kind}: {reply.message}", reply.kind))
+            else:
+                _settle(fut, reply)
+
+    def submit(self, msg: Any) -> concurrent.futures.Future:
+        """Send one request; the returned future resolves to its reply (``EngineError`` or
+        ``EngineDied`` as exceptions). Requests are served in order; several may be outstanding."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        data = self._enc.encode(msg)
+        with self._lock:
+            if self._dead is not None:
+                raise self._dead
+            self._waiting.append(fut)
+            try:
+                self._conn.send_bytes(data)
+            except (BrokenPipeError, ConnectionResetError, OSError) as e:
+                self._waiting.remove(fut)
+                raise EngineDied(self.death_reason()) from e
+        return fut
+
+    def call(self, msg: Any) -> Any:
+        """Send one request and wait for its reply."""
+        return self.submit(msg).result()
+
+    def prepare_decode(self) -> float:
+        return self.call(Prepare()).value
+
+    def fingerprint(self, config: NodeConfig, info: Any) -> Fingerprint:
+        """The handshake fingerprint, computed in the engine from the weights it holds (``config``
+        and ``info`` are the engine's own; the arguments keep the surface of :class:`LocalEngine`)."""
+        return self.call(GetFingerprint()).fingerprint
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Ask the engine to exit; terminate, then kill, what does not within ``timeout_s``."""
+        self.stopping = True
+        if self.process.is_alive():
+            try:
+                with self._lock:
+                    self._conn.send_bytes(self._enc.encode(Shutdown()))
+            except OSError:
+                pass  # already gone
+            self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(2.0)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(2.0)
+        self._conn.close()
+
+
+class LocalEngine:
+    """The ``thread`` layout: the same :class:`EngineCore`, run by a thread of the node's process."""
+
+    method = "thread"
+    pid = None
+    stopping = False
+
+    def __init__(self, core: EngineCore):
+        self.core = core
+        self.runner = core.runner
+        self.kv_cache = core.kv_cache
+        self.num_blocks = core.num_blocks
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+
+    def _step(self, msg: StepMsg) -> StepReply:
+        t0 = time.perf_counter()
+        reply = self.core.step(msg)
+        reply.busy_s = time.perf_counter() - t0
+        return reply
+
+    def submit(self, msg: StepMsg) -> concurrent.futures.Future:
+        return self._pool.submit(self._step, msg)
+
+    def prepare_decode(self) -> float:
+        return self._pool.submit(self.core.prepare_decode).result()
+
+    def fingerprint(self, config: NodeConfig, info: Any) -> Fingerprint:
+        from node.transport.fingerprint import node_fingerprint
+
+        return node_fingerprint(config, info, self.runner.model)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def prelaunch(config: NodeConfig) -> dict[str, EngineProcess]:
+    """Fork the engine processes of ``config``'s CPU devices now (call before the event loop starts
+    and before any parallel torch work in this process). CUDA devices are spawned later."""
+    if config.engine_layout != "process":
+        return {}
+    return {d: EngineProcess.launch(config, d, "fork") for d in config.devices if d.startswith("cpu")}

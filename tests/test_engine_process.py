@@ -1,0 +1,185 @@
+"""Engine processes: one per device, gone with the node however it ends; a dead one is a down device.
+
+Also the step diff (:class:`node.runtime.step_encoder.StepEncoder`): what the engine is told is what
+changed, and a replaced token list or block table is sent whole.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+
+from node.core.batcher import ScheduledSeq, StepKind, StepPlan
+from node.core.sequence import SamplingParams, Sequence
+from node.runtime.step_encoder import StepEncoder
+from node.worker.engine_core import EngineCore
+from support import STORIES, NodeProcess, reference_cases
+
+CASE = reference_cases()[0]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie awaiting its parent's wait counts as gone
+        return f.read().split(")")[1].split()[0] != "Z"
+
+
+def _wait_gone(pids: list[int], timeout_s: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+def _engine_pids(node: NodeProcess) -> dict[str, int]:
+    return {d["device"]: d["engine"]["pid"] for d in node.status()["devices"]}
+
+
+def _complete(node: NodeProcess, max_tokens: int = 24) -> httpx.Response:
+    return node.client.post("/v1/completions", json={"prompt": CASE["prompt"], "max_tokens": max_tokens,
+                                                       "temperature": 0.0})
+
+
+def test_each_device_has_a_named_engine_process_and_a_killed_one_is_a_down_device():
+    node = NodeProcess("--model", str(STORIES), "--devices", "cpu:0,cpu:1")
+    try:
+        pids = _engine_pids(node)
+        assert set(pids) == {"cpu:0", "cpu:1"} and node.proc.pid not in pids.values()
+        for device, pid in pids.items():
+            assert open(f"/proc/{pid}/comm").read().strip() == f"shiftnode-{device}"
+            assert int(open(f"/proc/{pid}/stat").read().split(")")[1].split()[1]) == node.proc.pid  # the node's child
+        os.kill(pids["cpu:0"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while node.health()[1]["status"] == "ok" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        code, body = node.health()
+        assert code == 200 and body["status"] == "degraded" and any("cpu:0" in r for r in body["reasons"]), body
+        for _ in range(3):  # the other device serves everything, exactly
+            r = _complete(node)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == CASE["output_text"][: len(r.json()["choices"][0]["text"])]
+        status = {d["device"]: d for d in node.status()["devices"]}
+        assert "cpu:0" in status["cpu:0"]["failure"] and "signal 9" in status["cpu:0"]["failure"]
+        assert status["cpu:1"]["failure"] is None
+        assert status["cpu:0"]["kv_blocks_used"] == 0 and status["cpu:0"]["running"] == 0  # nothing held by the dead
+        assert 'shiftnode_engine_down{device="cpu:0"} 1.0' in node.client.get("/metrics").text
+        os.kill(pids["cpu:1"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while node.health()[0] == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r = _complete(node)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_down", r.text
+        assert int(r.headers["Retry-After"]) >= 1
+        assert node.health()[0] == 503
+    finally:
+        node.close()
+
+
+def test_an_engine_killed_mid_stream_ends_the_stream_with_an_error():
+    node = NodeProcess("--model", str(STORIES))
+    try:
+        pid = _engine_pids(node)["cpu:0"]
+        events = []
+        with node.client.stream("POST", "/v1/completions", json={"prompt": "Once", "max_tokens": 400, "stream": True,
+                                                                   "ignore_eos": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 3:
+                        os.kill(pid, signal.SIGKILL)
+        assert events[-1] == "[DONE]" or "engine_down" in events[-1] or "engine_down" in events[-2], events[-3:]
+        assert any("engine_down" in e for e in events), events[-3:]
+        assert node.proc.poll() is None  # the node outlives its engine
+        device = node.status()["devices"][0]
+        assert device["kv_blocks_used"] == 0 and device["running"] == 0 and node.status()["live_requests"] == 0
+    finally:
+        node.close()
+
+
+def test_engines_exit_with_the_node_on_sigterm_and_on_sigkill():
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        node = NodeProcess("--model", str(STORIES), "--devices", "cpu:0,cpu:1")
+        try:
+            pids = list(_engine_pids(node).values())
+            assert _complete(node).status_code == 200
+            node.proc.send_signal(sig)
+            node.proc.wait(15)
+            assert _wait_gone(pids) == [], f"engines left after {sig.name}"
+        finally:
+            node.close()
+
+
+def _seq(sid: str, prompt: list[int]) -> Sequence:
+    return Sequence(sid, "r", 0, 0.0, prompt, SamplingParams(max_tokens=8, temperature=0.0), 64)
+
+
+def test_the_step_message_is_a_diff_and_replacements_are_sent_whole():
+    enc = StepEncoder()
+    a = _seq("a", [1, 2, 3])
+    a.block_ids = [5]
+    m = enc.encode(StepPlan(StepKind.MIXED, [ScheduledSeq(a, 3)]), {"a": 0})
+    assert m.reset and [n.token_ids for n in m.new] == [[1, 2, 3]] and m.items[0].start == 0 and m.items[0].sample
+    enc.sent(m)
+    a.num_computed = 3
+    a.token_ids.append(9)  # the node writes the sampled token over its placeholder: same length as the engine's
+    m = enc.encode(StepPlan(StepKind.DECODE, [ScheduledSeq(a, 1)]), {"a": 0})
+    assert not m.reset and m.new == [] and m.tokens == [] and m.blocks == [] and m.drop == []
+    enc.sent(m)
+    a.token_ids.append(4)
+    a.num_computed = 4
+    a.block_ids.append(6)  # an appended block travels alone
+    m = enc.encode(StepPlan(StepKind.DECODE, [ScheduledSeq(a, 1)]), {"a": 0})
+    assert [(b.keep, b.add) for b in m.blocks] == [(1, [6])] and m.tokens == []
+    enc.sent(m)
+    a.token_ids.append(7)
+    a.block_ids = [8, 9]  # preempted and re-admitted: a new table
+    a.token_ids = list(a.token_ids) + [11]  # tokens a peer streamed (a recompute): a new list, sent whole
+    a.num_computed = 0
+    m = enc.encode(StepPlan(StepKind.MIXED, [ScheduledSeq(a, len(a.token_ids))]), {"a": 0})
+    assert [(b.keep, b.add) for b in m.blocks] == [(0, [8, 9])]
+    assert [(t.keep, t.add) for t in m.tokens] == [(0, a.token_ids)]
+    m = enc.encode(StepPlan(StepKind.MIXED, []), {})
+    assert m.drop == ["a"] and enc.known == {}
+
+
+class _FakeRunner:
+    """Records the inputs the engine core builds; samples token 100 + position."""
+
+    num_blocks, kv_cache = 16, None
+
+    def __init__(self):
+        self.steps = []
+
+    def execute(self, step):
+        from node.worker.runner import SeqOutput
+
+        self.steps.append(step)
+        return {s.seq_id: SeqOutput(token_id=100 + s.start + len(s.token_ids)) if s.sample else SeqOutput()
+                for s in step.seqs}
+
+
+def test_the_engine_core_feeds_its_own_sampled_token_to_the_next_step():
+    runner = _FakeRunner()
+    core = EngineCore(runner)
+    enc = StepEncoder()
+    a = _seq("a", [1, 2, 3])
+    a.block_ids = [2]
+    for step in range(4):
+        n = 3 if step == 0 else 1
+        m = enc.encode(StepPlan(StepKind.MIXED, [ScheduledSeq(a, n)]), {"a": 0})
+        enc.sent(m)
+        a.token_ids.append(-1)  # the node's placeholder while the step is in flight
+        a.num_computed += n
+        reply = core.step(m)
+        a.token_ids[-1] = reply.outputs[0].token_id
+    fed = [s.seqs[0].token_ids for s in runner.steps]
+    assert fed == [[1, 2, 3], [103], [104], [105]]
+    assert core.seqs["a"].token_ids == a.token_ids == [1, 2, 3, 103, 104, 105, 106]
+    sample = runner.steps[-1].seqs[0].sample
+    assert sample.prompt_len == 3 and sample.output_index == 3 and sample.token_ids is core.seqs["a"].token_ids

@@ -1,0 +1,322 @@
+"""Batched sampler (node/worker/sampler.py) against a straightforward per-row torch reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from node.core.sequence import SamplingParams
+from node.worker import sampler as S
+from node.worker.sampler import SampleRequest, TokenLogprobs, logprobs_of, sample, seeded_uniform
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def P(**kw) -> SamplingParams:
+    return SamplingParams(max_tokens=16, **kw)
+
+
+def R(params: SamplingParams, history=(), prompt_len=0, index=0) -> SampleRequest:
+    return SampleRequest(params, list(history), prompt_len, index)
+
+
+# ---------------------------------------------------------------- reference (one row at a time)
+
+
+def ref_penalise(row: torch.Tensor, req: SampleRequest) -> torch.Tensor:
+    """The former per-row implementation, on a ``[V]`` float32 row."""
+    row = row.clone()
+    p = req.params
+    prompt, out = req.token_ids[: req.prompt_len], req.token_ids[req.prompt_len :]
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt) | set(out)), dtype=torch.long)
+        if seen.numel():
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and out:
+        counts = torch.bincount(torch.tensor(out), minlength=row.shape[-1]).to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return row
+
+
+def ref_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Filtered distribution ``[V]`` float64 of a penalised row: temperature → top-k → top-p → min-p."""
+    x = row.double() / p.temperature
+    v = x.shape[-1]
+    if 0 < p.top_k < v:
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, -math.inf)
+    if p.top_p < 1.0:
+        sx, order = torch.sort(x, descending=True)
+        probs = torch.softmax(sx, -1)
+        drop = (torch.cumsum(probs, -1) - probs) >= p.top_p
+        drop[0] = False
+        x = torch.empty_like(x).scatter_(0, order, sx.masked_fill(drop, -math.inf))
+    if p.min_p > 0.0:
+        probs = torch.softmax(x, -1)
+        x = x.masked_fill(probs < p.min_p * probs.max(), -math.inf)
+    return torch.softmax(x, -1)
+
+
+def ref_draw(row: torch.Tensor, p: SamplingParams, u: float) -> int:
+    """Inverse CDF in the documented order: descending probability for rows with top-k/top-p,
+    vocabulary order otherwise."""
+    probs = ref_probs(row, p)
+    if 0 < p.top_k < row.shape[-1] or p.top_p < 1.0:
+        sp, order = torch.sort(probs, descending=True)
+    else:
+        sp, order = probs, torch.arange(probs.shape[-1])
+    cum = torch.cumsum(sp, -1)
+    i = int(torch.searchsorted(cum, torch.tensor([u * float(cum[-1])], dtype=torch.float64), right=True))
+    return int(order[min(i, len(order) - 1)])
+
+
+def gen(seed=0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def run(logits, reqs, device="cpu", seed=0):
+    return sample(logits.clone().to(device), reqs, gen(seed))
+
+
+# ---------------------------------------------------------------- penalties
+
+
+def test_penalties_exact_against_reference():
+    torch.manual_seed(0)
+    v = 300
+    logits = torch.randn(6, v) * 4
+    hist = [[1, 2, 2, 3, 299, 7, 7, 7], [5, 5, 0], [], [9, 8, 9, 8, 9], [4, 4, 4, 4], [10, 11, 12, 10]]
+    params = [P(repetition_penalty=1.3), P(presence_penalty=0.7, frequency_penalty=0.3),
+              P(repetition_penalty=1.5, presence_penalty=1.0), P(), P(frequency_penalty=-0.5, repetition_penalty=0.8),
+              P(repetition_penalty=1.2, presence_penalty=0.4, frequency_penalty=0.9)]
+    reqs = [R(p, h, pl) for p, h, pl in zip(params, hist, [3, 1, 0, 2, 0, 4])]
+    got = logits.clone()
+    S._apply_penalties(got, reqs)
+    want = torch.stack([ref_penalise(logits[i], r) for i, r in enumerate(reqs)])
+    assert torch.equal(got, want)
+    # Greedy rows see the penalised logits.
+    toks, _ = run(logits, [R(P(temperature=0.0, repetition_penalty=r.params.repetition_penalty,
+                                 presence_penalty=r.params.presence_penalty,
+                                 frequency_penalty=r.params.frequency_penalty), r.token_ids, r.prompt_len)
+                           for r in reqs])
+    assert toks == want.argmax(-1).tolist()
+
+
+def test_penalty_rows_do_not_touch_other_rows_and_history_not_read():
+    class Trap(list):  # a history the sampler must not read: the row has no penalty
+        def __iter__(self):
+            raise AssertionError("history of an unpenalised row was read")
+
+        def __len__(self):
+            raise AssertionError("history of an unpenalised row was read")
+
+    logits = torch.randn(2, 50)
+    reqs = [SampleRequest(P(), Trap([1, 2]), 1, 0), R(P(repetition_penalty=2.0), [3], 1)]
+    got = logits.clone()
+    S._apply_penalties(got, reqs)
+    assert torch.equal(got[0], logits[0])
+    sample(logits.clone(), reqs, gen())
+
+
+# ---------------------------------------------------------------- greedy and filters
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_and_argmax_equivalents(device):
+    torch.manual_seed(1)
+    logits = torch.randn(8, 5000) * 3
+    am = logits.argmax(-1).tolist()
+    for p in [P(temperature=0.0), P(temperature=0.9, top_k=1, seed=1), P(temperature=1.3, top_p=1e-6),
+              P(temperature=0.8, min_p=1.0), P(temperature=2.0, top_k=40, top_p=1e-9, seed=5)]:
+        toks, lps = run(logits, [R(p, index=i) for i in range(8)], device)
+        assert toks == am, p
+        assert lps == [None] * 8
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_tokens_equal_reference_draw(device):
+    """Exact equality with the per-row reference using the same documented uniform."""
+    torch.manual_seed(2)
+    v = 700
+    logits = torch.randn(40, v) * 2.5
+    kinds = [P(temperature=1.0), P(temperature=0.7, top_k=20), P(temperature=1.2, top_p=0.9),
+             P(temperature=0.9, top_k=50, top_p=0.8, min_p=0.05), P(temperature=1.1, min_p=0.2),
+             P(temperature=0.6, top_p=0.5, min_p=0.01)]
+    reqs = []
+    for i in range(40):
+        k = kinds[i % len(kinds)]
+        reqs.append(R(SamplingParams(**{f: getattr(k, f) for f in k.__struct_fields__} | {"seed": 1000 + i}), index=i))
+    toks, _ = run(logits, reqs, device)
+    want = [ref_draw(logits[i], r.params, seeded_uniform(r.params.seed, r.output_index)) for i, r in enumerate(reqs)]
+    assert toks == want
+
+
+def test_min_p_and_top_k_masks_support():
+    torch.manual_seed(3)
+    v = 64
+    row = torch.randn(v) * 2
+    n = 4000
+    logits = row.expand(n, v).contiguous()
+    for p in [P(temperature=1.0, min_p=0.3), P(temperature=1.5, top_k=5), P(temperature=1.0, top_p=0.6),
+              P(temperature=1.0, top_k=10, top_p=0.9, min_p=0.1)]:
+        support = set(torch.nonzero(ref_probs(row, p)).flatten().tolist())
+        toks, _ = run(logits, [R(p)] * n)
+        assert set(toks) <= support, p
+        assert len(set(toks)) == len(support), p  # every kept token appears in 4000 draws here
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_empirical_frequencies_match_reference(seeded):
+    torch.manual_seed(4)
+    v, n = 16, 20000
+    row = torch.randn(v) * 1.5
+    hist = [3, 3, 5, 7, 7, 7]
+    logits = row.expand(n, v).contiguous()
+    for p in [P(temperature=1.0), P(temperature=0.7, top_k=6), P(temperature=1.3, top_p=0.8),
+              P(temperature=1.0, min_p=0.15), P(temperature=0.9, top_k=8, top_p=0.9, min_p=0.05),
+              P(temperature=1.0, repetition_penalty=1.4, frequency_penalty=0.2, presence_penalty=0.3)]:
+        reqs = [R(SamplingParams(**{f: getattr(p, f) for f in p.__struct_fields__} | {"seed": s if seeded else None}),
+                  hist, 2, 3) for s in range(n)]
+        toks, _ = run(logits, reqs)
+        freq = torch.bincount(torch.tensor(toks), minlength=v).double() / n
+        want = ref_probs(ref_penalise(row, reqs[0]), p)
+        tol = 4.5 * torch.sqrt(want * (1 - want) / n) + 1e-4
+        assert torch.all((freq - want).abs() <= tol), (p, freq, want)
+
+
+# ---------------------------------------------------------------- seeds and batching
+
+
+def _batch_invariance_case(device):
+    torch.manual_seed(5)
+    v = 3000
+    target = torch.randn(v) * 2
+    seeded = [P(temperature=1.0, top_p=0.9, seed=1234), P(temperature=0.8, top_k=30, seed=7),
+              P(temperature=1.2, seed=99), P(temperature=0.9, min_p=0.05, seed=3, repetition_penalty=1.2,
+                                                 presence_penalty=0.5),
+              P(temperature=1.0, top_p=0.999, seed=11, logprobs=2)]
+    hist = [5, 6, 7, 7, 100]
+    fillers = [P(temperature=0.0), P(temperature=1.0), P(temperature=0.7, top_k=3), P(temperature=1.0, top_p=0.5),
+               P(temperature=1.0, logprobs=3), P(temperature=1.1, frequency_penalty=1.0, seed=5),
+               P(temperature=1.0, top_k=2000)]
+    for sp in seeded:
+        alone = []
+        for idx in range(4):
+            toks, _ = run(target.view(1, v), [R(sp, hist, 2, idx)], device)
+            alone.append(toks[0])
+        for trial in range(4):
+            g = torch.Generator().manual_seed(trial)
+            n = int(torch.randint(2, 40, (1,), generator=g))
+            pos = int(torch.randint(0, n, (1,), generator=g))
+            logits = torch.randn(n, v, generator=g) * 3
+            logits[pos] = target
+            for idx in range(4):
+                reqs = [R(fillers[int(torch.randint(0, len(fillers), (1,), generator=g))], [1, 2, 3], 1, idx)
+                        for _ in range(n)]
+                reqs[pos] = R(sp, hist, 2, idx)
+                toks, _ = sample(logits.clone().to(device), reqs, torch.Generator().manual_seed(trial + 100))
+                assert toks[pos] == alone[idx], (sp, trial, idx)
+        assert len(set(alone)) > 1 or sp.top_k == 30  # the index changes the draw
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_row_independent_of_batch(device):
+    _batch_invariance_case(device)
+
+
+def test_seeded_row_independent_of_chunking_and_candidate_growth(monkeypatch):
+    torch.manual_seed(6)
+    v = 4096
+    # Flat rows: the 0.99 nucleus holds thousands of tokens, beyond any small candidate set.
+    logits = torch.randn(24, v) * 0.5
+    reqs = [R(P(temperature=1.0, top_p=0.99 if i % 3 else 0.3, min_p=0.0 if i % 4 else 0.2, seed=i), index=i)
+            for i in range(24)]
+    base, _ = run(logits, reqs)
+    want = [ref_draw(logits[i], r.params, seeded_uniform(r.params.seed, r.output_index)) for i, r in enumerate(reqs)]
+    assert base == want
+    monkeypatch.setattr(S, "_NUCLEUS_CANDIDATES", 8)
+    monkeypatch.setattr(S, "_GROW", 3)
+    monkeypatch.setattr(S, "_CHUNK_ELEMS", 3 * v)  # 3 rows per chunk
+    assert run(logits, reqs)[0] == base
+    monkeypatch.setattr(S, "_NUCLEUS_CANDIDATES", v)  # full sort from the start
+    assert run(logits, reqs)[0] == base
+
+
+def test_unseeded_rows_follow_the_generator():
+    logits = torch.randn(32, 500)
+    reqs = [R(P(temperature=1.0, top_p=0.95)) for _ in range(32)]
+    a, _ = run(logits, reqs, seed=1)
+    b, _ = run(logits, reqs, seed=1)
+    c, _ = run(logits, reqs, seed=2)
+    assert a == b and a != c
+
+
+def test_seeded_uniform_is_uniform_and_in_range():
+    us = [seeded_uniform(s, i) for s in range(200) for i in range(100)]
+    assert all(0.0 <= u < 1.0 for u in us)
+    assert abs(sum(us) / len(us) - 0.5) < 0.01
+    assert seeded_uniform(-5, 0) == seeded_uniform(-5, 0) != seeded_uniform(-5, 1)
+    assert 0.0 <= seeded_uniform(2**80 + 3, 2**70) < 1.0
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_are_raw_log_softmax(device):
+    torch.manual_seed(7)
+    v = 1000
+    logits = torch.randn(5, v) * 3
+    reqs = [R(P(temperature=0.0, logprobs=3, repetition_penalty=2.0), [1, 2, 3], 1),
+            R(P(temperature=1.0, top_k=5, logprobs=0, seed=1)),
+            R(P(temperature=1.0)),
+            R(P(temperature=0.8, top_p=0.9, logprobs=5, presence_penalty=2.0), [4, 4], 0),
+            R(P(temperature=1.0, logprobs=1, seed=2))]
+    toks, lps = run(logits, reqs, device)
+    ref = torch.log_softmax(logits, -1)  # raw: before penalties
+    assert lps[2] is None
+    for i in (0, 1, 3, 4):
+        lp = lps[i]
+        assert isinstance(lp, TokenLogprobs) and lp.token_id == toks[i]
+        assert lp.logprob == pytest.approx(float(ref[i, toks[i]]), abs=1e-5)
+        k = reqs[i].params.logprobs
+        vals, idx = ref[i].topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
+        assert [t for t, _ in lp.top] == idx.tolist()
+        assert [x for _, x in lp.top] == pytest.approx(vals.tolist(), abs=1e-5)
+    # Same answers as the standalone helper kept for prompt logprobs.
+    ref_lp = logprobs_of(logits[[0]], torch.tensor([toks[0]]), 3)[0]
+    assert ref_lp.token_id == lps[0].token_id and ref_lp.logprob == pytest.approx(lps[0].logprob, abs=1e-6)
+
+
+# ---------------------------------------------------------------- degenerate rows
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_degenerate_rows_fall_back_to_argmax(device):
+    torch.manual_seed(8)
+    v = 2000
+    logits = torch.randn(7, v)
+    logits[0, 10] = float("nan")
+    logits[1, 20] = float("inf")
+    logits[2] = float("-inf")
+    logits[4, 33] = float("nan")
+    logits[5, 44] = float("inf")
+    kinds = [P(temperature=1.0, seed=1), P(temperature=1.0, top_p=0.9, seed=1), P(temperature=0.5, top_k=3),
+             P(temperature=1e-42, seed=4), P(temperature=1.0, top_k=5, logprobs=2), P(temperature=0.0),
+             P(temperature=1.0, top_p=0.9, seed=9)]
+    alone_last, _ = run(logits[6:7], [R(kinds[6])], device)
+    toks, lps = run(logits, [R(p) for p in kinds], device)
+    assert toks[:3] == [10, 20, 0]
+    assert toks[3] == int(logits[3].argmax())  # temperature so small that x / T overflows
+    assert toks[4] == 33 and toks[5] == 44
+    assert toks[6] == alone_last[0]  # the healthy neighbour is unaffected
+    assert lps[4] is not None and lps[4].token_id == 33
+
+
+def test_empty_and_mismatched():
+    assert sample(torch.empty(0, 10), [], gen()) == ([], [])
+    with pytest.raises(ValueError):
+        sample(torch.zeros(2, 10), [R(P())], gen())
