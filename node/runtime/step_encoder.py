@@ -17,6 +17,16 @@ from node.core.batcher import StepPlan
 from node.worker.engine_core import NewSeq, SeqBlocks, SeqTokens, StepItem, StepMsg
 
 
+def _diff(current: list[int], sent: list[int], sent_len: int) -> tuple[int, list[int]] | None:
+    """``(keep, add)`` that turns the engine's copy (``sent``'s first ``sent_len`` entries) into
+    ``current``: an append, or the whole list when it was replaced; ``None`` when nothing changed."""
+    if current is not sent or len(current) < sent_len:
+        return 0, list(current)
+    if len(current) > sent_len:
+        return sent_len, current[sent_len:]
+    return None
+
+
 class _Sent:
     __slots__ = ("tokens", "num_tokens", "blocks", "num_blocks")
 
@@ -60,20 +70,14 @@ class StepEncoder:
                 new.append(NewSeq(sid, list(s.token_ids), s.prompt_len, p, list(s.block_ids)))
                 known[sid] = _Sent(s.token_ids, s.block_ids)
                 continue
-            toks = s.token_ids
-            if toks is not sent.tokens or len(toks) < sent.num_tokens:
-                tokens.append(SeqTokens(sid, 0, list(toks)))
-                sent.tokens, sent.num_tokens = toks, len(toks)
-            elif len(toks) > sent.num_tokens:
-                tokens.append(SeqTokens(sid, sent.num_tokens, toks[sent.num_tokens:]))
-                sent.num_tokens = len(toks)
-            bl = s.block_ids
-            if bl is not sent.blocks or len(bl) < sent.num_blocks:
-                blocks.append(SeqBlocks(sid, 0, list(bl)))
-                sent.blocks, sent.num_blocks = bl, len(bl)
-            elif len(bl) > sent.num_blocks:
-                blocks.append(SeqBlocks(sid, sent.num_blocks, bl[sent.num_blocks:]))
-                sent.num_blocks = len(bl)
+            d = _diff(s.token_ids, sent.tokens, sent.num_tokens)
+            if d is not None:
+                tokens.append(SeqTokens(sid, *d))
+                sent.tokens, sent.num_tokens = s.token_ids, len(s.token_ids)
+            d = _diff(s.block_ids, sent.blocks, sent.num_blocks)
+            if d is not None:
+                blocks.append(SeqBlocks(sid, *d))
+                sent.blocks, sent.num_blocks = s.block_ids, len(s.block_ids)
         msg = StepMsg(items, new, tokens, blocks, drop, self._reset)
         self._reset = False
         return msg

@@ -22,6 +22,8 @@ node's worker thread (``thread``) or inside the device's engine process
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 
 from node.core.sequence import SamplingParams
@@ -139,6 +141,7 @@ class EngineCore:
 
     def step(self, msg: StepMsg) -> StepReply:
         """Apply the diff, run the forward pass and sampling over the items, append sampled tokens."""
+        t0 = time.perf_counter()
         self.apply(msg)
         seqs = self.seqs
         inputs = []
@@ -159,7 +162,7 @@ class EngineCore:
         for it, out in zip(msg.items, ordered):
             if out.token_id is not None:
                 seqs[it.seq_id].token_ids.append(out.token_id)
-        return StepReply(ordered)
+        return StepReply(ordered, time.perf_counter() - t0)
 
     def warm_up(self) -> None:
         """Run a 2-token prefill and a decode step on block 0 once, before serving, so the first

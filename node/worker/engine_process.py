@@ -44,7 +44,6 @@ import os
 import signal
 import sys
 import threading
-import time
 import traceback
 from collections import deque
 from multiprocessing.connection import Connection
@@ -187,9 +186,7 @@ def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid
             return
         try:
             if isinstance(msg, StepMsg):
-                t0 = time.perf_counter()
                 reply: Any = core.step(msg)
-                reply.busy_s = time.perf_counter() - t0
             elif isinstance(msg, Prepare):
                 reply = Value(core.prepare_decode())
             else:
@@ -295,7 +292,7 @@ class EngineProcess:
 
     def death_reason(self) -> str:
         """Why the process is gone, naming the device, pid and exit code or signal."""
-        self.process.join(0.5)
+        self.process.join(2.0)  # its pipe closed: it is exiting; wait for the exit code (returns once reaped)
         code = self.process.exitcode
         how = "is still running but its pipe closed" if code is None else (
             f"was killed by signal {-code}" if code < 0 else f"exited with code {code}")
@@ -387,14 +384,8 @@ class LocalEngine:
         self.num_blocks = core.num_blocks
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
-    def _step(self, msg: StepMsg) -> StepReply:
-        t0 = time.perf_counter()
-        reply = self.core.step(msg)
-        reply.busy_s = time.perf_counter() - t0
-        return reply
-
     def submit(self, msg: StepMsg) -> concurrent.futures.Future:
-        return self._pool.submit(self._step, msg)
+        return self._pool.submit(self.core.step, msg)
 
     def prepare_decode(self) -> float:
         return self._pool.submit(self.core.prepare_decode).result()
