@@ -80,7 +80,7 @@ def test_a_model_failure_and_a_raising_listener_are_contained():
 
     async def body(node: Node):
         engine = node.engines[0]
-        real = engine.runner.submit
+        real = engine.runner.async_submit
         calls = {"n": 0}
 
         def failing_once(step):
@@ -89,7 +89,7 @@ def test_a_model_failure_and_a_raising_listener_are_contained():
                 raise RuntimeError("injected device fault")
             return real(step)
 
-        engine.runner.submit = failing_once
+        engine.runner.async_submit = failing_once
         ids, errors = await collect(node, "hit")
         assert len(errors) == 1 and "injected device fault" in errors[0].error
         await idle(node)

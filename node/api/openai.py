@@ -1,7 +1,7 @@
 """Handlers of ``/v1/completions`` and ``/v1/chat/completions``, streaming (SSE) or whole.
 
-A request becomes one engine request per prompt (``n`` choices each). Their deltas are merged into
-one stream; choice ``i`` of prompt ``p`` has index ``p * n + i``. When the client goes away the
+A request becomes one engine request per prompt (``n`` choices each). They push their deltas to one
+stream; choice ``i`` of prompt ``p`` has index ``p * n + i``. When the client goes away the
 handler is cancelled and every engine request is aborted, so its KV blocks return at once.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import re
-from contextlib import suppress
+import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import Callable
 
 import msgspec
 from aiohttp import web
@@ -24,8 +24,10 @@ from node.api.sse import SSEWriter
 from node.api.validate import chat_prompt, check_model, completion_prompts, sampling_params
 from node.core.sequence import SamplingParams
 from node.protocol import ChatCompletionRequest, CompletionRequest, decode_request
+from node.runtime.delta_stream import DeltaStream
 from node.runtime.node import EnginesDown, Node, NodeDraining, QueueFullError
 from node.runtime.output import SeqDelta
+from node.runtime.request import RequestState
 from node.worker.tokenizer import IncrementalDetokenizer
 
 NODE_KEY = web.AppKey("node", Node)
@@ -79,60 +81,6 @@ class Job:
     index0: int
 
 
-async def merged_deltas(node: Node, request_id: str, jobs: list[Job], n: int) -> AsyncIterator[SeqDelta | None]:
-    """Deltas of all jobs with global choice indexes; ``None`` after ``--sse-keepalive-s`` of silence.
-
-    Raises:
-        QueueFullError: the node's queue is full (before anything was yielded).
-    """
-    if node.draining:
-        raise NodeDraining("the node is draining to its peers and takes no new requests")
-    if node.num_waiting + len(jobs) > node.config.max_queue:
-        raise QueueFullError(f"{node.num_waiting} sequences are queued (limit {node.config.max_queue})")
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(job_no: int, job: Job) -> None:
-        seen: set[int] = set()
-        try:
-            async for state, d in node.generate(f"{request_id}-p{job_no}", job.prompt_ids, job.params, n):
-                if job.params.prompt_logprobs is not None and d.index not in seen:
-                    d.prompt_logprobs = list(state.prompt_logprobs)  # echo: the first delta carries them
-                seen.add(d.index)
-                d.index += job.index0
-                queue.put_nowait(d)
-        except Exception as e:  # noqa: BLE001 - surfaced to the client as an error delta
-            queue.put_nowait(e)
-        finally:
-            queue.put_nowait(StopAsyncIteration)
-
-    tasks = [asyncio.create_task(pump(i, j)) for i, j in enumerate(jobs)]
-    running = len(tasks)
-    getter: asyncio.Task | None = None
-    try:
-        while running:
-            if getter is None:
-                getter = asyncio.create_task(queue.get())
-            done, _ = await asyncio.wait({getter}, timeout=node.config.sse_keepalive_s)
-            if not done:
-                yield None
-                continue
-            item, getter = getter.result(), None
-            if item is StopAsyncIteration:
-                running -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield item
-    finally:
-        if getter is not None:
-            getter.cancel()
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with suppress(asyncio.CancelledError, Exception):
-                await t
-
-
 async def off_loop(fn, *args):
     """Run CPU-heavy request preparation (tokenization, templates) in a thread, not on the event loop."""
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
@@ -152,73 +100,85 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
                       chunk_envelope: dict) -> web.StreamResponse:
     """Drive a request to its end, as SSE chunks or one JSON body.
 
-    ``on_delta`` folds a delta into its choice and returns the stream chunk's choice entry (or None
-    to send nothing); ``first_chunks`` gives chunks sent before any token (e.g. the chat role);
+    Each prompt becomes one engine request; all of them push to one :class:`DeltaStream`, and each
+    wake-up takes every delta since the last one and writes their chunks in one write. ``on_delta``
+    folds a delta into its choice and returns the stream chunk's choice entry (or None to send
+    nothing); ``first_chunks`` gives chunks sent before any token (e.g. the chat role);
     ``final_body`` builds the non-streamed body.
+
+    Raises:
+        APIError: 503 (``Retry-After``) when the node takes no request now, before anything is sent;
+            a non-streamed request's error delta as its status.
     """
     node = request.app[NODE_KEY]
     choices = [ChoiceState(i) for i in range(len(jobs) * n)]
     prompt_tokens = sum(len(j.prompt_ids) for j in jobs)
     cached = [0] * len(jobs)  # per prompt: its tokens found in the prefix cache (choice 0's first token says)
-
-    def note_cached(d: SeqDelta) -> None:
-        if d.cached_tokens is not None and d.index % n == 0:
-            cached[d.index // n] = d.cached_tokens
-
-    deltas = merged_deltas(node, request_id, jobs, n)
-    if not stream:
-        try:
-            async for d in deltas:
-                if d is None:
-                    continue
-                if d.error:
-                    raise delta_error(d)
-                note_cached(d)
-                on_delta(choices[d.index], d)
+    deltas = DeltaStream(node.config.sse_keepalive_s if stream else None)
+    reqs: list[RequestState] = []
+    try:
+        try:  # admission first, so overload is a proper 503 before a stream's 200 goes out
+            if node.draining:
+                raise NodeDraining("the node is draining to its peers and takes no new requests")
+            if node.num_waiting + len(jobs) > node.config.max_queue:
+                raise QueueFullError(f"{node.num_waiting} sequences are queued (limit {node.config.max_queue})")
+            for p, job in enumerate(jobs):
+                reqs.append(node.open_request(f"{request_id}-p{p}", job.prompt_ids, job.params, n,
+                                              stream=deltas, index0=job.index0))
         except QueueFullError as e:
             raise _queue_full(e) from e
-        finally:
-            await deltas.aclose()
-        completion = sum(len(c.token_ids) for c in choices)
-        return web.json_response(final_body(choices, usage(prompt_tokens, completion, sum(cached))))
-    # Streaming: check admission before the 200 goes out, so overload is a proper 503.
-    first = None
-    try:
-        first = await anext(deltas, None)
-    except QueueFullError as e:
-        await deltas.aclose()
-        raise _queue_full(e) from e
-    sse = SSEWriter(request)
-    await sse.prepare()
-    try:
-        for c in first_chunks(choices):
-            await sse.send({**chunk_envelope, **c})
-        pending = [first] if first is not None else []
-        async def items() -> AsyncIterator[SeqDelta | None]:
-            for p in pending:
-                yield p
-            async for d in deltas:
-                yield d
-        async for d in items():
-            if d is None:
+
+        def open_choices() -> bool:
+            return any(None in r.reasons for r in reqs)
+
+        def fold(d: SeqDelta, now: float) -> dict | None:
+            node.account(reqs[d.index // n], d, now)
+            if d.cached_tokens is not None and d.index % n == 0:
+                cached[d.index // n] = d.cached_tokens
+            return on_delta(choices[d.index], d)
+
+        if not stream:
+            while open_choices():
+                batch = await deltas.take()
+                now = time.monotonic()
+                for d in batch:
+                    if d.error:
+                        node.account(reqs[d.index // n], d, now)
+                        raise delta_error(d)
+                    fold(d, now)
+            completion = sum(len(c.token_ids) for c in choices)
+            return web.json_response(final_body(choices, usage(prompt_tokens, completion, sum(cached))))
+        sse = SSEWriter(request)
+        await sse.prepare()
+        extra = {"usage": None} if include_usage else {}
+        await sse.send_many([{**chunk_envelope, **c} for c in first_chunks(choices)])
+        failed = False
+        while not failed and open_choices():
+            batch = await deltas.take()
+            if not batch:
                 await sse.comment("keep-alive")
                 continue
-            if d.error:
-                await sse.send(delta_error(d).body())
-                break
-            note_cached(d)
-            entry = on_delta(choices[d.index], d)
-            if entry is not None:
-                await sse.send({**chunk_envelope, "choices": [entry], **({"usage": None} if include_usage else {})})
+            now = time.monotonic()
+            chunks = []
+            for d in batch:
+                if d.error:
+                    node.account(reqs[d.index // n], d, now)
+                    chunks.append(delta_error(d).body())
+                    failed = True
+                    break
+                entry = fold(d, now)
+                if entry is not None:
+                    chunks.append({**chunk_envelope, "choices": [entry], **extra})
+            await sse.send_many(chunks)
         if include_usage:
             completion = sum(len(c.token_ids) for c in choices)
             await sse.send({**chunk_envelope, "choices": [], "usage": usage(prompt_tokens, completion, sum(cached))})
         await sse.done()
-    except (ConnectionResetError, asyncio.CancelledError):
-        raise
+        return sse.response
     finally:
-        await deltas.aclose()
-    return sse.response
+        deltas.close()
+        for r in reqs:
+            node.close_request(r)
 
 
 # --- /v1/completions --------------------------------------------------------------------------------

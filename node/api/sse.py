@@ -1,10 +1,15 @@
-"""Server-Sent Events writer: ``data: {json}`` events, comment keep-alives, the closing ``[DONE]``."""
+"""Server-Sent Events writer: ``data: {json}`` events, comment keep-alives, the closing ``[DONE]``.
+
+Events are encoded with msgspec (UTF-8, no ASCII escaping; a non-finite float becomes ``null``, so
+every event is valid JSON) and the events of one wake-up go out in one write.
+"""
 
 from __future__ import annotations
 
-import json
-
+import msgspec
 from aiohttp import web
+
+_encode = msgspec.json.Encoder().encode
 
 
 class SSEWriter:
@@ -22,7 +27,12 @@ class SSEWriter:
         await self.response.prepare(self.request)
 
     async def send(self, payload: dict) -> None:
-        await self.response.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+        await self.response.write(b"data: " + _encode(payload) + b"\n\n")
+
+    async def send_many(self, payloads: list[dict]) -> None:
+        """All ``payloads`` as consecutive events, in one write (nothing for an empty list)."""
+        if payloads:
+            await self.response.write(b"".join(b"data: " + _encode(p) + b"\n\n" for p in payloads))
 
     async def comment(self, text: str) -> None:
         await self.response.write(f": {text}\n\n".encode())

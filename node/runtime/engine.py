@@ -132,6 +132,7 @@ class DeviceEngine:
         if process is not None:
             self.runner.stopping = True
             asyncio.get_running_loop().remove_reader(process.sentinel)
+            self.runner.detach()
         await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.stop)
         self._executor.shutdown(wait=True)
 
@@ -407,8 +408,7 @@ class DeviceEngine:
         self.batcher.commit(plan)
         now = self.clock()
         try:
-            cf = await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.submit, msg)
-            reply = asyncio.wrap_future(cf)
+            reply = self.runner.async_submit(msg)
         except BaseException as e:
             reply = asyncio.get_running_loop().create_future()
             reply.set_exception(e)

@@ -2,8 +2,9 @@
 
 One asyncio event loop drives every device's step loop; each device's model runs in its own engine
 process (:mod:`node.worker.engine_process`; ``--engine-layout thread`` keeps it in this process), reached
-from a worker thread per device. ``generate`` is the only way requests enter, and it guarantees that a request which
-ends for any reason (finished, failed, client gone) leaves no sequence and no KV block behind.
+from a worker thread per device. Requests enter by ``open_request`` (or ``generate``, which wraps it) and
+leave by ``close_request``, which guarantees that a request which ends for any reason (finished, failed,
+client gone) leaves no sequence and no KV block behind.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from node.runtime.pooled_driver import PooledDriver
 from node.runtime.role_driver import RoleDriver
 from node.runtime.switching import DeviceRole
 from node.runtime.metrics import NodeMetrics, request_outcome
+from node.runtime.delta_stream import DeltaStream
 from node.runtime.output import SeqDelta
 from node.runtime.request import RequestState
 from node.transport.protocol import Fingerprint
@@ -150,6 +152,8 @@ class Node:
                 failed = [r for r in results if isinstance(r, BaseException)]
                 if failed:
                     raise StartupError(str(failed[0])) from failed[0]
+                for h in handles:  # from now on this loop reads and writes the engines' sockets
+                    h.attach(loop)
         except BaseException:
             for h in handles + list(prelaunched.values()):
                 await loop.run_in_executor(None, h.stop)
@@ -263,11 +267,14 @@ class Node:
                 req.fail(f"every device is down ({engine.device_id}: {engine.failure})", status=503,
                          code="engine_down", retry_after_s=1.0)
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int = 1) -> AsyncIterator[tuple[RequestState, SeqDelta]]:
-        """Run one request; yield ``(state, delta)`` for every delta of every choice until all end.
+    def open_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int = 1, *,
+                     stream: DeltaStream | None = None, index0: int = 0) -> RequestState:
+        """Admit one request and hand it to a device or the driver; its deltas go to ``stream`` (a new
+        one by default) with choice indexes from ``index0``. The caller takes them, passes each to
+        :meth:`account`, and calls :meth:`close_request` in all cases (``finally``).
 
         Raises:
-            QueueFullError: the node already queues ``max_queue`` prompts.
+            NodeDraining, EnginesDown, QueueFullError: the node takes no request now (the API's 503).
         """
         m = self.metrics
         if self.draining:
@@ -280,66 +287,88 @@ class Node:
             m.rejected.inc()
             raise QueueFullError(f"{self.num_waiting} sequences are queued (limit {self.config.max_queue})")
         req = RequestState(request_id, prompt_ids, params, n, self.tokenizer, self._eos_ids(),
-                           self.max_model_len, time.monotonic())
+                           self.max_model_len, time.monotonic(), stream=stream, index0=index0)
         m.prompt_tokens.inc(len(prompt_ids))
         self.live[request_id] = req
-        timer = None
         if self.config.request_timeout_s is not None:
-            timer = asyncio.get_running_loop().call_later(self.config.request_timeout_s, self._expire, req)
+            req.timer = asyncio.get_running_loop().call_later(self.config.request_timeout_s, self._expire, req)
         if self.driver:
             self.driver.submit(req)
         else:
             self.least_loaded().add(req)
-        reasons: list[str | None] = [None] * n
-        first_s: list[float | None] = [None] * n  # per choice: first and last token times, tokens
-        last_s: list[float] = [0.0] * n
-        tokens = [0] * n
+        return req
+
+    def account(self, req: RequestState, delta: SeqDelta, now: float) -> None:
+        """Count a delta of ``req`` the consumer took at ``now`` (s, monotonic): TTFT, ITL, TPOT,
+        tokens, and the choice's end."""
+        m = self.metrics
+        i = delta.index - req.index0
+        if delta.token_ids:
+            k = len(delta.token_ids)
+            if req.first_s[i] is None:
+                req.first_s[i] = now
+                if i == 0:
+                    m.ttft.observe(now - req.stats.arrival_s)
+            else:
+                m.itl.observe(now - req.last_s[i])
+            req.last_s[i] = now
+            req.tokens[i] += k
+            req.stats.output_tokens += k
+            m.generation_tokens.inc(k)
+        if delta.finish_reason or delta.error:
+            req.reasons[i] = delta.finish_reason or "error"
+            if req.tokens[i] > 1:
+                m.tpot.observe((req.last_s[i] - req.first_s[i]) / (req.tokens[i] - 1))
+
+    def close_request(self, req: RequestState) -> None:
+        """The consumer is done with ``req`` (every choice ended, or it gave up): cancel what still
+        runs, free its state, and record its metrics and log line. Idempotent."""
+        if req.request_id not in self.live:
+            return
+        m = self.metrics
+        if req.timer is not None:
+            req.timer.cancel()
+        self.live.pop(req.request_id, None)
+        if not req.done:
+            self._cancel(req)
+        reasons = [r or "abort" for r in req.reasons]
+        if self.peers:
+            for seq in req.seqs:
+                self.peers.retries.pop(seq.seq_id, None)
+        if self.driver:
+            self.driver.finished(req, reasons, sum(req.tokens))
+        s = req.stats
+        end = time.monotonic()
+        m.e2e.observe(end - s.arrival_s)
+        for r in reasons:
+            m.choices.labels(finish_reason=r).inc()
+        m.requests.labels(finish_reason=request_outcome(reasons)).inc()
+        first = req.first_s[0]
+        with suppress(Exception):
+            log.info(
+                "request", request_id=req.request_id, device=req.seqs[0].device_id, prompt_tokens=s.prompt_tokens,
+                output_tokens=s.output_tokens, n=len(req.seqs), finish_reason=reasons[0] if len(reasons) == 1 else reasons,
+                ttft_ms=None if first is None else round((first - s.arrival_s) * 1e3, 2),
+                total_ms=round((end - s.arrival_s) * 1e3, 2),
+            )
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int = 1) -> AsyncIterator[tuple[RequestState, SeqDelta]]:
+        """Run one request; yield ``(state, delta)`` for every delta of every choice until all end
+        (in-process callers; the API takes whole batches from the stream itself).
+
+        Raises:
+            NodeDraining, EnginesDown, QueueFullError: see :meth:`open_request`.
+        """
+        req = self.open_request(request_id, prompt_ids, params, n)
         try:
-            while None in reasons:  # drain until every choice's last delta was consumed
-                delta = await req.queue.get()
-                i = delta.index
-                if delta.token_ids:
-                    now = time.monotonic()
-                    if first_s[i] is None:
-                        first_s[i] = now
-                        if i == 0:
-                            m.ttft.observe(now - req.stats.arrival_s)
-                    else:
-                        m.itl.observe(now - last_s[i])
-                    last_s[i] = now
-                    tokens[i] += len(delta.token_ids)
-                    m.generation_tokens.inc(len(delta.token_ids))
-                if delta.finish_reason or delta.error:
-                    reasons[i] = delta.finish_reason or "error"
-                    if tokens[i] > 1:
-                        m.tpot.observe((last_s[i] - first_s[i]) / (tokens[i] - 1))
-                req.stats.output_tokens += len(delta.token_ids)
-                yield req, delta
+            while None in req.reasons:  # drain until every choice's last delta was consumed
+                batch = await req.stream.take()
+                now = time.monotonic()
+                for delta in batch:
+                    self.account(req, delta, now)
+                    yield req, delta
         finally:
-            if timer is not None:
-                timer.cancel()
-            self.live.pop(request_id, None)
-            if not req.done:
-                self._cancel(req)
-            reasons = [r or "abort" for r in reasons]
-            if self.peers:
-                for seq in req.seqs:
-                    self.peers.retries.pop(seq.seq_id, None)
-            if self.driver:
-                self.driver.finished(req, reasons, sum(tokens))
-            s = req.stats
-            end = time.monotonic()
-            m.e2e.observe(end - s.arrival_s)
-            for r in reasons:
-                m.choices.labels(finish_reason=r).inc()
-            m.requests.labels(finish_reason=request_outcome(reasons)).inc()
-            with suppress(Exception):
-                log.info(
-                    "request", request_id=request_id, device=req.seqs[0].device_id, prompt_tokens=s.prompt_tokens,
-                    output_tokens=s.output_tokens, n=n, finish_reason=reasons[0] if n == 1 else reasons,
-                    ttft_ms=None if first_s[0] is None else round((first_s[0] - s.arrival_s) * 1e3, 2),
-                    total_ms=round((end - s.arrival_s) * 1e3, 2),
-                )
+            self.close_request(req)
 
     def _cancel(self, req: RequestState) -> None:
         """Stop all work for a request that will not be consumed further: withdraw it if unplaced,

@@ -14,7 +14,7 @@ from node.worker.sampler import TokenLogprobs
 from node.worker.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqDelta:
     """What one step adds to one choice: text, tokens (with logprobs when asked), maybe the end."""
 
@@ -54,7 +54,12 @@ class OutputState:
         self.seq = seq
         self.detok = IncrementalDetokenizer(tokenizer, seq.token_ids[: seq.prompt_len])
         self.eos = set(eos_token_ids)
-        self.text = ""  # all final text so far (emitted + held back)
+        self.stops = seq.params.stop
+        self.longest = max((len(s) for s in self.stops), default=0)
+        # The end of the final text: what is held back plus up to ``longest`` characters before the
+        # search start (only there can a stop string still begin), not the whole text, so a long
+        # output costs O(1) per token. Empty without stop strings (nothing is ever held back).
+        self.text = ""
         self.emitted = 0  # characters of ``text`` already sent
         self.finish_reason: str | None = None
 
@@ -62,7 +67,9 @@ class OutputState:
         """Rebuild the text state from output tokens produced elsewhere (a sequence handed over by a
         peer), so stop strings spanning the hand-off are still found; nothing is emitted for them."""
         for t in output_ids:
-            self.text += self.detok.add(t)
+            piece = self.detok.add(t)
+            if self.stops:
+                self.text = (self.text + piece)[-self.longest :]
         self.emitted = len(self.text)
 
     def on_token(self, token_id: int, logprobs: TokenLogprobs | None, position: int | None = None) -> SeqDelta:
@@ -88,17 +95,22 @@ class OutputState:
         return delta
 
     def _release(self, new: str, final: bool, num_output: int | None = None) -> str:
-        stops = self.seq.params.stop
-        start = max(0, len(self.text) - max((len(s) for s in stops), default=0))
+        stops = self.stops
+        if not stops:  # nothing to find or hold back
+            return new
+        start = max(0, len(self.text) - self.longest)
         self.text += new
-        if stops:
-            hits = [i for i in (self.text.find(s, start) for s in stops) if i >= 0]
-            n = self.seq.num_output if num_output is None else num_output
-            if hits and n >= self.seq.params.min_tokens:
-                self.text = self.text[: min(hits)]
-                self.finish_reason = "stop"
-                final = True
+        hits = [i for i in (self.text.find(s, start) for s in stops) if i >= 0]
+        n = self.seq.num_output if num_output is None else num_output
+        if hits and n >= self.seq.params.min_tokens:
+            self.text = self.text[: min(hits)]
+            self.finish_reason = "stop"
+            final = True
         end = len(self.text) if final else len(self.text) - _held_suffix(self.text, stops)
         out = self.text[self.emitted : end]
         self.emitted = max(self.emitted, end)
+        cut = min(self.emitted, max(0, len(self.text) - self.longest))  # keep what a later search reads
+        if cut:
+            self.text = self.text[cut:]
+            self.emitted -= cut
         return out

@@ -546,9 +546,7 @@ class KVReceiver:
         """The adopted sequence's tokens, batched per wake-up, until it ends; closing early drops it."""
         try:
             while True:
-                deltas = [await req.queue.get()]
-                while not req.queue.empty():
-                    deltas.append(req.queue.get_nowait())
+                deltas = await req.stream.take()
                 tokens = [t for d in deltas for t in d.token_ids]
                 lps = [lp_to_wire(lp) for d in deltas for lp in d.logprobs]
                 if tokens:

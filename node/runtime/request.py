@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 import msgspec
 
 from node.core.sequence import SamplingParams, Sequence
+from node.runtime.delta_stream import DeltaStream
 from node.runtime.output import OutputState, SeqDelta
 from node.worker.sampler import TokenLogprobs
 from node.worker.tokenizer import TextTokenizer
@@ -27,16 +27,19 @@ class RequestState:
 
     ``n`` choices become ``n`` sequences ``{request_id}-{i}``; a seeded request gives choice ``i`` the
     seed ``seed + i`` so the choices differ but each is reproducible. Deltas for all choices arrive on
-    ``queue`` as :class:`SeqDelta` in production order; ``None`` is never sent (the consumer stops when
-    every choice has a finish reason or an error).
+    ``stream`` (:class:`DeltaStream`) as :class:`SeqDelta` in production order; the consumer stops
+    when every choice has a finish reason or an error. Several requests may share one stream (the
+    prompts of one API request): each adds ``index0`` to its choices' indexes there.
     """
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int,
-                 tokenizer: TextTokenizer, eos_token_ids: list[int], max_model_len: int, now_s: float):
+                 tokenizer: TextTokenizer, eos_token_ids: list[int], max_model_len: int, now_s: float,
+                 stream: DeltaStream | None = None, index0: int = 0):
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.params = params
-        self.queue: asyncio.Queue[SeqDelta] = asyncio.Queue()
+        self.stream = stream if stream is not None else DeltaStream()
+        self.index0 = index0
         self.stats = RequestStats(arrival_s=now_s, prompt_tokens=len(prompt_ids))
         self.seqs: list[Sequence] = []
         self.outputs: list[OutputState] = []
@@ -50,16 +53,32 @@ class RequestState:
         # Logprobs of prompt tokens 1..L-1 (token 0 has none), filled as prefill chunks run.
         self.prompt_logprobs: list[TokenLogprobs | None] = [None] * max(len(prompt_ids) - 1, 0)
         self.finished = [False] * n
+        self._started = [False] * n  # a delta of the choice was emitted
         self.cancelled = False  # the client is gone: no device may adopt this request's sequences
+        # Consumer side, per choice: the end reason once its last delta was taken, first and last
+        # token times (s, monotonic) and tokens taken (the node's TTFT/ITL/TPOT metrics).
+        self.reasons: list[str | None] = [None] * n
+        self.first_s: list[float | None] = [None] * n
+        self.last_s: list[float] = [0.0] * n
+        self.tokens = [0] * n
+        self.timer = None  # the --request-timeout-s handle
 
     @property
     def done(self) -> bool:
         return all(self.finished)
 
     def emit(self, delta: SeqDelta) -> None:
+        """Send a choice's delta (``delta.index`` is the choice's own, 0..n-1) to the stream, with the
+        stream's index; a choice's first delta carries the prompt logprobs when ``echo`` asked."""
+        i = delta.index
         if delta.finish_reason is not None or delta.error is not None:
-            self.finished[delta.index] = True
-        self.queue.put_nowait(delta)
+            self.finished[i] = True
+        if not self._started[i]:
+            self._started[i] = True
+            if self.params.prompt_logprobs is not None:
+                delta.prompt_logprobs = list(self.prompt_logprobs)
+        delta.index = i + self.index0
+        self.stream.push(delta)
 
     def fail(self, message: str, *, status: int = 500, code: str | None = "internal_error",
              retry_after_s: float | None = None) -> None:

@@ -2,11 +2,13 @@
 
 Layout. The node process runs the asyncio event loop (API, pure policies, drivers, detokenization);
 each device's engine process owns the weights and runs :class:`~node.worker.engine_core.EngineCore`.
-A step is one request/reply pair: the node's per-device worker thread sends a
-:class:`~node.worker.engine_core.StepMsg` and blocks (without the GIL) until the
-:class:`~node.worker.engine_core.StepReply` comes back, so the node's own Python work (scheduling,
-post-processing, SSE) runs in parallel with the forward pass instead of competing with it for one
-interpreter.
+A step is one request/reply pair: the node's event loop writes a
+:class:`~node.worker.engine_core.StepMsg` to the engine's socket and goes on (several may be
+outstanding); the :class:`~node.worker.engine_core.StepReply` is read by the same loop when the socket
+becomes readable (:meth:`EngineProcess.attach`). So the node's own Python work (scheduling,
+post-processing, SSE) runs in parallel with the forward pass, and no thread of the node has to win
+the GIL from a busy event loop to pass a step on (a hand-off between threads can wait the whole
+5 ms switch interval).
 
 Channel. A ``multiprocessing.Pipe`` (an ``AF_UNIX`` socket pair) carrying msgspec MessagePack
 frames. One producer and one consumer on one host, strictly alternating request and reply: a socket
@@ -20,7 +22,7 @@ nodes (:mod:`node.transport`), which run in the node process. On the CPU the eng
 an anonymous ``memfd`` (not bounded by ``/dev/shm``'s size) and hands the file descriptor to the
 node over the socket pair (``SCM_RIGHTS``); both map the same pages. On CUDA the engine allocates it
 on its device and the node maps it through CUDA IPC (``torch.multiprocessing``'s reductions). The
-node touches the pool only through the device's worker thread, in order with its steps, so a
+node touches the pool only through the device's worker thread when no step is in flight, so a
 transfer never races a step.
 
 Start. Engines for CPU devices are forked by ``shiftnode serve`` before the event loop starts
@@ -36,12 +38,14 @@ engine is seen by the node as :class:`EngineDied` (its device is then reported d
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import ctypes
 import mmap
 import multiprocessing
 import os
 import signal
+import struct
 import sys
 import threading
 import traceback
@@ -216,7 +220,9 @@ class EngineProcess:
     (``submit``, ``prepare_decode``, ``kv_cache``, ``num_blocks``, ``fingerprint``).
 
     Use :meth:`launch` (starts the process), :meth:`wait_ready` (blocks until loaded; raises what
-    loading raised), then :meth:`submit` requests from any thread; a reader thread resolves them.
+    loading raised), then either :meth:`attach` an event loop, which then does all reading and
+    writing (:meth:`async_submit` on the loop; :meth:`submit` from other threads goes through it), or
+    :meth:`submit` from any thread with a reader thread resolving the replies (no loop).
 
     Errors: :class:`EngineDied` when the process is gone; :class:`EngineError` for an exception the
     engine caught while serving one request (the engine goes on).
@@ -241,6 +247,12 @@ class EngineProcess:
         self.threads = 0
         self._mmap: mmap.mmap | None = None
         self.stopping = False
+        # Set by attach: the loop that owns the socket, its thread, bytes read but not yet a whole
+        # frame, and bytes still to write.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
+        self._rbuf = bytearray()
+        self._wbuf: deque[memoryview] = deque()
 
     @classmethod
     def launch(cls, config: NodeConfig, device_id: str, method: str | None = None) -> "EngineProcess":
@@ -282,7 +294,153 @@ class EngineProcess:
                 self.kv_cache = torch.frombuffer(self._mmap, dtype=torch.uint8, count=nbytes).view(dtype).view(reply.kv_shape)
         except (EOFError, OSError) as e:
             raise EngineDied(f"engine process of {self.device_id} exited while sharing its KV pool") from e
+
+    def start_reader(self) -> None:
+        """Serve replies with a reader thread (for use without an event loop; see :meth:`attach`)."""
         threading.Thread(target=self._receive_replies, name=f"replies-{self.device_id}", daemon=True).start()
+
+    # --- the event-loop channel ----------------------------------------------------------------
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Hand the socket to ``loop`` (call on its thread, after :meth:`wait_ready`, before any
+        request): replies are read by a reader callback on the loop and resolve asyncio futures, and
+        requests are written without blocking (what the socket does not take at once is written
+        when it becomes writable). Frames are those of ``multiprocessing.Connection`` (a 4-byte
+        big-endian length, or -1 and an 8-byte one), which the engine reads with ``recv_bytes``."""
+        self._loop = loop
+        self._loop_thread = threading.get_ident()
+        fd = self._conn.fileno()
+        os.set_blocking(fd, False)
+        loop.add_reader(fd, self._on_readable)
+
+    def detach(self) -> None:
+        """Take the socket back from the loop (call on its thread; before :meth:`stop`): requests
+        still waiting fail with :class:`EngineDied`, and the socket blocks again."""
+        if self._loop is None:
+            return
+        fd = self._conn.fileno()
+        if self._dead is None:
+            self._loop.remove_reader(fd)
+            self._loop.remove_writer(fd)
+            self._dead = EngineDied(f"engine process of {self.device_id} is stopping")
+        for fut in self._waiting:
+            if not fut.done():
+                fut.set_exception(self._dead)
+        self._waiting.clear()
+        self._wbuf.clear()
+        self._loop = None
+        os.set_blocking(fd, True)
+
+    def async_submit(self, msg: Any) -> asyncio.Future:
+        """Send one request from the attached loop's thread; the future resolves to its reply
+        (``EngineError`` or ``EngineDied`` as exceptions). Requests are served in order.
+
+        Raises:
+            EngineDied: the engine is already gone.
+        """
+        if self._dead is not None:
+            raise self._dead
+        fut = self._loop.create_future()
+        data = self._enc.encode(msg)
+        n = len(data)
+        header = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
+        self._waiting.append(fut)
+        self._write(header + data if n <= 16384 else header)
+        if n > 16384:
+            self._write(data)
+        return fut
+
+    def _write(self, data: bytes) -> None:
+        if not self._wbuf:
+            try:
+                sent = os.write(self._conn.fileno(), data)
+            except BlockingIOError:
+                sent = 0
+            except OSError as e:
+                self._lost(e)
+                return
+            if sent == len(data):
+                return
+            self._loop.add_writer(self._conn.fileno(), self._on_writable)
+            data = memoryview(data)[sent:]
+        self._wbuf.append(memoryview(data))
+
+    def _on_writable(self) -> None:
+        fd = self._conn.fileno()
+        while self._wbuf:
+            chunk = self._wbuf[0]
+            try:
+                sent = os.write(fd, chunk)
+            except BlockingIOError:
+                return
+            except OSError as e:
+                self._lost(e)
+                return
+            if sent < len(chunk):
+                self._wbuf[0] = chunk[sent:]
+                return
+            self._wbuf.popleft()
+        self._loop.remove_writer(fd)
+
+    def _on_readable(self) -> None:
+        try:
+            data = os.read(self._conn.fileno(), 1 << 20)
+        except BlockingIOError:
+            return
+        except OSError as e:
+            self._lost(e)
+            return
+        if not data:
+            self._lost(EOFError("end of file"))
+            return
+        buf = self._rbuf
+        buf += data
+        while len(buf) >= 4:
+            (n,) = struct.unpack_from("!i", buf)
+            start = 4
+            if n == -1:
+                if len(buf) < 12:
+                    return
+                (n,) = struct.unpack_from("!Q", buf, 4)
+                start = 12
+            if len(buf) < start + n:
+                return
+            frame = bytes(buf[start : start + n])
+            del buf[: start + n]
+            try:
+                reply = self._dec.decode(frame)
+            except Exception as e:  # noqa: BLE001 - a reply this side cannot read ends the engine
+                log.error("engine_reply_unreadable", device=self.device_id, error=f"{type(e).__name__}: {e}")
+                self._lost(e)
+                return
+            fut = self._waiting.popleft()
+            if fut.cancelled():
+                continue
+            if isinstance(reply, Failed):
+                log.error("engine_request_failed", device=self.device_id, kind=reply.kind, trace=reply.trace)
+                fut.set_exception(EngineError(f"{reply.kind}: {reply.message}", reply.kind))
+            else:
+                fut.set_result(reply)
+
+    def _lost(self, error: BaseException) -> None:
+        """The socket closed or broke: stop reading and writing; the waiting requests fail with
+        :class:`EngineDied` once the exit code is known (read off the loop: it may take a moment)."""
+        if self._dead is not None:
+            return
+        fd = self._conn.fileno()
+        self._loop.remove_reader(fd)
+        self._loop.remove_writer(fd)
+        self._wbuf.clear()
+        self._dead = EngineDied(f"engine process of {self.device_id} (pid {self.process.pid}): its pipe closed")
+        waiting, self._waiting = list(self._waiting), deque()
+
+        def settle(reason: asyncio.Future) -> None:
+            if reason.exception() is None:
+                self._dead = EngineDied(reason.result())
+            for fut in waiting:
+                if not fut.done():
+                    fut.set_exception(self._dead)
+
+        self._loop.run_in_executor(None, self.death_reason).add_done_callback(settle)
 
     def _recv(self) -> Any:
         try:
@@ -327,6 +485,11 @@ class EngineProcess:
         """Send one request; the returned future resolves to its reply (``EngineError`` or
         ``EngineDied`` as exceptions). Requests are served in order; several may be outstanding."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self._loop is not None:  # attached: the loop writes it, in order with the steps
+            if threading.get_ident() == self._loop_thread:
+                raise RuntimeError("on the event loop, use async_submit")
+            self._loop.call_soon_threadsafe(self._submit_for_thread, msg, fut)
+            return fut
         data = self._enc.encode(msg)
         with self._lock:
             if self._dead is not None:
@@ -339,8 +502,16 @@ class EngineProcess:
                 raise EngineDied(self.death_reason()) from e
         return fut
 
+    def _submit_for_thread(self, msg: Any, fut: concurrent.futures.Future) -> None:
+        try:
+            inner = self.async_submit(msg)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            _settle(fut, error=e)
+            return
+        inner.add_done_callback(lambda f: _settle(fut, error=f.exception()) if f.exception() else _settle(fut, f.result()))
+
     def call(self, msg: Any) -> Any:
-        """Send one request and wait for its reply."""
+        """Send one request and wait for its reply (not on the attached loop's thread)."""
         return self.submit(msg).result()
 
     def prepare_decode(self) -> float:
@@ -356,8 +527,9 @@ class EngineProcess:
         self.stopping = True
         if self.process.is_alive():
             try:
-                with self._lock:
-                    self._conn.send_bytes(self._enc.encode(Shutdown()))
+                if self._loop is None:  # (attached and not detached: the loop is gone; terminate)
+                    with self._lock:
+                        self._conn.send_bytes(self._enc.encode(Shutdown()))
             except OSError:
                 pass  # already gone
             self.process.join(timeout_s)
@@ -386,6 +558,10 @@ class LocalEngine:
 
     def submit(self, msg: StepMsg) -> concurrent.futures.Future:
         return self._pool.submit(self.core.step, msg)
+
+    def async_submit(self, msg: StepMsg) -> asyncio.Future:
+        """:meth:`submit` as an asyncio future of the running loop."""
+        return asyncio.wrap_future(self._pool.submit(self.core.step, msg))
 
     def prepare_decode(self) -> float:
         return self._pool.submit(self.core.prepare_decode).result()

@@ -1,0 +1,82 @@
+"""The delta stream between a step and its HTTP handler: batches, order, wake-ups, keep-alives."""
+
+import asyncio
+import time
+
+import pytest
+
+from node.runtime.delta_stream import DeltaStream
+from node.runtime.output import SeqDelta
+
+
+def test_take_returns_every_delta_pushed_since_the_last_take_in_order():
+    async def main():
+        s = DeltaStream()
+        for i in range(5):
+            s.push(SeqDelta(index=i % 2, token_ids=[i]))
+        first = await s.take()
+        s.push(SeqDelta(index=0, token_ids=[9]))
+        second = await s.take()
+        return first, second, len(s)
+
+    first, second, left = asyncio.run(main())
+    assert [d.token_ids[0] for d in first] == [0, 1, 2, 3, 4]
+    assert [d.token_ids[0] for d in second] == [9]
+    assert left == 0
+
+
+def test_a_waiting_consumer_wakes_once_for_a_whole_step():
+    """Pushes made in one callback (one step's post-processing) reach the consumer as one batch."""
+    async def main():
+        s = DeltaStream()
+        loop = asyncio.get_running_loop()
+
+        def step():
+            for i in range(256):
+                s.push(SeqDelta(index=0, token_ids=[i]))
+
+        loop.call_soon(step)
+        batches = [await s.take()]
+        return batches
+
+    batches = asyncio.run(main())
+    assert len(batches) == 1 and len(batches[0]) == 256
+
+
+def test_silence_gives_empty_batches_at_the_keepalive_interval_and_tokens_reset_it():
+    async def main():
+        s = DeltaStream(keepalive_s=0.1)
+        t0 = time.monotonic()
+        assert await s.take() == []  # nothing pushed: a keep-alive after about 0.1 s
+        t1 = time.monotonic()
+
+        async def trickle():
+            for i in range(6):  # a token every 50 ms keeps the stream busy for 0.3 s
+                await asyncio.sleep(0.05)
+                s.push(SeqDelta(index=0, token_ids=[i]))
+
+        task = asyncio.create_task(trickle())
+        got = []
+        while len(got) < 6:
+            batch = await s.take()
+            assert batch, "a keep-alive while tokens flowed every 50 ms"
+            got += batch
+        await task
+        s.close()
+        return t1 - t0, got
+
+    waited, got = asyncio.run(main())
+    assert 0.09 <= waited < 0.5
+    assert [d.token_ids[0] for d in got] == list(range(6))
+
+
+def test_without_keepalive_take_waits_until_a_push_and_a_cancelled_take_loses_nothing():
+    async def main():
+        s = DeltaStream()
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.05):
+                await s.take()
+        s.push(SeqDelta(index=0, token_ids=[1]))
+        return await s.take()
+
+    assert [d.token_ids for d in asyncio.run(main())] == [[1]]
