@@ -140,7 +140,7 @@ def create_app(config: NodeConfig, node: Node | None = None, prelaunched: dict |
         await n.start_network()
         app[NODE_KEY] = n
         # What loading made lives as long as the node: move it out of the collector's view, so a
-        # full collection under load walks only the requests' objects (vLLM does the same).
+        # full collection under load walks only the requests' objects.
         gc.collect()
         gc.freeze()
         yield

@@ -45,7 +45,6 @@ import mmap
 import multiprocessing
 import os
 import signal
-import struct
 import sys
 import threading
 import traceback
@@ -61,6 +60,7 @@ import torch
 from node.config import NodeConfig
 from node.transport.protocol import Fingerprint
 from node.worker.engine_core import EngineCore, StepMsg, StepReply
+from node.worker.loop_channel import LoopChannel
 
 log = structlog.get_logger("shiftnode.engine_process")
 
@@ -220,9 +220,8 @@ class EngineProcess:
     (``submit``, ``prepare_decode``, ``kv_cache``, ``num_blocks``, ``fingerprint``).
 
     Use :meth:`launch` (starts the process), :meth:`wait_ready` (blocks until loaded; raises what
-    loading raised), then either :meth:`attach` an event loop, which then does all reading and
-    writing (:meth:`async_submit` on the loop; :meth:`submit` from other threads goes through it), or
-    :meth:`submit` from any thread with a reader thread resolving the replies (no loop).
+    loading raised), then :meth:`attach` an event loop, which then does all reading and writing
+    (:meth:`async_submit` on the loop; :meth:`submit` from other threads goes through it).
 
     Errors: :class:`EngineDied` when the process is gone; :class:`EngineError` for an exception the
     engine caught while serving one request (the engine goes on).
@@ -239,20 +238,17 @@ class EngineProcess:
         self._child_conn = child
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(Reply)
-        self._lock = threading.Lock()  # guards the send order and ``_waiting`` together
-        self._waiting: deque[concurrent.futures.Future] = deque()
+        self._waiting: deque[asyncio.Future] = deque()  # requests sent, oldest first
         self._dead: EngineDied | None = None
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
         self.threads = 0
         self._mmap: mmap.mmap | None = None
         self.stopping = False
-        # Set by attach: the loop that owns the socket, its thread, bytes read but not yet a whole
-        # frame, and bytes still to write.
+        # Set by attach: the loop that owns the socket, its thread, and the loop's end of it.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
-        self._rbuf = bytearray()
-        self._wbuf: deque[memoryview] = deque()
+        self._channel: LoopChannel | None = None
 
     @classmethod
     def launch(cls, config: NodeConfig, device_id: str, method: str | None = None) -> "EngineProcess":
@@ -295,40 +291,28 @@ class EngineProcess:
         except (EOFError, OSError) as e:
             raise EngineDied(f"engine process of {self.device_id} exited while sharing its KV pool") from e
 
-    def start_reader(self) -> None:
-        """Serve replies with a reader thread (for use without an event loop; see :meth:`attach`)."""
-        threading.Thread(target=self._receive_replies, name=f"replies-{self.device_id}", daemon=True).start()
-
     # --- the event-loop channel ----------------------------------------------------------------
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Hand the socket to ``loop`` (call on its thread, after :meth:`wait_ready`, before any
-        request): replies are read by a reader callback on the loop and resolve asyncio futures, and
-        requests are written without blocking (what the socket does not take at once is written
-        when it becomes writable). Frames are those of ``multiprocessing.Connection`` (a 4-byte
-        big-endian length, or -1 and an 8-byte one), which the engine reads with ``recv_bytes``."""
+        request): a :class:`~node.worker.loop_channel.LoopChannel` writes requests without blocking
+        and a reader callback resolves asyncio futures with the replies, in order."""
         self._loop = loop
         self._loop_thread = threading.get_ident()
-        fd = self._conn.fileno()
-        os.set_blocking(fd, False)
-        loop.add_reader(fd, self._on_readable)
+        self._channel = LoopChannel(loop, self._conn.fileno(), self._on_frame, self._lost)
 
     def detach(self) -> None:
         """Take the socket back from the loop (call on its thread; before :meth:`stop`): requests
         still waiting fail with :class:`EngineDied`, and the socket blocks again."""
         if self._loop is None:
             return
-        fd = self._conn.fileno()
+        self._channel.close()
         if self._dead is None:
-            self._loop.remove_reader(fd)
-            self._loop.remove_writer(fd)
             self._dead = EngineDied(f"engine process of {self.device_id} is stopping")
         for fut in self._waiting:
             if not fut.done():
                 fut.set_exception(self._dead)
         self._waiting.clear()
-        self._wbuf.clear()
         self._loop = None
-        os.set_blocking(fd, True)
 
     def async_submit(self, msg: Any) -> asyncio.Future:
         """Send one request from the attached loop's thread; the future resolves to its reply
@@ -340,96 +324,32 @@ class EngineProcess:
         if self._dead is not None:
             raise self._dead
         fut = self._loop.create_future()
-        data = self._enc.encode(msg)
-        n = len(data)
-        header = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
         self._waiting.append(fut)
-        self._write(header + data if n <= 16384 else header)
-        if n > 16384:
-            self._write(data)
+        self._channel.send(self._enc.encode(msg))
         return fut
 
-    def _write(self, data: bytes) -> None:
-        if not self._wbuf:
-            try:
-                sent = os.write(self._conn.fileno(), data)
-            except BlockingIOError:
-                sent = 0
-            except OSError as e:
-                self._lost(e)
-                return
-            if sent == len(data):
-                return
-            self._loop.add_writer(self._conn.fileno(), self._on_writable)
-            data = memoryview(data)[sent:]
-        self._wbuf.append(memoryview(data))
-
-    def _on_writable(self) -> None:
-        fd = self._conn.fileno()
-        while self._wbuf:
-            chunk = self._wbuf[0]
-            try:
-                sent = os.write(fd, chunk)
-            except BlockingIOError:
-                return
-            except OSError as e:
-                self._lost(e)
-                return
-            if sent < len(chunk):
-                self._wbuf[0] = chunk[sent:]
-                return
-            self._wbuf.popleft()
-        self._loop.remove_writer(fd)
-
-    def _on_readable(self) -> None:
+    def _on_frame(self, frame: bytes) -> None:
         try:
-            data = os.read(self._conn.fileno(), 1 << 20)
-        except BlockingIOError:
-            return
-        except OSError as e:
+            reply = self._dec.decode(frame)
+        except Exception as e:  # noqa: BLE001 - a reply this side cannot read ends the engine
+            log.error("engine_reply_unreadable", device=self.device_id, error=f"{type(e).__name__}: {e}")
+            self._channel.close()
             self._lost(e)
             return
-        if not data:
-            self._lost(EOFError("end of file"))
+        fut = self._waiting.popleft()
+        if fut.cancelled():
             return
-        buf = self._rbuf
-        buf += data
-        while len(buf) >= 4:
-            (n,) = struct.unpack_from("!i", buf)
-            start = 4
-            if n == -1:
-                if len(buf) < 12:
-                    return
-                (n,) = struct.unpack_from("!Q", buf, 4)
-                start = 12
-            if len(buf) < start + n:
-                return
-            frame = bytes(buf[start : start + n])
-            del buf[: start + n]
-            try:
-                reply = self._dec.decode(frame)
-            except Exception as e:  # noqa: BLE001 - a reply this side cannot read ends the engine
-                log.error("engine_reply_unreadable", device=self.device_id, error=f"{type(e).__name__}: {e}")
-                self._lost(e)
-                return
-            fut = self._waiting.popleft()
-            if fut.cancelled():
-                continue
-            if isinstance(reply, Failed):
-                log.error("engine_request_failed", device=self.device_id, kind=reply.kind, trace=reply.trace)
-                fut.set_exception(EngineError(f"{reply.kind}: {reply.message}", reply.kind))
-            else:
-                fut.set_result(reply)
+        if isinstance(reply, Failed):
+            log.error("engine_request_failed", device=self.device_id, kind=reply.kind, trace=reply.trace)
+            fut.set_exception(EngineError(f"{reply.kind}: {reply.message}", reply.kind))
+        else:
+            fut.set_result(reply)
 
     def _lost(self, error: BaseException) -> None:
-        """The socket closed or broke: stop reading and writing; the waiting requests fail with
-        :class:`EngineDied` once the exit code is known (read off the loop: it may take a moment)."""
+        """The socket closed or broke: the waiting requests fail with :class:`EngineDied` once the
+        exit code is known (read off the loop: it may take a moment)."""
         if self._dead is not None:
             return
-        fd = self._conn.fileno()
-        self._loop.remove_reader(fd)
-        self._loop.remove_writer(fd)
-        self._wbuf.clear()
         self._dead = EngineDied(f"engine process of {self.device_id} (pid {self.process.pid}): its pipe closed")
         waiting, self._waiting = list(self._waiting), deque()
 
@@ -456,50 +376,20 @@ class EngineProcess:
             f"was killed by signal {-code}" if code < 0 else f"exited with code {code}")
         return f"engine process of {self.device_id} (pid {self.process.pid}) {how}"
 
-    def _receive_replies(self) -> None:
-        """The reply reader (a daemon thread): replies come in request order, each resolves the oldest
-        waiting future. Reading all the time means the engine never blocks writing a reply while the
-        node blocks writing a large request (a socket pair full both ways would deadlock)."""
-        while True:
-            try:
-                reply = self._recv()
-            except Exception as e:  # noqa: BLE001 - dead, or a reply this side cannot read: both end the engine
-                if not isinstance(e, EngineDied):
-                    log.error("engine_reply_unreadable", device=self.device_id, error=f"{type(e).__name__}: {e}")
-                    e = EngineDied(f"engine process of {self.device_id}: unreadable reply ({type(e).__name__}: {e})")
-                with self._lock:
-                    self._dead = e
-                    waiting, self._waiting = list(self._waiting), deque()
-                for fut in waiting:
-                    _settle(fut, error=e)
-                return
-            with self._lock:
-                fut = self._waiting.popleft()
-            if isinstance(reply, Failed):
-                log.error("engine_request_failed", device=self.device_id, kind=reply.kind, trace=reply.trace)
-                _settle(fut, error=EngineError(f"{reply.kind}: {reply.message}", reply.kind))
-            else:
-                _settle(fut, reply)
-
     def submit(self, msg: Any) -> concurrent.futures.Future:
-        """Send one request; the returned future resolves to its reply (``EngineError`` or
-        ``EngineDied`` as exceptions). Requests are served in order; several may be outstanding."""
+        """Send one request from a thread other than the attached loop's; the returned future
+        resolves to its reply (``EngineError`` or ``EngineDied`` as exceptions). The loop writes it,
+        in order with the steps.
+
+        Raises:
+            RuntimeError: not attached (see :meth:`attach`), or called on the loop's thread.
+        """
+        if self._loop is None:
+            raise RuntimeError(f"engine of {self.device_id} is not attached to an event loop")
+        if threading.get_ident() == self._loop_thread:
+            raise RuntimeError("on the event loop, use async_submit")
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        if self._loop is not None:  # attached: the loop writes it, in order with the steps
-            if threading.get_ident() == self._loop_thread:
-                raise RuntimeError("on the event loop, use async_submit")
-            self._loop.call_soon_threadsafe(self._submit_for_thread, msg, fut)
-            return fut
-        data = self._enc.encode(msg)
-        with self._lock:
-            if self._dead is not None:
-                raise self._dead
-            self._waiting.append(fut)
-            try:
-                self._conn.send_bytes(data)
-            except (BrokenPipeError, ConnectionResetError, OSError) as e:
-                self._waiting.remove(fut)
-                raise EngineDied(self.death_reason()) from e
+        self._loop.call_soon_threadsafe(self._submit_for_thread, msg, fut)
         return fut
 
     def _submit_for_thread(self, msg: Any, fut: concurrent.futures.Future) -> None:
@@ -528,8 +418,7 @@ class EngineProcess:
         if self.process.is_alive():
             try:
                 if self._loop is None:  # (attached and not detached: the loop is gone; terminate)
-                    with self._lock:
-                        self._conn.send_bytes(self._enc.encode(Shutdown()))
+                    self._conn.send_bytes(self._enc.encode(Shutdown()))
             except OSError:
                 pass  # already gone
             self.process.join(timeout_s)
