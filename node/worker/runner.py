@@ -67,7 +67,8 @@ class ModelRunner:
     Args:
         model: the loaded :class:`CausalLM`.
         num_blocks, block_size: KV pool geometry; the pool is
-            ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` in ``kv_dtype``.
+            ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` in ``kv_dtype``, ``kv_heads``
+            being the model's ``local_kv_heads`` (``num_kv_heads / degree`` under tensor parallelism).
         seed: seed of the generator used by unseeded sampling.
         kv_alloc: allocates the zeroed pool (e.g. in memory shared with the node); ``torch.zeros`` by default.
 
@@ -82,7 +83,8 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        kv_heads = getattr(model, "local_kv_heads", cfg.num_kv_heads)  # this rank's KV heads under tensor parallelism
+        shape = (cfg.num_layers, 2, num_blocks, block_size, kv_heads, cfg.head_dim)
         self.kv_cache = kv_alloc(shape, kv_dtype, device) if kv_alloc else torch.zeros(shape, dtype=kv_dtype, device=device)
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self._lock = threading.Lock()  # one step at a time, also against KV copies from transfers

@@ -11,6 +11,7 @@ from safetensors import SafetensorError, safe_open
 
 from node.worker.model import CausalLM
 from node.worker.model_config import ModelConfig, ModelConfigError, rope_inv_freq
+from node.worker.tensor_parallel import ShardLayout, TPGroup, fused_part, held_columns, held_row_blocks, lm_head_rows
 from kernels.reference import rope_cos_sin_cache
 
 
@@ -28,6 +29,8 @@ def build_model(
     max_positions: int,
     ops: Any,
     seed: int = 0,
+    layout: ShardLayout = ShardLayout(),
+    tp: TPGroup | None = None,
 ) -> CausalLM:
     """Create the model on ``device`` without initialising it, then load or randomise weights.
 
@@ -37,12 +40,18 @@ def build_model(
             the model's device (a CPU generator on the CPU, a CUDA generator on a GPU, so that an 8B
             model takes seconds, not minutes): the same seed gives different weights on the two.
         max_positions: rows of the rotary table (tokens).
+        layout: the stored layout (:class:`~node.worker.tensor_parallel.ShardLayout`): fused weights
+            interleaved for ``layout.layout_degree`` ranks, only the held part read from the
+            checkpoint. Dummy weights are drawn per stored tensor, so they depend on the layout.
+        tp: the tensor-parallel group to run with (degree 1 when None; required when the device holds
+            part of the weights).
 
     Raises:
         WeightLoadError: missing files, tensors, or shape mismatch.
+        TensorParallelError: the model cannot be split for ``layout`` or ``tp``.
     """
     with torch.device("meta"):
-        model = CausalLM(cfg, dtype, torch.device("meta"), max_positions, ops)
+        model = CausalLM(cfg, dtype, torch.device("meta"), max_positions, ops, layout)
     model = model.to_empty(device=device)
     model.cos_sin = rope_cos_sin_cache(rope_inv_freq(cfg).to(device), max_positions)
     if load_format == "dummy":
@@ -53,6 +62,8 @@ def build_model(
         _load_safetensors(model, cfg, Path(folder))
     else:
         raise WeightLoadError(f"unknown load format {load_format!r} (safetensors, dummy)")
+    if tp is not None:
+        model.set_tensor_parallel(tp)
     return model.eval()
 
 
@@ -98,50 +109,72 @@ def _iter_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise WeightLoadError(f"{f} is not a readable safetensors file: {e}") from e
 
 
+class _Target:
+    """Where one checkpoint tensor goes: ``dst`` (a view of a stored parameter) receives
+    ``take(tensor)``, the stored part of a checkpoint tensor of shape ``shape``."""
+
+    __slots__ = ("dst", "shape", "take")
+
+    def __init__(self, dst: torch.Tensor, shape: tuple[int, ...], take: Any = None):
+        self.dst, self.shape, self.take = dst, tuple(shape), take or (lambda t: t)
+
+
 @torch.no_grad()
 def _load_safetensors(model: CausalLM, cfg: ModelConfig, folder: Path) -> None:
-    """Copy HF-named tensors into the fused layout, checking every shape."""
-    layer_params = {}
+    """Copy HF-named tensors into the fused layout of ``model.layout``, checking every shape."""
+    lay = model.layout
+    m = lay.layout_degree
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    qkv_parts = [q // m, kv // m, kv // m]  # rows of q_b, k_b, v_b per layout block
+    gu_parts = [inter // m, inter // m]
+
+    def fused(stored: torch.Tensor, parts: list[int], i: int, shape: tuple[int, ...]) -> _Target:
+        return _Target(fused_part(stored, lay, parts, i), shape, lambda t: held_row_blocks(t, lay))
+
+    def columns(stored: torch.Tensor, shape: tuple[int, ...]) -> _Target:
+        return _Target(stored, shape, lambda t: held_columns(t, lay))
+
+    targets: dict[str, _Target] = {
+        "model.embed_tokens.weight": _Target(model.embed_tokens.weight, (cfg.vocab_size, h)),
+        "model.norm.weight": _Target(model.norm, (h,)),
+    }
     for i, layer in enumerate(model.layers):
-        d = cfg.head_dim
-        q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
-        inter = cfg.intermediate_size
-        w = layer.qkv_proj.weight
+        w, b = layer.qkv_proj.weight, layer.qkv_proj.bias
         pre = f"model.layers.{i}."
-        layer_params.update({
-            pre + "self_attn.q_proj.weight": w[:q],
-            pre + "self_attn.k_proj.weight": w[q : q + kv],
-            pre + "self_attn.v_proj.weight": w[q + kv :],
-            pre + "self_attn.o_proj.weight": layer.o_proj.weight,
-            pre + "mlp.gate_proj.weight": layer.gate_up_proj.weight[:inter],
-            pre + "mlp.up_proj.weight": layer.gate_up_proj.weight[inter:],
-            pre + "mlp.down_proj.weight": layer.down_proj.weight,
-            pre + "input_layernorm.weight": layer.input_layernorm,
-            pre + "post_attention_layernorm.weight": layer.post_attention_layernorm,
+        targets.update({
+            pre + "self_attn.q_proj.weight": fused(w, qkv_parts, 0, (q, h)),
+            pre + "self_attn.k_proj.weight": fused(w, qkv_parts, 1, (kv, h)),
+            pre + "self_attn.v_proj.weight": fused(w, qkv_parts, 2, (kv, h)),
+            pre + "self_attn.o_proj.weight": columns(layer.o_proj.weight, (h, q)),
+            pre + "mlp.gate_proj.weight": fused(layer.gate_up_proj.weight, gu_parts, 0, (inter, h)),
+            pre + "mlp.up_proj.weight": fused(layer.gate_up_proj.weight, gu_parts, 1, (inter, h)),
+            pre + "mlp.down_proj.weight": columns(layer.down_proj.weight, (h, inter)),
+            pre + "input_layernorm.weight": _Target(layer.input_layernorm, (h,)),
+            pre + "post_attention_layernorm.weight": _Target(layer.post_attention_layernorm, (h,)),
         })
         if cfg.attention_bias:
-            b = layer.qkv_proj.bias
-            layer_params.update({
-                pre + "self_attn.q_proj.bias": b[:q],
-                pre + "self_attn.k_proj.bias": b[q : q + kv],
-                pre + "self_attn.v_proj.bias": b[q + kv :],
+            targets.update({
+                pre + "self_attn.q_proj.bias": fused(b, qkv_parts, 0, (q,)),
+                pre + "self_attn.k_proj.bias": fused(b, qkv_parts, 1, (kv,)),
+                pre + "self_attn.v_proj.bias": fused(b, qkv_parts, 2, (kv,)),
             })
         if cfg.qk_norm:
-            layer_params[pre + "self_attn.q_norm.weight"] = layer.q_norm
-            layer_params[pre + "self_attn.k_norm.weight"] = layer.k_norm
-    targets = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm, **layer_params}
+            targets[pre + "self_attn.q_norm.weight"] = _Target(layer.q_norm, (d,))
+            targets[pre + "self_attn.k_norm.weight"] = _Target(layer.k_norm, (d,))
     if model.lm_head is not None:
-        targets["lm_head.weight"] = model.lm_head.weight
+        start, stop = lm_head_rows(cfg, lay, tied=False)
+        targets["lm_head.weight"] = _Target(model.lm_head.weight, (cfg.vocab_size, h), lambda t: t[start:stop])
     seen: set[str] = set()
     for name, tensor in _iter_tensors(folder):
-        dst = targets.get(name)
-        if dst is None:
+        target = targets.get(name)
+        if target is None:
             if name == "lm_head.weight" or "rotary_emb" in name:
                 continue  # tied head stored anyway, or precomputed rotary buffers
             raise WeightLoadError(f"unexpected tensor {name!r} in checkpoint {folder}")
-        if tuple(tensor.shape) != tuple(dst.shape):
-            raise WeightLoadError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(dst.shape)}")
-        dst.copy_(tensor.to(dst.dtype))
+        if tuple(tensor.shape) != target.shape:
+            raise WeightLoadError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {target.shape}")
+        target.dst.copy_(target.take(tensor).to(target.dst.dtype))
         seen.add(name)
     missing = sorted(set(targets) - seen)
     if missing:
