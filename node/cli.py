@@ -32,6 +32,9 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--device", default=None, help="one device: cpu, cpu:N or cuda:N")
     p.add_argument("--devices", default=None, help="comma-separated devices, e.g. cuda:0,cuda:1 or cpu:0,cpu:1")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="D",
+                   help="run each consecutive group of D --devices as one device: D engine processes, one tensor-parallel "
+                        "rank each (colocated mode only for now; no KV transfers or peers)")
     p.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -170,6 +173,7 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         request_timeout_s=a.request_timeout_s,
         seed=a.seed, attention_backend=a.attention_backend, log_format=a.log_format, mode=a.mode,
         enforce_eager=a.enforce_eager, engine_layout=a.engine_layout, prefix_caching=a.prefix_caching,
+        tensor_parallel_size=a.tensor_parallel_size,
         benchmark_model=a.benchmark_model,
         reconfig_pause_ms=a.reconfig_pause_ms, ttft_slo_ms=a.ttft_slo_ms, tpot_slo_ms=a.tpot_slo_ms,
         min_window_ms=a.min_window_ms, max_window_ms=a.max_window_ms, stagger=a.stagger,
@@ -235,7 +239,7 @@ def run_serve(config: NodeConfig) -> int:
     from node.worker.tokenizer import TokenizerError
     from node.worker.weights import WeightLoadError
 
-    from node.worker.engine_process import prelaunch
+    from node.worker.engine_group import prelaunch
 
     configure_logging(config.log_format)
     prelaunched = prelaunch(config)  # forked now: before the event loop and any torch work in this process

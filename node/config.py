@@ -12,6 +12,12 @@ class ConfigError(ValueError):
     """A flag value the node cannot run with."""
 
 
+def group_id(devices: list[str]) -> str:
+    """The device id of a tensor-parallel group in the node (``/v1/node``, metrics, logs): its devices
+    joined by ``+`` (``cpu:0+cpu:1``); a single device's own id."""
+    return "+".join(devices)
+
+
 class NodeConfig(msgspec.Struct, kw_only=True):
     """Everything a node needs to start. Units are in the names (bytes, ms, tokens).
 
@@ -40,6 +46,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     log_format: str = "console"
     attention_backend: str = "auto"  # auto | torch | cpu | triton
     enforce_eager: bool = False  # no CUDA-graph decode (graphs are used on CUDA with the triton backend otherwise)
+    tensor_parallel_size: int = 1  # devices per engine: --devices grouped in consecutive runs of this many (colocated mode only for now)
     engine_layout: str = "process"  # process: one engine process per device | thread: in the node's process (debugging, bench baseline)
     benchmark_model: str | None = None  # bench tool, not for serving: "zero" (fixed logits, no compute) | "sleep:MS" (each step sleeps MS ms)
     mode: str = "time-shared"  # time-shared | colocated | pooled
@@ -86,6 +93,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (len(set(self.devices)) == len(self.devices) and self.devices, f"--devices must list distinct devices, got {self.devices}"),
             (self.engine_layout in ("process", "thread"), f"--engine-layout must be process or thread, got {self.engine_layout!r}"),
             (_benchmark_model_error(self.benchmark_model) is None, _benchmark_model_error(self.benchmark_model)),
+            (self.tensor_parallel_error() is None, self.tensor_parallel_error()),
             (self.mode in ("time-shared", "colocated", "pooled"), f"--mode must be time-shared, colocated or pooled, got {self.mode!r}"),
             (self.mode != "pooled" or bool(self.prefill_devices or self.decode_devices),
              "--mode pooled needs --prefill-devices and/or --decode-devices"),
@@ -113,6 +121,45 @@ class NodeConfig(msgspec.Struct, kw_only=True):
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+
+    def tensor_parallel_error(self) -> str | None:
+        """Why ``--tensor-parallel-size`` cannot run with the other flags, or None (always None at 1).
+
+        This slice runs a group of ``D`` devices as one engine in colocated mode only; the per-role
+        degrees of time-shared and pooled modes, KV transfers of a group's (sharded) pool to devices
+        or peers, the thread layout and the benchmark models come later. The model's side (heads, KV
+        heads, intermediate size divisible by ``D``) is checked once its config is read
+        (:meth:`node.runtime.node.Node.create`).
+        """
+        d = self.tensor_parallel_size
+        if not isinstance(d, int) or d < 1:
+            return f"--tensor-parallel-size must be a positive integer, got {d!r}"
+        if d == 1:
+            return None
+        if self.mode != "colocated":
+            return (f"--tensor-parallel-size {d} runs in --mode colocated only for now (the mode is {self.mode}): "
+                    f"per-role tensor-parallel degrees for time-shared and pooled modes come later")
+        if len(self.devices) % d:
+            return (f"--tensor-parallel-size {d} groups --devices in consecutive runs of {d}, but {len(self.devices)} "
+                    f"device{'s' * (len(self.devices) != 1)} ({','.join(self.devices)}) is not a multiple of {d}")
+        for group in self.device_groups():
+            kinds = {dev.partition(":")[0] for dev in group}
+            if len(kinds) > 1:
+                return f"a tensor-parallel group mixes device kinds ({'+'.join(group)}): one group is all cpu or all cuda"
+        if self.engine_layout != "process":
+            return f"--tensor-parallel-size {d} needs --engine-layout process (each rank is its own engine process)"
+        if self.benchmark_model:
+            return f"--benchmark-model is not supported with --tensor-parallel-size {d} yet"
+        if self.kv_port is not None or self.peers:
+            return (f"--kv-port and --peers are not supported with --tensor-parallel-size {d} yet: KV transfers "
+                    f"of a tensor-parallel group's sharded KV pool come later")
+        return None
+
+    def device_groups(self) -> list[list[str]]:
+        """``devices`` in consecutive groups of ``tensor_parallel_size`` (each one engine, one
+        ``DeviceEngine``); one device per group at size 1."""
+        d = max(1, self.tensor_parallel_size)
+        return [self.devices[i : i + d] for i in range(0, len(self.devices), d)]
 
     @property
     def name(self) -> str:

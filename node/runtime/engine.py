@@ -66,8 +66,10 @@ class DeviceEngine:
 
     Args:
         device_id: e.g. ``"cpu:0"`` or ``"cuda:0"``.
-        runner: the device's engine (:class:`EngineProcess`, or :class:`LocalEngine` in the thread
-            layout): runs steps, holds the KV pool (``kv_cache``, shared with this process).
+        runner: the device's engine (:class:`EngineProcess`, :class:`TPEngineGroup` for a
+            tensor-parallel group of devices, or :class:`LocalEngine` in the thread layout): runs
+            steps, holds the KV pool (``kv_cache``, shared with this process; None for a group,
+            whose pool is sharded across its ranks and is never moved).
         batcher: the device's pure batch former (owns the block ledger).
         role: the device's role state in time-shared mode; ``None`` runs MIXED steps (colocated).
         clock: monotonic seconds.
@@ -111,16 +113,23 @@ class DeviceEngine:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"engine-{self.device_id}")
         self._task.add_done_callback(self._on_loop_done)
-        process = getattr(self.runner, "process", None)
-        if process is not None:
-            asyncio.get_running_loop().add_reader(process.sentinel, self._on_engine_exit)
+        for process in self._processes():
+            asyncio.get_running_loop().add_reader(process.sentinel, self._on_engine_exit, process)
 
-    def _on_engine_exit(self) -> None:
-        """The engine process ended: unless the node is stopping it, the device is down."""
+    def _processes(self) -> list:
+        """The engine's processes: none in the thread layout, one per rank of a tensor-parallel group."""
+        processes = getattr(self.runner, "processes", None)
+        if processes is not None:
+            return list(processes)
+        process = getattr(self.runner, "process", None)
+        return [] if process is None else [process]
+
+    def _on_engine_exit(self, process) -> None:
+        """An engine process ended (any rank of a group): unless the node is stopping it, the device is down."""
         loop = asyncio.get_running_loop()
-        loop.remove_reader(self.runner.process.sentinel)
-        if not self.runner.stopping:
-            self._dead = self.runner.death_reason()
+        loop.remove_reader(process.sentinel)
+        if not self.runner.stopping and not self._dead:
+            self._dead = self.runner.death_reason(process)
             self.wake()
 
     async def stop(self) -> None:
@@ -128,10 +137,11 @@ class DeviceEngine:
             self._task.cancel()
             with suppress(asyncio.CancelledError):
                 await self._task
-        process = getattr(self.runner, "process", None)
-        if process is not None:
+        processes = self._processes()
+        if processes:
             self.runner.stopping = True
-            asyncio.get_running_loop().remove_reader(process.sentinel)
+            for process in processes:
+                asyncio.get_running_loop().remove_reader(process.sentinel)
             self.runner.detach()
         await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.stop)
         self._executor.shutdown(wait=True)

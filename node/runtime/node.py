@@ -20,7 +20,7 @@ from typing import AsyncIterator
 import msgspec
 import structlog
 
-from node.config import NodeConfig
+from node.config import NodeConfig, group_id
 from node.core.batcher import BatchConfig, Batcher
 from node.core.ledger import BlockLedger
 from node.core.sequence import SamplingParams
@@ -38,6 +38,7 @@ from node.runtime.output import SeqDelta
 from node.runtime.request import RequestState
 from node.transport.protocol import Fingerprint
 from node.worker.engine_core import EngineCore
+from node.worker.engine_group import TPEngineGroup, launch_engine
 from node.worker.engine_process import EngineProcess, LocalEngine
 from node.worker.loader import LoadedModel, StartupError, build_runner, load_model_info
 
@@ -70,6 +71,25 @@ def select_ops(backend: str, device_type: str) -> object:
 
         return ref
     return get_ops(resolve_backend(backend, device_type))
+
+
+def check_tensor_parallel(config: NodeConfig, info: LoadedModel) -> None:
+    """Refuse a ``--tensor-parallel-size`` the other flags (:meth:`NodeConfig.tensor_parallel_error`)
+    or the model (heads, KV heads, intermediate size not divisible by it) cannot run with.
+
+    Raises:
+        StartupError: the message names the flag or the model's numbers.
+    """
+    problem = config.tensor_parallel_error()
+    if problem:
+        raise StartupError(problem)
+    if config.tensor_parallel_size > 1:
+        from node.worker.tensor_parallel import TensorParallelError, check_tp_config
+
+        try:
+            check_tp_config(info.cfg, config.tensor_parallel_size)
+        except TensorParallelError as e:
+            raise StartupError(f"--tensor-parallel-size {config.tensor_parallel_size}: {e}") from e
 
 
 class Node:
@@ -128,16 +148,24 @@ class Node:
         """Load the model's metadata here and each device's engine (see ``--engine-layout``).
 
         ``prelaunched``: engine processes already forked by ``shiftnode serve``
-        (:func:`~node.worker.engine_process.prelaunch`); the other devices' engines are spawned.
+        (:func:`~node.worker.engine_group.prelaunch`); the other devices' engines are spawned.
+
+        ``--tensor-parallel-size D`` (> 1): each consecutive group of ``D`` devices is one
+        :class:`DeviceEngine` whose device id joins them with ``+`` (``cpu:0+cpu:1``), run by a
+        :class:`~node.worker.engine_group.TPEngineGroup` (one engine process per rank).
 
         Raises:
-            StartupError: an engine failed to load (its message), or died while loading.
+            StartupError: an engine failed to load (its message), or died while loading; a
+                tensor-parallel size the flags or the model cannot run with (:func:`check_tensor_parallel`).
         """
         prelaunched = dict(prelaunched or {})
         loop = asyncio.get_running_loop()
         handles: list = []
+        groups = config.device_groups()
+        ids = [group_id(g) for g in groups]
         try:
             info = load_model_info(config)
+            check_tensor_parallel(config, info)
             if config.engine_layout == "thread":
                 for device_id in config.devices:
                     ops = select_ops(config.attention_backend, device_id.partition(":")[0])
@@ -146,7 +174,7 @@ class Node:
                     await loop.run_in_executor(None, core.warm_up)
                     handles.append(LocalEngine(core))
             else:
-                handles = [prelaunched.pop(d, None) or EngineProcess.launch(config, d, "spawn") for d in config.devices]
+                handles = [prelaunched.pop(i, None) or launch_engine(config, g, "spawn") for i, g in zip(ids, groups)]
                 results = await asyncio.gather(*(loop.run_in_executor(None, h.wait_ready) for h in handles),
                                                return_exceptions=True)
                 failed = [r for r in results if isinstance(r, BaseException)]
@@ -161,7 +189,7 @@ class Node:
         for h in prelaunched.values():  # forked for devices this config does not use (not expected)
             h.stop()
         engines = []
-        for device_id, runner in zip(config.devices, handles):
+        for device_id, runner in zip(ids, handles):
             ledger = BlockLedger(runner.num_blocks, config.block_size, prefix_caching=config.prefix_caching)
             batcher = Batcher(ledger, BatchConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -414,7 +442,7 @@ class Node:
             d = {
                 "device": e.device_id,
                 "role": e.role.role.value if e.role else ("decode" if e.device_id in self.config.decode_devices else "mixed"),
-                "engine": {"layout": self.config.engine_layout, "pid": e.runner.pid},  # pid: null in the thread layout
+                "engine": {"layout": self.config.engine_layout, "pid": e.runner.pid},  # pid: null in the thread layout; a group's rank 0
                 "engine_busy_s": round(e.busy_s, 6),  # the engine's own time in steps, summed (wall minus this: waiting)
                 "kv_blocks_total": e.batcher.ledger.num_blocks,
                 "kv_blocks_free": e.batcher.ledger.num_free,
@@ -433,6 +461,8 @@ class Node:
                 "errors": dict(e.errors),  # contained failures by stage; the device kept serving
                 "failure": e.failure,  # why the device is down, or null
             }
+            if isinstance(e.runner, TPEngineGroup):  # a group of --tensor-parallel-size devices as one
+                d["tensor_parallel"] = {"size": e.runner.degree, "devices": e.runner.devices, "pids": e.runner.pids}
             if e.role is not None:
                 r = e.role
                 d |= {

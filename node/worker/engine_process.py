@@ -30,6 +30,11 @@ Start. Engines for CPU devices are forked by ``shiftnode serve`` before the even
 and the parent has not yet run any parallel torch work that a fork would break. CUDA devices, and
 nodes created inside a process that has already computed (tests), spawn a fresh interpreter.
 
+Tensor-parallel groups (``--tensor-parallel-size D``). A group of ``D`` devices is one device of the
+node: one engine process per rank, each a full engine (its own socket pair, its own shard of the
+weights and of the KV heads), joined in a ``torch.distributed`` group; :class:`TPEngineGroup` is the
+node's handle and sends each request to every rank (see there for ordering, replies and failure).
+
 Lifetime. The engine exits when the node says so, when its end of the pipe closes, and (Linux
 ``PR_SET_PDEATHSIG``) when the node process dies in any way; it ignores SIGINT, which a terminal
 sends the whole process group, so a Ctrl-C stops the node, which then stops its engines. A dead
@@ -117,8 +122,29 @@ class Failed(msgspec.Struct, tag="failed"):
     trace: str
 
 
+class StepAck(msgspec.Struct, tag="ack"):
+    """A step's reply from a tensor-parallel rank other than 0: the token ids it sampled, one per
+    item in item order (-1: the item did not sample), so the node can check the ranks agree; the
+    outputs (logprobs) are rank 0's alone."""
+
+    tokens: list[int]
+    busy_s: float = 0.0
+
+
+class TPRank(msgspec.Struct, frozen=True):
+    """An engine's place in a tensor-parallel group: ``rank`` of ``degree``, joining the group's own
+    ``torch.distributed`` world through ``init_method`` (``file://...``)."""
+
+    rank: int
+    degree: int
+    init_method: str
+    group: str  # the group's device id (cpu:0+cpu:1), for logs
+
+
 Request = StepMsg | Prepare | GetFingerprint | Shutdown
-Reply = StepReply | Ready | Value | FingerprintReply | Failed
+Reply = StepReply | StepAck | Ready | Value | FingerprintReply | Failed
+
+TP_TIMEOUT_S = 300.0  # a collective of a tensor-parallel group waits this long for a rank that never joins
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)}
 
@@ -145,9 +171,24 @@ def _memfd_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, 
     return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
-def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid: int, threads: int) -> None:
+def _exit_rank(tp: TPRank | None) -> None:
+    """A tensor-parallel rank leaves at once: the interpreter's teardown of a process group whose
+    peers are gone or leaving can take seconds (nothing is left to flush: replies are sent)."""
+    if tp is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid: int, threads: int,
+                tp: TPRank | None = None) -> None:
     """Entry point of an engine process: load, report :class:`Ready`, then serve requests until told
-    to stop or until the node's end of ``conn`` closes."""
+    to stop or until the node's end of ``conn`` closes.
+
+    ``tp``: this engine is one rank of a tensor-parallel group. It joins the group's process group
+    (gloo on the CPU, NCCL on CUDA) before loading, loads its shard, and serves the same requests in
+    the same order as the other ranks (the node sends each to all); a rank other than 0 answers a
+    step with a :class:`StepAck`."""
     _die_with_parent(parent_pid, device_id)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     enc = msgspec.msgpack.Encoder()
@@ -165,7 +206,16 @@ def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid
         holder: dict = {}
         kv_alloc = (lambda shape, dtype, device: _memfd_kv(shape, dtype, device, holder)) \
             if device_id.startswith("cpu") else None
-        runner = build_runner(config, info, device_id, ops, kv_alloc=kv_alloc)
+        group = None
+        if tp is not None:
+            from node.worker.loader import torch_device
+            from node.worker.tensor_parallel import init_distributed, new_tp_group
+
+            init_distributed(tp.rank, tp.degree, tp.init_method, torch_device(device_id), timeout_s=TP_TIMEOUT_S)
+            group = new_tp_group(tp.degree)
+            log.info("tp_rank_joined", group=tp.group, rank=tp.rank, degree=tp.degree, device=device_id,
+                     backend=torch.distributed.get_backend())
+        runner = build_runner(config, info, device_id, ops, kv_alloc=kv_alloc, tp=group)
         core = EngineCore(runner)
         core.warm_up()
         kv = runner.kv_cache
@@ -179,18 +229,23 @@ def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid
             send_handle(conn, holder["fd"], parent_pid)
     except BaseException as e:  # noqa: BLE001 - report any start-up failure, then exit
         conn.send_bytes(enc.encode(Failed(type(e).__name__, str(e), traceback.format_exc())))
+        _exit_rank(tp)
         return
     while True:
         try:
             data = conn.recv_bytes()
         except (EOFError, OSError):
+            _exit_rank(tp)
             return  # the node is gone
         msg = dec.decode(data)
         if isinstance(msg, Shutdown):
+            _exit_rank(tp)
             return
         try:
             if isinstance(msg, StepMsg):
                 reply: Any = core.step(msg)
+                if tp is not None and tp.rank:
+                    reply = StepAck([-1 if o.token_id is None else o.token_id for o in reply.outputs], reply.busy_s)
             elif isinstance(msg, Prepare):
                 reply = Value(core.prepare_decode())
             else:
@@ -227,14 +282,14 @@ class EngineProcess:
     engine caught while serving one request (the engine goes on).
     """
 
-    def __init__(self, config: NodeConfig, device_id: str, method: str):
+    def __init__(self, config: NodeConfig, device_id: str, method: str, tp: TPRank | None = None):
         self.device_id = device_id
         self.method = method
         threads = max(1, (os.cpu_count() or 1) // max(1, len(config.devices)))
         ctx = multiprocessing.get_context(method)
         self._conn, child = ctx.Pipe(duplex=True)
         self.process = ctx.Process(target=engine_main, name=f"shiftnode-engine-{device_id}",
-                                   args=(child, config, device_id, os.getpid(), threads), daemon=True)
+                                   args=(child, config, device_id, os.getpid(), threads, tp), daemon=True)
         self._child_conn = child
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(Reply)
@@ -251,10 +306,12 @@ class EngineProcess:
         self._channel: LoopChannel | None = None
 
     @classmethod
-    def launch(cls, config: NodeConfig, device_id: str, method: str | None = None) -> "EngineProcess":
+    def launch(cls, config: NodeConfig, device_id: str, method: str | None = None,
+               tp: TPRank | None = None) -> "EngineProcess":
         """Start the engine process of ``device_id``: forked when ``method`` is ``"fork"`` (only safe
-        before the caller has run parallel torch work: see the module docstring), spawned otherwise."""
-        handle = cls(config, device_id, method or "spawn")
+        before the caller has run parallel torch work: see the module docstring), spawned otherwise.
+        ``tp``: as one rank of a tensor-parallel group (:class:`TPEngineGroup` launches those)."""
+        handle = cls(config, device_id, method or "spawn", tp)
         handle.process.start()
         handle._child_conn.close()  # the child holds its own copy; ours would hide its death
         return handle
@@ -321,11 +378,15 @@ class EngineProcess:
         Raises:
             EngineDied: the engine is already gone.
         """
+        return self.async_submit_frame(self._enc.encode(msg))
+
+    def async_submit_frame(self, frame: bytes) -> asyncio.Future:
+        """:meth:`async_submit` of a request already encoded (a group encodes a step once for all ranks)."""
         if self._dead is not None:
             raise self._dead
         fut = self._loop.create_future()
         self._waiting.append(fut)
-        self._channel.send(self._enc.encode(msg))
+        self._channel.send(frame)
         return fut
 
     def _on_frame(self, frame: bytes) -> None:
@@ -368,8 +429,9 @@ class EngineProcess:
         except (EOFError, OSError) as e:
             raise EngineDied(self.death_reason()) from e
 
-    def death_reason(self) -> str:
-        """Why the process is gone, naming the device, pid and exit code or signal."""
+    def death_reason(self, process: Any = None) -> str:
+        """Why the process is gone, naming the device, pid and exit code or signal (``process``: the
+        one that ended, always this engine's own; the argument keeps the surface of :class:`TPEngineGroup`)."""
         self.process.join(2.0)  # its pipe closed: it is exiting; wait for the exit code (returns once reaped)
         code = self.process.exitcode
         how = "is still running but its pipe closed" if code is None else (
@@ -462,11 +524,3 @@ class LocalEngine:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._pool.shutdown(wait=True)
-
-
-def prelaunch(config: NodeConfig) -> dict[str, EngineProcess]:
-    """Fork the engine processes of ``config``'s CPU devices now (call before the event loop starts
-    and before any parallel torch work in this process). CUDA devices are spawned later."""
-    if config.engine_layout != "process":
-        return {}
-    return {d: EngineProcess.launch(config, d, "fork") for d in config.devices if d.startswith("cpu")}

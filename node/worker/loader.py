@@ -11,7 +11,9 @@ import torch
 from node.config import NodeConfig
 from node.worker.cuda_graphs import DecodeGraphs, decode_graphs_unsupported
 from node.worker.model_config import ModelConfig
-from node.worker.runner import KVAlloc, ModelRunner, free_device_bytes, plan_kv_blocks, weight_bytes
+from node.worker.runner import (KVAlloc, ModelRunner, free_device_bytes, kv_bytes_per_token_per_rank, plan_kv_blocks,
+                                weight_bytes)
+from node.worker.tensor_parallel import ShardLayout, TPGroup
 from node.worker.tokenizer import TextTokenizer
 from node.worker.weights import build_model, dtype_from_name
 
@@ -82,7 +84,7 @@ def torch_device(device_id: str) -> torch.device:
 
 
 def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: object,
-                 kv_alloc: KVAlloc | None = None) -> ModelRunner:
+                 kv_alloc: KVAlloc | None = None, tp: TPGroup | None = None) -> ModelRunner:
     """Load weights on one device and size its KV pool.
 
     The KV budget is ``--kv-cache-memory`` bytes when given; on CUDA otherwise
@@ -91,9 +93,20 @@ def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: obj
     graphs, captured here in colocated mode and at the first switch to the decode role in time-shared
     mode (their memory comes out of the ``1 - gpu_memory_utilization`` headroom).
 
+    ``tp`` (degree ``D > 1``): this device is rank ``tp.rank`` of a tensor-parallel group. It loads
+    only its shard (``ShardLayout(D, D, rank)``: its heads, KV heads, MLP features and vocab rows of
+    an untied head), its pool holds its ``num_kv_heads / D`` KV heads
+    (``[layers, 2, num_blocks, block_size, K/D, head_dim]``), so the budget is divided by
+    ``kv_bytes_per_token / D``; the ranks then agree on the smallest ``num_blocks`` of the group (one
+    all-reduce MIN: CUDA devices may have different free memory), which the node's one block ledger
+    of the group indexes on every rank. Decode CUDA graphs are off at ``D > 1`` (eager steps) in
+    this slice. Collective: every rank of the group must call it.
+
     Raises:
         StartupError: the budget holds fewer than ``max_model_len`` tokens (one full sequence).
+        TensorParallelError: the model cannot be split ``D`` ways (the numbers in the message).
     """
+    degree = tp.degree if tp is not None else 1
     dev = torch_device(device_id)
     cfg = info.cfg
     fmt = config.load_format
@@ -105,8 +118,10 @@ def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: obj
         model = build_benchmark_model(config.benchmark_model, cfg, info.tokenizer, dev, ops=ops, seed=config.seed,
                                       rows=config.max_num_batched_tokens + config.max_num_seqs, device_id=device_id)
     else:
+        layout = ShardLayout(degree, degree, tp.rank) if degree > 1 else ShardLayout()
         model = build_model(cfg, folder=config.model, load_format=fmt, dtype=info.dtype, device=dev,
-                            max_positions=info.max_model_len, ops=ops, seed=config.seed)
+                            max_positions=info.max_model_len, ops=ops, seed=config.seed, layout=layout,
+                            tp=tp if degree > 1 else None)
     wbytes = weight_bytes(model)
     if config.kv_cache_memory_bytes is not None:
         kv_bytes = config.kv_cache_memory_bytes
@@ -115,8 +130,14 @@ def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: obj
         kv_bytes = int(config.gpu_memory_utilization * total) - (total - free)
     else:
         kv_bytes = CPU_DEFAULT_KV_BYTES
-    num_blocks = plan_kv_blocks(cfg, info.dtype, config.block_size, max(kv_bytes, 0))
-    per_token = cfg.kv_bytes_per_token(info.dtype)
+    num_blocks = plan_kv_blocks(cfg, info.dtype, config.block_size, max(kv_bytes, 0), degree)
+    per_token = kv_bytes_per_token_per_rank(cfg, info.dtype, degree)
+    if degree > 1:  # every rank indexes the same blocks: the group's pool is as large as its smallest rank's
+        import torch.distributed as dist
+
+        agreed = torch.tensor([num_blocks], dtype=torch.int64, device=dev)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=tp.group)
+        num_blocks = int(agreed.item())
     if num_blocks * config.block_size < info.max_model_len:
         raise StartupError(
             f"KV budget of {kv_bytes} bytes on {device_id} holds {num_blocks * config.block_size} tokens "
@@ -128,7 +149,7 @@ def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: obj
         "model_loaded", device=device_id, model=config.model_name, architecture=cfg.architecture,
         load_format=fmt, random_weights=fmt == "dummy", dtype=str(info.dtype).removeprefix("torch."),
         weight_bytes=wbytes, kv_blocks=num_blocks, block_size=config.block_size, kv_bytes_per_token=per_token,
-        max_model_len=info.max_model_len,
+        max_model_len=info.max_model_len, **({"tp_rank": tp.rank, "tp_degree": degree} if degree > 1 else {}),
     )
     if fmt == "dummy":
         log.warning("random_weights", device=device_id, seed=config.seed,
@@ -139,6 +160,10 @@ def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: obj
     except (RuntimeError, MemoryError) as e:  # the KV pool could not be allocated
         raise StartupError(f"cannot allocate a KV pool of {num_blocks * config.block_size * per_token} bytes "
                            f"on {device_id}: {e}") from e
+    if degree > 1:
+        if dev.type == "cuda":
+            log.info("decode_graphs_off", device=device_id, reason=f"tensor-parallel degree {degree} (eager steps)")
+        return runner
     attach_decode_graphs(runner, config, info.max_model_len, ops, device_id)
     return runner
 

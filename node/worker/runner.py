@@ -175,9 +175,16 @@ class ModelRunner:
         )
 
 
-def plan_kv_blocks(cfg: ModelConfig, kv_dtype: torch.dtype, block_size: int, kv_bytes: int) -> int:
-    """Blocks that fit in ``kv_bytes``: ``kv_bytes // (block_size * kv_bytes_per_token)``."""
-    return kv_bytes // (block_size * cfg.kv_bytes_per_token(kv_dtype))
+def kv_bytes_per_token_per_rank(cfg: ModelConfig, kv_dtype: torch.dtype, tp_degree: int = 1) -> int:
+    """KV bytes per token in one device's pool: ``kv_bytes_per_token / tp_degree`` (a rank of a
+    tensor-parallel group holds ``num_kv_heads / tp_degree`` KV heads; the degree divides them)."""
+    return cfg.kv_bytes_per_token(kv_dtype) // tp_degree
+
+
+def plan_kv_blocks(cfg: ModelConfig, kv_dtype: torch.dtype, block_size: int, kv_bytes: int, tp_degree: int = 1) -> int:
+    """Blocks that fit in ``kv_bytes`` of one device:
+    ``kv_bytes // (block_size * kv_bytes_per_token / tp_degree)`` (see :func:`kv_bytes_per_token_per_rank`)."""
+    return kv_bytes // (block_size * kv_bytes_per_token_per_rank(cfg, kv_dtype, tp_degree))
 
 
 def free_device_bytes(device: torch.device) -> tuple[int, int]:
