@@ -17,7 +17,8 @@ import structlog
 from node.config import NodeConfig
 from node.transport.protocol import Fingerprint
 from node.worker.engine_core import StepReply
-from node.worker.engine_process import EngineDied, EngineError, EngineProcess, Prepare, StepAck, TPRank, _settle
+from node.worker.engine_process import (EngineDied, EngineError, EngineProcess, Prepare, StepAck, TPRank,
+                                        submit_from_thread)
 
 log = structlog.get_logger("shiftnode.engine_group")
 
@@ -253,22 +254,7 @@ class TPEngineGroup:
 
     def submit(self, msg: Any) -> concurrent.futures.Future:
         """:meth:`async_submit` from a thread other than the attached loop's (see :meth:`EngineProcess.submit`)."""
-        if self._loop is None:
-            raise RuntimeError(f"engine of {self.device_id} is not attached to an event loop")
-        if threading.get_ident() == self._loop_thread:
-            raise RuntimeError("on the event loop, use async_submit")
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-
-        def go() -> None:
-            try:
-                inner = self.async_submit(msg)
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-                _settle(fut, error=e)
-                return
-            inner.add_done_callback(lambda f: _settle(fut, error=f.exception()) if f.exception() else _settle(fut, f.result()))
-
-        self._loop.call_soon_threadsafe(go)
-        return fut
+        return submit_from_thread(self, msg)
 
     def call(self, msg: Any) -> Any:
         return self.submit(msg).result()

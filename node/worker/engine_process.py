@@ -270,6 +270,32 @@ def _settle(fut: concurrent.futures.Future, result: Any = None, error: BaseExcep
             fut.set_result(result)
 
 
+def submit_from_thread(handle: Any, msg: Any) -> concurrent.futures.Future:
+    """``handle.async_submit(msg)`` run on ``handle``'s attached loop, for a caller on another thread:
+    a future that settles as the loop's does.
+
+    Raises:
+        RuntimeError: ``handle`` is not attached to a loop, or the caller is on the loop's thread.
+    """
+    loop = handle._loop
+    if loop is None:
+        raise RuntimeError(f"engine of {handle.device_id} is not attached to an event loop")
+    if threading.get_ident() == handle._loop_thread:
+        raise RuntimeError("on the event loop, use async_submit")
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def go() -> None:
+        try:
+            inner = handle.async_submit(msg)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            _settle(fut, error=e)
+            return
+        inner.add_done_callback(lambda f: _settle(fut, error=f.exception()) if f.exception() else _settle(fut, f.result()))
+
+    loop.call_soon_threadsafe(go)
+    return fut
+
+
 class EngineProcess:
     """The node's handle on one device's engine process; the runner-like surface of a device
     (``submit``, ``prepare_decode``, ``kv_cache``, ``num_blocks``, ``fingerprint``).
@@ -446,21 +472,7 @@ class EngineProcess:
         Raises:
             RuntimeError: not attached (see :meth:`attach`), or called on the loop's thread.
         """
-        if self._loop is None:
-            raise RuntimeError(f"engine of {self.device_id} is not attached to an event loop")
-        if threading.get_ident() == self._loop_thread:
-            raise RuntimeError("on the event loop, use async_submit")
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._loop.call_soon_threadsafe(self._submit_for_thread, msg, fut)
-        return fut
-
-    def _submit_for_thread(self, msg: Any, fut: concurrent.futures.Future) -> None:
-        try:
-            inner = self.async_submit(msg)
-        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-            _settle(fut, error=e)
-            return
-        inner.add_done_callback(lambda f: _settle(fut, error=f.exception()) if f.exception() else _settle(fut, f.result()))
+        return submit_from_thread(self, msg)
 
     def call(self, msg: Any) -> Any:
         """Send one request and wait for its reply (not on the attached loop's thread)."""
