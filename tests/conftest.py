@@ -3,15 +3,73 @@ import os
 # Triton kernels run under the interpreter on the CPU (set before anything imports triton).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 
 from support import STORIES, NodeProcess, require_shared  # noqa: E402
+
+STORIES_NODE_ARGS = ("--model", str(STORIES))
+_early: list[NodeProcess] = []  # the stories_node launched at session start, until the fixture takes it
+
+
+def pytest_sessionstart(session):
+    """A run over whole test folders (the suite) launches the shared stories260k node at once, so it
+    starts while the tests are collected; ``stories_node`` then waits for it. A run of single files
+    starts it on first use."""
+    args = [a.split("::")[0] for a in session.config.args]
+    if (not session.config.option.collectonly and any(Path(a).is_dir() for a in args)
+            and (STORIES / "model.safetensors").is_file()):
+        _early.append(NodeProcess(*STORIES_NODE_ARGS, wait=False))
+
+
+def pytest_collection_finish(session):
+    if _early and not any("stories_node" in getattr(item, "fixturenames", ()) for item in session.items):
+        _early.pop().close()  # nothing selected needs it
+
+
+def pytest_sessionfinish(session):
+    while _early:
+        _early.pop().close()
 
 
 @pytest.fixture(scope="session")
 def stories_node():
     """One stories260k node shared by the API tests (float32, one CPU device)."""
     require_shared()
-    node = NodeProcess("--model", str(STORIES))
+    node = _early.pop() if _early else NodeProcess(*STORIES_NODE_ARGS, wait=False)
+    try:
+        node.wait_up()
+        yield node
+    finally:
+        node.close()
+
+
+@pytest.fixture(scope="session")
+def pooled_node():
+    """One pooled node (prefill on cpu:0, KV handed to decode on cpu:1) shared by test_pooled and
+    test_prefix_caching. Their tests compare outputs, and transfers and cache hits counted from
+    before each request (``kv_transfers`` lists the last 200 moves; both modules make under 100)."""
+    require_shared()
+    node = NodeProcess("--model", str(STORIES), "--mode", "pooled", "--prefill-devices", "cpu:0",
+                       "--decode-devices", "cpu:1")
     yield node
     node.close()
+
+
+@pytest.fixture(scope="session")
+def peer_pair():
+    """A prefill-only node and its decode-only peer node (pooled mode across nodes, over TCP), as
+    (prefill, decode), shared by test_peers and test_prefix_caching. Their tests compare outputs, and
+    count transfers from before each request (``kv_transfers`` lists the last 200; they make under 100)."""
+    from support import free_port, up
+    from test_peers import decode_node, prefill_node, wait_peers
+
+    port = free_port()
+    d, p = up(decode_node(port, wait=False), prefill_node([port], wait=False))
+    try:
+        wait_peers(p, 1)
+        yield p, d
+    finally:
+        p.close()
+        d.close()

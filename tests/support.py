@@ -28,23 +28,46 @@ def reference_cases() -> list[dict]:
     return json.loads((require_shared() / "models" / "stories260k" / "reference_greedy.json").read_text())["cases"]
 
 
+_GIVEN_PORTS: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port, never one this process handed out before (nodes started in parallel
+    bind theirs only seconds later, so the OS could otherwise offer the same port twice)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN_PORTS:
+            _GIVEN_PORTS.add(port)
+            return port
 
 
 class NodeProcess:
-    """A ``shiftnode serve`` subprocess on a free loopback port; stops on ``close()``."""
+    """A ``shiftnode serve`` subprocess on a free loopback port; stops on ``close()``.
 
-    def __init__(self, *args: str, timeout_s: float = 120.0):
+    The constructor waits until the node answers; with ``wait=False`` it only launches the process
+    and :meth:`wait_up` (or :func:`up`, for several) waits, so that nodes a test needs together
+    start in parallel instead of one after another.
+    """
+
+    def __init__(self, *args: str, timeout_s: float = 120.0, wait: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "node.cli", "serve", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self.client: httpx.Client | None = None
+        if wait:
+            self.wait_up()
+
+    def wait_up(self) -> "NodeProcess":
+        """Block until the node answers ``/health`` (200, or 503: up but not able to serve yet)."""
+        if self.client is not None:
+            return self
+        while True:  # asked at least once: a node launched long ago may have been up for a while
             if self.proc.poll() is not None:
                 raise RuntimeError(f"node exited with {self.proc.returncode}:\n{self.logs()}")
             try:
@@ -53,10 +76,11 @@ class NodeProcess:
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
-        else:
-            self.close()
-            raise RuntimeError(f"node did not start in {timeout_s}s:\n{self.logs()}")
+            if time.monotonic() >= self.deadline:
+                self.close()
+                raise RuntimeError(f"node did not start in {self.timeout_s}s:\n{self.logs()}")
         self.client = httpx.Client(base_url=self.url, timeout=120)
+        return self
 
     def logs(self) -> str:
         self.log.flush()
@@ -91,6 +115,16 @@ class NodeProcess:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+def up(*nodes: NodeProcess) -> list[NodeProcess]:
+    """Wait for nodes launched together with ``wait=False``; if one fails to start, close them all."""
+    try:
+        return [n.wait_up() for n in nodes]
+    except BaseException:
+        for n in nodes:
+            n.close()
+        raise
 
 
 def sse_events(lines) -> list:

@@ -36,15 +36,22 @@ def test_32_concurrent_equal_sequential(stories_node):
     assert all(d["kv_blocks_free"] == d["kv_blocks_total"] for d in st["devices"])
 
 
+@pytest.fixture(scope="module")
+def b28_bodies_and_ref(stories_node) -> tuple[list[dict], list[list[int]]]:
+    """The B28 load and its REF (each request alone on the unpressured node), shared by both modes."""
+    bodies = [{**b, "max_tokens": 60 + i % 40, "ignore_eos": True} for i, b in enumerate(requests_mix(24))]
+    return bodies, [run_all(stories_node, [b], 1)[0] for b in bodies]
+
+
 @pytest.mark.parametrize("mode", ["colocated", "time-shared"])
-def test_b28_tiny_pool_keeps_outputs(stories_node, mode):
+def test_b28_tiny_pool_keeps_outputs(request, mode):
     """A pool of 40 blocks (640 tokens) for 24 concurrent sequences: colocated mode must preempt and
     recompute; time-shared mode admits against reserved KV instead. Outputs equal REF either way."""
-    bodies = [{**b, "max_tokens": 60 + i % 40, "ignore_eos": True} for i, b in enumerate(requests_mix(24))]
-    ref = [run_all(stories_node, [b], 1)[0] for b in bodies]
     small = NodeProcess("--model", str(STORIES), "--kv-cache-memory", str(40 * 16 * 1280), "--max-model-len", "512",
-                        "--mode", mode)
+                        "--mode", mode, wait=False)
     try:
+        bodies, ref = request.getfixturevalue("b28_bodies_and_ref")  # REF (once) while the small node starts
+        small.wait_up()
         got = run_all(small, bodies, 24)
         st = small.wait_idle()
         assert got == ref

@@ -150,8 +150,9 @@ def test_an_engine_whose_loop_ends_is_reported_down_and_fails_its_requests():
 
 def test_request_timeout_ends_the_request_and_frees_its_kv():
     async def body(node: Node):
-        # All the context there is: at >= 1.5 ms a token this outlasts the 0.6 s timeout, which still
-        # leaves a loaded machine time for the first tokens (the timeout must end a running stream).
+        # All the context there is, at >= 3 ms a step (the sleep benchmark model: the real model's step
+        # time depends on the machine): >= 1.5 s, past the 0.6 s timeout, which still leaves a loaded
+        # machine time for the first tokens (the timeout must end a running stream).
         n = 512 - len(CASE["prompt_token_ids"])
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         ids, errors = await asyncio.wait_for(collect(node, "slow", params), 30)
@@ -162,7 +163,7 @@ def test_request_timeout_ends_the_request_and_frees_its_kv():
         ok, errs = await collect(node, "quick", SamplingParams(max_tokens=5, temperature=0.0))
         assert errs == [] and len(ok) == 5
 
-    with_node(body, request_timeout_s=0.6)
+    with_node(body, request_timeout_s=0.6, benchmark_model="sleep:3")
 
 
 def test_request_timeout_over_http_is_503_with_retry_after():

@@ -16,7 +16,7 @@ from node.core.batcher import ScheduledSeq, StepKind, StepPlan
 from node.core.sequence import SamplingParams, Sequence
 from node.runtime.step_encoder import StepEncoder
 from node.worker.engine_core import EngineCore
-from support import STORIES, NodeProcess, reference_cases
+from support import STORIES, NodeProcess, reference_cases, up
 
 CASE = reference_cases()[0]
 
@@ -103,15 +103,17 @@ def test_an_engine_killed_mid_stream_ends_the_stream_with_an_error():
 
 
 def test_engines_exit_with_the_node_on_sigterm_and_on_sigkill():
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        node = NodeProcess("--model", str(STORIES), "--devices", "cpu:0,cpu:1")
-        try:
+    sigs = (signal.SIGTERM, signal.SIGKILL)
+    nodes = up(*(NodeProcess("--model", str(STORIES), "--devices", "cpu:0,cpu:1", wait=False) for _ in sigs))
+    try:
+        for sig, node in zip(sigs, nodes):  # one node per signal (started together)
             pids = list(_engine_pids(node).values())
             assert _complete(node).status_code == 200
             node.proc.send_signal(sig)
             node.proc.wait(15)
             assert _wait_gone(pids) == [], f"engines left after {sig.name}"
-        finally:
+    finally:
+        for node in nodes:
             node.close()
 
 

@@ -48,9 +48,12 @@ def references(stories_node) -> dict[tuple[str, int], list[int]]:
 
 @pytest.mark.parametrize("mode", ["time-shared", "colocated"])
 @pytest.mark.parametrize("blocks,streams,max_tokens", CASES)
-def test_full_length_streams_beyond_the_pool_all_finish_exactly(references, mode, blocks, streams, max_tokens):
-    node = NodeProcess("--model", str(STORIES), "--mode", mode, "--kv-cache-memory", str(blocks * BLOCK_BYTES))
+def test_full_length_streams_beyond_the_pool_all_finish_exactly(request, mode, blocks, streams, max_tokens):
+    node = NodeProcess("--model", str(STORIES), "--mode", mode, "--kv-cache-memory", str(blocks * BLOCK_BYTES),
+                       wait=False)
     try:
+        references = request.getfixturevalue("references")  # computed once, the first time while the node starts
+        node.wait_up()
         with cf.ThreadPoolExecutor(streams) as pool:
             got = list(pool.map(lambda i: streamed_ids(node, body(i, max_tokens)), range(streams)))
         for i, ids in enumerate(got):

@@ -25,20 +25,22 @@ import pytest
 from node.cli import config_from_args, serve_parser
 from node.config import ConfigError
 from model_copies import change_one_weight, copy_model
-from support import STORIES, NodeProcess, free_port, reference_cases, sse_events
+from support import STORIES, NodeProcess, free_port, reference_cases, sse_events, up
 from test_metrics import scrape
 
 SECRET = "test-peer-secret"
 
 
-def decode_node(kv_port: int, *extra: str, secret: str = SECRET) -> NodeProcess:
+def decode_node(kv_port: int, *extra: str, secret: str = SECRET, wait: bool = True) -> NodeProcess:
     return NodeProcess("--model", str(STORIES), "--mode", "pooled", "--decode-devices", "cpu:0",
-                       "--kv-port", str(kv_port), "--peer-secret", secret, *extra)
+                       "--kv-port", str(kv_port), "--peer-secret", secret, *extra, wait=wait)
 
 
-def prefill_node(kv_ports: list[int], *extra: str, secret: str = SECRET) -> NodeProcess:
+def prefill_node(kv_ports: list[int], *extra: str, secret: str = SECRET, wait: bool = True) -> NodeProcess:
+    """A prefill-only node sending to ``kv_ports``; it may start before its peers (it reconnects)."""
     return NodeProcess("--model", str(STORIES), "--mode", "pooled", "--prefill-devices", "cpu:0",
-                       "--peers", ",".join(f"127.0.0.1:{p}" for p in kv_ports), "--peer-secret", secret, *extra)
+                       "--peers", ",".join(f"127.0.0.1:{p}" for p in kv_ports), "--peer-secret", secret, *extra,
+                       wait=wait)
 
 
 def wait_peers(node: NodeProcess, healthy: int, timeout_s: float = 10.0) -> list[dict]:
@@ -69,15 +71,10 @@ def stream_tokens(node: NodeProcess, body: dict, on_event=None) -> tuple[list[in
     return ids, events
 
 
-@pytest.fixture(scope="module")
-def pair():
-    port = free_port()
-    d = decode_node(port)
-    p = prefill_node([port])
-    wait_peers(p, 1)
-    yield p, d
-    p.close()
-    d.close()
+@pytest.fixture
+def pair(peer_pair):
+    """(prefill node, decode node) of the session's pair (conftest)."""
+    return peer_pair
 
 
 def test_two_nodes_equal_reference_and_leave_nothing_behind(pair):
@@ -148,8 +145,7 @@ def test_saturated_peer_backpressure_queues_instead_of_prefilling():
     """The decode peer holds only a few sequences: the prefill node keeps at most --max-unsent
     prefilled-but-unsent caches, the rest queue, and every request completes."""
     port = free_port()
-    d = decode_node(port, "--max-num-seqs", "2")
-    p = prefill_node([port], "--max-unsent", "2")
+    d, p = up(decode_node(port, "--max-num-seqs", "2", wait=False), prefill_node([port], "--max-unsent", "2", wait=False))
     try:
         wait_peers(p, 1)
         body = {"prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True, "temperature": 0}
@@ -174,8 +170,8 @@ def test_sender_killed_mid_transfer_receiver_frees_blocks():
     """B32: kill -9 the sending node while a slow link streams a long prompt's KV; the receiver frees
     the partial reservation, stays up, and the request retried on a fresh origin completes."""
     port = free_port()
-    d = decode_node(port)
-    p = prefill_node([port], "--link-gbps", "0.002")  # ~0.5 MB of KV: about 2 s on the wire
+    d, p = up(decode_node(port, wait=False),
+              prefill_node([port], "--link-gbps", "0.002", wait=False))  # ~0.5 MB of KV: about 2 s on the wire
     p2 = None
     try:
         wait_peers(p, 1)
@@ -190,9 +186,10 @@ def test_sender_killed_mid_transfer_receiver_frees_blocks():
             p.proc.kill()
             with pytest.raises(httpx.HTTPError):
                 fut.result(timeout=20)
+        p2 = prefill_node([port], wait=False)  # the fresh origin starts while the receiver cleans up
         d.wait_idle(15)  # the partial blocks are back (stall timeout 10 s at most)
         assert d.alive()
-        p2 = prefill_node([port])
+        p2.wait_up()
         wait_peers(p2, 1)
         r = p2.client.post("/v1/completions", json={"prompt": case["prompt"], "max_tokens": case["max_new_tokens"],
                                                     "temperature": 0, "return_token_ids": True})
@@ -208,8 +205,8 @@ def test_receiver_killed_mid_transfer_and_mid_decode_the_origin_retries():
     the other peer), then during decode (the origin recomputes prompt + streamed tokens and hands it
     off again). The client's stream equals an undisturbed run, with no gap or duplicate."""
     ports = [free_port(), free_port()]
-    ds = [decode_node(ports[0]), decode_node(ports[1])]
-    p = prefill_node(ports, "--link-gbps", "0.01")  # a 300-token prompt: ~0.4 s on the wire
+    *ds, p = up(decode_node(ports[0], wait=False), decode_node(ports[1], wait=False),
+                prefill_node(ports, "--link-gbps", "0.01", wait=False))  # a 300-token prompt: ~0.4 s on the wire
     try:
         wait_peers(p, 2)
         prompt = list(range(3, 303))
@@ -254,8 +251,7 @@ def test_decode_peer_dies_mid_decode_recompute_continues_the_stream():
     """Kill the decoding peer after some tokens were streamed: the origin recomputes the prompt plus
     the streamed tokens and hands the sequence to the other peer; tokens equal the undisturbed run."""
     ports = [free_port(), free_port()]
-    ds = [decode_node(ports[0]), decode_node(ports[1])]
-    p = prefill_node(ports)
+    *ds, p = up(decode_node(ports[0], wait=False), decode_node(ports[1], wait=False), prefill_node(ports, wait=False))
     try:
         wait_peers(p, 2)
         body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
@@ -287,8 +283,7 @@ def test_past_max_retries_the_client_gets_a_clear_error():
     """One peer, --max-retries 0: killing it mid-decode ends the stream with an error (never a
     finish that looks complete) and the origin holds nothing afterwards."""
     port = free_port()
-    d = decode_node(port)
-    p = prefill_node([port], "--max-retries", "0")
+    d, p = up(decode_node(port, wait=False), prefill_node([port], "--max-retries", "0", wait=False))
     try:
         wait_peers(p, 1)
         killed = []
@@ -309,7 +304,11 @@ def test_past_max_retries_the_client_gets_a_clear_error():
         assert not any(c.get("finish_reason") in ("stop", "length") for e in events if e != "[DONE]" and "choices" in e
                        for c in e["choices"])
         p.wait_idle(5)
-        code, health = p.health()  # up, but a prefill-only node with its only peer gone cannot serve
+        # up, but a prefill-only node with its only peer gone cannot serve, once a reconnect has failed
+        deadline = time.monotonic() + 10
+        while (code_health := p.health())[0] != 503 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        code, health = code_health
         assert p.proc.poll() is None and code == 503 and health["status"] == "unavailable"
         assert any("unreachable" in r for r in health["reasons"]), health
     finally:
@@ -323,12 +322,13 @@ def test_wrong_secret_and_layout_are_refused_and_requests_end():
     503, it has no usable peer) and fails requests after a bounded wait with 503 peer_refused,
     whose message gives the peer's reason."""
     port = free_port()
-    d = decode_node(port)
-    bad = prefill_node([port], secret="wrong-secret")
-    other = prefill_node([port], "--block-size", "32")
+    d, bad, other = up(decode_node(port, wait=False), prefill_node([port], secret="wrong-secret", wait=False),
+                       prefill_node([port], "--block-size", "32", wait=False))
     try:
-        time.sleep(1.0)
         for node, code in ((bad, "auth"), (other, "layout")):
+            deadline = time.monotonic() + 10  # started beside the peer: it may still be retrying the connection
+            while node.status()["network"]["peers"][0]["state"] != "refused" and time.monotonic() < deadline:
+                time.sleep(0.05)
             [peer] = node.status()["network"]["peers"]
             assert not peer["healthy"] and peer["state"] == "refused" and peer["reason"].startswith(code), peer
             assert scrape(node)[f"shiftnode_peer_refusals_total{{direction=outbound,reason={code}}}"] >= 1
@@ -357,8 +357,7 @@ def test_a_briefly_stalled_peer_fails_nothing():
     import signal
 
     port = free_port()
-    d = decode_node(port)
-    p = prefill_node([port])
+    d, p = up(decode_node(port, wait=False), prefill_node([port], wait=False))
     try:
         wait_peers(p, 1)
         body = {"prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True, "temperature": 0}
@@ -384,8 +383,7 @@ def test_a_peer_with_a_shorter_context_refuses_only_what_it_cannot_hold():
     128 tokens are refused in the offer (code invalid) and end with a clear error; the others, in the
     same burst, are served with REF output."""
     port = free_port()
-    d = decode_node(port, "--max-model-len", "128")
-    p = prefill_node([port])
+    d, p = up(decode_node(port, "--max-model-len", "128", wait=False), prefill_node([port], wait=False))
     try:
         wait_peers(p, 1)
         short = {"prompt": "Once upon a time", "max_tokens": 20, "temperature": 0, "return_token_ids": True}
@@ -411,14 +409,15 @@ def test_eviction_pressure_on_the_origin_keeps_unsent_blocks_pinned(stories_node
     """B35: a prefill KV pool of ~2 long prompts under a burst and a slow link: blocks being sent are
     never reused, every request ends with its REF output by its deadline, nothing leaks."""
     port = free_port()
-    d = decode_node(port)
-    p = prefill_node([port], "--kv-cache-memory", "700KiB", "--link-gbps", "0.5")
+    nodes = [decode_node(port, wait=False),
+             prefill_node([port], "--kv-cache-memory", "700KiB", "--link-gbps", "0.5", wait=False)]
     try:
-        wait_peers(p, 1)
         bodies = [{"prompt": c["prompt"], "max_tokens": c["max_new_tokens"]} for c in reference_cases()] * 2
         bodies += [{"prompt": list(range(3 + k, 203 + k)), "max_tokens": 20} for k in range(6)]
         bodies = [{**b, "temperature": 0, "return_token_ids": True} for b in bodies]
         ref = [stories_node.client.post("/v1/completions", json=b).json()["choices"][0]["token_ids"] for b in bodies]
+        d, p = up(*nodes)  # they started while REF was computed
+        wait_peers(p, 1)
         with cf.ThreadPoolExecutor(len(bodies)) as ex:
             futs = [ex.submit(p.client.post, "/v1/completions", json=b) for b in bodies]
             res = [f.result(timeout=60) for f in futs]
@@ -428,8 +427,8 @@ def test_eviction_pressure_on_the_origin_keeps_unsent_blocks_pinned(stories_node
         p.wait_idle(5)
         d.wait_idle(5)
     finally:
-        p.close()
-        d.close()
+        for n in nodes:
+            n.close()
 
 
 def test_peer_restart_under_load_every_request_ends():
@@ -437,8 +436,7 @@ def test_peer_restart_under_load_every_request_ends():
     port: every request ends (completed or a clear error) within its deadline, later ones succeed,
     and nothing stays allocated."""
     port = free_port()
-    d = decode_node(port)
-    p = prefill_node([port])
+    d, p = up(decode_node(port, wait=False), prefill_node([port], wait=False))
     d2 = None
     try:
         wait_peers(p, 1)
@@ -475,15 +473,16 @@ def test_time_shared_fallback_moves_a_decoding_sequence_to_a_peer_node(stories_n
     the peer node instead, the peer decodes it and relays the tokens, and both clients' streams equal
     REF with no gap or duplicate; the node keeps prefilling."""
     port = free_port()
-    b = NodeProcess("--model", str(STORIES), "--kv-port", str(port), "--peer-secret", SECRET)
-    a = NodeProcess("--model", str(STORIES), "--peers", f"127.0.0.1:{port}", "--peer-secret", SECRET,
-                    "--reconfig-pause-ms", "200", "--tpot-slo-ms", "100", "--ttft-slo-ms", "400")
+    nodes = [NodeProcess("--model", str(STORIES), "--kv-port", str(port), "--peer-secret", SECRET, wait=False),
+             NodeProcess("--model", str(STORIES), "--peers", f"127.0.0.1:{port}", "--peer-secret", SECRET,
+                         "--reconfig-pause-ms", "200", "--tpot-slo-ms", "100", "--ttft-slo-ms", "400", wait=False)]
     try:
-        wait_peers(a, 1)
         body = {"prompt": "Once upon a time", "max_tokens": 150, "ignore_eos": True, "temperature": 0}
         ref, _ = stream_tokens(stories_node, body)
         other = {"prompt": "Lily and Ben", "max_tokens": 8, "temperature": 0, "return_token_ids": True}
         want_other = stories_node.client.post("/v1/completions", json=other).json()["choices"][0]["token_ids"]
+        b, a = up(*nodes)  # they started while REF was computed
+        wait_peers(a, 1)
         with cf.ThreadPoolExecutor(1) as ex:
             second = []
 
@@ -502,8 +501,8 @@ def test_time_shared_fallback_moves_a_decoding_sequence_to_a_peer_node(stories_n
         assert b.wait_idle(5)["network"]["received_sequences"] == len(moved)
         assert scrape(a)[f"shiftnode_kv_transfers_total{{dst=peer:127.0.0.1:{port},reason=tpot,src=cpu:0}}"] == len(moved)
     finally:
-        a.close()
-        b.close()
+        for n in nodes:
+            n.close()
 
 
 def test_drain_moves_decoding_sequences_mid_decode_to_a_peer_node(stories_node):
@@ -511,14 +510,16 @@ def test_drain_moves_decoding_sequences_mid_decode_to_a_peer_node(stories_node):
     to the peer node mid-decode and finish there with REF output and no gap or duplicate; new
     requests get 503 (code ``draining``); the drained node ends with nothing allocated."""
     port = free_port()
-    b = NodeProcess("--model", str(STORIES), "--kv-port", str(port), "--peer-secret", SECRET, "--log-format", "json")
-    a = NodeProcess("--model", str(STORIES), "--peers", f"127.0.0.1:{port}", "--peer-secret", SECRET,
-                    "--imbalance-threshold", "0")  # only the drain moves sequences
+    nodes = [NodeProcess("--model", str(STORIES), "--kv-port", str(port), "--peer-secret", SECRET, "--log-format",
+                         "json", wait=False),
+             NodeProcess("--model", str(STORIES), "--peers", f"127.0.0.1:{port}", "--peer-secret", SECRET,
+                         "--imbalance-threshold", "0", wait=False)]  # only the drain moves sequences
     try:
-        wait_peers(a, 1)
         bodies = [{"prompt": list(range(3 + k, 40 + k)), "max_tokens": 200, "ignore_eos": True, "temperature": 0}
                   for k in range(3)]
         ref = [stream_tokens(stories_node, body)[0] for body in bodies]
+        b, a = up(*nodes)  # they started while REF was computed
+        wait_peers(a, 1)
         seen = [0] * len(bodies)
         drained = []
 
@@ -547,8 +548,8 @@ def test_drain_moves_decoding_sequences_mid_decode_to_a_peer_node(stories_node):
         bad = b.client.post("/v1/node/drain")  # no peers to drain to
         assert bad.status_code == 409 and "needs time-shared mode and --peers" in bad.json()["error"]["message"]
     finally:
-        a.close()
-        b.close()
+        for n in nodes:
+            n.close()
 
 
 def test_a_same_named_copy_with_one_changed_weight_is_refused(tmp_path):
@@ -559,11 +560,12 @@ def test_a_same_named_copy_with_one_changed_weight_is_refused(tmp_path):
     good, bad = copy_model(tmp_path, "good"), copy_model(tmp_path, "bad")
     change_one_weight(bad)
     ports = [free_port(), free_port()]
-    d_good = NodeProcess("--model", str(good), "--mode", "pooled", "--decode-devices", "cpu:0",
-                         "--kv-port", str(ports[0]), "--peer-secret", SECRET)
-    d_bad = NodeProcess("--model", str(bad), "--mode", "pooled", "--decode-devices", "cpu:0",
-                        "--kv-port", str(ports[1]), "--peer-secret", SECRET)
-    p = prefill_node(ports)
+    d_good, d_bad, p = up(
+        NodeProcess("--model", str(good), "--mode", "pooled", "--decode-devices", "cpu:0",
+                    "--kv-port", str(ports[0]), "--peer-secret", SECRET, wait=False),
+        NodeProcess("--model", str(bad), "--mode", "pooled", "--decode-devices", "cpu:0",
+                    "--kv-port", str(ports[1]), "--peer-secret", SECRET, wait=False),
+        prefill_node(ports, wait=False))
     try:
         wait_peers(p, 1)
         deadline = time.monotonic() + 10
@@ -599,9 +601,9 @@ def test_peers_added_and_removed_at_run_time_and_health_follows():
     """The only decode peer dies: /health turns 503 naming it unreachable. A new decode node starts on
     another address; POST /v1/node/peers swaps it in, and the node is healthy and serves again."""
     old_port, new_port = free_port(), free_port()
-    d_old = decode_node(old_port)
-    p = prefill_node([old_port])
-    d_new = None
+    # the new decode node is launched with the others (it idles unknown to the origin until swapped in)
+    d_old, p, d_new = up(decode_node(old_port, wait=False), prefill_node([old_port], wait=False),
+                         decode_node(new_port, wait=False))
     try:
         wait_peers(p, 1)
         assert p.health() == (200, {"status": "ok"})
@@ -611,7 +613,6 @@ def test_peers_added_and_removed_at_run_time_and_health_follows():
             assert time.monotonic() < deadline, p.health()
             time.sleep(0.05)
         assert any(f"peer 127.0.0.1:{old_port} unreachable" in x for x in p.health()[1]["reasons"])
-        d_new = decode_node(new_port)
         bad = p.client.post("/v1/node/peers", json={"add": ["nohost"]})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "add"
         r = p.client.post("/v1/node/peers", json={"add": [f"127.0.0.1:{new_port}"], "remove": [f"127.0.0.1:{old_port}"]})
@@ -625,8 +626,7 @@ def test_peers_added_and_removed_at_run_time_and_health_follows():
         assert d_new.wait_idle(5)["network"]["received_sequences"] == 1
     finally:
         for n in (p, d_old, d_new):
-            if n is not None:
-                n.close()
+            n.close()
 
 
 def test_a_relay_stalled_past_the_transfer_timeout_is_recomputed():
@@ -636,8 +636,7 @@ def test_a_relay_stalled_past_the_transfer_timeout_is_recomputed():
     import signal
 
     port = free_port()
-    d = decode_node(port)
-    p = prefill_node([port], "--kv-transfer-timeout-s", "3")
+    d, p = up(decode_node(port, wait=False), prefill_node([port], "--kv-transfer-timeout-s", "3", wait=False))
     try:
         wait_peers(p, 1)
         assert p.status()["network"]["config"]["kv_transfer_timeout_s"] == 3.0

@@ -6,19 +6,9 @@ into queueing or 503, never a hang (the seed's first failure mode)."""
 
 import concurrent.futures as cf
 
-import pytest
-
 from support import STORIES, NodeProcess, reference_cases
 from test_metrics import scrape
 from test_time_shared import bodies, run
-
-
-@pytest.fixture(scope="module")
-def pooled_node():
-    node = NodeProcess("--model", str(STORIES), "--mode", "pooled", "--prefill-devices", "cpu:0",
-                       "--decode-devices", "cpu:1")
-    yield node
-    node.close()
 
 
 def test_pooled_reference_greedy(pooled_node):

@@ -25,10 +25,10 @@ def ref_node():
 
 
 @pytest.fixture(scope="module")
-def cache_node():
-    node = NodeProcess("--model", str(STORIES))
-    yield node
-    node.close()
+def cache_node(stories_node):
+    """The shared stories260k node (the same flags: prefix caching is on by default). The prompts here
+    start with a salt token (``fresh``) no other test sends first, so each one's first use is a miss."""
+    return stories_node
 
 
 def complete(node: NodeProcess, prompt: list[int], max_tokens: int = 24) -> dict:
@@ -137,14 +137,6 @@ def test_conversations_on_a_small_pool_never_see_each_others_content(ref_node, m
         node.close()
 
 
-@pytest.fixture(scope="module")
-def pooled_node():
-    node = NodeProcess("--model", str(STORIES), "--mode", "pooled", "--prefill-devices", "cpu:0",
-                       "--decode-devices", "cpu:1")
-    yield node
-    node.close()
-
-
 @pytest.mark.parametrize("k", [B - 1, B, B + 1, 2 * B + 7])
 def test_decode_side_reuses_its_cached_prefix_and_receives_the_rest(ref_node, pooled_node, k):
     """B40: the decode device holds the first K tokens' full blocks from an earlier hand-off; a request
@@ -190,30 +182,20 @@ def test_time_shared_placement_follows_the_cached_prefix(ref_node):
         node.close()
 
 
-def test_a_peer_node_reuses_its_cached_prefix_and_receives_the_rest(ref_node):
+def test_a_peer_node_reuses_its_cached_prefix_and_receives_the_rest(ref_node, peer_pair):
     """B40 across nodes: the decode node holds the first K tokens' full blocks from an earlier
     hand-off; the next request sharing them is sent only the blocks after them (TransferAccept's
     cached_blocks), for K around B, and equals its REF."""
-    from test_peers import decode_node, prefill_node, wait_peers
-    from support import free_port
-
-    port = free_port()
-    d = decode_node(port)
-    p = prefill_node([port])
-    try:
-        wait_peers(p, 1)
-        for k in (B - 1, B, B + 1):
-            head = fresh(120 + k, k)
-            assert tokens(complete(p, head, 8)) == tokens(complete(ref_node, head, 8))
-            before = len(p.status()["kv_transfers"])
-            prompt = head + NATURAL[180 : 180 + 9]
-            got = complete(p, prompt, 20)
-            assert tokens(got) == tokens(complete(ref_node, prompt, 20)), k
-            moved = [t for t in p.status()["kv_transfers"][before:] if t["dst"].startswith("peer:")]
-            assert len(moved) == 1
-            assert moved[0]["nbytes"] == (moved[0]["blocks"] - k // B) * 1280 * B, (k, moved[0])
-        assert d.wait_idle()["devices"][0]["kv_blocks_used"] == 0
-        assert p.wait_idle()["devices"][0]["kv_blocks_used"] == 0
-    finally:
-        p.close()
-        d.close()
+    p, d = peer_pair  # the session's prefill node and its decode peer (conftest)
+    for k in (B - 1, B, B + 1):
+        head = fresh(120 + k, k)
+        assert tokens(complete(p, head, 8)) == tokens(complete(ref_node, head, 8))
+        before = len(p.status()["kv_transfers"])
+        prompt = head + NATURAL[180 : 180 + 9]
+        got = complete(p, prompt, 20)
+        assert tokens(got) == tokens(complete(ref_node, prompt, 20)), k
+        moved = [t for t in p.status()["kv_transfers"][before:] if t["dst"].startswith("peer:")]
+        assert len(moved) == 1
+        assert moved[0]["nbytes"] == (moved[0]["blocks"] - k // B) * 1280 * B, (k, moved[0])
+    assert d.wait_idle()["devices"][0]["kv_blocks_used"] == 0
+    assert p.wait_idle()["devices"][0]["kv_blocks_used"] == 0

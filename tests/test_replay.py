@@ -1,4 +1,4 @@
-"""bench.replay against a live stories260k node (a ~15 s run), and bench.compare's handling of a mode the
+"""bench.replay against a live stories260k node (a ~10 s run), and bench.compare's handling of a mode the
 node does not have (reported 'not available', never skipped)."""
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ from support import REPO, STORIES, NodeProcess, require_shared
 from test_metrics import scrape
 
 
+DURATION_S = 10  # Poisson arrivals at 3/s for 10 s: 35 requests with seed 7
+
+
 @pytest.fixture(scope="module")
 def node():
     require_shared()
@@ -27,7 +30,7 @@ def test_replay_runs_a_poisson_workload_with_exact_lengths(node, tmp_path):
     before = scrape(node)
     out = tmp_path / "run.json"
     cmd = [sys.executable, "-m", "bench.replay", "--url", node.url, "--trace", "poisson", "--rate", "3",
-           "--duration", "20", "--max-prompt-tokens", "96", "--max-output-tokens", "24", "--seed", "7",
+           "--duration", str(DURATION_S), "--max-prompt-tokens", "96", "--max-output-tokens", "24", "--seed", "7",
            "--drain-timeout", "60", "--no-progress", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr
@@ -52,7 +55,7 @@ def test_replay_runs_a_poisson_workload_with_exact_lengths(node, tmp_path):
     assert s["ttft_ms"]["mean"] < s["e2el_ms"]["mean"]
     first = min(r["start_s"] for r in reqs)
     assert s["duration_s"] == pytest.approx(max(r["start_s"] + r["e2e_s"] for r in reqs) - first)
-    assert max(r["arrival_s"] for r in reqs) < 20 and s["duration_s"] < 20 + 60  # arrivals stop; drain is bounded
+    assert max(r["arrival_s"] for r in reqs) < DURATION_S and s["duration_s"] < DURATION_S + 60  # arrivals stop; drain is bounded
     assert s["request_throughput"] == pytest.approx(s["completed"] / s["duration_s"])
     assert s["output_throughput"] == pytest.approx(sum(r["output_tokens"] for r in reqs) / s["duration_s"])
     assert 0 <= s["slo_attainment"] <= 1 and s["goodput"] <= s["request_throughput"] + 1e-9

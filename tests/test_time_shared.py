@@ -24,10 +24,11 @@ def run(node: NodeProcess, reqs: list[dict], workers: int) -> list[httpx.Respons
         return list(pool.map(lambda b: node.client.post("/v1/completions", json=b), reqs))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def two_device_node():
+    """Launched, not yet up: the test computes REF while it starts, then waits for it."""
     node = NodeProcess("--model", str(STORIES), "--devices", "cpu:0,cpu:1", "--reconfig-pause-ms", str(FLOOR_MS),
-                       "--tpot-slo-ms", "200", "--ttft-slo-ms", "2000")
+                       "--tpot-slo-ms", "200", "--ttft-slo-ms", "2000", wait=False)
     yield node
     node.close()
 
@@ -35,6 +36,7 @@ def two_device_node():
 def test_two_devices_match_single_device_and_switch_roles(stories_node, two_device_node):
     reqs = bodies(40)
     ref = [r.json()["choices"][0]["token_ids"] for r in run(stories_node, reqs, 1)]
+    two_device_node.wait_up()
     got = run(two_device_node, reqs, 40)
     assert all(r.status_code == 200 for r in got)
     assert [r.json()["choices"][0]["token_ids"] for r in got] == ref
@@ -61,9 +63,11 @@ def test_two_devices_match_single_device_and_switch_roles(stories_node, two_devi
 
 def test_colocated_mode_same_outputs(stories_node):
     reqs = bodies(16)
-    ref = [r.json()["choices"][0]["token_ids"] for r in run(stories_node, reqs, 1)]
-    node = NodeProcess("--model", str(STORIES), "--devices", "cpu:0,cpu:1", "--mode", "colocated", "--max-num-batched-tokens", "32")
+    node = NodeProcess("--model", str(STORIES), "--devices", "cpu:0,cpu:1", "--mode", "colocated", "--max-num-batched-tokens", "32",
+                       wait=False)  # starts while REF is computed
     try:
+        ref = [r.json()["choices"][0]["token_ids"] for r in run(stories_node, reqs, 1)]
+        node.wait_up()
         got = run(node, reqs, 16)
         assert [r.json()["choices"][0]["token_ids"] for r in got] == ref
         st = node.wait_idle()
