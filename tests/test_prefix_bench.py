@@ -8,12 +8,13 @@ import pytest
 from bench.sim.batched import prompt_token_ids
 from bench.sim.config import SimConfig
 from bench.sim.run import simulate
+from bench.sim.timeshared import TimeSharedSim
+from bench.sim.trace import SimRequest
 from bench.traces import (TraceRequest, hash_prompt_ids, infinite_cache_hit_ratio, read_mooncake_jsonl,
                           scale_hash_blocks)
 from bench.workload import WorkloadSpec, build_workload
 from node.core.cost import CostModel
 from node.core.roles import RoleScheduler, RoleSchedulerConfig
-from node.core.virtual import VirtualNode, VirtualRequest
 from support import SHARED, require_shared
 
 COST = CostModel(prefill_fixed_s=0.002, prefill_per_token_s=2e-4, decode_fixed_s=0.004, decode_per_seq_s=1e-4,
@@ -74,20 +75,20 @@ def test_the_simulated_cache_saves_prefill_in_every_mode(mode):
         assert on.stats["transfer_bytes"] < off.stats["transfer_bytes"]
 
 
-def test_virtual_node_places_a_prompt_where_its_prefix_is_cached():
+def test_time_shared_sim_places_a_prompt_where_its_prefix_is_cached():
     sched = RoleScheduler(RoleSchedulerConfig(ttft_slo_ms=5000, tpot_slo_ms=100, max_window_ms=2000), COST)
-    vn = VirtualNode(sched, COST, num_devices=2, kv_blocks=500, prefix_caching=True)
+    vn = TimeSharedSim(sched, COST, SimConfig(mode="time-shared", devices=2, kv_blocks=500, prefix_caching=True))
     head = tuple(range(5, 5 + 160))
-    reqs = [VirtualRequest("b", 0.0, 200, 400, token_ids=tuple(range(900, 1100))),  # dev0 (both idle)
-            VirtualRequest("a", 0.01, 170, 4, token_ids=head + (1,) * 10),  # dev1 (dev0 is busy)
-            VirtualRequest("c", 5.0, 175, 4, token_ids=head + (2,) * 15)]  # both idle again: a's cache wins
+    reqs = [SimRequest("b", 0.0, 200, 400, token_ids=tuple(range(900, 1100))),  # dev0 (both idle)
+            SimRequest("a", 0.01, 170, 4, token_ids=head + (1,) * 10),  # dev1 (dev0 is busy)
+            SimRequest("c", 5.0, 175, 4, token_ids=head + (2,) * 15)]  # both idle again: a's cache wins
     traces = vn.run(reqs)
     assert (traces["b"].device_id, traces["a"].device_id) == ("dev0", "dev1")
     assert traces["b"].token_times_s[-1] < 5.0  # dev0 is idle when c arrives: only the cache draws c
     assert traces["c"].device_id == "dev1" and traces["c"].cached_tokens == 160
     for d in vn.devices:
-        d.ledger.check()
-        assert d.ledger.num_used == 0 and d.ledger.num_reclaimable > 0
+        d.batcher.ledger.check()
+        assert d.batcher.ledger.num_used == 0 and d.batcher.ledger.num_reclaimable > 0
 
 
 def test_simulated_prompts_without_hashes_never_share():

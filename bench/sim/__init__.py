@@ -1,6 +1,7 @@
 """Discrete-event simulator of shiftnode deployments, driving the node's own pure policy objects.
 
-* time-shared — :class:`node.core.roles.RoleScheduler` on :class:`node.core.virtual.VirtualNode`
+* time-shared — :class:`node.core.roles.RoleScheduler` and :class:`node.core.imbalance.ImbalancePolicy`
+  over a :class:`node.core.batcher.Batcher` per device whose step kind follows its role
   (:mod:`bench.sim.timeshared`);
 * colocated — :class:`node.core.batcher.Batcher` per device on a virtual clock (:mod:`bench.sim.batched`);
 * pooled — :class:`node.core.pooled.PooledRouter` placing requests on prefill and decode devices

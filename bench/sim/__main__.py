@@ -4,6 +4,10 @@
 --rate 20 --duration 60 --link-gbps 100 --cost-model bench/cost_models/cpu_stories260k.json
 --model-config ../shared/models/stories260k``
 
+``--tune`` follows the tuning protocol (:mod:`bench.tuning`): each mode runs every setting of its main
+knobs on the same workload, and only its best one is reported, named in the table's last column
+(``--jobs N`` runs the settings in N processes).
+
 ``--prefix-caching on|off|both`` simulates each mode with the devices' prefix cache on, off, or both
 (rows ``MODE +cache``); with ``--tokens-per-hash`` on a Mooncake trace the prompts share tokens as the
 trace's hash ids do, and the output gives the simulated prefix hit rate next to the workload's own
@@ -16,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from bench.calibrate import load_cost_model
@@ -23,6 +28,7 @@ from bench.metrics import format_summary
 from bench.sim.config import MODES, SimConfig, kv_geometry
 from bench.sim.run import simulate
 from bench.traces import infinite_cache_hit_ratio
+from bench.tuning import candidates, pick_best, setting_of
 from bench.workload import add_workload_args, build_workload, shared_dir, spec_from_args
 from node.cli import parse_bytes
 from node.plan import DTYPE_BYTES, load_config
@@ -71,6 +77,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--min-window-ms", type=float, default=20.0)
     ap.add_argument("--max-window-ms", type=float, default=500.0)
     ap.add_argument("--stagger", default="soft", choices=["hard", "soft", "off"])
+    ap.add_argument("--imbalance-threshold", type=float, default=1.0,
+                    help="time-shared: the node's fallback that moves decoding sequences (0: off)")
     ap.add_argument("--expected-output", default="node", choices=["node", "oracle"],
                     help="time-shared: output length the policy is told (node: min(max_tokens, 128))")
     ap.add_argument("--max-sim-s", type=float, default=3600.0, help="simulated seconds before unfinished requests fail")
@@ -80,6 +88,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--table", action="store_true", help="print one markdown table row per (rate, mode) instead")
     add_workload_args(ap)
     ap.add_argument("--rates", default=None, help="comma-separated rates to run in turn (overrides --rate)")
+    ap.add_argument("--tune", action="store_true",
+                    help="run every setting of each mode's main knobs (bench.tuning.GRID) and report the best")
+    ap.add_argument("--jobs", type=int, default=1, help="--tune: processes running settings side by side")
     return ap
 
 
@@ -106,6 +117,7 @@ def config_for(args: argparse.Namespace, mode: str, model_cfg: dict, prefill_dev
         ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms, reconfig_pause_ms=args.reconfig_pause_ms,
         min_window_ms=args.min_window_ms, max_window_ms=args.max_window_ms, stagger=args.stagger,
         expected_output=args.expected_output, max_sim_s=args.max_sim_s,
+        imbalance_threshold=getattr(args, "imbalance_threshold", 1.0),
         prefix_caching=getattr(args, "prefix_caching", "off") == "on")
 
 
@@ -137,19 +149,47 @@ def mode_label(cfg: SimConfig) -> str:
     return f"pooled {p}P:{cfg.devices - p}D{cache}"
 
 
-def table_row(trace: str, rate: float | None, cfg: SimConfig, summary, stats: dict) -> str:
-    """A markdown row: trace, rate, mode, goodput, SLO attainment, p90 TTFT/TPOT, switches, transfers."""
+def table_row(trace: str, rate: float | None, cfg: SimConfig, summary, stats: dict, setting: str | None = None) -> str:
+    """A markdown row: trace, rate, mode, goodput, SLO attainment, p90 TTFT/TPOT, switches, transfers
+    (and, tuned, the winning setting)."""
     gib = stats.get("transfer_bytes", 0) / 2**30
     r = "—" if rate is None else f"{rate:g}"
     hit = stats.get("prefix_hit_rate")
     return (f"| {trace} | {r} | {mode_label(cfg)} | {summary.goodput:.2f} | "
             f"{summary.slo_attainment:.1%} | {'—' if hit is None else format(hit, '.1%')} | "
             f"{summary.ttft_ms.median:.1f} | {summary.ttft_ms.p90:.1f} | {summary.tpot_ms.p90:.2f} | "
-            f"{stats.get('switches', 0)} | {stats.get('transfers', 0)} ({gib:.0f} GiB) |")
+            f"{stats.get('switches', 0)} | {stats.get('transfers', 0)} ({gib:.0f} GiB) |"
+            + ("" if setting is None else f" {setting} |"))
 
 
 TABLE_HEAD = ("| trace | rate (req/s) | mode | goodput (req/s) | SLO attainment | prefix hit | p50 TTFT (ms) | "
               "p90 TTFT (ms) | p90 TPOT (ms) | switches | transfers |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+TUNED_HEAD = TABLE_HEAD.replace(" transfers |\n", " transfers | best setting (of the grid) |\n") + "---|"
+
+
+def _simulate_star(args):
+    return simulate(*args)
+
+
+def run_configs(requests, configs: list[SimConfig], cost, tune: bool, jobs: int) -> list[tuple[SimConfig, object, str | None]]:
+    """``(config, result, setting)`` per mode (per config without ``tune``; the best setting with it)."""
+    groups = [candidates(cfg) if tune else [cfg] for cfg in configs]
+    flat = [c for g in groups for c in g]
+    if jobs > 1 and len(flat) > 1:
+        with ProcessPoolExecutor(jobs) as ex:
+            results = list(ex.map(_simulate_star, [(requests, c, cost) for c in flat]))
+    else:
+        results = [simulate(requests, c, cost) for c in flat]
+    out, i = [], 0
+    for g in groups:
+        part = list(zip(g, results[i : i + len(g)]))
+        i += len(g)
+        if tune:
+            cfg, res = pick_best(part)
+            out.append((cfg, res, f"{setting_of(cfg)} (of {len(g)})"))
+        else:
+            out.append((part[0][0], part[0][1], None))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,27 +208,27 @@ def main(argv: list[str] | None = None) -> int:
     out["cost_model"].pop("calibration", None)
     rows = []
     for rate, wl in zip(rates, workloads):
-        for cfg in configs:
-            res = simulate(wl.requests, cfg, cost)
+        for cfg, res, setting in run_configs(wl.requests, configs, cost, args.tune, args.jobs):
             st = res.stats
             prompt = sum(r.prompt_tokens for r in wl.requests)
             st["prefix_hit_rate"] = st.get("cached_tokens", 0) / prompt if cfg.prefix_caching and prompt else None
             if args.table:
-                rows.append(table_row(args.trace, rate, cfg, res.summary, st))
+                rows.append(table_row(args.trace, rate, cfg, res.summary, st, setting))
                 print(rows[-1], file=sys.stderr, flush=True)  # progress
             else:
-                title = f"Simulated: {mode_label(cfg)}, {cfg.nodes} node(s) x {cfg.devices} device(s)"
+                title = f"Simulated: {mode_label(cfg)}, {cfg.nodes} node(s) x {cfg.devices} device(s)" + (
+                    "" if setting is None else f", best setting {setting}")
                 print(format_summary(res.summary, title))
                 hit = st["prefix_hit_rate"]
                 print(f"switches {st.get('switches', 0)}, pause {st.get('pause_s', 0.0):.3f} s, transfers "
                       f"{st.get('transfers', 0)} ({st.get('transfer_bytes', 0) / 2**20:.1f} MiB), "
                       f"preemptions {st.get('preemptions', 0)}"
                       + ("" if hit is None else f", prefix hit {hit:.1%}") + "\n")
-            out["runs"].append({"workload": wl.describe(), "mode": mode_label(cfg),
+            out["runs"].append({"workload": wl.describe(), "mode": mode_label(cfg), "setting": setting,
                                 "config": vars(cfg) | {"num_prefill_devices": cfg.num_prefill_devices},
                                 "summary": res.summary.as_dict(), "stats": st})
     if args.table:
-        print(TABLE_HEAD)
+        print(TUNED_HEAD if args.tune else TABLE_HEAD)
         print("\n".join(rows))
     if getattr(args, "tokens_per_hash", None):
         for rate, wl in zip(rates, workloads):

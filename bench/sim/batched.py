@@ -25,7 +25,7 @@ from node.core.batcher import BatchConfig, Batcher, StepKind, StepPlan
 from node.core.cost import CostModel
 from node.core.ledger import BlockLedger
 from node.core.sequence import SamplingParams, Sequence
-from node.core.virtual import RequestTrace
+from bench.sim.trace import RequestTrace
 
 __all__ = ["SimDevice", "simulate_colocated"]
 

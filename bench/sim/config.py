@@ -71,6 +71,8 @@ class SimConfig:
             that follows it); prompts get token ids from their hash ids (Mooncake traces, see
             :func:`bench.sim.batched.prompt_token_ids`), others unique ones, so only the trace's own
             reuse hits. Off (the default), every prompt is computed from scratch, as before.
+        imbalance_threshold: time-shared: the node's ``--imbalance-threshold`` (the fallback that moves
+            decoding sequences between devices; 0: off; on by default, as on the node).
         abort_late: stop the run (raise :class:`SimAborted`) as soon as this many requests are
             certainly late — still waiting for a device more than ``ttft_slo_ms`` after arriving — so
             that a capacity search does not simulate overloads to the end (``None``: never).
@@ -105,6 +107,7 @@ class SimConfig:
     max_sim_s: float = 3600.0
     abort_late: int | None = None
     prefix_caching: bool = False
+    imbalance_threshold: float = 1.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -121,6 +124,8 @@ class SimConfig:
             raise ValueError(f"unknown transfer model {self.transfer!r} (blocking, overlap)")
         if not (self.link_gbps > 0 and self.internode_gbps > 0):
             raise ValueError("link rates must be positive")
+        if self.imbalance_threshold < 0:
+            raise ValueError("imbalance_threshold must be at least 0 (0 turns the fallback off)")
         if self.max_unsent < 1 or min(self.step_overhead_ms, self.request_overhead_ms, self.pause_ms) < 0:
             raise ValueError("max_unsent must be at least 1, and overheads and pauses at least 0")
 

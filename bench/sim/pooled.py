@@ -49,7 +49,7 @@ from node.core.cost import CostModel
 from node.core.pooled import PlacePooled, PoolDevice, PooledRouter, PoolSnapshot
 from node.core.roles import Reject, WaitingPrompt
 from node.core.sequence import Sequence
-from node.core.virtual import RequestTrace
+from bench.sim.trace import RequestTrace
 from node.plan import transfer_s
 
 __all__ = ["simulate_pooled", "link_plan"]

@@ -28,7 +28,7 @@ from bench.sim.pooled import simulate_pooled
 from bench.sim.timeshared import simulate_time_shared
 from bench.traces import TraceRequest
 from node.core.cost import CostModel
-from node.core.virtual import RequestTrace
+from bench.sim.trace import RequestTrace
 
 __all__ = ["SimResult", "to_record", "simulate", "with_step_overhead"]
 

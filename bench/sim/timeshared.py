@@ -1,71 +1,367 @@
-"""Time-shared mode: the node's own role policy on a virtual node.
+"""Time-shared mode on the live objects: a :class:`Batcher` and :class:`BlockLedger` per device, the
+node's :class:`RoleScheduler` choosing roles and placements, its :class:`ImbalancePolicy` moving
+decoding sequences, all on a virtual clock.
 
-The requests replay through :class:`node.core.virtual.VirtualNode` (devices advanced by the cost
-model, one step at a time) driven by :class:`node.core.roles.RoleScheduler` — the object the live node
-runs — configured the way :class:`node.runtime.node.Node` configures it from the same flags, and told each
-device's free sequence slots (``max_num_seqs`` minus resident and queued) as the live driver tells it. The
-policy's cost model is the simulation's, with ``pause_s`` raised to the ``reconfig_pause_ms`` floor (the
-live node adds that floor to every switch's measured swap) and to ``pause_ms`` (a measured swap).
+Each device is a :class:`bench.sim.batched.SimDevice` — the batch former and block ledger a live
+device engine runs, so KV limits, preemption and recompute, chunked prefill and the prefix cache are
+the node's own — whose step kind follows its role (PREFILL steps in the prefill role, DECODE steps in
+the decode role, none while switching), and each step lasts what the cost model says
+(:func:`bench.sim.stepcost.plan_step_s`). What :class:`node.runtime.role_driver.RoleDriver` does live
+is done here the same way, in the same order, every round:
+
+1. the imbalance fallback (``imbalance_threshold`` > 0, on by default as on the node) picks moves;
+   a move runs at its source's next step boundary: the destination allocates the blocks (or the move
+   is refused, and the sequence cools down), the source detaches the sequence and, sending, runs no
+   step for ``context x kv_bytes_per_token / link`` seconds (``DeviceEngine._apply_migrations`` copies
+   between steps too), then the destination adopts it;
+2. the snapshot is built as ``RoleDriver.snapshot`` builds it (a moving sequence counts on its
+   destination, cooling down, with its blocks reserved there until they are allocated; residents are
+   decoding sequences, everything else placed is queued prompt work; each placement's reserve stays
+   promised until allocated; free sequence slots are ``max_num_seqs`` minus both);
+3. the role scheduler decides; a switch drains the step in flight, then pauses ``pause_s`` (the swap,
+   at least the cost model's and ``pause_ms``, plus the ``reconfig_pause_ms`` floor the node adds);
+   a placement adds the request's sequence to the device's batcher with its reserve; a rejection
+   fails the request.
+
+Rounds run after every event (arrival, step end, switch end, transfer end) and at least every
+:data:`TICK_S` while work exists, as the live driver's timer. Requests are ``ignore_eos`` with one
+choice; placement is told ``min(output, 128)`` of each output (what the live node assumes before it
+has seen requests end on their own) or, with ``expected_output="oracle"``, the true length.
 """
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
-from bench.sim.batched import prompt_token_ids
+from bench.sim.batched import SimDevice, finished, prompt_token_ids
 from bench.sim.config import SimAborted, SimConfig, count_late
+from bench.sim.trace import RequestTrace, SimRequest, StepRecord
 from bench.traces import TraceRequest
+from node.core.batcher import StepKind
 from node.core.cost import CostModel
-from node.core.roles import NodeSnapshot, RoleScheduler, RoleSchedulerConfig
-from node.core.virtual import RequestTrace, VirtualNode, VirtualRequest
+from node.core.imbalance import ImbalanceConfig, ImbalancePolicy, Migrate
+from node.core.roles import (DeviceState, NodeSnapshot, Place, Reject, ResidentSeq, Role, RoleScheduler,
+                             RoleSchedulerConfig, SwitchRole, WaitingPrompt)
+from node.core.sequence import SamplingParams, Sequence
 
-__all__ = ["NODE_EXPECTED_OUTPUT_TOKENS", "simulate_time_shared"]
+__all__ = ["NODE_EXPECTED_OUTPUT_TOKENS", "TICK_S", "TimeSharedSim", "simulate_time_shared"]
 
 # What the live node's placement driver assumes of a request's output before it has seen requests end
-# on their own (DEFAULT_EXPECTED_OUTPUT in node/runtime; not imported: that module pulls in torch);
-# ignore_eos requests never end on their own.
+# on their own (DEFAULT_EXPECTED_OUTPUT in node/runtime/driver.py; not imported: node.runtime is the
+# asyncio side); ignore_eos requests never end on their own.
 NODE_EXPECTED_OUTPUT_TOKENS = 128
+TICK_S = 0.005  # the live driver's timer while work exists (node/runtime/driver.py TICK_S)
+CACHE_LOOKUPS = 64  # waiting prompts (oldest first) whose cached prefix the snapshot shows (as the driver)
+_KIND = {Role.PREFILL: StepKind.PREFILL, Role.DECODE: StepKind.DECODE}
 
 
-class CappedVirtualNode(VirtualNode):
-    """:class:`VirtualNode` whose snapshot carries each device's free sequence slots.
+class _Move:
+    """A decoding sequence on its way from ``src`` to ``dst`` (queued until ``done_s`` is set)."""
 
-    The live role driver tells the policy ``seq_slots_free = max_num_seqs - resident - queued`` per
-    device (``RoleDriver.snapshot``), so the scheduler never places more sequences on a device than its
-    batch cap; the plain virtual node leaves the field at its unbounded default.
+    __slots__ = ("seq", "src", "dst", "reason", "src_blocks", "done_s")
+
+    def __init__(self, seq: Sequence, src: "RoleDevice", dst: "RoleDevice", reason: str):
+        self.seq, self.src, self.dst, self.reason = seq, src, dst, reason
+        self.src_blocks: list[int] = []
+        self.done_s = math.inf
+
+
+class RoleDevice(SimDevice):
+    """A :class:`SimDevice` with a role: its step kind is the role's, and a switch drains, then pauses."""
+
+    def __init__(self, device_id: str, cfg: SimConfig, role: Role):
+        super().__init__(device_id, _KIND[role], cfg)
+        self.role = role
+        self.role_since_s = 0.0
+        self.switching_to: Role | None = None
+        self.switch_done_s = math.inf  # end of the pause (inf: not started: still draining)
+        self.move: _Move | None = None  # the transfer under way from here
+
+    @property
+    def switching(self) -> bool:
+        return self.role is Role.SWITCHING
+
+
+class TimeSharedSim:
+    """Devices of one time-shared node on a virtual clock (see the module docstring).
+
+    Args:
+        scheduler: the role policy (its ``cost`` is what it plans with).
+        cost: what steps really take (s).
+        cfg: devices, KV pool, batch limits, link and pauses (only the time-shared fields are read).
+        imbalance: the fallback policy (``None``: off).
+        initial_role: every device's role at the first arrival.
+    Raises:
+        RuntimeError: a placement on a device not in (or switching to) the prefill role, or a switch
+            ordered for a device already switching: the policy broke its own contract.
     """
 
-    def __init__(self, *args, max_num_seqs: int, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.max_num_seqs = max_num_seqs
+    def __init__(self, scheduler: RoleScheduler, cost: CostModel, cfg: SimConfig, *,
+                 imbalance: ImbalancePolicy | None = None, initial_role: Role = Role.PREFILL):
+        self.scheduler, self.cost, self.cfg, self.imbalance = scheduler, cost, cfg, imbalance
+        self.pause_s = scheduler.pause_s
+        self.devices = [RoleDevice(f"dev{i}", cfg, initial_role) for i in range(cfg.devices)]
+        self._by_id = {d.device_id: d for d in self.devices}
+        self.steps: list[StepRecord] = []
+        self.switches: list[tuple[float, str, Role, str]] = []  # (decided s, device, to role, reason)
+        self.traces: dict[str, RequestTrace] = {}
+        self.waiting: list[tuple[SimRequest, Sequence]] = []  # arrived, not placed
+        self._expected: dict[str, int] = {}  # seq id → output tokens placement is told
+        self._reserve: dict[str, int] = {}  # seq id → blocks reserved at placement
+        self._moves: dict[str, _Move] = {}  # seq id → its move, queued or copying
+        self._moved_s: dict[str, float] = {}  # seq id → end of its last move or refusal (the cooldown)
+        self.num_moves = self.refused_moves = self.transfer_bytes = 0
 
-    def snapshot(self, now_s: float) -> NodeSnapshot:
-        snap = super().snapshot(now_s)
-        cap = self.max_num_seqs
-        devs = tuple(msgspec.structs.replace(st, seq_slots_free=max(0, cap - len(d.resident) - len(d.queue)))
-                     for st, d in zip(snap.devices, self.devices))
-        return msgspec.structs.replace(snap, devices=devs)
+    # --- the policy's view -------------------------------------------------------------------
+    def _resident(self, s: Sequence, now: float, moving: bool) -> ResidentSeq:
+        return ResidentSeq(s.seq_id, s.first_token_s or now, s.num_output, s.num_computed,
+                           self._expected[s.seq_id], now if moving else self._moved_s.get(s.seq_id))
+
+    def snapshot(self, now: float) -> NodeSnapshot:
+        """What ``RoleDriver.snapshot`` shows the policies (see the module docstring)."""
+        residents: dict[str, list[ResidentSeq]] = {d.device_id: [] for d in self.devices}
+        incoming = dict.fromkeys(residents, 0)
+        for m in self._moves.values():
+            if m.done_s < math.inf:  # copying: in neither batcher, on its destination for the policy
+                residents[m.dst.device_id].append(self._resident(m.seq, now, True))
+        queued: dict[str, int] = {}
+        reserved: dict[str, int] = {}
+        for d in self.devices:
+            b = d.batcher
+            q, r = 0, 0
+            for s in b.running:
+                if s.num_output > 0 and s.is_decoding:
+                    m = self._moves.get(s.seq_id)
+                    residents[m.dst.device_id if m else d.device_id].append(self._resident(s, now, m is not None))
+                    if m is not None:
+                        incoming[m.dst.device_id] += len(s.block_ids)
+                else:
+                    q += 1
+                r += max(0, self._reserve.get(s.seq_id, 0) - len(s.block_ids))
+            for s in b.waiting:
+                q += 1
+                r += max(0, self._reserve.get(s.seq_id, 0) - len(s.block_ids))
+            queued[d.device_id], reserved[d.device_id] = q, r
+        devices = []
+        for d in self.devices:
+            b, resident = d.batcher, residents[d.device_id]
+            pq = b.prefill_queue()
+            devices.append(DeviceState(
+                device_id=d.device_id, role=d.role, role_since_s=d.role_since_s, switching_to=d.switching_to,
+                switch_done_s=(d.switch_done_s if d.switch_done_s < math.inf else now + self.pause_s)
+                if d.switching else None,
+                busy_until_s=d.busy_until_s if d.plan is not None else now, resident=tuple(resident),
+                prefill_queue_tokens=pq.tokens, prefill_queue_seqs=queued[d.device_id],
+                kv_free_blocks=b.ledger.num_free, kv_reserved_blocks=reserved[d.device_id] + incoming[d.device_id],
+                kv_total_blocks=b.ledger.num_blocks, block_size=b.ledger.block_size,
+                seq_slots_free=b.config.max_num_seqs - len(resident) - queued[d.device_id],
+                prefill_queue_oldest_s=pq.oldest_arrival_s, prefill_runnable=pq.runnable))
+        waiting = []
+        for i, (r, s) in enumerate(self.waiting):
+            cached = {}
+            if i < CACHE_LOOKUPS and self.cfg.prefix_caching:
+                for d in self.devices:
+                    hit = len(d.batcher.cached_prefix(s)) * d.batcher.ledger.block_size
+                    if hit:
+                        cached[d.device_id] = hit
+            waiting.append(WaitingPrompt(r.request_id, r.prompt_tokens, r.arrival_s, self._expected[s.seq_id],
+                                         seqs=1, cached_tokens=cached))
+        return NodeSnapshot(tuple(devices), tuple(waiting))
+
+    # --- the replay --------------------------------------------------------------------------
+    def run(self, requests: list[SimRequest], *, until_s: float = math.inf, max_events: int = 50_000_000,
+            on_decide=None) -> dict[str, RequestTrace]:
+        """Replay ``requests`` until all finish (or ``until_s``); the traces by request id.
+
+        ``on_decide(now_s, snapshot, decisions)`` is called after every policy call (invariants, early
+        aborts). Raises RuntimeError after ``max_events`` rounds.
+        """
+        pending = sorted(requests, key=lambda r: (r.arrival_s, r.request_id))
+        for r in pending:
+            self.traces[r.request_id] = RequestTrace(r.request_id, r.arrival_s, r.prompt_tokens, r.output_tokens)
+        pi = 0
+        now = pending[0].arrival_s if pending else 0.0
+        for d in self.devices:
+            d.role_since_s = now
+        for _ in range(max_events):
+            self._advance(now)
+            while pi < len(pending) and pending[pi].arrival_s <= now:
+                self._arrive(pending[pi])
+                pi += 1
+            self._round(now, on_decide)
+            for d in self.devices:
+                self._start_move(now, d)
+                if not d.switching and d.move is None:
+                    had = d.plan is not None
+                    d.start(now, self.cost)
+                    if not had and d.plan is not None:
+                        self.steps.append(StepRecord(d.device_id, d.kind.value, now, d.busy_until_s, d.plan.num_tokens))
+            events = [pending[pi].arrival_s] if pi < len(pending) else []
+            for d in self.devices:
+                events += [t for t in (d.busy_until_s, d.switch_done_s) if t < math.inf]
+                if d.move is not None:
+                    events.append(d.move.done_s)
+            if self.waiting or any(d.batcher.running or d.batcher.waiting for d in self.devices):
+                events.append(now + TICK_S)
+            if not events:
+                break
+            now = max(now, min(events))
+            if now > until_s:
+                break
+        else:
+            raise RuntimeError("the time-shared simulation did not finish within max_events")
+        return self.traces
+
+    def _arrive(self, r: SimRequest) -> None:
+        params = SamplingParams(max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True)
+        ids = list(r.token_ids) if r.token_ids else [-1 - len(self.traces)] + [0] * (r.prompt_tokens - 1)
+        seq = Sequence(r.request_id, r.request_id, 0, r.arrival_s, ids[: r.prompt_tokens], params, self.cfg.max_model_len)
+        self._expected[seq.seq_id] = r.expected_output_tokens or r.output_tokens
+        self.waiting.append((r, seq))
+
+    def _round(self, now: float, on_decide) -> None:
+        snap = self.snapshot(now)
+        if self.imbalance is not None:
+            moves = self.imbalance.decide(now, snap)
+            if self._queue_moves(moves):
+                snap = self.snapshot(now)
+        decisions = self.scheduler.decide(now, snap)
+        if on_decide is not None:
+            on_decide(now, snap, decisions)
+        for dec in decisions:
+            if isinstance(dec, SwitchRole):
+                self._switch(now, dec)
+            elif isinstance(dec, Place):
+                d = self._by_id[dec.device_id]
+                if not (d.role is Role.PREFILL or d.switching_to is Role.PREFILL):
+                    raise RuntimeError(f"{dec.request_id} placed on {d.device_id}, not in a prefill role")
+                i = next(i for i, (r, _) in enumerate(self.waiting) if r.request_id == dec.request_id)
+                _, seq = self.waiting.pop(i)
+                seq.device_id = d.device_id
+                self.traces[seq.request_id].device_id = d.device_id
+                self._reserve[seq.seq_id] = dec.reserve_blocks
+                d.batcher.add(seq)
+                d.version += 1
+            elif isinstance(dec, Reject):
+                i = next(i for i, (r, _) in enumerate(self.waiting) if r.request_id == dec.request_id)
+                self.traces[self.waiting.pop(i)[0].request_id].rejected = True
+
+    def _switch(self, now: float, dec: SwitchRole) -> None:
+        d = self._by_id[dec.device_id]
+        if d.switching:
+            raise RuntimeError(f"switch ordered for {d.device_id}, already switching")
+        d.role, d.switching_to, d.role_since_s, d.kind = Role.SWITCHING, dec.to_role, now, None
+        d.switch_done_s = math.inf
+        self.switches.append((now, d.device_id, dec.to_role, dec.reason))
+        self._begin_pause(now, d)
+
+    def _begin_pause(self, now: float, d: RoleDevice) -> None:
+        """The pause starts once the step in flight (and any transfer from here) has drained."""
+        if d.switching and d.switch_done_s == math.inf and d.plan is None and d.move is None:
+            d.switch_done_s = now + self.pause_s
+            self.steps.append(StepRecord(d.device_id, "pause", now, d.switch_done_s))
+
+    def _queue_moves(self, moves: list[Migrate]) -> int:
+        started = 0
+        for m in moves:
+            src, dst = self._by_id.get(m.src_device), self._by_id.get(m.dst_device)
+            if m.seq_id in self._moves or src is None or dst is None:
+                continue
+            seq = next((s for s in src.batcher.running if s.seq_id == m.seq_id), None)
+            if seq is None or not seq.is_decoding:
+                continue
+            self._moves[seq.seq_id] = _Move(seq, src, dst, m.reason)
+            started += 1
+        return started
+
+    def _start_move(self, now: float, d: RoleDevice) -> None:
+        """At a step boundary of ``d``, start its oldest queued move (or refuse it)."""
+        while d.plan is None and d.move is None:
+            m = next((m for m in self._moves.values() if m.src is d and m.done_s == math.inf), None)
+            if m is None:
+                return
+            seq = m.seq
+            blocks = m.dst.batcher.ledger.allocate(len(seq.block_ids)) if seq in d.batcher.running and seq.is_decoding else None
+            if blocks is None:  # gone, no longer decoding, or no room there: it stays (and cools down)
+                del self._moves[seq.seq_id]
+                self._moved_s[seq.seq_id] = now
+                self.refused_moves += 1
+                continue
+            nbytes = seq.num_computed * self.cfg.kv_bytes_per_token
+            m.src_blocks = d.batcher.release(seq)
+            seq.block_ids = blocks
+            m.done_s = now + nbytes * 8 / (self.cfg.link_gbps * 1e9)
+            d.move = m
+            d.version += 1
+            self.transfer_bytes += nbytes
+            self.steps.append(StepRecord(d.device_id, "transfer", now, m.done_s))
+
+    def _advance(self, now: float) -> None:
+        """Apply everything due at ``now``: step ends, transfer ends, pause ends."""
+        for d in self.devices:
+            if d.plan is not None and d.busy_until_s <= now:
+                t = d.busy_until_s
+                d.busy_until_s = math.inf
+                for seq in d.complete():
+                    tr = self.traces[seq.request_id]
+                    tr.token_times_s.append(t)
+                    if seq.first_token_s is None:
+                        seq.first_token_s = t
+                        tr.cached_tokens = seq.num_cached_tokens or 0
+                    if finished(seq):
+                        d.batcher.remove(seq)
+                        self._forget(seq)
+            if d.move is not None and d.move.done_s <= now:
+                m, d.move = d.move, None
+                d.batcher.ledger.free(m.src_blocks)
+                m.dst.batcher.adopt(m.seq)
+                m.seq.device_id = m.dst.device_id
+                m.dst.version += 1
+                del self._moves[m.seq.seq_id]
+                self._moved_s[m.seq.seq_id] = m.done_s
+                self.num_moves += 1
+            self._begin_pause(now, d)
+            if d.switching and d.switch_done_s <= now:
+                d.role, d.role_since_s, d.kind = d.switching_to, d.switch_done_s, _KIND[d.switching_to]
+                d.switching_to, d.switch_done_s = None, math.inf
+
+    def _forget(self, seq: Sequence) -> None:
+        for table in (self._expected, self._reserve, self._moved_s):
+            table.pop(seq.seq_id, None)
+        m = self._moves.pop(seq.seq_id, None)
+        if m is not None and m.done_s < math.inf:  # cannot happen: a copying sequence is in no batcher
+            raise RuntimeError(f"{seq.seq_id} finished while its KV was being copied")
 
 
 def simulate_time_shared(requests: list[TraceRequest], cfg: SimConfig, cost: CostModel,
                          prefix: str = "r") -> tuple[list[RequestTrace], dict]:
-    """Replay ``requests`` on one time-shared node; ``(traces in request order, stats)``."""
+    """Replay ``requests`` on one time-shared node; ``(traces in request order, stats)``.
+
+    The policy is configured as :class:`node.runtime.node.Node` configures it from the same flags;
+    it plans with ``cost`` whose ``pause_s`` is the switch's true pause: ``max(cost.pause_s,
+    pause_ms)`` of swap plus the ``reconfig_pause_ms`` floor (the live node adds the floor to every
+    measured swap, and its role driver refits ``pause_s`` from those records).
+    """
     policy = RoleSchedulerConfig(
         ttft_slo_ms=cfg.ttft_slo_ms, tpot_slo_ms=cfg.tpot_slo_ms, reconfig_pause_ms=cfg.reconfig_pause_ms,
         min_window_ms=cfg.min_window_ms, max_window_ms=cfg.max_window_ms,
         prefill_token_budget=cfg.max_num_batched_tokens, stagger=cfg.stagger)
-    cost = msgspec.structs.replace(cost, pause_s=max(cost.pause_s, cfg.reconfig_pause_ms / 1e3,
-                                                     cfg.pause_ms / 1e3))
+    cost = msgspec.structs.replace(cost, pause_s=max(cost.pause_s, cfg.pause_ms / 1e3) + cfg.reconfig_pause_ms / 1e3)
     scheduler = RoleScheduler(policy, cost)
-    vn = CappedVirtualNode(scheduler, cost, num_devices=cfg.devices, kv_blocks=cfg.kv_blocks,
-                           block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
-                           prefix_caching=cfg.prefix_caching)
-    vreqs = []
+    imbalance = None
+    if cfg.imbalance_threshold > 0:
+        imbalance = ImbalancePolicy(ImbalanceConfig(
+            threshold=cfg.imbalance_threshold, tpot_slo_ms=policy.tpot_slo_ms, slo_margin=policy.slo_margin,
+            reconfig_pause_ms=policy.reconfig_pause_ms, prefill_token_budget=policy.prefill_token_budget), cost)
+    sim = TimeSharedSim(scheduler, cost, cfg, imbalance=imbalance)
+    sreqs = []
     for i, r in enumerate(requests):
         expected = r.output_tokens if cfg.expected_output == "oracle" else min(r.output_tokens, NODE_EXPECTED_OUTPUT_TOKENS)
         rid = f"{prefix}{i}"
-        ids = tuple(prompt_token_ids(rid, r, True)) if cfg.prefix_caching else ()
-        vreqs.append(VirtualRequest(rid, r.arrival_s, r.prompt_tokens, r.output_tokens, expected, ids))
+        sreqs.append(SimRequest(rid, r.arrival_s, r.prompt_tokens, r.output_tokens, expected,
+                                tuple(prompt_token_ids(rid, r, cfg.prefix_caching))))
     t_end = (requests[0].arrival_s if requests else 0.0) + cfg.max_sim_s
     slo_s, limit = cfg.ttft_slo_ms / 1e3, cfg.abort_late
 
@@ -73,14 +369,11 @@ def simulate_time_shared(requests: list[TraceRequest], cfg: SimConfig, cost: Cos
         if count_late((w.arrival_s for w in snap.waiting), now_s, slo_s, limit) >= limit:
             raise SimAborted(f"{limit} requests waited past the TTFT SLO")
 
-    traces = vn.run(vreqs, until_s=t_end, max_events=50_000_000,
-                    on_decide=abort_when_late if limit is not None else None)
-    pauses = [s for s in vn.steps if s.kind == "pause"]
-    busy = {}
-    for s in vn.steps:
-        if s.kind != "pause":
-            busy[s.device_id] = busy.get(s.device_id, 0.0) + (s.end_s - s.start_s)
-    stats = {"switches": len(vn.switches), "pause_s": sum(s.end_s - s.start_s for s in pauses),
-             "busy_s": busy, "transfers": 0, "transfer_bytes": 0, "preemptions": 0,
-             "cached_tokens": sum(traces[v.request_id].cached_tokens for v in vreqs)}
-    return [traces[v.request_id] for v in vreqs], stats
+    traces = sim.run(sreqs, until_s=t_end, on_decide=abort_when_late if limit is not None else None)
+    pauses = sum(s.end_s - s.start_s for s in sim.steps if s.kind == "pause")
+    stats = {"switches": len(sim.switches), "pause_s": pauses,
+             "busy_s": {d.device_id: d.busy_s for d in sim.devices},
+             "transfers": sim.num_moves, "transfer_bytes": sim.transfer_bytes,
+             "preemptions": sum(d.batcher.num_preemptions for d in sim.devices),
+             "cached_tokens": sum(d.batcher.prefix_hit_tokens for d in sim.devices)}
+    return [traces[r.request_id] for r in sreqs], stats

@@ -1,16 +1,20 @@
-"""The time-shared role scheduler, on a virtual clock with a stub cost model."""
+"""The time-shared role scheduler, on hand-made snapshots and on the simulator's live objects (a
+``Batcher`` and ``BlockLedger`` per device, :class:`bench.sim.timeshared.TimeSharedSim`) with a stub cost
+model on a virtual clock."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
+from bench.sim.config import SimConfig
+from bench.sim.timeshared import TimeSharedSim
+from bench.sim.trace import SimRequest
 from node.core.cost import CostModel
 from node.core.roles import (
     Decision, DeviceState, NodeSnapshot, Place, Reject, ResidentSeq, Role, RoleScheduler, RoleSchedulerConfig,
     SwitchRole, WaitingPrompt,
 )
-from node.core.virtual import VirtualNode, VirtualRequest
 
 # A small GPU-ish device: 20 us per prompt token, ~8-20 ms decode steps, 5 ms role switch.
 COST = CostModel(prefill_fixed_s=0.002, prefill_per_token_s=2e-5, decode_fixed_s=0.008, decode_per_seq_s=1e-4,
@@ -20,9 +24,17 @@ CFG = RoleSchedulerConfig(ttft_slo_ms=1000, tpot_slo_ms=50, min_window_ms=20, ma
 EPS = 1e-9
 
 
+def sim(sched: RoleScheduler, cost: CostModel, num_devices=1, kv_blocks=8192, **kw) -> TimeSharedSim:
+    """A time-shared node of ``num_devices`` on the live batcher and ledger; no imbalance fallback (these
+    tests are about the role policy alone); no batch cap to speak of."""
+    cfg = SimConfig(mode="time-shared", devices=num_devices, kv_blocks=kv_blocks, max_model_len=8192,
+                    max_num_seqs=4096, max_num_batched_tokens=sched.config.prefill_token_budget, **kw)
+    return TimeSharedSim(sched, cost, cfg)
+
+
 def make(num_devices=1, kv_blocks=8192, cfg=CFG, cost=COST):
     sched = RoleScheduler(cfg, cost)
-    return sched, VirtualNode(sched, cost, num_devices=num_devices, kv_blocks=kv_blocks)
+    return sched, sim(sched, cost, num_devices, kv_blocks)
 
 
 def lateness_s(trace, T: float) -> list[float]:
@@ -31,14 +43,14 @@ def lateness_s(trace, T: float) -> list[float]:
     return [tk - (t[0] + k * T) for k, tk in enumerate(t)]
 
 
-def one_window_s(sched: RoleScheduler, vn: VirtualNode) -> float:
+def one_window_s(sched: RoleScheduler, vn: TimeSharedSim) -> float:
     """The overrun the policy allows: one window, its two pauses and the longest decode step."""
     d_max = max(s.end_s - s.start_s for s in vn.steps if s.kind == "decode")
     return sched.wmax + 2 * sched.pause_s + d_max + EPS
 
 
 def background(n=4, prompt=500, out=600):
-    return [VirtualRequest(f"bg{i}", 0.0, prompt, out) for i in range(n)]
+    return [SimRequest(f"bg{i}", 0.0, prompt, out) for i in range(n)]
 
 
 # --- decide() on hand-made snapshots ------------------------------------------------------------
@@ -106,10 +118,10 @@ def test_decisions_round_trip_as_a_tagged_union():
     assert msgspec.json.decode(data, type=list[Decision]) == out
 
 
-# --- the virtual node ---------------------------------------------------------------------------
+# --- on the simulator's live objects ---------------------------------------------------------------------------
 def test_burst_moves_decode_device_to_prefill_and_back():
     sched, vn = make()
-    burst = [VirtualRequest(f"b{i:02d}", 1.0 + 0.001 * i, 500, 30) for i in range(20)]
+    burst = [SimRequest(f"b{i:02d}", 1.0 + 0.001 * i, 500, 30) for i in range(20)]
     traces = vn.run(background() + burst)
     assert all(t.done for t in traces.values())
     after = [(to, why) for (t, _, to, why) in vn.switches if t >= 1.0]
@@ -125,7 +137,7 @@ def test_burst_moves_decode_device_to_prefill_and_back():
 
 def test_steady_load_does_not_thrash():
     sched, vn = make()
-    reqs = [VirtualRequest(f"s{i:05d}", 0.05 * i, 300, 100) for i in range(1200)]  # 20 req/s for 60 s
+    reqs = [SimRequest(f"s{i:05d}", 0.05 * i, 300, 100) for i in range(1200)]  # 20 req/s for 60 s
     traces = vn.run(reqs)
     assert all(t.done for t in traces.values())
     minutes = max(t.token_times_s[-1] for t in traces.values()) / 60.0
@@ -153,7 +165,7 @@ def test_steady_load_switches_fall_as_min_window_grows():
     for w in (20, 100, 200):
         cfg = msgspec.structs.replace(CFG, min_window_ms=w, max_window_ms=max(200, w))
         _, vn = make(cfg=cfg)
-        vn.run([VirtualRequest(f"s{i:05d}", 0.05 * i, 300, 100) for i in range(400)])
+        vn.run([SimRequest(f"s{i:05d}", 0.05 * i, 300, 100) for i in range(400)])
         counts.append(len(vn.switches))
     assert counts[0] > counts[1] > counts[2]
 
@@ -161,7 +173,7 @@ def test_steady_load_switches_fall_as_min_window_grows():
 @pytest.mark.parametrize("num_devices", [1, 2, 4])
 def test_long_prompt_queue_never_starves_decode_past_one_window(num_devices):
     sched, vn = make(num_devices)
-    queue = [VirtualRequest(f"q{i:03d}", 1.0 + 0.002 * i, 1500, 40) for i in range(150)]  # ~4.5 s of prefill
+    queue = [SimRequest(f"q{i:03d}", 1.0 + 0.002 * i, 1500, 40) for i in range(150)]  # ~4.5 s of prefill
     traces = vn.run(background(2 * num_devices) + queue)
     assert all(t.done for t in traces.values())
     bound = one_window_s(sched, vn)
@@ -173,12 +185,12 @@ def test_long_prompt_queue_never_starves_decode_past_one_window(num_devices):
 def test_every_prompt_is_admitted_eventually_under_kv_pressure():
     # 64 blocks of 16 tokens per device: a few sequences at a time; one prompt needs a whole device,
     # one longer than a window, one larger than any device (rejected).
-    reqs = [VirtualRequest(f"r{i:03d}", 0.01 * i, 200 + 37 * (i % 5), 60) for i in range(60)]
-    reqs += [VirtualRequest("whole", 0.1, 64 * 16 - 50, 50), VirtualRequest("long", 0.2, 1000, 24),
-             VirtualRequest("huge", 0.3, 64 * 16, 1)]
+    reqs = [SimRequest(f"r{i:03d}", 0.01 * i, 200 + 37 * (i % 5), 60) for i in range(60)]
+    reqs += [SimRequest("whole", 0.1, 64 * 16 - 50, 50), SimRequest("long", 0.2, 1000, 24),
+             SimRequest("huge", 0.3, 64 * 16, 1)]
     cfg = msgspec.structs.replace(CFG, max_window_ms=20)
     sched = RoleScheduler(cfg, COST)
-    vn = VirtualNode(sched, COST, kv_blocks=64)
+    vn = sim(sched, COST, kv_blocks=64)
     traces = vn.run(reqs)
     assert traces["huge"].rejected and not traces["huge"].token_times_s
     assert all(t.done for t in traces.values() if t.request_id != "huge")
@@ -187,7 +199,7 @@ def test_every_prompt_is_admitted_eventually_under_kv_pressure():
 def test_pause_is_charged():
     cost = msgspec.structs.replace(COST, pause_s=0.05)
     sched, vn = make(cost=cost)
-    traces = vn.run(background(2) + [VirtualRequest("p", 2.0, 1000, 10)])
+    traces = vn.run(background(2) + [SimRequest("p", 2.0, 1000, 10)])
     pauses = [s for s in vn.steps if s.kind == "pause"]
     work = [s for s in vn.steps if s.kind != "pause"]
     assert len(pauses) == len(vn.switches) and all(s.end_s - s.start_s == pytest.approx(0.05) for s in pauses)
@@ -220,7 +232,7 @@ def test_two_devices_stagger_so_decode_keeps_flowing(mode):
                     if not decoding:  # leaves no holder decoding: only an urgent window may do that
                         broken.append(dec.reason)
 
-    queue = [VirtualRequest(f"q{i:03d}", 1.0 + 0.004 * i, 800, 60) for i in range(100)]
+    queue = [SimRequest(f"q{i:03d}", 1.0 + 0.004 * i, 800, 60) for i in range(100)]
     traces = vn.run(background(4) + queue, on_decide=check)
     assert seen and all(t.done for t in traces.values())
     assert {dev for (_, dev, to, _) in vn.switches if to is Role.PREFILL} == {"dev0", "dev1"}
@@ -229,7 +241,7 @@ def test_two_devices_stagger_so_decode_keeps_flowing(mode):
 
 def test_soft_stagger_lifts_the_prefill_cap_under_prompt_pressure():
     # prefill-heavy load on 2 devices: hard stagger lets one holder prefill at a time
-    reqs = [VirtualRequest(f"r{i:04d}", 0.025 * i, 1500, 12 + i % 7) for i in range(600)]
+    reqs = [SimRequest(f"r{i:04d}", 0.025 * i, 1500, 12 + i % 7) for i in range(600)]
     ttft = {}
     for mode in ("hard", "soft"):
         _, vn = make(2, cfg=msgspec.structs.replace(CFG, stagger=mode))
@@ -239,7 +251,7 @@ def test_soft_stagger_lifts_the_prefill_cap_under_prompt_pressure():
 
 
 def test_runs_are_deterministic():
-    reqs = [VirtualRequest(f"r{i:03d}", 0.01 * (i // 3), 100 + 7 * i, 20 + i % 9) for i in range(90)]
+    reqs = [SimRequest(f"r{i:03d}", 0.01 * (i // 3), 100 + 7 * i, 20 + i % 9) for i in range(90)]
     a = make(2)[1]
     a.run(reqs)
     b = make(2)[1]
