@@ -22,6 +22,11 @@ A run lasts ``--duration`` seconds of arrivals, stretched to hold at least ``--m
 (at most ``--max-duration`` s): at low rates a short window hides a slowly growing backlog — a KV link
 that cannot keep up only delays decode a little more every second.
 
+Every mode is tuned first (:mod:`bench.tuning`, the tuning protocol): colocated runs every token
+budget of its grid, time-shared every window bound and fallback setting, pooled every ``--splits``
+prefill:decode split, and each keeps its best; the grid names the winning setting. ``--tune-grid
+small`` searches fewer time-shared settings; ``--tune-grid none`` runs the base settings only.
+
 In every cell each mode's *capacity* is searched: the highest Poisson rate whose SLO attainment
 (TTFT and TPOT SLOs both met) reaches ``--target`` (90%), found by doubling/halving from a guess and
 then bisecting (geometrically) until the bracket is within ``--tolerance`` (10%). Pooled runs every
@@ -40,6 +45,7 @@ the capacities), a long table (``--markdown``), and JSON (``--out``).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -50,6 +56,7 @@ from pathlib import Path
 from bench.calibrate import load_cost_model
 from bench.sim import SimAborted, SimConfig, kv_geometry, simulate
 from bench.traces import load_trace
+from bench.tuning import GRID
 from bench.workload import TRACES, WorkloadSpec, build_workload, synthetic_lengths, trace_path
 from node.plan import load_config
 
@@ -74,6 +81,7 @@ class Cell:
     link_gbps: float | None = None
     prefill_devices: int | None = None
     transfer: str = "blocking"
+    setting: tuple[tuple[str, float], ...] = ()  # tuned knobs (bench.tuning) other than the split
 
 
 def capacity(run, guess: float, *, target: float = 0.9, tolerance: float = 1.1, min_rate: float = 0.05,
@@ -129,7 +137,7 @@ def _config(a: argparse.Namespace, cell: Cell) -> SimConfig:
                      kv_bytes_per_token=per_token, link_gbps=cell.link_gbps or 100.0, transfer=cell.transfer,
                      max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                      max_num_batched_tokens=a.max_num_batched_tokens, ttft_slo_ms=a.ttft_slo_ms,
-                     tpot_slo_ms=a.tpot_slo_ms, max_sim_s=a.max_sim_s)
+                     tpot_slo_ms=a.tpot_slo_ms, max_sim_s=a.max_sim_s, **dict(cell.setting))
 
 
 MODELS_SEEN: dict[str, tuple[Path, Path]] = dict(MODELS)
@@ -211,13 +219,35 @@ def cells_for(a: argparse.Namespace) -> list[Cell]:
         for ln in a.length_names:
             for mode in a.mode_list:
                 if mode != "pooled":
-                    cells.append(Cell(m, ln, mode))
+                    cells += [Cell(m, ln, mode, setting=st) for st in settings_for(a, mode)]
             if "pooled" in a.mode_list:
                 for t in a.transfer_list:
                     for link in sorted(a.link_list, reverse=True):
                         for p in a.split_list:
                             cells.append(Cell(m, ln, "pooled", link, p, t))
     return cells
+
+
+TUNE_GRIDS = {
+    "full": GRID,
+    "small": {"colocated": {"max_num_batched_tokens": (1024, 2048, 8192)},
+              "time-shared": {"max_window_ms": (250.0, 1000.0), "imbalance_threshold": (0.0, 1.0)}},
+    "none": {},
+}
+
+
+def settings_for(a: argparse.Namespace, mode: str) -> list[tuple[tuple[str, float], ...]]:
+    """The tuning grid's settings of ``mode`` (pooled's split is searched by ``--splits``)."""
+    axes = TUNE_GRIDS[a.tune_grid].get(mode, {})
+    names = sorted(axes)
+    return [tuple(zip(names, values)) for values in itertools.product(*(axes[n] for n in names))] or [()]
+
+
+def setting_label(cell: dict) -> str:
+    parts = [f"{k}={v:g}" for k, v in cell.get("setting") or ()]
+    if cell["mode"] == "pooled":
+        parts.insert(0, f"prefill_devices={cell['prefill_devices']}")
+    return ", ".join(parts) or "-"
 
 
 def _guess(cell: Cell, done: dict) -> float | None:
@@ -254,7 +284,9 @@ def load_reused(paths: list[str]) -> dict[Cell, dict]:
     out = {}
     for p in paths:
         for r in json.loads(Path(p).read_text())["results"]:
-            out[Cell(**r["cell"])] = r
+            c = dict(r["cell"])
+            c["setting"] = tuple(tuple(kv) for kv in c.get("setting") or ())
+            out[Cell(**c)] = r
     return out
 
 
@@ -272,8 +304,9 @@ def run_study(a: argparse.Namespace) -> list[dict]:
 
 def _progress(r: dict) -> None:
     c = r["cell"]
-    what = c["mode"] if c["mode"] != "pooled" else f"pooled {c['prefill_devices']}P {c['link_gbps']:g}G {c['transfer']}"
-    print(f"{c['model']:>4} {c['lengths']:>6} {what:<34} capacity {r['capacity_rps']:9.1f} req/s "
+    what = c["mode"] if c["mode"] != "pooled" else f"pooled {c['link_gbps']:g}G {c['transfer']}"
+    what += f" [{setting_label(c)}]"
+    print(f"{c['model']:>4} {c['lengths']:>6} {what:<60} capacity {r['capacity_rps']:9.1f} req/s "
           f"({len(r['runs'])} runs)", file=sys.stderr, flush=True)
 
 
@@ -304,8 +337,9 @@ def format_grid(a: argparse.Namespace, results: list[dict]) -> str:
     out = []
     for t in a.transfer_list:
         out.append(f"Transfers: {t}. Capacity = highest rate with >= {a.target:.0%} SLO attainment "
-                   f"(TTFT {a.ttft_slo_ms:g} ms, TPOT {a.tpot_slo_ms:g} ms), req/s; PD = pooled, best split "
-                   f"(nP = n prefill devices of {a.devices}); winner first.\n")
+                   f"(TTFT {a.ttft_slo_ms:g} ms, TPOT {a.tpot_slo_ms:g} ms), req/s, of {a.devices} devices; TS = "
+                   f"time-shared, CO = colocated, PD = pooled; each mode at its best setting (in brackets); "
+                   f"winner first.\n")
         out.append("| model | prompts | " + " | ".join(f"{link:g} Gb/s" for link in a.link_list) + " |")
         out.append("|---|---|" + "---|" * len(a.link_list))
         for m in a.model_names:
@@ -316,8 +350,7 @@ def format_grid(a: argparse.Namespace, results: list[dict]) -> str:
                     ranked = sorted(slot.items(), key=lambda kv: (-kv[1]["capacity_rps"], -_goodput(kv[1])))
                     parts = []
                     for mode, r in ranked:
-                        extra = f" ({r['cell']['prefill_devices']}P)" if mode == "pooled" else ""
-                        parts.append(f"{short.get(mode, mode)} {r['capacity_rps']:.0f}{extra}")
+                        parts.append(f"{short.get(mode, mode)} {r['capacity_rps']:.0f} ({setting_label(r['cell'])})")
                     if len(ranked) > 1 and ranked[0][1]["capacity_rps"] <= ranked[1][1]["capacity_rps"] * a.tolerance:
                         parts[0] = "≈ " + parts[0]  # within the search's resolution: a tie
                     else:
@@ -328,13 +361,31 @@ def format_grid(a: argparse.Namespace, results: list[dict]) -> str:
     return "\n".join(out)
 
 
+def heatmap(a: argparse.Namespace, results: list[dict], path: Path) -> list[Path]:
+    """One PNG per transfer model (``path``, or ``STEM-TRANSFER.png`` with several): the grid's capacities."""
+    from bench.plots import crossover_heatmap  # matplotlib only when a plot is asked for
+
+    idx = best_by_cell(a, results)
+    out = []
+    for t in a.transfer_list:
+        grid = {(m, ln): {link: {mode: r["capacity_rps"] for mode, r in idx.get((m, ln, t, link), {}).items()}
+                          for link in a.link_list}
+                for m in a.model_names for ln in a.length_names}
+        p = path if len(a.transfer_list) == 1 else path.with_name(f"{path.stem}-{t}{path.suffix}")
+        crossover_heatmap(grid, a.link_list, p, title=f"Capacity (req/s at {a.target:.0%} SLO attainment; TTFT "
+                          f"{a.ttft_slo_ms:g} ms, TPOT {a.tpot_slo_ms:g} ms), {a.devices} devices, {t} transfers; "
+                          f"each mode tuned")
+        out.append(p)
+    return out
+
+
 def format_long(results: list[dict]) -> str:
-    lines = ["| model | prompts | mode | link (Gb/s) | transfers | capacity (req/s) | goodput (req/s) | SLO attainment | "
-             "p90 TTFT (ms) | p90 TPOT (ms) | switches | runs |",
-             "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]  # goodput = rate x attainment
+    lines = ["| model | prompts | mode | setting | link (Gb/s) | transfers | capacity (req/s) | goodput (req/s) | "
+             "SLO attainment | p90 TTFT (ms) | p90 TPOT (ms) | switches | runs |",
+             "|---|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]  # goodput = rate x attainment
     for r in results:
         c, b = r["cell"], r["at_capacity"] or {}
-        mode = c["mode"] if c["mode"] != "pooled" else f"pooled {c['prefill_devices']}P"
+        mode = f"{c['mode']} | {setting_label(c)}"
         link = f"{c['link_gbps']:g}" if c["link_gbps"] else "—"
         tr = c["transfer"] if c["mode"] == "pooled" else "—"
         lines.append(f"| {c['model']} | {c['lengths']} | {mode} | {link} | {tr} | {r['capacity_rps']:.1f} | "
@@ -365,6 +416,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--links", default="10,25,100,400", help="pooled KV link per prefill device (Gb/s)")
     ap.add_argument("--modes", default="time-shared,colocated,pooled")
     ap.add_argument("--splits", default=None, help="pooled prefill devices to try (default 1..devices-1)")
+    ap.add_argument("--tune-grid", default="full", choices=sorted(TUNE_GRIDS),
+                    help="settings searched per mode besides pooled's splits (bench.tuning)")
     ap.add_argument("--transfers", default="blocking", help="pooled transfer models: blocking, overlap, or both")
     ap.add_argument("--devices", type=int, default=4)
     ap.add_argument("--duration", type=float, default=5.0, help="seconds of Poisson arrivals per run (at least)")
@@ -384,6 +437,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--jobs", type=int, default=1, help="processes")
     ap.add_argument("--markdown", action="store_true", help="also print the long table")
     ap.add_argument("--out", default=None, help="JSON of every run")
+    ap.add_argument("--png", default=None, help="write the grid as a heat map (bench.plots.crossover_heatmap)")
     ap.add_argument("--reuse", default=None,
                     help="comma-separated --out JSONs of earlier runs with the same settings: their cells are "
                          "not searched again")
@@ -412,6 +466,10 @@ def main(argv: list[str] | None = None) -> int:
     print(format_grid(a, results))
     if a.markdown:
         print(format_long(results))
+    if a.png:
+        Path(a.png).parent.mkdir(parents=True, exist_ok=True)
+        for p in heatmap(a, results, Path(a.png)):
+            print(f"heat map: {p}", file=sys.stderr)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         doc = {"argv": argv if argv is not None else sys.argv[1:],

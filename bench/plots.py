@@ -4,7 +4,8 @@
 * :func:`latency_cdfs` — the empirical CDF of per-request TTFT or TPOT (ms), one panel per rate, one
   line per mode;
 * :func:`role_timeline` — which role each device held when (prefill, decode, mixed), drains and
-  reconfiguration pauses marked, from the node's own switch records (:mod:`bench.timeline`).
+  reconfiguration pauses marked, from the node's own switch records (:mod:`bench.timeline`);
+* :func:`crossover_heatmap` — the crossover study's winner per (model, prompt lengths) x link speed.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from matplotlib.patches import Patch  # noqa: E402
 
 from bench.timeline import role_segments  # noqa: E402
 
-__all__ = ["goodput_vs_rate", "latency_cdfs", "role_timeline", "COLORS"]
+__all__ = ["goodput_vs_rate", "latency_cdfs", "role_timeline", "crossover_heatmap", "COLORS"]
 
 COLORS = {"prefill": "#1f77b4", "decode": "#2ca02c", "mixed": "#9467bd", "drain": "#bbbbbb", "pause": "#d62728"}
 
@@ -95,4 +96,41 @@ def role_timeline(status: dict, t0: float, t1: float, path: Path, *, title: str 
     ax.set_title(title or "Role timeline")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+MODE_COLORS = {"time-shared": "#2ca02c", "colocated": "#9467bd", "pooled": "#1f77b4"}
+
+
+def crossover_heatmap(grid: dict[tuple[str, str], dict[float, dict[str, float]]], links: list[float], path: Path,
+                      *, title: str = "") -> None:
+    """The crossover study as a heat map: rows (model, prompt lengths), columns link speeds (Gb/s).
+
+    ``grid[(model, lengths)][link][mode]`` = the mode's capacity (req/s, at its best setting). A cell's
+    colour is the winner's; its shade, the winner's margin over the runner-up
+    (``1 - runner-up / winner``, full colour at a 2x margin or more); the text gives every capacity.
+    """
+    rows = list(grid)
+    fig, ax = plt.subplots(figsize=(1.9 * len(links) + 2.5, 0.62 * len(rows) + 1.6))
+    for i, row in enumerate(rows):
+        for j, link in enumerate(links):
+            caps = grid[row].get(link, {})
+            if not caps:
+                continue
+            ranked = sorted(caps.items(), key=lambda kv: -kv[1])
+            win, top = ranked[0]
+            second = ranked[1][1] if len(ranked) > 1 else 0.0
+            margin = 1.0 if top <= 0 else min(1.0, 2 * (1 - second / top))
+            ax.add_patch(plt.Rectangle((j, i), 1, 1, color=MODE_COLORS.get(win, "#888888"), alpha=0.2 + 0.7 * margin))
+            text = "\n".join(f"{m[:2].upper()} {c:.3g}" for m, c in ranked)
+            ax.text(j + 0.5, i + 0.5, text, ha="center", va="center", fontsize=7)
+    ax.set_xlim(0, len(links))
+    ax.set_ylim(len(rows), 0)
+    ax.set_xticks([j + 0.5 for j in range(len(links))], [f"{link:g} Gb/s" for link in links])
+    ax.set_yticks([i + 0.5 for i in range(len(rows))], [f"{m} / {ln}" for m, ln in rows])
+    ax.legend(handles=[Patch(color=c, label=m) for m, c in MODE_COLORS.items()], loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), fontsize=8, title="winner")
+    ax.set_title(title or "Capacity (req/s at the SLO-attainment target), each mode tuned", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
     plt.close(fig)

@@ -228,7 +228,8 @@ def test_crossover_tiny_grid(capsys):
     from bench import crossover
 
     rc = crossover.main(["--models", "8b", "--lengths", "tiny=fixed:256:4", "--links", "1,400", "--devices", "2",
-                         "--duration", "1", "--modes", "time-shared,pooled", "--tolerance", "1.5"])
+                         "--duration", "1", "--modes", "time-shared,pooled", "--tolerance", "1.5",
+                         "--tune-grid", "small"])
     assert rc == 0
     out = capsys.readouterr().out
     assert "| 8b | tiny |" in out and "1 Gb/s" in out and "400 Gb/s" in out
@@ -236,6 +237,8 @@ def test_crossover_tiny_grid(capsys):
     row = next(line for line in out.splitlines() if line.startswith("| 8b | tiny |"))
     slow, fast = row.split(" | ")[2:4]
     assert slow.lstrip("*≈ ").startswith("TS")
+    # each mode at its best setting, named: time-shared's of the small grid, pooled's split (1 of 2 devices)
+    assert "imbalance_threshold=" in slow and "max_window_ms=" in slow and "prefill_devices=1" in fast
 
 
 def test_crossover_run_duration_holds_enough_requests():
@@ -251,9 +254,10 @@ def test_crossover_reuses_earlier_results(tmp_path, capsys):
     from bench import crossover
 
     args = ["--models", "8b", "--lengths", "tiny=fixed:256:4", "--links", "400", "--devices", "2", "--duration", "1",
-            "--modes", "time-shared,pooled", "--tolerance", "1.5"]
-    assert crossover.main(args + ["--out", str(tmp_path / "a.json")]) == 0
+            "--modes", "time-shared,pooled", "--tolerance", "1.5", "--tune-grid", "small"]
+    assert crossover.main(args + ["--out", str(tmp_path / "a.json"), "--png", str(tmp_path / "grid.png")]) == 0
     first = capsys.readouterr()
+    assert (tmp_path / "grid.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert crossover.main(args + ["--reuse", str(tmp_path / "a.json")]) == 0
     again = capsys.readouterr()
     assert again.out == first.out and "capacity" not in again.err  # nothing searched again

@@ -9,7 +9,8 @@ the decode role, none while switching), and each step lasts what the cost model 
 (:func:`bench.sim.stepcost.plan_step_s`). What :class:`node.runtime.role_driver.RoleDriver` does live
 is done here the same way, in the same order, every round:
 
-1. the imbalance fallback (``imbalance_threshold`` > 0, on by default as on the node) picks moves;
+1. the imbalance fallback (``imbalance_threshold`` > 0, on by default as on the node) picks moves,
+   told the copy's time per context token at ``link_gbps`` (as the node with ``--link-gbps``);
    a move runs at its source's next step boundary: the destination allocates the blocks (or the move
    is refused, and the sequence cools down), the source detaches the sequence and, sending, runs no
    step for ``context x kv_bytes_per_token / link`` seconds (``DeviceEngine._apply_migrations`` copies
@@ -113,6 +114,7 @@ class TimeSharedSim:
         self._moves: dict[str, _Move] = {}  # seq id → its move, queued or copying
         self._moved_s: dict[str, float] = {}  # seq id → end of its last move or refusal (the cooldown)
         self.num_moves = self.refused_moves = self.transfer_bytes = 0
+        self.moves_by_reason: dict[str, int] = {}  # completed moves per trigger (tpot, imbalance)
 
     # --- the policy's view -------------------------------------------------------------------
     def _resident(self, s: Sequence, now: float, moving: bool) -> ResidentSeq:
@@ -322,6 +324,7 @@ class TimeSharedSim:
                 del self._moves[m.seq.seq_id]
                 self._moved_s[m.seq.seq_id] = m.done_s
                 self.num_moves += 1
+                self.moves_by_reason[m.reason] = self.moves_by_reason.get(m.reason, 0) + 1
             self._begin_pause(now, d)
             if d.switching and d.switch_done_s <= now:
                 d.role, d.role_since_s, d.kind = d.switching_to, d.switch_done_s, _KIND[d.switching_to]
@@ -354,7 +357,9 @@ def simulate_time_shared(requests: list[TraceRequest], cfg: SimConfig, cost: Cos
     if cfg.imbalance_threshold > 0:
         imbalance = ImbalancePolicy(ImbalanceConfig(
             threshold=cfg.imbalance_threshold, tpot_slo_ms=policy.tpot_slo_ms, slo_margin=policy.slo_margin,
-            reconfig_pause_ms=policy.reconfig_pause_ms, prefill_token_budget=policy.prefill_token_budget), cost)
+            reconfig_pause_ms=policy.reconfig_pause_ms, prefill_token_budget=policy.prefill_token_budget,
+            local_transfer_s_per_token=cfg.kv_bytes_per_token * 8 / (cfg.link_gbps * 1e9),
+            ttft_slo_ms=policy.ttft_slo_ms), cost)
     sim = TimeSharedSim(scheduler, cost, cfg, imbalance=imbalance)
     sreqs = []
     for i, r in enumerate(requests):
@@ -374,6 +379,7 @@ def simulate_time_shared(requests: list[TraceRequest], cfg: SimConfig, cost: Cos
     stats = {"switches": len(sim.switches), "pause_s": pauses,
              "busy_s": {d.device_id: d.busy_s for d in sim.devices},
              "transfers": sim.num_moves, "transfer_bytes": sim.transfer_bytes,
+             **{f"moves_{k}": v for k, v in sorted(sim.moves_by_reason.items())},
              "preemptions": sum(d.batcher.num_preemptions for d in sim.devices),
              "cached_tokens": sum(d.batcher.prefix_hit_tokens for d in sim.devices)}
     return [traces[r.request_id] for r in sreqs], stats

@@ -28,8 +28,11 @@ sequence included, ends first::
     t_dst = s_dst + d(n_dst + 1, k_dst + k_seq)          (s_dst: max(now, busy_until), or the pause end)
 
 provided ``t_dst < t_src`` (it is served sooner), ``d(n_dst + 1, k_dst + k_seq) <= T`` (the destination
-keeps pace for everything it holds) and the destination has room (below). The copy itself (a few ms
-inside a node) is not modelled.
+keeps pace for everything it holds) and the destination has room (below). The copy inside the node,
+``c = k_seq * local_transfer_s_per_token`` (the KV bytes at the node's ``--link-gbps``; 0 when copies are
+unthrottled), is added to ``t_dst``; and since the source runs no step while it copies, its window
+waits: local moves are made only while their copies, all together, leave the source's oldest queued
+prompt its first token within the TTFT SLO (``oldest + ttft_slo >= t0 + P(q) + sum c``).
 
 **Trigger "imbalance"** (decode loads across devices differ past ``threshold``). Among DECODE-role
 devices holding sequences, the *load* of a device is its estimated decode step ``L = d(n, k)`` (s) —
@@ -37,8 +40,11 @@ the time per token of every sequence on it — and the imbalance is ``L_max / L_
 ``L_min = 0`` counts as infinite). While it exceeds ``threshold``, one sequence moves from the most to
 the least loaded device: the one whose move gives the smallest ``max(L_src', L_dst')``, and only if that
 is below ``L_max`` (a strict improvement; a move that only swaps which device is the heavy one is never
-made). With ``threshold = 1`` sequences move once the slowest decoding device's step is more than twice
-the fastest's. Since a fixed part of the step (the weight read) is paid whatever the batch, small
+made) and it pays for its copy: the source runs no step for ``c`` (the copy, as above), and each of its
+next ``r`` steps (the moved sequence's expected remaining output, at least 1) is shorter by
+``L_max - L_src'``, so the move is made only when ``(L_max - L_src') * r > c`` (moves to peers are not
+charged so: their network send does not hold the source's steps). With ``threshold = 1`` sequences move once the
+slowest decoding device's step is more than twice the fastest's. Since a fixed part of the step (the weight read) is paid whatever the batch, small
 batches rarely differ that much; the trigger matters when KV reads (context) dominate the step.
 
 **Room.** A destination takes a sequence only when its free blocks minus its reservations cover
@@ -109,17 +115,20 @@ class ImbalanceConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_moves: int = 32  # per decision round, both triggers together
     cooldown_ms: float = 1000.0  # a sequence that moved stays at least this long
     transfer_s_per_token: float = 0.0  # s per context token to a peer: KV bytes per token * 8 / link bit rate
+    local_transfer_s_per_token: float = 0.0  # s per context token to another device of this node (0: free)
+    ttft_slo_ms: float = 1000.0  # the role scheduler's: how long a copy may hold a source's prefill window
     peer_overhead_ms: float = 5.0  # per move to a peer: connection, handshake, the relay's first token
 
 
 class _Dev:
     """Working state of one device during a round (residents and room after the moves planned so far)."""
 
-    __slots__ = ("st", "idx", "res", "n", "ctx", "kv", "slots")
+    __slots__ = ("st", "idx", "res", "n", "ctx", "kv", "slots", "local")
 
-    def __init__(self, st: DeviceState, idx: int):
+    def __init__(self, st: DeviceState, idx: int, local: bool = True):
         self.st = st
         self.idx = idx
+        self.local = local  # a device of this node (not a peer node)
         self.res: list[ResidentSeq] = list(st.resident)
         self.n = len(st.resident)
         self.ctx = sum(s.context_tokens for s in st.resident)
@@ -168,16 +177,19 @@ class ImbalancePolicy:
         low = blocks_for(s.context_tokens + 1, dst.block_size)
         return max(low, min(blocks_for(s.context_tokens + rest, dst.block_size), dst.kv_total_blocks))
 
-    def source_next_token_s(self, st: DeviceState, now_s: float) -> float:
-        """``t_src``: when a resident of a prefill-side device gets its next token (s)."""
+    def window_end_s(self, st: DeviceState, now_s: float) -> float:
+        """When a prefill-side device's window has prefilled its queue, ``t0 + P(q)`` (s)."""
         if st.role is Role.PREFILL:
             t0 = max(now_s, st.busy_until_s)
         else:
             t0 = max(now_s, st.switch_done_s if st.switch_done_s is not None else now_s + self.pause_s)
+        return t0 + self.cost.prefill_s(st.prefill_queue_tokens, self.config.prefill_token_budget)
+
+    def source_next_token_s(self, st: DeviceState, now_s: float) -> float:
+        """``t_src``: when a resident of a prefill-side device gets its next token (s)."""
         n = len(st.resident) + st.prefill_queue_seqs
         k = sum(s.context_tokens for s in st.resident) + st.prefill_queue_tokens + st.prefill_queue_seqs
-        prefill = self.cost.prefill_s(st.prefill_queue_tokens, self.config.prefill_token_budget)
-        return t0 + prefill + self.pause_s + self.load_s(n, k)
+        return self.window_end_s(st, now_s) + self.pause_s + self.load_s(n, k)
 
     def _decode_start_s(self, st: DeviceState, now_s: float) -> float:
         if st.role is Role.DECODE:
@@ -213,7 +225,7 @@ class ImbalancePolicy:
         if self.config.threshold <= 0 or self.config.max_moves <= 0 or len(snapshot.devices) + len(peers) < 2:
             return []
         devs = [_Dev(st, i) for i, st in enumerate(snapshot.devices)]
-        remote = [_Dev(st, len(devs) + i) for i, st in enumerate(peers)]
+        remote = [_Dev(st, len(devs) + i, local=False) for i, st in enumerate(peers)]
         out: list[Migrate] = []
         planned: set[str] = set()
         self._tpot(now_s, devs, remote, planned, out)
@@ -224,7 +236,7 @@ class ImbalancePolicy:
         """Moves of every decoding sequence to a peer (reason ``drain``), up to ``max_moves`` a round;
         a sequence that fits no peer now stays for a later round."""
         devs = [_Dev(st, i) for i, st in enumerate(snapshot.devices)]
-        remote = [_Dev(st, len(devs) + i) for i, st in enumerate(peers)]
+        remote = [_Dev(st, len(devs) + i, local=False) for i, st in enumerate(peers)]
         out: list[Migrate] = []
         planned: set[str] = set()
         for src in devs:
@@ -250,12 +262,19 @@ class ImbalancePolicy:
             t_src = self.source_next_token_s(src.st, now_s)
             late = sorted((s for s in src.res if self.deadline_s(s) < t_src - EPS and self._movable(s, now_s, planned)),
                           key=lambda s: (self.deadline_s(s), s.request_id))
+            # a copy inside the node holds the source (its window waits): only as long as its oldest
+            # queued prompt still gets its first token within the TTFT SLO
+            oldest = src.st.prefill_queue_oldest_s
+            slack = INF if oldest is None else oldest + self.config.ttft_slo_ms / 1e3 - self.window_end_s(src.st, now_s)
             for s in late:
                 if len(out) >= self.config.max_moves:
                     return
-                best = self._soonest(s, local, t_src, now_s, 0.0) or self._soonest(
+                copy_s = s.context_tokens * self.config.local_transfer_s_per_token
+                best = (self._soonest(s, local, t_src, now_s, copy_s) if copy_s <= slack + EPS else None) or self._soonest(
                     s, remote, t_src, now_s, self.config.peer_overhead_ms / 1e3 + s.context_tokens * self.config.transfer_s_per_token)
                 if best is not None:
+                    if best[2].local:
+                        slack -= copy_s
                     self._move(s, src, best[2], best[3], "tpot", planned, out)
 
     def _soonest(self, s: ResidentSeq, dsts: list[_Dev], t_src: float, now_s: float,
@@ -308,10 +327,13 @@ class ImbalancePolicy:
             need = self._fits(dst, s)
             if need < 0:
                 continue
-            peak = max(self.load_s(src.n - 1, src.ctx - s.context_tokens),
-                       self.load_s(dst.n + 1, dst.ctx + s.context_tokens))
+            after = self.load_s(src.n - 1, src.ctx - s.context_tokens)
+            peak = max(after, self.load_s(dst.n + 1, dst.ctx + s.context_tokens))
             if peak >= hi - EPS:
                 continue
+            copy_s = s.context_tokens * self.config.local_transfer_s_per_token if dst.local else 0.0
+            if copy_s > 0 and (hi - after) * max(1, s.expected_output_tokens - s.output_tokens) <= copy_s:
+                continue  # the source's stall while copying outweighs what the move saves it
             key = (peak, s.context_tokens, s.request_id, s, need)
             if best is None or key[:3] < best[:3]:
                 best = key

@@ -59,7 +59,8 @@ class RoleDriver(Driver):
         self.imbalance = ImbalancePolicy(ImbalanceConfig(
             threshold=node.config.imbalance_threshold, tpot_slo_ms=rc.tpot_slo_ms, slo_margin=rc.slo_margin,
             reconfig_pause_ms=rc.reconfig_pause_ms, prefill_token_budget=rc.prefill_token_budget,
-            transfer_s_per_token=self._transfer_s_per_token(node)), scheduler.cost)
+            transfer_s_per_token=self._transfer_s_per_token(node),
+            local_transfer_s_per_token=self._transfer_s_per_token(node), ttft_slo_ms=rc.ttft_slo_ms), scheduler.cost)
         self._moving: dict[str, str] = {}  # sequence id → destination device, while its move is queued or copying
         self._moving_ctx: dict[str, int] = {}  # sequence id → its context tokens, for moves to peers
         self._to_peer: dict[str, list[tuple[float, int]]] = {}  # peer → (commit time, context) of recent moves
@@ -71,7 +72,8 @@ class RoleDriver(Driver):
 
     @staticmethod
     def _transfer_s_per_token(node: "Node") -> float:
-        """Seconds per context token of KV sent to a peer at ``--link-gbps`` (0: unthrottled)."""
+        """Seconds per context token of KV moved at ``--link-gbps``, to a peer or to another device of
+        this node (``DeviceEngine.migrate`` copies at that rate too); 0 when unthrottled."""
         if not node.config.link_gbps or node.peers is None:
             return 0.0
         lay = node.peers.layout

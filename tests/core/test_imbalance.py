@@ -292,3 +292,40 @@ def test_drain_sends_every_decoding_sequence_to_the_least_loaded_peer_with_room(
     p = policy(msgspec.structs.replace(CFG, threshold=0))  # the drain ignores the threshold
     assert p.drain(NOW, NodeSnapshot((src,)), (full, busy, idle)) == [Migrate("a", "d0", "peer:idle:1", "drain")]
     assert p.drain(NOW + 2, NodeSnapshot((src,)), (full,)) == []  # no room anywhere: stays for later
+
+
+# --- copies inside the node hold their source -----------------------------------------------------
+def test_a_local_copy_is_added_to_the_destinations_next_token():
+    snap = window_snapshot()
+    t_src = policy().source_next_token_s(snap.devices[0], NOW)
+    slow = policy(msgspec.structs.replace(CFG, local_transfer_s_per_token=(t_src - NOW) / 300))  # copy ends past t_src
+    assert slow.decide(NOW, snap) == []
+    fast = policy(msgspec.structs.replace(CFG, local_transfer_s_per_token=1e-6))
+    assert fast.decide(NOW, snap) == [Migrate("new-0", "p0", "d1", "tpot")]
+
+
+def test_local_copies_may_not_push_the_sources_queue_past_its_ttft_slo():
+    # p0's oldest queued prompt arrived 0.9 s ago (TTFT SLO 1 s) and its window prefills until
+    # NOW + P(4000) = NOW + 84 ms: 16 ms of slack. A 300-token copy takes 30 ms at 1e-4 s/token, 3 ms at 1e-5.
+    base = window_snapshot()
+    src = msgspec.structs.replace(base.devices[0], prefill_queue_oldest_s=NOW - 0.9)
+    snap = NodeSnapshot((src, base.devices[1]))
+    slow = policy(msgspec.structs.replace(CFG, local_transfer_s_per_token=1e-4, ttft_slo_ms=1000))
+    assert slow.window_end_s(src, NOW) == pytest.approx(NOW + 0.084)
+    assert slow.decide(NOW, snap) == []
+    fast = policy(msgspec.structs.replace(CFG, local_transfer_s_per_token=1e-5, ttft_slo_ms=1000))
+    assert fast.decide(NOW, snap) == [Migrate("new-0", "p0", "d1", "tpot")]
+    assert policy(msgspec.structs.replace(CFG, local_transfer_s_per_token=1e-4, ttft_slo_ms=2000)).decide(NOW, snap) \
+        == [Migrate("new-0", "p0", "d1", "tpot")]  # a looser TTFT SLO leaves room for the copy
+
+
+def test_an_imbalance_move_must_pay_for_its_copy():
+    # each move out of d0 saves it ~2 ms a step; a 2,000-token copy at 1e-5 s/token holds it 20 ms
+    costly = policy(msgspec.structs.replace(CFG, local_transfer_s_per_token=1e-5, max_moves=16))
+    snap = heavy_light()
+    assert costly.decide(NOW, snap) == []  # expected output unknown: one step's saving counts
+    long_lived = [msgspec.structs.replace(s, expected_output_tokens=1000) for s in snap.devices[0].resident]
+    snap2 = NodeSnapshot((msgspec.structs.replace(snap.devices[0], resident=tuple(long_lived)), snap.devices[1]))
+    out = costly.decide(NOW, snap2)  # 950 more tokens each: the saving outweighs the copy
+    assert out and all(m.reason == "imbalance" and m.dst_device == "d1" for m in out)
+    assert policy(msgspec.structs.replace(CFG, max_moves=16)).decide(NOW, snap)  # free copies: moves as before
