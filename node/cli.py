@@ -56,9 +56,12 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-layout", default="process", choices=["process", "thread"],
                    help="process: one engine process per device (default); thread: models run in the node's process "
                         "(debugging, and the baseline of bench/host_overhead.py)")
-    p.add_argument("--benchmark-model", default=None, metavar="zero|sleep:MS",
+    p.add_argument("--benchmark-model", default=None, metavar="zero|sleep:MS|timed:PATH",
                    help="BENCHMARK TOOL, outputs are meaningless: replace the model by one with no weights and fixed "
-                        "logits (zero: no compute; sleep:MS: each step sleeps MS ms) to measure the node's own overhead")
+                        "logits (zero: no compute; sleep:MS: each step sleeps MS ms; timed:PATH: each step takes the "
+                        "time the cost-model JSON PATH gives its work, KV blocks and transfers sized by --model's "
+                        "geometry for --kv-cache-memory) to measure the node's own overhead or run it at GPU-like "
+                        "step times")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly (default on CUDA with the triton backend: decode steps replay CUDA graphs)")
     p.add_argument("--log-format", default="console", choices=["console", "json"])

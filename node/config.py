@@ -48,7 +48,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     enforce_eager: bool = False  # no CUDA-graph decode (graphs are used on CUDA with the triton backend otherwise)
     tensor_parallel_size: int = 1  # devices per engine: --devices grouped in consecutive runs of this many (colocated mode only for now)
     engine_layout: str = "process"  # process: one engine process per device | thread: in the node's process (debugging, bench baseline)
-    benchmark_model: str | None = None  # bench tool, not for serving: "zero" (fixed logits, no compute) | "sleep:MS" (each step sleeps MS ms)
+    benchmark_model: str | None = None  # bench tool, not for serving: "zero" (fixed logits, no compute) | "sleep:MS" (each step sleeps MS ms) | "timed:PATH" (a cost model's step times)
     mode: str = "time-shared"  # time-shared | colocated | pooled
     prefill_devices: list[str] = msgspec.field(default_factory=list)  # pooled mode
     decode_devices: list[str] = msgspec.field(default_factory=list)  # pooled mode
@@ -93,6 +93,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (len(set(self.devices)) == len(self.devices) and self.devices, f"--devices must list distinct devices, got {self.devices}"),
             (self.engine_layout in ("process", "thread"), f"--engine-layout must be process or thread, got {self.engine_layout!r}"),
             (_benchmark_model_error(self.benchmark_model) is None, _benchmark_model_error(self.benchmark_model)),
+            (self.timed_error() is None, self.timed_error()),
             (self.tensor_parallel_error() is None, self.tensor_parallel_error()),
             (self.mode in ("time-shared", "colocated", "pooled"), f"--mode must be time-shared, colocated or pooled, got {self.mode!r}"),
             (self.mode != "pooled" or bool(self.prefill_devices or self.decode_devices),
@@ -155,6 +156,24 @@ class NodeConfig(msgspec.Struct, kw_only=True):
                     f"of a tensor-parallel group's sharded KV pool come later")
         return None
 
+    def timed_error(self) -> str | None:
+        """Why ``--benchmark-model timed:PATH`` cannot run with the other flags, or None.
+
+        A timed device allocates a pool of a few bytes per block, so its KV budget (and thus its block
+        count) must be given: ``--kv-cache-memory``, the emulated device's KV bytes. KV to peers over
+        TCP would carry that tiny pool's layout, not the geometry's: timed devices move KV between the
+        node's own devices only (no ``--peers``, ``--kv-port`` or ``--peer-secret`` outside colocated mode).
+        """
+        if benchmark_cost_path(self.benchmark_model) is None:
+            return None
+        if self.kv_cache_memory_bytes is None:
+            return ("--benchmark-model timed:PATH needs --kv-cache-memory (the emulated device's KV cache bytes, "
+                    "e.g. 60GiB): its block count is that budget over the geometry's KV bytes per block")
+        if self.peers or self.kv_port is not None or (self.peer_secret and self.mode != "colocated"):
+            return ("--benchmark-model timed:PATH moves KV between this node's devices only: not with --peers, "
+                    "--kv-port or --peer-secret (KV over TCP is not emulated at the geometry's size)")
+        return None
+
     def device_groups(self) -> list[list[str]]:
         """``devices`` in consecutive groups of ``tensor_parallel_size`` (each one engine, one
         ``DeviceEngine``); one device per group at size 1."""
@@ -175,30 +194,51 @@ class NodeConfig(msgspec.Struct, kw_only=True):
         return self.model.rstrip("/").split("/")[-1]
 
 
+_BENCHMARK_KINDS = "'zero', 'sleep:MS' (MS milliseconds >= 0) or 'timed:PATH' (PATH a cost-model JSON file)"
+
+
 def benchmark_sleep_ms(value: str) -> float:
-    """``--benchmark-model`` value → milliseconds each step sleeps: ``"zero"`` → 0.0, ``"sleep:MS"`` → MS.
+    """``--benchmark-model`` value → milliseconds each step sleeps: ``"zero"`` → 0.0, ``"sleep:MS"`` → MS,
+    ``"timed:PATH"`` → 0.0 (its steps are paced by the cost model instead, :func:`benchmark_cost_path`).
 
     Raises:
         ConfigError: any other value, or MS not a finite number >= 0.
     """
     kind, sep, ms = value.partition(":")
-    if value == "zero":
+    if value == "zero" or benchmark_cost_path(value) is not None:
         return 0.0
     try:
         sleep_ms = float(ms) if kind == "sleep" and sep else -1.0
     except ValueError:
         sleep_ms = -1.0
     if not 0.0 <= sleep_ms < 1e6:
-        raise ConfigError(f"--benchmark-model must be 'zero' or 'sleep:MS' (MS milliseconds >= 0), got {value!r}")
+        raise ConfigError(f"--benchmark-model must be {_BENCHMARK_KINDS}, got {value!r}")
     return sleep_ms
 
 
+def benchmark_cost_path(value: str | None) -> str | None:
+    """The cost-model path of ``--benchmark-model timed:PATH`` (a timed device), else None."""
+    if value is None or not value.startswith("timed:"):
+        return None
+    return value.removeprefix("timed:")
+
+
 def _benchmark_model_error(value: str | None) -> str | None:
-    """Why ``--benchmark-model value`` is refused, or None."""
+    """Why ``--benchmark-model value`` is refused, or None (a ``timed:PATH`` file is read here)."""
     try:
         value is None or benchmark_sleep_ms(value)
     except ConfigError as e:
         return str(e)
+    path = benchmark_cost_path(value)
+    if path is not None:
+        from node.timed_cost import CostFileError, load_step_cost
+
+        if not path:
+            return f"--benchmark-model must be {_BENCHMARK_KINDS}, got {value!r}"
+        try:
+            load_step_cost(path)
+        except CostFileError as e:
+            return f"--benchmark-model {value}: {e}"
     return None
 
 

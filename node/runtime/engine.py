@@ -88,6 +88,7 @@ class DeviceEngine:
         self._migrations: list[tuple[Sequence, DeviceEngine, str, asyncio.Future]] = []
         self._detaches: list[tuple[Sequence, asyncio.Future]] = []
         self.link_gbps: float | None = None  # emulated interconnect for KV leaving this device
+        self.block_layer_bytes: int | None = None  # a timed device: KV bytes one block of one layer emulates
         self.migration_listeners: list[Callable[[DeviceEngine, DeviceEngine, Sequence, MigrationRecord], None]] = []
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"worker-{device_id}")
@@ -290,7 +291,7 @@ class DeviceEngine:
             try:
                 report = await loop.run_in_executor(self._executor, partial(
                     copy_sequence_blocks, self.runner.kv_cache, src_blocks[reused:], dst.runner.kv_cache,
-                    blocks[reused:], link_gbps=self.link_gbps))
+                    blocks[reused:], link_gbps=self.link_gbps, block_layer_bytes=self.block_layer_bytes))
             except Exception as e:  # noqa: BLE001 - a failed copy leaves the sequence where it was
                 log.warning("migration_failed", seq=seq.seq_id, src=self.device_id, dst=dst.device_id, error=str(e))
                 dst.batcher.ledger.free(blocks)

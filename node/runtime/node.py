@@ -20,7 +20,7 @@ from typing import AsyncIterator
 import msgspec
 import structlog
 
-from node.config import NodeConfig, group_id
+from node.config import NodeConfig, benchmark_cost_path, group_id
 from node.core.batcher import BatchConfig, Batcher
 from node.core.ledger import BlockLedger
 from node.core.sequence import SamplingParams
@@ -138,10 +138,14 @@ class Node:
                                        config.decode_devices, time.monotonic)
         elif config.mode != "colocated":
             raise StartupError(f"unknown mode {config.mode!r} (time-shared, colocated, pooled)")
+        block_layer_bytes = None  # timed devices' transfers are paced and counted at the geometry's KV size
+        if benchmark_cost_path(config.benchmark_model) is not None:
+            block_layer_bytes = info.cfg.kv_bytes_per_token(info.dtype) // info.cfg.num_layers * config.block_size
         for e in engines:
             e.down_listeners.append(self._on_engine_down)
             e.migration_listeners.append(self._on_migration)
             e.link_gbps = config.link_gbps
+            e.block_layer_bytes = block_layer_bytes
 
     @classmethod
     async def create(cls, config: NodeConfig, prelaunched: dict[str, EngineProcess] | None = None) -> "Node":
@@ -445,6 +449,8 @@ class Node:
                 "engine": {"layout": self.config.engine_layout, "pid": e.runner.pid},  # pid: null in the thread layout; a group's rank 0
                 "engine_busy_s": round(e.busy_s, 6),  # the engine's own time in steps, summed (wall minus this: waiting)
                 "kv_blocks_total": e.batcher.ledger.num_blocks,
+                # bytes of the pool allocated (small on a timed device, whose blocks only stand for the geometry's)
+                "kv_pool_bytes": _pool_bytes(e.runner.kv_cache),
                 "kv_blocks_free": e.batcher.ledger.num_free,
                 "kv_blocks_used": e.batcher.ledger.num_used,  # held by live requests (and transfers)
                 "kv_blocks_cached": e.batcher.ledger.num_cached,  # findable prefix blocks, held or not
@@ -475,7 +481,7 @@ class Node:
             devices.append(d)
         return {
             "model": self.config.model_name,
-            "benchmark_model": self.config.benchmark_model,  # "zero" / "sleep:MS": a bench run, outputs meaningless
+            "benchmark_model": self.config.benchmark_model,  # zero / sleep:MS / timed:PATH: a bench run, outputs meaningless
             "mode": self.config.mode,
             "max_model_len": self.max_model_len,
             "block_size": self.config.block_size,
@@ -509,3 +515,8 @@ class Node:
         if self.peers:
             out["peers"] = [p.as_dict(now, self.peers.stale_s) for p in list(self.peers.peers.values())]
         return out
+
+
+def _pool_bytes(kv_cache) -> int | None:
+    """Bytes of a device's KV pool as allocated (None: a tensor-parallel group's, sharded across ranks)."""
+    return None if kv_cache is None else kv_cache.numel() * kv_cache.element_size()

@@ -61,13 +61,17 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def copy_sequence_blocks(src_kv: torch.Tensor, src_blocks: list[int], dst_kv: torch.Tensor, dst_blocks: list[int],
                          *, on_layer: Callable[[int], None] | None = None, verify: bool = True,
                          link_gbps: LinkThrottle | float | None = None,
+                         block_layer_bytes: int | None = None,
                          gather: GatherFn = reference.gather_kv_blocks,
                          scatter: ScatterFn = reference.scatter_kv_blocks,
                          fault_hook: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> LocalCopyReport:
     """Copy blocks ``src_blocks`` of ``src_kv`` into ``dst_blocks`` of ``dst_kv`` (same logical order),
     every layer in order. Caches: ``[num_layers, 2, num_blocks, block_size, Hkv, D]``, same dtype and
     geometry (block counts may differ). ``link_gbps``: None, Gb/s or a shared :class:`LinkThrottle`;
-    each layer then takes at least ``bytes*8/(gbps*1e9)`` s. ``gather``/``scatter``: the kernels'
+    each layer then takes at least ``bytes*8/(gbps*1e9)`` s. ``block_layer_bytes``: bytes one block of
+    one layer (K and V) stands for, paced and reported instead of the buffer's own (a timed benchmark
+    device, whose pool holds a few bytes per block, emulates its geometry's
+    ``2 * block_size * kv_heads * head_dim * dtype_bytes``); None: the buffer's. ``gather``/``scatter``: the kernels'
     ops (default: the torch reference; a cache in host memory always uses the reference).
     ``fault_hook(layer, buffer) -> buffer``: tests only, alters the buffer after it was gathered.
     Raises ``ChecksumMismatch`` (verification failed: the destination blocks hold garbage for that
@@ -93,7 +97,7 @@ def copy_sequence_blocks(src_kv: torch.Tensor, src_blocks: list[int], dst_kv: to
                 dst_kv[layer, 0], dst_kv[layer, 1], dst_ids)
             if not torch.equal(_bits(back), _bits(sent)):
                 raise ChecksumMismatch(f"layer {layer}: destination blocks differ from the source after the copy")
-        nbytes = buf.numel() * buf.element_size()
+        nbytes = buf.numel() * buf.element_size() if block_layer_bytes is None else block_layer_bytes * len(src_blocks)
         report.nbytes += nbytes
         if link is not None:
             link.wait_sync(nbytes)

@@ -9,8 +9,12 @@ cost (almost) nothing, to measure the node's own host overhead. Their outputs ar
   sit ``EXCLUDED_LOGIT`` below and are practically never drawn.
 * ``sleep:MS``: the same, but every ``forward`` first sleeps ``MS`` milliseconds (``time.sleep``
   releases the GIL, so it behaves like a device step seen from the host).
+* ``timed:PATH``: the same model as ``zero``; the engine core then makes every step last the time the
+  cost model in ``PATH`` gives its work, counted from the step's start (:mod:`node.worker.timed_step`,
+  the idea of NVIDIA Dynamo's mocker engine), and the loader allocates a KV pool of one element per
+  block, layer and K/V while the ledger counts the geometry's blocks (:func:`node.worker.loader.build_runner`).
 
-No weights are loaded; the KV pool is still allocated and the batcher's accounting is real.
+No weights are loaded; the KV pool is still allocated (tiny for ``timed``) and the batcher's accounting is real.
 """
 
 from __future__ import annotations

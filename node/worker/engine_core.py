@@ -29,6 +29,7 @@ import msgspec
 from node.core.sequence import SamplingParams
 from node.worker.runner import ModelRunner, SeqInput, SeqOutput, StepInput
 from node.worker.sampler import SampleRequest
+from node.worker.timed_step import step_work
 
 
 class NewSeq(msgspec.Struct, array_like=True):
@@ -112,6 +113,7 @@ class EngineCore:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.seqs: dict[str, _SeqState] = {}
+        self.pacer = getattr(runner, "pacer", None)  # ModelRunner.pacer (a timed device), else None
 
     @property
     def num_blocks(self) -> int:
@@ -140,7 +142,10 @@ class EngineCore:
             s.block_ids.extend(b.add)
 
     def step(self, msg: StepMsg) -> StepReply:
-        """Apply the diff, run the forward pass and sampling over the items, append sampled tokens."""
+        """Apply the diff, run the forward pass and sampling over the items, append sampled tokens. On a
+        timed device (``runner.pacer``) the step then sleeps out the rest of its modelled time, counted
+        from the start of this call, so applying the diff and sampling count toward it
+        (:mod:`node.worker.timed_step`)."""
         t0 = time.perf_counter()
         self.apply(msg)
         seqs = self.seqs
@@ -158,6 +163,9 @@ class EngineCore:
                 top = it.prompt_top
             inputs.append(SeqInput(it.seq_id, toks[start : start + n], start, s.block_ids, sample, targets, top))
         outs = self.runner.execute(StepInput(inputs))
+        pacer = self.pacer
+        if pacer is not None:  # a timed benchmark device: the step lasts the cost model's time from t0
+            pacer.finish(t0, step_work(msg.items, {it.seq_id: seqs[it.seq_id].prompt_len for it in msg.items}))
         ordered = [outs[it.seq_id] for it in msg.items]
         for it, out in zip(msg.items, ordered):
             if out.token_id is not None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from node.config import NodeConfig
+from node.config import NodeConfig, benchmark_cost_path
 from node.worker.cuda_graphs import DecodeGraphs, decode_graphs_unsupported
 from node.worker.model_config import ModelConfig
 from node.worker.runner import (KVAlloc, ModelRunner, free_device_bytes, kv_bytes_per_token_per_rank, plan_kv_blocks,
@@ -102,6 +102,11 @@ def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: obj
     of the group indexes on every rank. Decode CUDA graphs are off at ``D > 1`` (eager steps) in
     this slice. Collective: every rank of the group must call it.
 
+    ``--benchmark-model timed:PATH``: the block count is the geometry's for ``--kv-cache-memory``
+    (the emulated device's KV bytes), but the pool allocated holds one element per block, layer and
+    K/V (``kv_payload=(1, 1, 1)``); the runner gets a :class:`~node.worker.timed_step.StepPacer` and
+    no decode graphs (its steps run eagerly and sleep).
+
     Raises:
         StartupError: the budget holds fewer than ``max_model_len`` tokens (one full sequence).
         TensorParallelError: the model cannot be split ``D`` ways (the numbers in the message).
@@ -154,15 +159,25 @@ def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: obj
     if fmt == "dummy":
         log.warning("random_weights", device=device_id, seed=config.seed,
                     message="weights are random (fixed seed): outputs are meaningless text")
+    cost_path = benchmark_cost_path(config.benchmark_model)  # a timed device: tiny pool, paced steps
     try:
         runner = ModelRunner(model, cfg, dev, num_blocks, config.block_size, info.dtype, seed=config.seed,
-                             kv_alloc=kv_alloc)
+                             kv_alloc=kv_alloc, kv_payload=(1, 1, 1) if cost_path is not None else None)
     except (RuntimeError, MemoryError) as e:  # the KV pool could not be allocated
         raise StartupError(f"cannot allocate a KV pool of {num_blocks * config.block_size * per_token} bytes "
                            f"on {device_id}: {e}") from e
     if degree > 1:
         if dev.type == "cuda":
             log.info("decode_graphs_off", device=device_id, reason=f"tensor-parallel degree {degree} (eager steps)")
+        return runner
+    if cost_path is not None:  # a timed device: eager steps, each paced to the cost model's time
+        from node.timed_cost import load_step_cost
+        from node.worker.timed_step import StepPacer
+
+        runner.pacer = StepPacer(load_step_cost(cost_path))
+        log.info("timed_device", device=device_id, cost_model=cost_path, kv_blocks=num_blocks,
+                 emulated_kv_bytes=num_blocks * config.block_size * per_token, allocated_kv_bytes=runner.kv_pool_bytes,
+                 decode_graphs="off (timed steps run eagerly)")
         return runner
     attach_decode_graphs(runner, config, info.max_model_len, ops, device_id)
     return runner

@@ -19,6 +19,7 @@ from node.worker.cuda_graphs import DecodeGraphs
 from node.worker.model import AttentionMetadata, CausalLM
 from node.worker.model_config import ModelConfig
 from node.worker.sampler import SampleRequest, TokenLogprobs, logprobs_of, sample
+from node.worker.timed_step import StepPacer
 
 log = structlog.get_logger("shiftnode.runner")
 
@@ -71,25 +72,32 @@ class ModelRunner:
             being the model's ``local_kv_heads`` (``num_kv_heads / degree`` under tensor parallelism).
         seed: seed of the generator used by unseeded sampling.
         kv_alloc: allocates the zeroed pool (e.g. in memory shared with the node); ``torch.zeros`` by default.
+        kv_payload: ``(block_size, kv_heads, head_dim)`` actually allocated per block and layer; None:
+            the geometry's. A timed benchmark device passes ``(1, 1, 1)``: its ledger indexes the
+            geometry-sized block count (``num_blocks``) of a pool of a few bytes per block.
 
     ``graphs`` (set by the loader, None for eager only): pure decode steps that fit a bucket replay a
     captured CUDA graph (:class:`~node.worker.cuda_graphs.DecodeGraphs`); every other step runs eagerly.
+    ``pacer`` (set by the loader for ``--benchmark-model timed:PATH``, else None): makes every step
+    last its modelled time (:class:`~node.worker.timed_step.StepPacer`).
     """
 
     def __init__(self, model: CausalLM, cfg: ModelConfig, device: torch.device, num_blocks: int,
-                 block_size: int, kv_dtype: torch.dtype, seed: int = 0, kv_alloc: KVAlloc | None = None):
+                 block_size: int, kv_dtype: torch.dtype, seed: int = 0, kv_alloc: KVAlloc | None = None,
+                 kv_payload: tuple[int, int, int] | None = None):
         self.model = model
         self.cfg = cfg
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
         kv_heads = getattr(model, "local_kv_heads", cfg.num_kv_heads)  # this rank's KV heads under tensor parallelism
-        shape = (cfg.num_layers, 2, num_blocks, block_size, kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, 2, num_blocks, *(kv_payload or (block_size, kv_heads, cfg.head_dim)))
         self.kv_cache = kv_alloc(shape, kv_dtype, device) if kv_alloc else torch.zeros(shape, dtype=kv_dtype, device=device)
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self._lock = threading.Lock()  # one step at a time, also against KV copies from transfers
         self.graphs: DecodeGraphs | None = None
         self.graphs_error: str | None = None  # why a capture failed (graphs were then turned off)
+        self.pacer: StepPacer | None = None
 
     @property
     def kv_pool_bytes(self) -> int:
