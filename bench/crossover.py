@@ -133,11 +133,12 @@ def capacity(run, guess: float, *, target: float = 0.9, tolerance: float = 1.1, 
 def _config(a: argparse.Namespace, cell: Cell) -> SimConfig:
     model_cfg = load_config(MODELS_SEEN[cell.model][0])
     per_token, blocks = kv_geometry(model_cfg, dtype="bf16", block_size=16, device_memory_gib=a.device_memory_gib)
-    return SimConfig(mode=cell.mode, devices=a.devices, prefill_devices=cell.prefill_devices, kv_blocks=blocks,
+    base = SimConfig(mode=cell.mode, devices=a.devices, prefill_devices=cell.prefill_devices, kv_blocks=blocks,
                      kv_bytes_per_token=per_token, link_gbps=cell.link_gbps or 100.0, transfer=cell.transfer,
                      max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                      max_num_batched_tokens=a.max_num_batched_tokens, ttft_slo_ms=a.ttft_slo_ms,
-                     tpot_slo_ms=a.tpot_slo_ms, max_sim_s=a.max_sim_s, **dict(cell.setting))
+                     tpot_slo_ms=a.tpot_slo_ms, max_sim_s=a.max_sim_s)
+    return replace(base, **dict(cell.setting))
 
 
 MODELS_SEEN: dict[str, tuple[Path, Path]] = dict(MODELS)

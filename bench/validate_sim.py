@@ -16,11 +16,21 @@ afresh first (on a shared machine, step times drift with the load of other proce
 includes the node's per-step shell and in-process contention that the runner alone does not see;
 ``--calibrate runner+node`` keeps the runner's model for the steps and probes the node only for its
 host overheads — a fixed time per step and per request (:func:`host_overheads`), which the simulator
-then adds (``SimConfig.step_overhead_ms``, ``request_overhead_ms``). When the node was probed, a
+then adds (``SimConfig.step_overhead_ms``, ``request_overhead_ms``); ``--calibrate overheads`` probes
+the node for those host overheads alone and keeps ``--cost-model`` for the steps (what a timed device's
+steps take by construction). When the node was probed, a
 time-shared simulation's switch pause is the mean swap of the probe's own switches (``--pause-ms`` to
 set it). ``--repeat N`` replays the workload N times on each live node, so the report also shows how
 much the live node disagrees with itself. A bench, not a test: it depends on the machine, and on the
 machine being otherwise quiet.
+
+**Timed devices** (issue 13's validation target): ``--benchmark-model timed:PATH --kv-cache-memory 60GiB
+--model bench/configs/llama3-8b`` runs the live node on devices whose steps take the cost model PATH's
+time for their work, with the geometry's KV blocks and transfer sizes (``node/worker/timed_step.py``);
+the simulation then uses the same cost model (``--cost-model`` defaults to PATH), the geometry's KV bytes
+per token and ``--link-gbps``, so the comparison isolates what the simulator leaves out of the live
+node (its host work, its clock, the policies' view of a running system). ``--prefill-devices N``
+(pooled): the first N of ``--devices`` prefill, the rest decode.
 """
 
 from __future__ import annotations
@@ -39,7 +49,8 @@ from bench.calibrate_node import calibrate as calibrate_node, probe
 from bench.metrics import Summary, request_tpot_s
 from bench.node_process import NodeServer, NodeUnavailable
 from bench.replay import fetch_server_info, replay
-from bench.sim import SimConfig, simulate
+from bench.sim import SimConfig, kv_geometry, simulate
+from node.plan import load_config, resolve_dtype
 from node.core.cost import CostModel
 from bench.workload import add_workload_args, build_workload, shared_dir, spec_from_args
 
@@ -97,7 +108,15 @@ def _switch_swaps_ms(status: dict) -> list[float]:
 def validate_mode(a: argparse.Namespace, mode: str, out: Path) -> dict:
     serve = ["--mode", mode, "--devices", a.devices, "--model", a.model, "--ttft-slo-ms", str(a.ttft_slo_ms),
              "--tpot-slo-ms", str(a.tpot_slo_ms), "--max-num-batched-tokens", str(a.max_num_batched_tokens),
-             "--reconfig-pause-ms", str(a.reconfig_pause_ms)]
+             "--reconfig-pause-ms", str(a.reconfig_pause_ms), "--max-num-seqs", str(a.max_num_seqs)]
+    devices = a.devices.split(",")
+    if mode == "pooled":
+        n = a.prefill_devices or max(1, len(devices) // 2)
+        serve += ["--prefill-devices", ",".join(devices[:n]), "--decode-devices", ",".join(devices[n:])]
+    for flag, value in (("--benchmark-model", a.benchmark_model), ("--kv-cache-memory", a.kv_cache_memory),
+                        ("--link-gbps", a.link_gbps), ("--max-model-len", a.max_model_len)):
+        if value is not None:
+            serve += [flag, str(value)]
     env = {"OMP_NUM_THREADS": "1"} if a.devices.startswith("cpu") else {}
     cost_path = a.cost_model
     step_ms, request_ms, pause_ms = a.step_overhead_ms, a.request_overhead_ms, a.pause_ms
@@ -107,7 +126,7 @@ def validate_mode(a: argparse.Namespace, mode: str, out: Path) -> dict:
             cost_path = out / f"cost_model_node_{mode}.json"
             calibrate_node(node.url, cost_path, max_prompt_tokens=a.max_prompt_tokens or 256)
             node.wait_idle()
-        elif a.calibrate == "runner+node":
+        elif a.calibrate in ("runner+node", "overheads"):
             prefill, decode = asyncio.run(probe(node.url, max_prompt_tokens=a.max_prompt_tokens or 256))
             step_s, req_s = host_overheads(load_cost_model(cost_path), prefill, decode)
             step_ms, request_ms = step_s * 1e3, req_s * 1e3
@@ -115,7 +134,7 @@ def validate_mode(a: argparse.Namespace, mode: str, out: Path) -> dict:
                         "probe_prefill": prefill, "probe_decode": decode}
             node.wait_idle()
         status0 = node.get_json("/v1/node")
-        if a.calibrate in ("node", "runner+node") and mode == "time-shared" and a.pause_ms is None:
+        if a.calibrate in ("node", "runner+node", "overheads") and mode == "time-shared" and a.pause_ms is None:
             swaps = _switch_swaps_ms(status0)  # the probe's switches: the node's own swap time
             pause_ms = statistics.mean(swaps) if swaps else 0.0
             measured["pause_ms"] = round(pause_ms, 3)
@@ -127,7 +146,12 @@ def validate_mode(a: argparse.Namespace, mode: str, out: Path) -> dict:
         status = node.get_json("/v1/node")
     info, wl, res = lives[0]
     dev0 = status["devices"][0]
+    model_cfg = load_config(a.model)
+    per_token = kv_geometry(model_cfg, dtype=resolve_dtype(a.kv_dtype, model_cfg), block_size=status["block_size"],
+                            kv_cache_bytes=1)[0]  # only the bytes per token: copies in the simulation
     cfg = SimConfig(mode=mode, devices=len(status["devices"]), kv_blocks=dev0["kv_blocks_total"],
+                    prefill_devices=a.prefill_devices, kv_bytes_per_token=per_token,
+                    link_gbps=a.link_gbps or 1e6, max_num_seqs=a.max_num_seqs,
                     block_size=status["block_size"], max_model_len=info.max_model_len or 2048,
                     max_num_batched_tokens=a.max_num_batched_tokens, ttft_slo_ms=a.ttft_slo_ms,
                     tpot_slo_ms=a.tpot_slo_ms, reconfig_pause_ms=a.reconfig_pause_ms,
@@ -175,12 +199,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="time-shared")
     ap.add_argument("--devices", default="cpu:0")
     ap.add_argument("--model", default=str(shared_dir() / "models" / "stories260k"))
-    ap.add_argument("--cost-model", default=str(REPO / "bench" / "cost_models" / "cpu_stories260k.json"))
-    ap.add_argument("--calibrate", default="none", choices=["none", "runner", "node", "runner+node"],
+    ap.add_argument("--cost-model", default=None,
+                    help="default: the timed device's file, else bench/cost_models/cpu_stories260k.json")
+    ap.add_argument("--calibrate", default="none", choices=["none", "runner", "node", "runner+node", "overheads"],
                     help="cost model: none = --cost-model; runner = measure afresh with bench.calibrate just before "
                          "the live runs; node = probe each mode's live node through its API first "
                          "(bench.calibrate_node: the steps as the client sees them); runner+node = the runner's "
-                         "model plus the node's host overheads per step and per request, measured by the probe")
+                         "model plus the node's host overheads per step and per request, measured by the probe; "
+                         "overheads = --cost-model plus those overheads (timed devices)")
     ap.add_argument("--step-overhead-ms", type=float, default=0.0, help="simulated host time per step (ms)")
     ap.add_argument("--request-overhead-ms", type=float, default=0.0,
                     help="simulated time from send to the node's scheduler, added to TTFT (ms)")
@@ -190,6 +216,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="replay the workload this many times on each live node (the first is compared; all "
                          "give the live run-to-run spread)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=None, help="the node's --max-model-len")
+    ap.add_argument("--benchmark-model", default=None,
+                    help="the node's --benchmark-model, e.g. timed:bench/cost_models/h200_llama3_8b.json "
+                         "(then --cost-model defaults to that file)")
+    ap.add_argument("--kv-cache-memory", default=None, help="the node's --kv-cache-memory (needed by timed:)")
+    ap.add_argument("--kv-dtype", default="auto",
+                    help="KV dtype of --model's geometry, for copy sizes in the simulation (auto: the config's, as the node)")
+    ap.add_argument("--link-gbps", type=float, default=None, help="the node's --link-gbps (copies between devices)")
+    ap.add_argument("--prefill-devices", type=int, default=None, help="pooled: prefill devices (first of --devices)")
     ap.add_argument("--reconfig-pause-ms", type=float, default=0.0)
     ap.add_argument("--ttft-slo-ms", type=float, default=1000.0)
     ap.add_argument("--tpot-slo-ms", type=float, default=100.0)
@@ -200,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     out = Path(a.out) if a.out else REPO / "bench" / "out" / "validate"
     out.mkdir(parents=True, exist_ok=True)
+    if a.cost_model is None:
+        timed = (a.benchmark_model or "").startswith("timed:")
+        a.cost_model = a.benchmark_model.removeprefix("timed:") if timed else str(
+            REPO / "bench" / "cost_models" / "cpu_stories260k.json")
     if a.calibrate in ("runner", "runner+node"):
         a.cost_model = str(out / "cost_model_runner.json")
         cal = ["--model", a.model, "--device", a.devices.split(",")[0], "--threads", "1", "--quadratic",

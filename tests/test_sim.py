@@ -228,7 +228,7 @@ def test_crossover_tiny_grid(capsys):
     from bench import crossover
 
     rc = crossover.main(["--models", "8b", "--lengths", "tiny=fixed:256:4", "--links", "1,400", "--devices", "2",
-                         "--duration", "1", "--modes", "time-shared,pooled", "--tolerance", "1.5",
+                         "--duration", "1", "--modes", "time-shared,colocated,pooled", "--tolerance", "1.5",
                          "--tune-grid", "small"])
     assert rc == 0
     out = capsys.readouterr().out
@@ -239,6 +239,7 @@ def test_crossover_tiny_grid(capsys):
     assert slow.lstrip("*≈ ").startswith("TS")
     # each mode at its best setting, named: time-shared's of the small grid, pooled's split (1 of 2 devices)
     assert "imbalance_threshold=" in slow and "max_window_ms=" in slow and "prefill_devices=1" in fast
+    assert "CO " in slow and "max_num_batched_tokens=" in slow
 
 
 def test_crossover_run_duration_holds_enough_requests():

@@ -218,3 +218,25 @@ def test_time_shared_fallback_migration_takes_the_geometry_sized_transfer_time(t
             assert m["end_s"] - m["start_s"] >= m["nbytes"] * 8 / 1e9 * 0.95, m
     finally:
         node.close()
+
+
+def test_time_shared_policies_start_from_the_timed_cost_model_and_charge_geometry_copies(cost_file):
+    import asyncio
+
+    from node.runtime.node import Node
+
+    async def go():
+        node = await Node.create(NodeConfig(model=str(LLAMA8B), benchmark_model=f"timed:{cost_file}",
+                                            kv_cache_memory_bytes=KV_MEMORY, max_model_len=2048, mode="time-shared",
+                                            devices=["cpu:0", "cpu:1"], link_gbps=10.0, reconfig_pause_ms=3.0,
+                                            engine_layout="thread"))
+        try:
+            cost = node.driver.scheduler.cost
+            assert (cost.decode_fixed_s, cost.prefill_per_token_s) == (DECODE_S, COST["prefill_per_token_s"])
+            assert cost.pause_s == pytest.approx(0.003)  # the file has none: the configured floor
+            per_token = _geometry_block_bytes() // 16  # not the tiny pool's bytes
+            assert node.driver.imbalance.config.local_transfer_s_per_token == pytest.approx(per_token * 8 / 10e9)
+        finally:
+            await node.close()
+
+    asyncio.run(go())

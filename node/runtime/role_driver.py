@@ -74,10 +74,10 @@ class RoleDriver(Driver):
     def _transfer_s_per_token(node: "Node") -> float:
         """Seconds per context token of KV moved at ``--link-gbps``, to a peer or to another device of
         this node (``DeviceEngine.migrate`` copies at that rate too); 0 when unthrottled."""
-        if not node.config.link_gbps or node.peers is None:
+        if not node.config.link_gbps:
             return 0.0
-        lay = node.peers.layout
-        return lay.layer_bytes(1) * lay.num_layers / lay.block_size * 8 / (node.config.link_gbps * 1e9)
+        per_token = node.info.cfg.kv_bytes_per_token(node.info.dtype)  # the geometry's (a timed device's pool is tiny)
+        return per_token * 8 / (node.config.link_gbps * 1e9)
 
     # --- one decision round --------------------------------------------------------------------------
     def tick(self) -> None:
