@@ -16,6 +16,7 @@ from bench.sim.batched import prompt_token_ids
 from bench.sim.config import SimAborted, SimConfig, count_late
 from bench.traces import TraceRequest
 from node.core.cost import CostModel
+from node.core.roofline import RooflineCost
 from node.core.roles import NodeSnapshot, RoleScheduler, RoleSchedulerConfig
 from node.core.virtual import RequestTrace, VirtualNode, VirtualRequest
 
@@ -47,7 +48,7 @@ class CappedVirtualNode(VirtualNode):
         return msgspec.structs.replace(snap, devices=devs)
 
 
-def simulate_time_shared(requests: list[TraceRequest], cfg: SimConfig, cost: CostModel,
+def simulate_time_shared(requests: list[TraceRequest], cfg: SimConfig, cost: CostModel | RooflineCost,
                          prefix: str = "r") -> tuple[list[RequestTrace], dict]:
     """Replay ``requests`` on one time-shared node; ``(traces in request order, stats)``."""
     policy = RoleSchedulerConfig(

@@ -25,6 +25,7 @@ import math
 import msgspec
 
 from node.core.cost import CostModel
+from node.core.roofline import RooflineCost
 from node.core.ledger import BlockLedger
 from node.core.roles import (
     DeviceState, NodeSnapshot, Place, Reject, ResidentSeq, Role, RoleScheduler, SwitchRole, WaitingPrompt,
@@ -169,7 +170,7 @@ class VirtualNode:
         tick_s: clock advance when nothing is scheduled but prompts wait (s).
     """
 
-    def __init__(self, scheduler: RoleScheduler, cost: CostModel, *, num_devices: int = 1,
+    def __init__(self, scheduler: RoleScheduler, cost: CostModel | RooflineCost, *, num_devices: int = 1,
                  kv_blocks: int = 1024, block_size: int = 16, pause_s: float | None = None,
                  initial_role: Role = Role.PREFILL, tick_s: float = 1e-3, prefix_caching: bool = False):
         self.scheduler = scheduler
