@@ -43,14 +43,19 @@ import msgspec
 
 from node.cli import parse_bytes
 from node.core.cost import CostModel, fit_cost_model, least_squares
+from node.core.roofline import RooflineCost, cost_model_from_dict, cost_model_to_dict
 
 __all__ = ["measure", "relative_fit", "fit", "fit_errors", "doubling", "load_cost_model", "main"]
 
 
-def load_cost_model(path: str | Path) -> CostModel:
-    """A CostModel from a calibration JSON (extra keys, such as ``calibration``, are ignored)."""
-    raw = json.loads(Path(path).read_text())
-    return msgspec.convert({k: v for k, v in raw.items() if k in CostModel.__struct_fields__}, CostModel)
+def load_cost_model(path: str | Path) -> CostModel | RooflineCost:
+    """The cost model of a JSON file, by its ``"kind"`` (:func:`node.core.roofline.cost_model_from_dict`:
+    ``roofline``, or ``linear``/absent); keys that are not fields, such as ``calibration``, are ignored.
+
+    Raises:
+        OSError: the file cannot be read; ValueError: not JSON, an unknown kind or bad fields.
+    """
+    return cost_model_from_dict(json.loads(Path(path).read_text()))
 
 
 def _nonneg_relative(rows: list[list[float]], ys: list[float]) -> list[float]:
@@ -198,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     errs = [abs(e) for e in fit_errors(cost, prefill, decode)]
     worst, mean = max(errs), sum(errs) / len(errs)
     command = " ".join(["python -m bench.calibrate", *(argv if argv is not None else sys.argv[1:])])
-    doc = {**msgspec.structs.asdict(cost), "calibration": {
+    doc = {**cost_model_to_dict(cost), "calibration": {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command,
         "model": args.model or "embedded-default", "load_format": args.load_format, "device": args.device,
         "machine": machine, "fit": args.fit, "quadratic": args.quadratic,

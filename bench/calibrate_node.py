@@ -37,6 +37,7 @@ from bench.calibrate import doubling, fit, fit_errors
 from bench.replay import RequestProgress, fetch_server_info, prompt_ids, send_request
 from bench.traces import TraceRequest
 from node.core.cost import CostModel
+from node.core.roofline import cost_model_to_dict
 
 __all__ = ["probe", "main"]
 
@@ -87,7 +88,7 @@ def calibrate(url: str, out: str | Path, *, quadratic: bool = True, method: str 
     prefill, decode = asyncio.run(probe(url, **kw))
     cost = fit(prefill, decode, 0.0, method=method, quadratic=quadratic)
     errs = [abs(e) for e in fit_errors(cost, prefill, decode)]
-    doc = {**msgspec.structs.asdict(cost), "calibration": {
+    doc = {**cost_model_to_dict(cost), "calibration": {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "through": f"node API at {url}",
         "fit": method, "quadratic": quadratic, "max_relative_fit_error": round(max(errs), 4),
         "mean_relative_fit_error": round(sum(errs) / len(errs), 4), "prefill_samples": prefill,

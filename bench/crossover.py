@@ -8,9 +8,10 @@ transfer cost is a large fraction of total work". This sweeps the three axes on 
 (:mod:`bench.sim`, one node):
 
 * **model** — ``NAME=CONFIG:COST_MODEL`` pairs; built in: ``8b`` (Llama-3-8B geometry) and ``1b``
-  (Llama-3.2-1B geometry), both with cost models derived by :mod:`bench.derive_cost` from the
-  H200-measured 8B model (roofline scaling, not measurements); ``8b-fit`` is the measured 8B fit
-  itself (``bench/cost_models/h200_llama3_8b.json``, no context term), as the 8 x H200 tables use;
+  (Llama-3.2-1B geometry), both roofline cost models built by :mod:`bench.derive_cost` (hardware
+  terms fitted to the H200 8B run, byte and FLOP terms from each geometry: not measurements of the 1B);
+  ``8b-fit`` is the measured linear 8B fit itself (``bench/cost_models/h200_llama3_8b.json``, no
+  context term), as the 8 x H200 tables use;
 * **prompt lengths** — ``NAME=SPEC`` with a :func:`bench.workload.synthetic_lengths` spec; built in:
   ``short`` (``fixed:128:128``), ``long`` (``fixed:4096:128``), ``wide``
   (``loguniform:32:7000:128``: prompts from 32 to 7,000 tokens, as many per decade, mean ~1,170);

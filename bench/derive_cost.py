@@ -1,28 +1,62 @@
-"""Derive a step-time cost model for a Llama-family geometry from the H200-measured one, by roofline scaling.
+"""Build a roofline cost model (:class:`node.core.roofline.RooflineCost`) for a Llama-family geometry,
+its hardware terms calibrated on the H200 measurements of ``bench/RESULTS.md``.
 
-``python -m bench.derive_cost --config bench/configs/llama3.2-1b --out bench/cost_models/h200_llama3_1b_roofline.json``
+``python -m bench.derive_cost --config bench/configs/llama3-70b --tensor-parallel-size 8 --link-GBps 450
+--out bench/cost_models/h200_llama3_70b_tp8_roofline.json``
 
-Not a measurement. The reference is ``bench/cost_models/h200_llama3_8b.json`` (CUDA-graph decode steps of
-the Llama-3-8B geometry on one H200, fitted by ``bench/e2e.py``'s run; prefill linear through one measured
-4,096-token prefill with an assumed 2 ms fixed part) and two figures of that same run
-(``bench/RESULTS.md``): the host time of a decode step outside its CUDA graph, ``h`` = 5.516 - 4.697 =
-0.819 ms at B=1, and the bandwidth a B=1 graph replay achieved, ``BW`` = 15.14 GB / 4.697 ms = 3.22 TB/s
-(76% of the measured copy rate). For a geometry ``G`` (``R`` the reference), with ``Wd`` the weight
-bytes a decode step reads (every parameter but an untied input embedding table), ``L`` the layer
-parameters (what prefill GEMMs multiply: ``2 L`` FLOP per token) and ``kv`` the KV bytes per token:
+Measured figures (``bench/RESULTS.md``, "2026-11-30 00:31 — end to end on NVIDIA H200" and
+"2026-11-30 00:30 — kernels on NVIDIA H200"; Llama-3-8B geometry, bf16, Triton kernels, one H200):
+decode steps at B = 1, 16, 64, 256 with 1,024 context tokens per sequence — graph step 5.516, 5.981,
+7.738, 18.022 ms, its replay alone 4.697, 5.390, 6.735, 15.353 ms, eager 25.970, 14.985, 14.436,
+19.082 ms; one 4,096-token prefill, 107.861 ms (the only prefill point in the H200 sections); the
+paged prefill attention kernel at 287.7 TFLOP/s on the same 4,096-token causal shape; the copy and
+matmul ceilings 4,257 GB/s and 784 TFLOP/s (reported beside the fit as fractions, not used in it).
 
-* ``decode_fixed_s(G) = h + (decode_fixed_s(R) - h) * Wd(G) / Wd(R)`` — the weight read scales with bytes;
-* ``decode_per_context_token_s(G) = kv(G) / BW`` — each cached token's KV is read once per step (the
-  reference fit has no context term: its samples held 1,024 tokens per sequence, so context and batch
-  were collinear; this splits the per-sequence term into that KV read and a rest);
-* ``decode_per_seq_s(G) = max(0, decode_per_seq_s(R) - 1024 kv(R) / BW) * L(G) / L(R)`` — the rest,
-  scaled like per-token compute;
-* ``prefill_per_token_s(G) = prefill_per_token_s(R) * L(G) / L(R)`` — the same matmul efficiency (the
-  reference's 68% of the measured rate; a smaller model's narrower GEMMs would likely do worse, so this
-  flatters small models' prefill), ``prefill_fixed_s`` and ``pause_s`` unchanged.
+Calibration, in this order, each step a closed form or a small least squares on the 8B geometry's own
+bytes and FLOPs (:meth:`RooflineCost.pass_work`), ``b_B`` the bytes a decode step reads at batch B
+(weights + KV of 1,024 B tokens + elementwise traffic; 15.14 GB at B = 1, 49.37 GB at B = 256, as the
+run reports):
 
-Applied to the reference geometry itself it returns the reference with its per-sequence term split into
-a context term and a rest (identical at 1,024 tokens per sequence, larger for longer contexts).
+1. ``host_s`` and ``host_per_seq_s`` — (graph step - replay) ``= h0 + h1 B``, ordinary least squares
+   over the four points (the host's inputs, logits copy and sampling outside the graph);
+2. ``hbm_bandwidth_Bps`` and ``graph_launch_s`` — replay ``= m_B / BW + f_B + g``, least squares of the
+   relative error over the four replays, where ``m_B`` are the bytes of the replay's memory-bound phases
+   and ``f_B`` the FLOP time of its compute-bound ones (``g`` < 0 would be clamped to 0 and ``BW``
+   refitted alone). Without a matmul rate every phase counts as memory-bound;
+3. ``attention_flops_per_s`` — the measured 287.7 TFLOP/s kernel rate, used as is;
+4. ``matmul_flops_per_s`` — closed form from the prefill point: its GEMM time is what the 107.861 ms
+   leave after host(1 row), ``g``, attention (4.4 TFLOP at the kernel rate) and elementwise traffic at
+   ``BW``; the rate is ``2 * layer_params * 4096 + 2 * vocab * hidden`` FLOP over that time (so the
+   model meets the prefill point exactly; one point cannot test it). Steps 2 and 4 alternate until the
+   rate stops changing (a few rounds): at the fitted rate the B = 256 replay's GEMMs are compute-bound
+   (256 tokens per weight read is past the ridge point, ~155 FLOP/B), which the first, all-memory
+   pass of step 2 had charged as bytes;
+5. ``eager_launch_s`` — the mean of (eager - host(B)) over the launch-bound eager points, B = 16 and
+   B = 64 (eager more than 1.2x the graph step); B = 256 (1.06x the graph step, device-bound) is a check
+   of the model, not a sample; B = 1 (25.97 ms, 11 ms more than B = 16 with 1/16 of the work) is left
+   out as unexplained by any term here and shown with its residual.
+
+Result (8B, D = 1): ``BW`` 4.31 TB/s (101% of the copy rate, which counts a read and a write per
+byte; the paged decode kernel alone read at 4.04 TB/s), ``g`` 1.25 ms (per-pass device time beyond
+bytes and FLOPs: ~400 kernels per replay, ~3 us of ramp and tail each — "launch" is a misnomer inside
+a graph), ``h0`` 0.60 ms, ``h1`` 7.9 us per sequence, ``P_mm`` 671 TFLOP/s (86% of the 784 peak),
+``eager_launch_s`` 13.8 ms. Residuals: graph steps -2.5% (B=1), 0.0%, +2.4%, -0.5% (B=256); replays
++1.5%, -2.5%, +1.2%, -0.4%; eager B=16 -3.1%, B=64 +3.2%, B=256 -6.1% (the check point); eager B=1
+-44.5% (left out); prefill 0 by construction. The elementwise traffic of a 4,096-token prefill
+(23.6 GB) costs 5.5 ms at ``BW``; the kernel table's own RMSNorm, rotary, SiLU-and-mul and cache-write
+timings at that shape add up to 6.5 ms (32 layers), a check of that term.
+
+The evidence — every measured point, the model's value and the relative residual — goes into the
+JSON's ``calibration`` record. The same hardware terms serve every geometry: the target's byte and
+FLOP terms come from its config (:func:`geometry_terms`), per tensor-parallel rank. That assumes a
+smaller model's narrower GEMMs reach the 8B's matmul rate (it flatters small models' prefill) and that
+``host_s``/launch costs do not depend on the geometry (a deeper model launches more kernels per eager
+pass: ``eager_launch_s`` is scaled by layers / 32, the only geometry scaling of a host term).
+
+Tensor parallel (``--tensor-parallel-size D``): the link defaults to 450 GB/s per direction — NVIDIA's
+H200 SXM figure for NVLink 4 (900 GB/s per GPU, both directions together), a specification, not
+measured here — and 8 us per all-reduce (an assumption: small-message NCCL all-reduce latency on one
+NVSwitch node is of that order; not measured here). Both are options.
 """
 
 from __future__ import annotations
@@ -32,17 +66,33 @@ import json
 import sys
 from pathlib import Path
 
-from node.core.cost import CostModel
-from node.plan import DTYPE_BYTES, Geometry, kv_bytes_per_token, load_config, param_count
+import msgspec
+
+from node.core.cost import least_squares
+from node.core.roofline import RooflineCost, cost_model_to_dict
+from node.plan import DTYPE_BYTES, Geometry, load_config, param_count
 
 REPO = Path(__file__).resolve().parents[1]
-REFERENCE_COST = REPO / "bench" / "cost_models" / "h200_llama3_8b.json"
 REFERENCE_CONFIG = REPO / "bench" / "configs" / "llama3-8b"
-HOST_S = 5.516e-3 - 4.697e-3  # decode step B=1 minus its graph replay (bench/RESULTS.md, H200 e2e)
-REPLAY_BW = 15.14e9 / 4.697e-3  # bytes read by a B=1 step / its graph replay time (B/s)
-REF_CONTEXT = 1024  # tokens per sequence in the reference's decode samples
+SOURCE = ("bench/RESULTS.md, '2026-11-30 00:31 — end to end on NVIDIA H200' (bench.e2e: decode steps, "
+          "replays, eager passes, prefill) and '2026-11-30 00:30 — kernels on NVIDIA H200' (paged prefill "
+          "attention rate)")
+COPY_BPS = 4257e9  # d2d copy ceiling, read + write counted (e2e ceilings row)
+MATMUL_PEAK = 784e12  # bf16 8192^3 matmul ceiling (e2e ceilings row)
+ATTENTION_FLOPS = 287.7e12  # paged prefill, 1 prompt x 4096, H=32/8, D=128 (kernels table)
+CONTEXT_PER_SEQ = 1024
+# (batch, graph step s, replay only s, eager s) at 1,024 context tokens per sequence
+DECODE = [(1, 5.516e-3, 4.697e-3, 25.970e-3), (16, 5.981e-3, 5.390e-3, 14.985e-3),
+          (64, 7.738e-3, 6.735e-3, 14.436e-3), (256, 18.022e-3, 15.353e-3, 19.082e-3)]
+PREFILL = (4096, 107.861e-3)  # one fresh prompt, eager
+EAGER_OUTLIERS = {1}  # batch sizes left out of the eager-launch fit (see the module doc)
+MAX_GRAPH_BATCH = 256  # the run's buckets [1, 2, 4, ..., 256]
+PAUSE_S = 1e-4  # PREFILL→DECODE switch reusing graphs, 0.1 ms
+REFERENCE_LAYERS = 32
+LINK_GBPS_DEFAULT = 450.0  # GB/s per direction, NVLink 4 on H200 SXM (specification)
+LINK_LATENCY_US_DEFAULT = 8.0  # per all-reduce (assumption)
 
-__all__ = ["derive", "decode_bytes", "layer_params", "main"]
+__all__ = ["geometry_terms", "layer_params", "decode_bytes", "calibrate", "derive", "evidence", "main"]
 
 
 def layer_params(g: Geometry) -> int:
@@ -52,51 +102,157 @@ def layer_params(g: Geometry) -> int:
 
 
 def decode_bytes(g: Geometry, dtype_bytes: int) -> int:
-    """Weight bytes one decode step reads: all parameters but an untied input embedding table."""
+    """Weight bytes one pass reads: all parameters but an untied input embedding table (a gather)."""
     return (param_count(g) - (0 if g.tied else g.vocab * g.hidden)) * dtype_bytes
 
 
-def derive(config: dict, reference: CostModel, reference_config: dict, dtype: str = "bf16") -> CostModel:
-    """The cost model of ``config`` scaled from ``reference`` (see the module doc)."""
+def geometry_terms(g: Geometry, dtype_bytes: int, tensor_parallel: int = 1) -> dict:
+    """The geometry fields of a :class:`RooflineCost` for ``g`` per rank of a ``tensor_parallel`` group.
+
+    Every matrix is split ``D`` ways (column/row parallel layers, a vocab-parallel head; the norms' few KB
+    are counted whole). Each rank holds ``kv_heads / D`` KV heads, or one replicated head when ``D`` >
+    kv_heads. Elementwise traffic per token and layer (elements, read + write, as the kernels of
+    ``bench.kernels`` count them): two RMSNorms with residual ``8 hidden``, rotary ``2 (q + kv)``,
+    cache writes ``4 kv``, SiLU-and-mul ``3 ffn``, with ``q``, ``kv``, ``ffn`` the rank's widths.
+
+    Raises:
+        ValueError: ``D`` < 1, or heads, KV heads or the MLP width not divisible the way TP splits them.
+    """
+    d = tensor_parallel
+    if d < 1 or g.heads % d or g.intermediate % d or (g.kv_heads % d and d % g.kv_heads):
+        raise ValueError(f"tensor parallel {d} does not split {g.heads} heads / {g.kv_heads} KV heads / "
+                         f"{g.intermediate} MLP width")
+    kv_heads_rank = max(1, g.kv_heads // d)
+    q_r, kv_r, f_r = g.heads // d * g.head_dim, kv_heads_rank * g.head_dim, g.intermediate // d
+    elems = 8 * g.hidden + 2 * (q_r + kv_r) + 4 * kv_r + 3 * f_r
+    return dict(layers=g.layers, hidden=g.hidden, q_dim=g.heads * g.head_dim, vocab=g.vocab,
+                dtype_bytes=dtype_bytes, layer_params=layer_params(g),
+                weight_bytes=decode_bytes(g, dtype_bytes) // d,
+                kv_bytes_per_token=2 * g.layers * kv_heads_rank * g.head_dim * dtype_bytes,
+                activation_bytes_per_token=g.layers * elems * dtype_bytes, tensor_parallel=d)
+
+
+def _placeholder(terms: dict) -> RooflineCost:
+    """A model of ``terms`` with unit rates, to read bytes and FLOPs off (:meth:`RooflineCost.pass_work`)."""
+    return RooflineCost(**terms, hbm_bandwidth_Bps=1.0, matmul_flops_per_s=1.0, attention_flops_per_s=1.0)
+
+
+def calibrate(reference_config: dict, dtype: str = "bf16") -> RooflineCost:
+    """The reference geometry's :class:`RooflineCost`, its hardware terms fitted to the H200 run (module doc)."""
     nb = DTYPE_BYTES[dtype]
-    g, r = Geometry.from_config(config), Geometry.from_config(reference_config)
-    kv_g, kv_r = kv_bytes_per_token(g, nb), kv_bytes_per_token(r, nb)
-    w = decode_bytes(g, nb) / decode_bytes(r, nb)
-    lay = layer_params(g) / layer_params(r)
-    rest = max(0.0, reference.decode_per_seq_s - REF_CONTEXT * kv_r / REPLAY_BW)
-    return CostModel(
-        prefill_fixed_s=reference.prefill_fixed_s,
-        prefill_per_token_s=reference.prefill_per_token_s * lay,
-        prefill_per_token2_s=reference.prefill_per_token2_s * lay,
-        decode_fixed_s=HOST_S + (reference.decode_fixed_s - HOST_S) * w,
-        decode_per_seq_s=rest * lay,
-        decode_per_context_token_s=kv_g / REPLAY_BW,
-        pause_s=reference.pause_s,
-    )
+    unit = _placeholder(geometry_terms(Geometry.from_config(reference_config), nb))
+    bw = 1.0
+    works = [unit.pass_work(0, 0, b, b * CONTEXT_PER_SEQ) for b, *_ in DECODE]
+    replays = [r for _, _, r, _ in DECODE]
+    # 2. Host work outside the graph.
+    h0, h1 = least_squares([[1.0, float(b)] for b, *_ in DECODE], [s - r for _, s, r, _ in DECODE])
+    h1 = max(0.0, h1)
+    n, t = PREFILL
+    wp = unit.pass_work(n, 0, 0, 0)
+    mm = float("inf")
+    for _ in range(20):  # 1 and 4 alternate until the phases' bound (bytes or FLOPs) stops changing
+        # 1. Bandwidth and graph launch from the replays (relative least squares), each phase of a replay
+        # counted as bytes at 1/BW when memory-bound and as its FLOP time when compute-bound (at B = 256
+        # the GEMMs are: 256 tokens per weight is past the ridge point).
+        rows, ys = [], []
+        for w, r in zip(works, replays):
+            mem, fixed = w.activation_bytes, 0.0
+            for byts, flops, rate in ((w.weight_bytes, w.gemm_flops, mm),
+                                      (w.kv_bytes, w.attention_flops, ATTENTION_FLOPS)):
+                if mm != float("inf") and flops / rate > byts / bw:
+                    fixed += flops / rate
+                else:
+                    mem += byts
+            rows.append([mem / r, 1.0 / r])
+            ys.append(1.0 - fixed / r)
+        inv_bw, g = least_squares(rows, ys)
+        if g < 0:
+            g = 0.0
+            inv_bw = sum(x * y for (x, _), y in zip(rows, ys)) / sum(x * x for x, _ in rows)
+        bw = 1.0 / inv_bw
+        # 4. Matmul rate from the prefill point.
+        attn_s = max(wp.kv_bytes / bw, wp.attention_flops / ATTENTION_FLOPS)
+        gemm_s = t - (h0 + h1 * wp.rows) - g - attn_s - wp.activation_bytes / bw
+        if gemm_s <= wp.weight_bytes / bw:
+            raise ValueError("the prefill point leaves less GEMM time than its weight read: the fit is inconsistent")
+        if wp.gemm_flops / gemm_s == mm:
+            break
+        mm = wp.gemm_flops / gemm_s
+    # 5. Eager launch floor from the launch-bound eager decodes.
+    bound = [(b, e) for b, s, _, e in DECODE if b not in EAGER_OUTLIERS and e > 1.2 * s]
+    eager = sum(e - (h0 + h1 * b) for b, e in bound) / len(bound)
+    return msgspec.structs.replace(unit, hbm_bandwidth_Bps=bw, matmul_flops_per_s=mm,
+                                   attention_flops_per_s=ATTENTION_FLOPS, host_s=h0, host_per_seq_s=h1,
+                                   graph_launch_s=g, eager_launch_s=eager, max_graph_batch=MAX_GRAPH_BATCH,
+                                   pause_s=PAUSE_S)
+
+
+def derive(config: dict, reference: RooflineCost, dtype: str = "bf16", tensor_parallel: int = 1,
+           link_Bps: float = LINK_GBPS_DEFAULT * 1e9, link_latency_s: float = LINK_LATENCY_US_DEFAULT * 1e-6
+           ) -> RooflineCost:
+    """``config``'s roofline model per rank of a ``tensor_parallel`` group, with ``reference``'s hardware
+    terms (eager launch scaled by layers / 32; the link terms only matter for D > 1)."""
+    terms = geometry_terms(Geometry.from_config(config), DTYPE_BYTES[dtype], tensor_parallel)
+    hw = {f: getattr(reference, f) for f in ("hbm_bandwidth_Bps", "matmul_flops_per_s", "attention_flops_per_s",
+                                             "host_s", "host_per_seq_s", "graph_launch_s", "max_graph_batch",
+                                             "pause_s")}
+    hw["eager_launch_s"] = reference.eager_launch_s * terms["layers"] / REFERENCE_LAYERS
+    if tensor_parallel > 1:
+        hw.update(link_bandwidth_Bps=link_Bps, link_latency_s=link_latency_s)
+    return RooflineCost(**terms, **hw)
+
+
+def evidence(ref: RooflineCost) -> list[dict]:
+    """Every measured point against ``ref`` (the calibrated reference model): what, measured, model, residual."""
+    rows = []
+
+    def add(case: str, measured: float, model: float, role: str) -> None:
+        rows.append({"case": case, "measured_s": measured, "model_s": model,
+                     "rel_residual": (model - measured) / measured, "role": role})
+
+    for b, step, replay, eager in DECODE:
+        k = b * CONTEXT_PER_SEQ
+        w = ref.pass_work(0, 0, b, k)
+        add(f"decode B={b} graph replay", replay, ref.device_s(w) + ref.graph_launch_s, "fit: bandwidth, graph launch")
+        add(f"decode B={b} graph step", step, ref.decode_step_s(b, k), "fit: host")
+        role = ("left out (unexplained)" if b in EAGER_OUTLIERS
+                else "fit: eager launch" if eager > 1.2 * step else "check")
+        add(f"decode B={b} eager", eager, ref.pass_s(0, 0, b, k, graph=False), role)
+    add(f"prefill {PREFILL[0]} tokens", PREFILL[1], ref.prefill_step_s(PREFILL[0]), "fit: matmul rate (exact)")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.derive_cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True, help="config.json or model folder of the target geometry")
-    ap.add_argument("--reference", default=str(REFERENCE_COST), help="measured cost model JSON")
-    ap.add_argument("--reference-config", default=str(REFERENCE_CONFIG))
+    ap.add_argument("--reference-config", default=str(REFERENCE_CONFIG), help="the measured geometry (8B)")
     ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--link-GBps", type=float, default=LINK_GBPS_DEFAULT,
+                    help="all-reduce link bandwidth per direction, GB/s (default: NVLink 4 specification)")
+    ap.add_argument("--link-latency-us", type=float, default=LINK_LATENCY_US_DEFAULT, help="per all-reduce, us")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    ref_doc = json.loads(Path(a.reference).read_text())
-    ref = CostModel(**{k: v for k, v in ref_doc.items() if k in CostModel.__struct_fields__})
-    cfg = load_config(a.config)
-    cost = derive(cfg, ref, load_config(a.reference_config), a.dtype)
-    g = Geometry.from_config(cfg)
-    nb = DTYPE_BYTES[a.dtype]
-    doc = {f: getattr(cost, f) for f in CostModel.__struct_fields__}
+    try:
+        ref = calibrate(load_config(a.reference_config), a.dtype)
+        cost = derive(load_config(a.config), ref, a.dtype, a.tensor_parallel_size, a.link_GBps * 1e9,
+                      a.link_latency_us * 1e-6)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"bench.derive_cost: {e}", file=sys.stderr)
+        return 2
+    g = Geometry.from_config(load_config(a.config))
+    doc = cost_model_to_dict(cost)
     doc["calibration"] = {
-        "derived": "roofline scaling of a measured model, not a measurement (bench/derive_cost.py)",
-        "reference": str(Path(a.reference).relative_to(REPO)) if Path(a.reference).resolve().is_relative_to(REPO)
-        else a.reference,
-        "config": str(a.config), "params": param_count(g), "layer_params": layer_params(g),
-        "decode_weight_bytes": decode_bytes(g, nb), "kv_bytes_per_token": kv_bytes_per_token(g, nb),
-        "host_s": HOST_S, "replay_bandwidth_Bps": REPLAY_BW,
+        "derived": "roofline model; hardware terms fitted to the H200 Llama-3-8B run (bench/derive_cost.py)",
+        "source": SOURCE, "device": "NVIDIA H200",
+        "config": str(a.config), "params": param_count(g), "tensor_parallel": a.tensor_parallel_size,
+        "link": ("NVLink 4 per direction (NVIDIA H200 SXM specification, not measured); latency an assumption"
+                 if a.tensor_parallel_size > 1 else "none (D = 1)"),
+        "fractions_of_ceilings": {"bandwidth_of_copy": ref.hbm_bandwidth_Bps / COPY_BPS,
+                                  "matmul_of_peak": ref.matmul_flops_per_s / MATMUL_PEAK,
+                                  "attention_of_matmul_peak": ATTENTION_FLOPS / MATMUL_PEAK},
+        "evidence_reference_model": "residuals of the calibrated Llama-3-8B, D = 1 model (the measured geometry)",
+        "evidence": evidence(ref),
         "command": "python -m bench.derive_cost " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     text = json.dumps(doc, indent=1) + "\n"

@@ -6,8 +6,9 @@ real scheduler, router and transfers run at GPU-like step times without a GPU). 
 reads from the cost-model file goes through :func:`load_step_cost`, every step's seconds through
 :func:`step_seconds`, so another kind of cost model can be put behind these two functions alone.
 
-The file is a JSON object with :class:`~node.core.cost.CostModel`'s fields (``bench/cost_models/*.json``);
-other keys (``calibration``, ...) are ignored. Stdlib + msgspec.
+The file is a JSON object of a cost model of either kind (``bench/cost_models/*.json``: a linear
+:class:`~node.core.cost.CostModel`, or a :class:`~node.core.roofline.RooflineCost` with ``"kind":
+"roofline"``); other keys (``calibration``, ...) are ignored. Stdlib + msgspec.
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ import json
 import math
 from pathlib import Path
 
-import msgspec
-
 from node.core.cost import CostModel
+from node.core.roofline import RooflineCost, cost_model_from_dict
 
 __all__ = ["CostFileError", "load_step_cost", "step_seconds"]
 
@@ -27,11 +27,13 @@ class CostFileError(ValueError):
     """A cost-model file that cannot be read (the message names the path and the reason)."""
 
 
-def load_step_cost(path: str | Path) -> CostModel:
-    """Read the cost model of a timed device from the JSON file ``path``.
+def load_step_cost(path: str | Path) -> CostModel | RooflineCost:
+    """Read the cost model of a timed device from the JSON file ``path`` (either kind:
+    :func:`node.core.roofline.cost_model_from_dict`).
 
     Raises:
-        CostFileError: no such file, not JSON, not an object, a field of the wrong type or not finite.
+        CostFileError: no such file, not JSON, not an object, an unknown kind, a field of the wrong
+            type, out of range or not finite.
     """
     p = Path(path)
     if not p.is_file():
@@ -41,31 +43,20 @@ def load_step_cost(path: str | Path) -> CostModel:
     except (OSError, ValueError, UnicodeDecodeError) as e:
         raise CostFileError(f"cost model {str(p)!r} is not valid JSON: {e}") from e
     if not isinstance(data, dict):
-        raise CostFileError(f"cost model {str(p)!r} must hold a JSON object of CostModel fields")
+        raise CostFileError(f"cost model {str(p)!r} must hold a JSON object of cost-model fields")
     try:
-        cost = msgspec.convert(data, CostModel)  # unknown keys are dropped (msgspec's default)
-    except msgspec.ValidationError as e:
+        cost = cost_model_from_dict(data)  # unknown keys are dropped
+    except ValueError as e:
         raise CostFileError(f"cost model {str(p)!r}: {e}") from e
-    bad = [f for f in cost.__struct_fields__ if not math.isfinite(getattr(cost, f))]
+    bad = [f for f in cost.__struct_fields__ if isinstance(getattr(cost, f), float) and not math.isfinite(getattr(cost, f))]
     if bad:
         raise CostFileError(f"cost model {str(p)!r}: {', '.join(bad)} must be finite")
     return cost
 
 
-def step_seconds(cost: CostModel, prompt_tokens: int, decode_seqs: int, context_tokens: int) -> float:
+def step_seconds(cost: CostModel | RooflineCost, prompt_tokens: int, decode_seqs: int, context_tokens: int) -> float:
     """Seconds of one step with ``prompt_tokens`` prompt tokens computed (chunks included) and
     ``decode_seqs`` decoding sequences holding ``context_tokens`` cached tokens in all (each counting
-    the token it computes). Pure prefill and pure decode cost what the cost model says; a mixed step
-    is one forward pass, so it pays the larger fixed cost once plus both variable parts::
-
-        max(a_p, a_d) + (prefill_step_s(n) - a_p) + (decode_step_s(s, k) - a_d)
-
-    (the formula of ``bench/sim/stepcost.py::mixed_step_s``, which the simulator uses). Never negative.
-    """
-    if decode_seqs <= 0:
-        return max(0.0, cost.prefill_step_s(prompt_tokens))
-    if prompt_tokens <= 0:
-        return max(0.0, cost.decode_step_s(decode_seqs, context_tokens))
-    fixed = max(cost.prefill_fixed_s, cost.decode_fixed_s)
-    return max(0.0, fixed + (cost.prefill_step_s(prompt_tokens) - cost.prefill_fixed_s)
-               + (cost.decode_step_s(decode_seqs, context_tokens) - cost.decode_fixed_s))
+    the token it computes): the cost model's ``mixed_step_s``, what the simulator charges the same
+    step (``bench/sim/stepcost.py``). Never negative."""
+    return max(0.0, cost.mixed_step_s(prompt_tokens, decode_seqs, context_tokens))

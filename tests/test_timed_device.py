@@ -53,8 +53,11 @@ def test_cost_file_drops_unknown_keys_and_steps_follow_the_simulator_formula(cos
         assert step_seconds(cost, *work) == pytest.approx(mixed_step_s(cost, *work))
     assert step_seconds(cost, 0, 3, 300) == pytest.approx(DECODE_S)
     assert step_seconds(cost, 50, 2, 100) == pytest.approx(max(0.010, DECODE_S) + 50 * 1e-4)
-    for path in sorted((REPO / "bench" / "cost_models").glob("*.json")):  # the shipped files load
-        assert load_step_cost(path).decode_fixed_s > 0, path
+    for path in sorted((REPO / "bench" / "cost_models").glob("*.json")):  # the shipped files load, both kinds
+        shipped = load_step_cost(path)
+        assert 0 < shipped.decode_step_s(1, 1024) < shipped.decode_step_s(64, 64 * 1024), path
+        assert step_seconds(shipped, 100, 4, 4000) == pytest.approx(shipped.mixed_step_s(100, 4, 4000))
+    assert type(load_step_cost(REPO / "bench/cost_models/h200_llama3_8b_roofline.json")).__name__ == "RooflineCost"
 
 
 def test_step_work_reads_decode_and_prompt_items():

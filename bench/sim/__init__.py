@@ -8,9 +8,10 @@
   (``Batcher`` each), KV transfers priced by :func:`node.plan.transfer_s` on per-link queues, inside
   a node or, with ``pool_scope="cluster"``, between nodes (:mod:`bench.sim.pooled`).
 
-Step times come from a :class:`node.core.cost.CostModel` (``bench/calibrate.py`` measures one,
-``bench/derive_cost.py`` scales one to another geometry), plus optional host overheads per step and per
-request (:class:`SimConfig`);
+Step times come from a :class:`node.core.cost.CostModel` (linear; ``bench/calibrate.py`` measures one)
+or a :class:`node.core.roofline.RooflineCost` (bytes and FLOPs; ``bench/derive_cost.py`` builds one for
+a geometry from the H200 calibration), plus optional host overheads per step and per request
+(:class:`SimConfig`);
 :mod:`bench.sim.run` splits requests over nodes and produces :mod:`bench.metrics` summaries, the same
 ones the live replay prints. ``python -m bench.sim --help`` for the command line.
 """

@@ -23,6 +23,7 @@ from bench.sim.stepcost import plan_step_s
 from bench.traces import TraceRequest, hash_prompt_ids
 from node.core.batcher import BatchConfig, Batcher, StepKind, StepPlan
 from node.core.cost import CostModel
+from node.core.roofline import RooflineCost
 from node.core.ledger import BlockLedger
 from node.core.sequence import SamplingParams, Sequence
 from bench.sim.trace import RequestTrace
@@ -54,7 +55,7 @@ class SimDevice:
     def load(self) -> tuple[int, int]:
         return len(self.batcher.waiting), len(self.batcher.running)
 
-    def start(self, now_s: float, cost: CostModel) -> None:
+    def start(self, now_s: float, cost: CostModel | RooflineCost) -> None:
         """Start the next step if idle and there is work of this device's kind."""
         if self.plan is not None or self.sending or not self.batcher.has_work(self.kind):
             return
@@ -104,7 +105,7 @@ def finished(seq: Sequence) -> bool:
     return seq.num_output >= seq.params.max_tokens or len(seq.token_ids) >= seq.max_len
 
 
-def simulate_colocated(requests: list[TraceRequest], cfg: SimConfig, cost: CostModel,
+def simulate_colocated(requests: list[TraceRequest], cfg: SimConfig, cost: CostModel | RooflineCost,
                        prefix: str = "r") -> tuple[list[RequestTrace], dict]:
     """Replay ``requests`` on one colocated node; ``(traces in request order, stats)``."""
     devices = [SimDevice(f"dev{i}", StepKind.MIXED, cfg) for i in range(cfg.devices)]

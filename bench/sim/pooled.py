@@ -46,6 +46,7 @@ from bench.sim.timeshared import NODE_EXPECTED_OUTPUT_TOKENS
 from bench.traces import TraceRequest
 from node.core.batcher import StepKind
 from node.core.cost import CostModel
+from node.core.roofline import RooflineCost
 from node.core.pooled import PlacePooled, PoolDevice, PooledRouter, PoolSnapshot
 from node.core.roles import Reject, WaitingPrompt
 from node.core.sequence import Sequence
@@ -85,7 +86,7 @@ def link_plan(src: SimDevice, dst: SimDevice, cfg: SimConfig) -> tuple[list[str]
 
 
 class _Pool:
-    def __init__(self, cfg: SimConfig, cost: CostModel, nodes: int):
+    def __init__(self, cfg: SimConfig, cost: CostModel | RooflineCost, nodes: int):
         self.cfg, self.cost = cfg, cost
         self.front: list[SimDevice] = []
         self.back: list[SimDevice] = []
@@ -326,7 +327,7 @@ class _Pool:
                 "cached_tokens": sum(d.batcher.prefix_hit_tokens for d in self.front)}
 
 
-def simulate_pooled(requests: list[TraceRequest], cfg: SimConfig, cost: CostModel, prefix: str = "r",
+def simulate_pooled(requests: list[TraceRequest], cfg: SimConfig, cost: CostModel | RooflineCost, prefix: str = "r",
                     nodes: int = 1) -> tuple[list[RequestTrace], dict]:
     """Replay ``requests`` on one pool of ``nodes`` nodes; ``(traces in request order, stats)``.
 

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import msgspec
-
 from bench.metrics import RequestRecord, Summary, summarize
 from bench.sim.batched import simulate_colocated
 from bench.sim.config import SimConfig
@@ -28,6 +26,7 @@ from bench.sim.pooled import simulate_pooled
 from bench.sim.timeshared import simulate_time_shared
 from bench.traces import TraceRequest
 from node.core.cost import CostModel
+from node.core.roofline import RooflineCost
 from bench.sim.trace import RequestTrace
 
 __all__ = ["SimResult", "to_record", "simulate", "with_step_overhead"]
@@ -59,15 +58,12 @@ def _merge(total: dict, part: dict, node: int | None) -> None:
             total[k] = total.get(k, 0) + v
 
 
-def with_step_overhead(cost: CostModel, overhead_s: float) -> CostModel:
-    """``cost`` with ``overhead_s`` added to every step (both fixed costs)."""
-    if overhead_s <= 0:
-        return cost
-    return msgspec.structs.replace(cost, prefill_fixed_s=cost.prefill_fixed_s + overhead_s,
-                                   decode_fixed_s=cost.decode_fixed_s + overhead_s)
+def with_step_overhead(cost: CostModel | RooflineCost, overhead_s: float) -> CostModel | RooflineCost:
+    """``cost`` with ``overhead_s`` of host work added to every step (``with_host_overhead``)."""
+    return cost.with_host_overhead(overhead_s)
 
 
-def simulate(requests: list[TraceRequest], cfg: SimConfig, cost: CostModel) -> SimResult:
+def simulate(requests: list[TraceRequest], cfg: SimConfig, cost: CostModel | RooflineCost) -> SimResult:
     """Simulate ``requests`` on ``cfg`` with step times from ``cost``."""
     cost = with_step_overhead(cost, cfg.step_overhead_ms / 1e3)
     arrivals = [r.arrival_s for r in requests]

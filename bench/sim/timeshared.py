@@ -42,6 +42,7 @@ from bench.sim.trace import RequestTrace, SimRequest, StepRecord
 from bench.traces import TraceRequest
 from node.core.batcher import StepKind
 from node.core.cost import CostModel
+from node.core.roofline import RooflineCost
 from node.core.imbalance import ImbalanceConfig, ImbalancePolicy, Migrate
 from node.core.roles import (DeviceState, NodeSnapshot, Place, Reject, ResidentSeq, Role, RoleScheduler,
                              RoleSchedulerConfig, SwitchRole, WaitingPrompt)
@@ -99,7 +100,7 @@ class TimeSharedSim:
             ordered for a device already switching: the policy broke its own contract.
     """
 
-    def __init__(self, scheduler: RoleScheduler, cost: CostModel, cfg: SimConfig, *,
+    def __init__(self, scheduler: RoleScheduler, cost: CostModel | RooflineCost, cfg: SimConfig, *,
                  imbalance: ImbalancePolicy | None = None, initial_role: Role = Role.PREFILL):
         self.scheduler, self.cost, self.cfg, self.imbalance = scheduler, cost, cfg, imbalance
         self.pause_s = scheduler.pause_s
@@ -338,7 +339,7 @@ class TimeSharedSim:
             raise RuntimeError(f"{seq.seq_id} finished while its KV was being copied")
 
 
-def simulate_time_shared(requests: list[TraceRequest], cfg: SimConfig, cost: CostModel,
+def simulate_time_shared(requests: list[TraceRequest], cfg: SimConfig, cost: CostModel | RooflineCost,
                          prefix: str = "r") -> tuple[list[RequestTrace], dict]:
     """Replay ``requests`` on one time-shared node; ``(traces in request order, stats)``.
 

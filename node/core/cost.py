@@ -13,14 +13,19 @@ Forms (all times in seconds):
 * decode step over ``s`` sequences holding ``k`` context tokens in total:
   ``a + b*s + c*k`` — a fixed weight read, per-sequence work, and KV reads proportional to context
   (the memory-bound decode of the seed note);
+* a mixed step (colocated chunked prefill: ``n`` prompt tokens and ``s`` decode sequences in one forward
+  pass) pays one fixed cost, the larger of the two, plus each part's variable cost:
+  ``max(a_p, a_d) + (prefill_step_s(n) - a_p) + (decode_step_s(s, k) - a_d)``;
 * a role switch costs ``pause_s`` (drain, swap execution configuration, configured floor).
+
+:class:`node.core.roofline.RooflineCost` has the same interface, computed from bytes and FLOPs.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-__all__ = ["CostModel", "fit_cost_model", "least_squares"]
+__all__ = ["CostModel", "fit_cost_model", "least_squares", "tokens_within"]
 
 
 class CostModel(msgspec.Struct, frozen=True, kw_only=True):
@@ -49,33 +54,58 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
         return full * self.prefill_step_s(budget) + self.prefill_step_s(rest)
 
     def prefill_tokens_within(self, seconds: float, token_budget: int) -> int:
-        """Most prompt tokens whose chunked prefill (:meth:`prefill_s`) fits in ``seconds``.
-
-        The inverse the role scheduler uses to size a prefill window in tokens. Binary search, since
-        ``prefill_s`` is monotone in its token count. Capped at 2**40 when time costs nothing.
-        """
-        if seconds <= 0:
-            return 0
-        hi = 1
-        cap = 1 << 40
-        while hi < cap and self.prefill_s(hi, token_budget) <= seconds:
-            hi *= 2
-        if hi >= cap:
-            return cap
-        lo = hi // 2  # prefill_s(lo) <= seconds (or lo == 0)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if self.prefill_s(mid, token_budget) <= seconds:
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        """Most prompt tokens whose chunked prefill (:meth:`prefill_s`) fits in ``seconds``: the inverse the
+        role scheduler uses to size a prefill window in tokens (:func:`tokens_within`, since ``prefill_s``
+        is monotone in its token count; 2**40 when time costs nothing)."""
+        return tokens_within(lambda n: self.prefill_s(n, token_budget), seconds)
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         """Seconds for one decode step of ``batch`` sequences with ``context_tokens`` cached in total."""
         if batch <= 0:
             return 0.0
         return self.decode_fixed_s + self.decode_per_seq_s * batch + self.decode_per_context_token_s * context_tokens
+
+    def mixed_step_s(self, prompt_tokens: int, decode_seqs: int, context_tokens: int) -> float:
+        """Seconds of one forward pass over ``prompt_tokens`` prompt tokens and ``decode_seqs`` decode
+        sequences holding ``context_tokens`` cached tokens: one fixed cost (the larger, both stand for
+        reading the weights and launching the pass) plus each part's variable cost; never negative."""
+        if decode_seqs <= 0:
+            return max(0.0, self.prefill_step_s(prompt_tokens))
+        if prompt_tokens <= 0:
+            return max(0.0, self.decode_step_s(decode_seqs, context_tokens))
+        fixed = max(self.prefill_fixed_s, self.decode_fixed_s)
+        return max(0.0, fixed + (self.prefill_step_s(prompt_tokens) - self.prefill_fixed_s)
+                   + (self.decode_step_s(decode_seqs, context_tokens) - self.decode_fixed_s))
+
+    def with_host_overhead(self, seconds: float) -> CostModel:
+        """This model with ``seconds`` of host work added to every step (both fixed costs); itself for <= 0."""
+        if seconds <= 0:
+            return self
+        return msgspec.structs.replace(self, prefill_fixed_s=self.prefill_fixed_s + seconds,
+                                       decode_fixed_s=self.decode_fixed_s + seconds)
+
+
+def tokens_within(cost_s, seconds: float, cap: int = 1 << 40) -> int:
+    """Largest ``n`` with ``cost_s(n) <= seconds``, for ``cost_s`` monotone non-decreasing in ``n``.
+
+    Doubling then binary search (about ``2 log2 n`` evaluations); 0 for ``seconds <= 0``; ``cap``
+    (2**40) when time costs nothing.
+    """
+    if seconds <= 0:
+        return 0
+    hi = 1
+    while hi < cap and cost_s(hi) <= seconds:
+        hi *= 2
+    if hi >= cap:
+        return cap
+    lo = hi // 2  # cost_s(lo) <= seconds (or lo == 0)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if cost_s(mid) <= seconds:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:

@@ -82,6 +82,7 @@ import math
 import msgspec
 
 from node.core.cost import CostModel
+from node.core.roofline import RooflineCost
 from node.core.roles import DeviceState, NodeSnapshot, ResidentSeq, Role, blocks_for
 
 __all__ = ["Migrate", "ImbalanceConfig", "ImbalancePolicy"]
@@ -149,7 +150,7 @@ class _Dev:
 class ImbalancePolicy:
     """The fallback policy (see the module docstring). ``cost`` may be replaced as the node refits it."""
 
-    def __init__(self, config: ImbalanceConfig, cost: CostModel):
+    def __init__(self, config: ImbalanceConfig, cost: CostModel | RooflineCost):
         if config.threshold < 0:
             raise ValueError("threshold must be >= 0 (0 turns the fallback off)")
         if config.prefill_token_budget < 1:

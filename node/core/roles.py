@@ -106,6 +106,7 @@ import math
 import msgspec
 
 from node.core.cost import CostModel
+from node.core.roofline import RooflineCost
 
 __all__ = [
     "Role", "WaitingPrompt", "ResidentSeq", "DeviceState", "NodeSnapshot", "SwitchRole", "Place",
@@ -310,7 +311,7 @@ class RoleScheduler:
     """The time-shared role policy. State per device in PREFILL: the end of a forced window and the
     end-by bound of its queued prompts (both dropped when it leaves the role)."""
 
-    def __init__(self, config: RoleSchedulerConfig, cost: CostModel):
+    def __init__(self, config: RoleSchedulerConfig, cost: CostModel | RooflineCost):
         if config.stagger not in ("hard", "soft", "off"):
             raise ValueError(f"stagger must be hard, soft or off (got {config.stagger!r})")
         if not 0 < config.min_window_ms <= config.max_window_ms:

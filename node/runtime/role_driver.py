@@ -255,8 +255,11 @@ class RoleDriver(Driver):
         self._pauses.append(rec.pause_ms / 1e3)
 
     def refit(self) -> None:
-        """Refit the policy's cost model from the recent measured steps (keeps parts with few samples)."""
-        base: CostModel = self.scheduler.cost
+        """Refit the policy's cost model from the recent measured steps (keeps parts with few samples).
+        A roofline model (timed devices started from one) is kept as it is."""
+        base = self.scheduler.cost
+        if not isinstance(base, CostModel):  # a timed device's roofline model: kept (not of the linear fit's form)
+            return
         prefill = list(self._prefill) if len({n for n, _ in self._prefill}) >= 3 else []
         decode = list(self._decode) if len({(b, k) for b, k, _ in self._decode}) >= 4 else []
         fitted = fit_cost_model(prefill, decode, list(self._pauses), base=base)
