@@ -376,7 +376,8 @@ def heatmap(a: argparse.Namespace, results: list[dict], path: Path) -> list[Path
         p = path if len(a.transfer_list) == 1 else path.with_name(f"{path.stem}-{t}{path.suffix}")
         crossover_heatmap(grid, a.link_list, p, title=f"Capacity (req/s at {a.target:.0%} SLO attainment; TTFT "
                           f"{a.ttft_slo_ms:g} ms, TPOT {a.tpot_slo_ms:g} ms), {a.devices} devices, {t} transfers; "
-                          f"each mode tuned")
+                          f"each mode tuned; grey: a tie within the search's {a.tolerance:g}x resolution",
+                          tie_ratio=a.tolerance)
         out.append(p)
     return out
 

@@ -99,19 +99,23 @@ def role_timeline(status: dict, t0: float, t1: float, path: Path, *, title: str 
     plt.close(fig)
 
 
-MODE_COLORS = {"time-shared": "#2ca02c", "colocated": "#9467bd", "pooled": "#1f77b4"}
+MODE_COLORS = {"time-shared": "#2ca02c", "colocated": "#9467bd", "pooled": "#1f77b4", "tie": "#bbbbbb"}
+MODE_SHORT = {"time-shared": "TS", "colocated": "CO", "pooled": "PD"}
 
 
 def crossover_heatmap(grid: dict[tuple[str, str], dict[float, dict[str, float]]], links: list[float], path: Path,
-                      *, title: str = "") -> None:
+                      *, title: str = "", tie_ratio: float = 1.0) -> None:
     """The crossover study as a heat map: rows (model, prompt lengths), columns link speeds (Gb/s).
 
     ``grid[(model, lengths)][link][mode]`` = the mode's capacity (req/s, at its best setting). A cell's
-    colour is the winner's; its shade, the winner's margin over the runner-up
-    (``1 - runner-up / winner``, full colour at a 2x margin or more); the text gives every capacity.
+    colour is the winner's, grey when the runner-up is within ``tie_ratio`` of it (the search's
+    resolution: a tie); its shade, the winner's margin over the runner-up (``1 - runner-up / winner``,
+    full colour at a 2x margin or more); the text gives every capacity (TS, CO, PD).
     """
+    import textwrap
+
     rows = list(grid)
-    fig, ax = plt.subplots(figsize=(1.9 * len(links) + 2.5, 0.62 * len(rows) + 1.6))
+    fig, ax = plt.subplots(figsize=(1.9 * len(links) + 3.0, 0.62 * len(rows) + 1.9))
     for i, row in enumerate(rows):
         for j, link in enumerate(links):
             caps = grid[row].get(link, {})
@@ -120,9 +124,11 @@ def crossover_heatmap(grid: dict[tuple[str, str], dict[float, dict[str, float]]]
             ranked = sorted(caps.items(), key=lambda kv: -kv[1])
             win, top = ranked[0]
             second = ranked[1][1] if len(ranked) > 1 else 0.0
+            tie = top > 0 and second * tie_ratio >= top
             margin = 1.0 if top <= 0 else min(1.0, 2 * (1 - second / top))
-            ax.add_patch(plt.Rectangle((j, i), 1, 1, color=MODE_COLORS.get(win, "#888888"), alpha=0.2 + 0.7 * margin))
-            text = "\n".join(f"{m[:2].upper()} {c:.3g}" for m, c in ranked)
+            ax.add_patch(plt.Rectangle((j, i), 1, 1, color=MODE_COLORS["tie" if tie else win],
+                                       alpha=0.6 if tie else 0.2 + 0.7 * margin))
+            text = "\n".join(f"{MODE_SHORT.get(m, m)} {c:.3g}" for m, c in ranked)
             ax.text(j + 0.5, i + 0.5, text, ha="center", va="center", fontsize=7)
     ax.set_xlim(0, len(links))
     ax.set_ylim(len(rows), 0)
@@ -130,7 +136,8 @@ def crossover_heatmap(grid: dict[tuple[str, str], dict[float, dict[str, float]]]
     ax.set_yticks([i + 0.5 for i in range(len(rows))], [f"{m} / {ln}" for m, ln in rows])
     ax.legend(handles=[Patch(color=c, label=m) for m, c in MODE_COLORS.items()], loc="upper left",
               bbox_to_anchor=(1.0, 1.0), fontsize=8, title="winner")
-    ax.set_title(title or "Capacity (req/s at the SLO-attainment target), each mode tuned", fontsize=9)
+    ax.set_title("\n".join(textwrap.wrap(title or "Capacity (req/s at the SLO-attainment target), each mode tuned",
+                                          70)), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)

@@ -106,13 +106,15 @@ def _switch_swaps_ms(status: dict) -> list[float]:
 
 
 def validate_mode(a: argparse.Namespace, mode: str, out: Path) -> dict:
-    serve = ["--mode", mode, "--devices", a.devices, "--model", a.model, "--ttft-slo-ms", str(a.ttft_slo_ms),
+    serve = ["--mode", mode, "--model", a.model, "--ttft-slo-ms", str(a.ttft_slo_ms),
              "--tpot-slo-ms", str(a.tpot_slo_ms), "--max-num-batched-tokens", str(a.max_num_batched_tokens),
              "--reconfig-pause-ms", str(a.reconfig_pause_ms), "--max-num-seqs", str(a.max_num_seqs)]
     devices = a.devices.split(",")
     if mode == "pooled":
         n = a.prefill_devices or max(1, len(devices) // 2)
         serve += ["--prefill-devices", ",".join(devices[:n]), "--decode-devices", ",".join(devices[n:])]
+    else:
+        serve += ["--devices", a.devices]
     for flag, value in (("--benchmark-model", a.benchmark_model), ("--kv-cache-memory", a.kv_cache_memory),
                         ("--link-gbps", a.link_gbps), ("--max-model-len", a.max_model_len)):
         if value is not None:

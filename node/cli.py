@@ -98,6 +98,10 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--peer-stale-s", type=float, default=3.0,
                    help="a peer whose capacity report is older than this is not placed on")
     g.add_argument("--reconfig-pause-ms", type=float, default=0.0, help="floor added to every role switch's measured cost")
+    g.add_argument("--cost-model", default=None, metavar="PATH",
+                   help="time-shared: the step-time model (bench/cost_models/*.json, linear or roofline) the role "
+                        "policy plans with from the start; a linear one is refitted from measured steps, a roofline one "
+                        "kept (default: CPU-sized coefficients, refitted; a timed device's own model)")
     g.add_argument("--ttft-slo-ms", type=float, default=1000.0, help="time-to-first-token target")
     g.add_argument("--tpot-slo-ms", type=float, default=100.0, help="time-per-output-token target")
     g.add_argument("--min-window-ms", type=float, default=20.0, help="shortest role window (hysteresis)")
@@ -178,7 +182,7 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         enforce_eager=a.enforce_eager, engine_layout=a.engine_layout, prefix_caching=a.prefix_caching,
         tensor_parallel_size=a.tensor_parallel_size,
         benchmark_model=a.benchmark_model,
-        reconfig_pause_ms=a.reconfig_pause_ms, ttft_slo_ms=a.ttft_slo_ms, tpot_slo_ms=a.tpot_slo_ms,
+        reconfig_pause_ms=a.reconfig_pause_ms, cost_model=a.cost_model, ttft_slo_ms=a.ttft_slo_ms, tpot_slo_ms=a.tpot_slo_ms,
         min_window_ms=a.min_window_ms, max_window_ms=a.max_window_ms, stagger=a.stagger,
         sse_keepalive_s=a.sse_keepalive_s, body_timeout_s=a.body_timeout_s,
         prefill_devices=prefill, decode_devices=decode, max_unsent=a.max_unsent, link_gbps=a.link_gbps,

@@ -65,6 +65,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     peer_stale_s: float = 3.0  # a peer whose last capacity report is older is not placed on
     imbalance_threshold: float = 1.0  # time-shared fallback trigger (see node.core.imbalance); 0: off
     reconfig_pause_ms: float = 0.0  # floor added to every measured role switch
+    cost_model: str | None = None  # time-shared: the step-time model JSON the role policy starts from (either kind)
     ttft_slo_ms: float = 1000.0
     tpot_slo_ms: float = 100.0
     min_window_ms: float = 20.0
@@ -93,6 +94,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (len(set(self.devices)) == len(self.devices) and self.devices, f"--devices must list distinct devices, got {self.devices}"),
             (self.engine_layout in ("process", "thread"), f"--engine-layout must be process or thread, got {self.engine_layout!r}"),
             (_benchmark_model_error(self.benchmark_model) is None, _benchmark_model_error(self.benchmark_model)),
+            (_cost_model_error(self.cost_model) is None, _cost_model_error(self.cost_model)),
             (self.timed_error() is None, self.timed_error()),
             (self.tensor_parallel_error() is None, self.tensor_parallel_error()),
             (self.mode in ("time-shared", "colocated", "pooled"), f"--mode must be time-shared, colocated or pooled, got {self.mode!r}"),
@@ -221,6 +223,19 @@ def benchmark_cost_path(value: str | None) -> str | None:
     if value is None or not value.startswith("timed:"):
         return None
     return value.removeprefix("timed:")
+
+
+def _cost_model_error(path: str | None) -> str | None:
+    """Why ``--cost-model path`` cannot be read, or None."""
+    if path is None:
+        return None
+    from node.timed_cost import CostFileError, load_step_cost
+
+    try:
+        load_step_cost(path)
+    except CostFileError as e:
+        return f"--cost-model: {e}"
+    return None
 
 
 def _benchmark_model_error(value: str | None) -> str | None:

@@ -237,8 +237,34 @@ def test_time_shared_policies_start_from_the_timed_cost_model_and_charge_geometr
             cost = node.driver.scheduler.cost
             assert (cost.decode_fixed_s, cost.prefill_per_token_s) == (DECODE_S, COST["prefill_per_token_s"])
             assert cost.pause_s == pytest.approx(0.003)  # the file has none: the configured floor
+            assert node.driver.refits is False  # a timed device's steps are its model's by construction
             per_token = _geometry_block_bytes() // 16  # not the tiny pool's bytes
             assert node.driver.imbalance.config.local_transfer_s_per_token == pytest.approx(per_token * 8 / 10e9)
+        finally:
+            await node.close()
+
+    asyncio.run(go())
+
+
+def test_cost_model_flag_seeds_the_role_policy_with_either_kind(tmp_path):
+    import asyncio
+
+    from node.core.roofline import RooflineCost
+    from node.runtime.node import Node
+
+    roofline = REPO / "bench" / "cost_models" / "h200_llama3_8b_roofline.json"
+    with pytest.raises(ConfigError, match="--cost-model"):
+        NodeConfig(cost_model=str(tmp_path / "missing.json")).validate()
+
+    async def go():
+        node = await Node.create(NodeConfig(model=str(LLAMA8B), benchmark_model="zero", max_model_len=2048,
+                                            kv_cache_memory_bytes=KV_MEMORY, mode="time-shared", devices=["cpu:0"],
+                                            cost_model=str(roofline), engine_layout="thread"))
+        try:
+            cost = node.driver.scheduler.cost
+            assert isinstance(cost, RooflineCost) and node.driver.imbalance.cost is cost
+            node.driver.refit()  # a roofline model is kept, not refitted into the linear form
+            assert node.driver.scheduler.cost is cost and node.driver.refits  # (a real device would refit a linear one)
         finally:
             await node.close()
 

@@ -132,12 +132,15 @@ class Node:
                 min_window_ms=config.min_window_ms, max_window_ms=config.max_window_ms,
                 prefill_token_budget=config.max_num_batched_tokens, stagger=config.stagger)
             cost = msgspec.structs.replace(DEFAULT_CPU_COST, pause_s=config.reconfig_pause_ms / 1e3)
-            if benchmark_cost_path(config.benchmark_model) is not None:  # timed devices: start from their model
+            given = config.cost_model or benchmark_cost_path(config.benchmark_model)  # timed devices: their own
+            if given is not None:
                 from node.timed_cost import load_step_cost
 
-                timed = load_step_cost(benchmark_cost_path(config.benchmark_model))
-                cost = msgspec.structs.replace(timed, pause_s=timed.pause_s + config.reconfig_pause_ms / 1e3)
-            self.driver = RoleDriver(self, RoleScheduler(policy, cost), time.monotonic)
+                start = load_step_cost(given)
+                cost = msgspec.structs.replace(start, pause_s=start.pause_s + config.reconfig_pause_ms / 1e3)
+            # timed devices take their cost model's time by construction: the policy plans with it unrefitted
+            timed = benchmark_cost_path(config.benchmark_model) is not None
+            self.driver = RoleDriver(self, RoleScheduler(policy, cost), time.monotonic, refit=not timed)
         elif config.mode == "pooled":
             self.driver = PooledDriver(self, PooledRouter(config.max_unsent), config.prefill_devices,
                                        config.decode_devices, time.monotonic)

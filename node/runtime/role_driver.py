@@ -47,9 +47,10 @@ REFIT_EVERY = 32  # steps between refits of the cost model
 class RoleDriver(Driver):
     """Applies the role scheduler's decisions to the node's devices."""
 
-    def __init__(self, node: "Node", scheduler: RoleScheduler, clock: Callable[[], float]):
+    def __init__(self, node: "Node", scheduler: RoleScheduler, clock: Callable[[], float], *, refit: bool = True):
         super().__init__(node, clock)
         self.scheduler = scheduler
+        self.refits = refit  # False: the policy keeps the cost model it was given (timed devices: it is exact)
         self._switching: set[str] = set()
         self._prefill: deque[tuple[int, float]] = deque(maxlen=SAMPLES)
         self._decode: deque[tuple[int, int, float]] = deque(maxlen=SAMPLES)
@@ -240,7 +241,7 @@ class RoleDriver(Driver):
         elif plan.kind is StepKind.DECODE:
             self._decode.append((len(plan.items), sum(it.seq.num_computed for it in plan.items), seconds))
         self._steps += 1
-        if self._steps % REFIT_EVERY == 0:
+        if self.refits and self._steps % REFIT_EVERY == 0:
             self.refit()
         self.kick()
 
