@@ -128,7 +128,8 @@ def crossover_heatmap(grid: dict[tuple[str, str], dict[float, dict[str, float]]]
             margin = 1.0 if top <= 0 else min(1.0, 2 * (1 - second / top))
             ax.add_patch(plt.Rectangle((j, i), 1, 1, color=MODE_COLORS["tie" if tie else win],
                                        alpha=0.6 if tie else 0.2 + 0.7 * margin))
-            text = "\n".join(f"{MODE_SHORT.get(m, m)} {c:.3g}" for m, c in ranked)
+            text = "\n".join(f"{MODE_SHORT.get(m, m)} {c:.0f}" if c >= 100 else f"{MODE_SHORT.get(m, m)} {c:.3g}"
+                             for m, c in ranked)
             ax.text(j + 0.5, i + 0.5, text, ha="center", va="center", fontsize=7)
     ax.set_xlim(0, len(links))
     ax.set_ylim(len(rows), 0)
