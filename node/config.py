@@ -95,6 +95,8 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (self.engine_layout in ("process", "thread"), f"--engine-layout must be process or thread, got {self.engine_layout!r}"),
             (_benchmark_model_error(self.benchmark_model) is None, _benchmark_model_error(self.benchmark_model)),
             (_cost_model_error(self.cost_model) is None, _cost_model_error(self.cost_model)),
+            (self.cost_model is None or self.mode == "time-shared",
+             f"--cost-model seeds the time-shared role policy: not with --mode {self.mode}"),
             (self.timed_error() is None, self.timed_error()),
             (self.tensor_parallel_error() is None, self.tensor_parallel_error()),
             (self.mode in ("time-shared", "colocated", "pooled"), f"--mode must be time-shared, colocated or pooled, got {self.mode!r}"),

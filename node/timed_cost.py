@@ -32,8 +32,8 @@ def load_step_cost(path: str | Path) -> CostModel | RooflineCost:
     :func:`node.core.roofline.cost_model_from_dict`).
 
     Raises:
-        CostFileError: no such file, not JSON, not an object, an unknown kind, a field of the wrong
-            type, out of range or not finite.
+        CostFileError: no such file, not JSON, not an object, an unknown kind, no field of the model
+            at all, a field of the wrong type, negative, out of range or not finite.
     """
     p = Path(path)
     if not p.is_file():
@@ -48,9 +48,13 @@ def load_step_cost(path: str | Path) -> CostModel | RooflineCost:
         cost = cost_model_from_dict(data)  # unknown keys are dropped
     except ValueError as e:
         raise CostFileError(f"cost model {str(p)!r}: {e}") from e
-    bad = [f for f in cost.__struct_fields__ if isinstance(getattr(cost, f), float) and not math.isfinite(getattr(cost, f))]
+    if not set(data) & set(cost.__struct_fields__):
+        raise CostFileError(f"cost model {str(p)!r} names none of the {type(cost).__name__} fields "
+                            f"({', '.join(cost.__struct_fields__)})")
+    bad = [f for f in cost.__struct_fields__ if isinstance(getattr(cost, f), float)
+           and not (math.isfinite(getattr(cost, f)) and getattr(cost, f) >= 0)]
     if bad:
-        raise CostFileError(f"cost model {str(p)!r}: {', '.join(bad)} must be finite")
+        raise CostFileError(f"cost model {str(p)!r}: {', '.join(bad)} must be finite and at least 0 (seconds)")
     return cost
 
 

@@ -255,6 +255,13 @@ def test_cost_model_flag_seeds_the_role_policy_with_either_kind(tmp_path):
     roofline = REPO / "bench" / "cost_models" / "h200_llama3_8b_roofline.json"
     with pytest.raises(ConfigError, match="--cost-model"):
         NodeConfig(cost_model=str(tmp_path / "missing.json")).validate()
+    for name, doc in (("negative.json", {"decode_fixed_s": -0.005}), ("empty.json", {}),
+                      ("roofline-negative.json", json.loads(roofline.read_text()) | {"hbm_bandwidth_Bps": -1.0})):
+        (tmp_path / name).write_text(json.dumps(doc))
+        with pytest.raises(ConfigError, match="--cost-model"):
+            NodeConfig(cost_model=str(tmp_path / name)).validate()
+    with pytest.raises(ConfigError, match="not with --mode colocated"):
+        NodeConfig(cost_model=str(roofline), mode="colocated").validate()
 
     async def go():
         node = await Node.create(NodeConfig(model=str(LLAMA8B), benchmark_model="zero", max_model_len=2048,
@@ -263,6 +270,7 @@ def test_cost_model_flag_seeds_the_role_policy_with_either_kind(tmp_path):
         try:
             cost = node.driver.scheduler.cost
             assert isinstance(cost, RooflineCost) and node.driver.imbalance.cost is cost
+            assert node.status()["cost_model"] == str(roofline)
             node.driver.refit()  # a roofline model is kept, not refitted into the linear form
             assert node.driver.scheduler.cost is cost and node.driver.refits  # (a real device would refit a linear one)
         finally:

@@ -43,9 +43,10 @@ is below ``L_max`` (a strict improvement; a move that only swaps which device is
 made) and it pays for its copy: the source runs no step for ``c`` (the copy, as above), and each of its
 next ``r`` steps (the moved sequence's expected remaining output, at least 1) is shorter by
 ``L_max - L_src'``, so the move is made only when ``(L_max - L_src') * r > c`` (moves to peers are not
-charged so: their network send does not hold the source's steps). With ``threshold = 1`` sequences move once the
-slowest decoding device's step is more than twice the fastest's. Since a fixed part of the step (the weight read) is paid whatever the batch, small
-batches rarely differ that much; the trigger matters when KV reads (context) dominate the step.
+charged so: their network send does not hold the source's steps). With ``threshold = 1`` sequences
+move once the slowest decoding device's step is more than twice the fastest's. Since a fixed part of
+the step (the weight read) is paid whatever the batch, small batches rarely differ that much; the
+trigger matters when KV reads (context) dominate the step.
 
 **Room.** A destination takes a sequence only when its free blocks minus its reservations cover
 ``max(blocks(k_seq + 1), min(blocks(k_seq + r), total))`` — the next token at least, and the

@@ -490,6 +490,8 @@ class Node:
         return {
             "model": self.config.model_name,
             "benchmark_model": self.config.benchmark_model,  # zero / sleep:MS / timed:PATH: a bench run, outputs meaningless
+            # the cost model the time-shared policy started from (--cost-model, or a timed device's), else null
+            "cost_model": self.config.cost_model or benchmark_cost_path(self.config.benchmark_model),
             "mode": self.config.mode,
             "max_model_len": self.max_model_len,
             "block_size": self.config.block_size,
