@@ -84,5 +84,13 @@ def test_throttle_paces_to_line_rate_on_a_manual_clock():
     now[0] = 10.0  # idle: no banked credit without burst_bytes
     assert link.take(12_500_000) == pytest.approx(0.1)
     burst = LinkThrottle(1.0, burst_bytes=125_000_000, clock=lambda: now[0])
+    assert burst.take(12_500_000) == pytest.approx(0.1)  # a new link has banked nothing
+    now[0] = 20.0  # idle for a while
     assert burst.take(125_000_000) == 0.0  # one burst's worth goes at once after idling
     assert burst.take(125_000_000) == pytest.approx(1.0)
+    # a paced sender whose sleeps overshoot catches up within the burst: no drift from line rate
+    paced = LinkThrottle(1.0, burst_bytes=1_250_000, clock=lambda: now[0])  # 10 ms of credit
+    start = now[0]
+    for _ in range(10):
+        now[0] += paced.take(12_500_000) + 0.001  # each 100 ms chunk's sleep overshoots by 1 ms
+    assert now[0] - start == pytest.approx(1.0 + 0.001)  # only the last overshoot remains
