@@ -94,7 +94,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (len(set(self.devices)) == len(self.devices) and self.devices, f"--devices must list distinct devices, got {self.devices}"),
             (self.engine_layout in ("process", "thread"), f"--engine-layout must be process or thread, got {self.engine_layout!r}"),
             (_benchmark_model_error(self.benchmark_model) is None, _benchmark_model_error(self.benchmark_model)),
-            (_cost_model_error(self.cost_model) is None, _cost_model_error(self.cost_model)),
+            (_cost_file_error("--cost-model", self.cost_model) is None, _cost_file_error("--cost-model", self.cost_model)),
             (self.cost_model is None or self.mode == "time-shared",
              f"--cost-model seeds the time-shared role policy: not with --mode {self.mode}"),
             (self.timed_error() is None, self.timed_error()),
@@ -178,6 +178,12 @@ class NodeConfig(msgspec.Struct, kw_only=True):
                     "--kv-port or --peer-secret (KV over TCP is not emulated at the geometry's size)")
         return None
 
+    @property
+    def policy_cost_model(self) -> str | None:
+        """The cost-model file the time-shared policy starts from: ``--cost-model``, else a timed
+        device's own, else None (CPU-sized defaults)."""
+        return self.cost_model or benchmark_cost_path(self.benchmark_model)
+
     def device_groups(self) -> list[list[str]]:
         """``devices`` in consecutive groups of ``tensor_parallel_size`` (each one engine, one
         ``DeviceEngine``); one device per group at size 1."""
@@ -227,8 +233,8 @@ def benchmark_cost_path(value: str | None) -> str | None:
     return value.removeprefix("timed:")
 
 
-def _cost_model_error(path: str | None) -> str | None:
-    """Why ``--cost-model path`` cannot be read, or None."""
+def _cost_file_error(flag: str, path: str | None) -> str | None:
+    """Why the cost-model file a flag names cannot be read, or None (no file named)."""
     if path is None:
         return None
     from node.timed_cost import CostFileError, load_step_cost
@@ -236,7 +242,7 @@ def _cost_model_error(path: str | None) -> str | None:
     try:
         load_step_cost(path)
     except CostFileError as e:
-        return f"--cost-model: {e}"
+        return f"{flag}: {e}"
     return None
 
 
@@ -247,16 +253,9 @@ def _benchmark_model_error(value: str | None) -> str | None:
     except ConfigError as e:
         return str(e)
     path = benchmark_cost_path(value)
-    if path is not None:
-        from node.timed_cost import CostFileError, load_step_cost
-
-        if not path:
-            return f"--benchmark-model must be {_BENCHMARK_KINDS}, got {value!r}"
-        try:
-            load_step_cost(path)
-        except CostFileError as e:
-            return f"--benchmark-model {value}: {e}"
-    return None
+    if path == "":
+        return f"--benchmark-model must be {_BENCHMARK_KINDS}, got {value!r}"
+    return _cost_file_error(f"--benchmark-model {value}", path)
 
 
 def _is_host_port(text: str) -> bool:

@@ -134,17 +134,14 @@ class TimeSharedSim:
         for d in self.devices:
             b = d.batcher
             q, r = 0, 0
-            for s in b.running:
-                if s.num_output > 0 and s.is_decoding:
+            for s in b.running + b.waiting:
+                if s.num_output > 0 and s.is_decoding:  # only running sequences decode
                     m = self._moves.get(s.seq_id)
                     residents[m.dst.device_id if m else d.device_id].append(self._resident(s, now, m is not None))
                     if m is not None:
                         incoming[m.dst.device_id] += len(s.block_ids)
                 else:
                     q += 1
-                r += max(0, self._reserve.get(s.seq_id, 0) - len(s.block_ids))
-            for s in b.waiting:
-                q += 1
                 r += max(0, self._reserve.get(s.seq_id, 0) - len(s.block_ids))
             queued[d.device_id], reserved[d.device_id] = q, r
         devices = []

@@ -47,11 +47,7 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
 
     def prefill_s(self, tokens: int, token_budget: int) -> float:
         """Seconds to prefill ``tokens`` prompt tokens in steps of at most ``token_budget`` tokens."""
-        if tokens <= 0:
-            return 0.0
-        budget = max(1, token_budget)
-        full, rest = divmod(tokens, budget)
-        return full * self.prefill_step_s(budget) + self.prefill_step_s(rest)
+        return chunked_s(self.prefill_step_s, tokens, token_budget)
 
     def prefill_tokens_within(self, seconds: float, token_budget: int) -> int:
         """Most prompt tokens whose chunked prefill (:meth:`prefill_s`) fits in ``seconds``: the inverse the
@@ -83,6 +79,16 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True):
             return self
         return msgspec.structs.replace(self, prefill_fixed_s=self.prefill_fixed_s + seconds,
                                        decode_fixed_s=self.decode_fixed_s + seconds)
+
+
+def chunked_s(step_s, tokens: int, token_budget: int) -> float:
+    """Seconds of ``tokens`` prompt tokens in steps of at most ``token_budget`` (chunked prefill):
+    ``floor(N/B)`` full steps and one remainder step, each costing ``step_s(n)``; 0 for none."""
+    if tokens <= 0:
+        return 0.0
+    budget = max(1, token_budget)
+    full, rest = divmod(tokens, budget)
+    return full * step_s(budget) + step_s(rest)
 
 
 def tokens_within(cost_s, seconds: float, cap: int = 1 << 40) -> int:

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import msgspec
 
-from node.core.cost import CostModel, tokens_within
+from node.core.cost import CostModel, chunked_s, tokens_within
 
 __all__ = ["RooflineCost", "PassWork", "cost_model_from_dict", "cost_model_to_dict", "sum_max_linear"]
 
@@ -188,11 +188,7 @@ class RooflineCost(msgspec.Struct, frozen=True, kw_only=True):
         short prompts: charging later steps with the whole queue as cached context would inflate their
         attention without bound. For one prompt, :meth:`prompt_prefill_s` charges that context.
         """
-        if tokens <= 0:
-            return 0.0
-        budget = max(1, token_budget)
-        full, rest = divmod(tokens, budget)
-        return full * self.prefill_step_s(budget) + self.prefill_step_s(rest)
+        return chunked_s(self.prefill_step_s, tokens, token_budget)
 
     def prompt_prefill_s(self, tokens: int, token_budget: int) -> float:
         """Seconds to prefill one ``tokens``-token prompt in eager chunks of at most ``token_budget``

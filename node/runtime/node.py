@@ -126,20 +126,19 @@ class Node:
             # peers can be added at run time (POST /v1/node/peers) wherever they could be given at start
             self.peers = PeerLinks(self, layout) if config.peers or config.mode != "colocated" else None
             self.receiver = KVReceiver(self, layout) if config.kv_port is not None else None
+        timed = benchmark_cost_path(config.benchmark_model) is not None
         if config.mode == "time-shared":
             policy = RoleSchedulerConfig(
                 ttft_slo_ms=config.ttft_slo_ms, tpot_slo_ms=config.tpot_slo_ms, reconfig_pause_ms=config.reconfig_pause_ms,
                 min_window_ms=config.min_window_ms, max_window_ms=config.max_window_ms,
                 prefill_token_budget=config.max_num_batched_tokens, stagger=config.stagger)
             cost = msgspec.structs.replace(DEFAULT_CPU_COST, pause_s=config.reconfig_pause_ms / 1e3)
-            given = config.cost_model or benchmark_cost_path(config.benchmark_model)  # timed devices: their own
-            if given is not None:
+            if config.policy_cost_model is not None:
                 from node.timed_cost import load_step_cost
 
-                start = load_step_cost(given)
+                start = load_step_cost(config.policy_cost_model)
                 cost = msgspec.structs.replace(start, pause_s=start.pause_s + config.reconfig_pause_ms / 1e3)
             # timed devices take their cost model's time by construction: the policy plans with it unrefitted
-            timed = benchmark_cost_path(config.benchmark_model) is not None
             self.driver = RoleDriver(self, RoleScheduler(policy, cost), time.monotonic, refit=not timed)
         elif config.mode == "pooled":
             self.driver = PooledDriver(self, PooledRouter(config.max_unsent), config.prefill_devices,
@@ -147,7 +146,7 @@ class Node:
         elif config.mode != "colocated":
             raise StartupError(f"unknown mode {config.mode!r} (time-shared, colocated, pooled)")
         block_layer_bytes = None  # timed devices' transfers are paced and counted at the geometry's KV size
-        if benchmark_cost_path(config.benchmark_model) is not None:
+        if timed:
             block_layer_bytes = info.cfg.kv_bytes_per_token(info.dtype) // info.cfg.num_layers * config.block_size
         for e in engines:
             e.down_listeners.append(self._on_engine_down)
@@ -491,7 +490,7 @@ class Node:
             "model": self.config.model_name,
             "benchmark_model": self.config.benchmark_model,  # zero / sleep:MS / timed:PATH: a bench run, outputs meaningless
             # the cost model the time-shared policy started from (--cost-model, or a timed device's), else null
-            "cost_model": self.config.cost_model or benchmark_cost_path(self.config.benchmark_model),
+            "cost_model": self.config.policy_cost_model,
             "mode": self.config.mode,
             "max_model_len": self.max_model_len,
             "block_size": self.config.block_size,

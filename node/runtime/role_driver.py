@@ -57,11 +57,12 @@ class RoleDriver(Driver):
         self._pauses: deque[float] = deque(maxlen=SAMPLES)
         self._steps = 0
         rc = scheduler.config
+        copy_s_per_token = self._transfer_s_per_token(node)  # to a peer and inside the node alike
         self.imbalance = ImbalancePolicy(ImbalanceConfig(
             threshold=node.config.imbalance_threshold, tpot_slo_ms=rc.tpot_slo_ms, slo_margin=rc.slo_margin,
             reconfig_pause_ms=rc.reconfig_pause_ms, prefill_token_budget=rc.prefill_token_budget,
-            transfer_s_per_token=self._transfer_s_per_token(node),
-            local_transfer_s_per_token=self._transfer_s_per_token(node), ttft_slo_ms=rc.ttft_slo_ms), scheduler.cost)
+            transfer_s_per_token=copy_s_per_token, local_transfer_s_per_token=copy_s_per_token,
+            ttft_slo_ms=rc.ttft_slo_ms), scheduler.cost)
         self._moving: dict[str, str] = {}  # sequence id → destination device, while its move is queued or copying
         self._moving_ctx: dict[str, int] = {}  # sequence id → its context tokens, for moves to peers
         self._to_peer: dict[str, list[tuple[float, int]]] = {}  # peer → (commit time, context) of recent moves
