@@ -48,12 +48,23 @@ class BatchConfig:
         chunked_prefill: split a prompt over steps when it exceeds the remaining budget.
         watermark_blocks: free blocks kept back when admitting a new prompt, so running sequences
             can grow without immediate preemption.
+        max_item_tokens: new tokens per *sequence* per step (None: the step budget). A group that
+            prefills as several model instances in one step (time-shared prefill at a degree below
+            the decode degree, :mod:`node.core.role_config`) sets it to one instance's budget, so a
+            long prompt cannot take every instance's share and the others get whole items.
     """
 
     max_num_seqs: int = 256
     max_batched_tokens: int = 2048
     chunked_prefill: bool = True
     watermark_blocks: int = 0
+    max_item_tokens: int | None = None
+
+    @property
+    def item_cap(self) -> int:
+        """Most new tokens one sequence may compute in a step."""
+        cap = self.max_item_tokens
+        return self.max_batched_tokens if cap is None else min(cap, self.max_batched_tokens)
 
 
 @dataclass
@@ -170,7 +181,7 @@ class Batcher:
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return False
         s = self.waiting[0]
-        if not self.config.chunked_prefill and s.num_uncomputed > self.config.max_batched_tokens:
+        if not self.config.chunked_prefill and s.num_uncomputed > self.config.item_cap:
             return False
         need = self.ledger.blocks_for(len(s.token_ids)) - len(s.block_ids)
         keep = self.config.watermark_blocks if self.running else 0
@@ -195,7 +206,7 @@ class Batcher:
                     or (seq.is_decoding and len(seq.token_ids) >= seq.max_len):  # its last token needs no KV: it ends
                 i += 1
                 continue
-            n = min(seq.num_uncomputed, budget)
+            n = min(seq.num_uncomputed, budget, self.config.item_cap)
             if not self._grow(seq, n, plan):
                 continue  # seq itself was preempted; running[i] is now the next one
             plan.items.append(ScheduledSeq(seq, n))
@@ -287,10 +298,11 @@ class Batcher:
         for hits in options:
             cached = len(hits) * self.ledger.block_size
             n = seq.num_uncomputed - cached
-            if n > budget:
+            cap = min(budget, self.config.item_cap)
+            if n > cap:
                 if not self.config.chunked_prefill:
                     continue
-                n = budget
+                n = cap
             new = self.ledger.blocks_for(seq.num_computed + cached + n) - len(seq.block_ids) - len(hits)
             cost = new + self.ledger.reuse_cost(hits)
             keep = self.config.watermark_blocks if self.running else 0
