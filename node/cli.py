@@ -34,7 +34,13 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--devices", default=None, help="comma-separated devices, e.g. cuda:0,cuda:1 or cpu:0,cpu:1")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="D",
                    help="run each consecutive group of D --devices as one device: D engine processes, one tensor-parallel "
-                        "rank each (colocated mode only for now; no KV transfers or peers)")
+                        "rank each (colocated mode; no KV transfers or peers)")
+    p.add_argument("--decode-tp", type=int, default=1, metavar="D",
+                   help="time-shared mode: group each consecutive D --devices; a group decodes as one tensor-parallel "
+                        "instance of degree D (no KV transfers or peers)")
+    p.add_argument("--prefill-tp", type=int, default=1, metavar="P",
+                   help="time-shared mode: in the prefill role a group runs D/P instances of P devices side by side, "
+                        "each writing its KV straight into the decode layout (P divides D)")
     p.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -181,6 +187,8 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         seed=a.seed, attention_backend=a.attention_backend, log_format=a.log_format, mode=a.mode,
         enforce_eager=a.enforce_eager, engine_layout=a.engine_layout, prefix_caching=a.prefix_caching,
         tensor_parallel_size=a.tensor_parallel_size,
+        decode_tp=a.decode_tp,
+        prefill_tp=a.prefill_tp,
         benchmark_model=a.benchmark_model,
         reconfig_pause_ms=a.reconfig_pause_ms, cost_model=a.cost_model, ttft_slo_ms=a.ttft_slo_ms, tpot_slo_ms=a.tpot_slo_ms,
         min_window_ms=a.min_window_ms, max_window_ms=a.max_window_ms, stagger=a.stagger,

@@ -46,7 +46,9 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     log_format: str = "console"
     attention_backend: str = "auto"  # auto | torch | cpu | triton
     enforce_eager: bool = False  # no CUDA-graph decode (graphs are used on CUDA with the triton backend otherwise)
-    tensor_parallel_size: int = 1  # devices per engine: --devices grouped in consecutive runs of this many (colocated mode only for now)
+    tensor_parallel_size: int = 1  # colocated: devices per engine, --devices grouped in consecutive runs of this many
+    decode_tp: int = 1  # time-shared: devices per group, one tensor-parallel instance in the decode role
+    prefill_tp: int = 1  # time-shared: devices per instance in the prefill role (divides decode_tp)
     engine_layout: str = "process"  # process: one engine process per device | thread: in the node's process (debugging, bench baseline)
     benchmark_model: str | None = None  # bench tool, not for serving: "zero" (fixed logits, no compute) | "sleep:MS" (each step sleeps MS ms) | "timed:PATH" (a cost model's step times)
     mode: str = "time-shared"  # time-shared | colocated | pooled
@@ -127,36 +129,68 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             if not ok:
                 raise ConfigError(message)
 
-    def tensor_parallel_error(self) -> str | None:
-        """Why ``--tensor-parallel-size`` cannot run with the other flags, or None (always None at 1).
+    @property
+    def group_size(self) -> int:
+        """Devices per engine group: ``--decode-tp`` in time-shared mode, ``--tensor-parallel-size``
+        otherwise (1: every device is its own engine)."""
+        return self.decode_tp if self.mode == "time-shared" else self.tensor_parallel_size
 
-        This slice runs a group of ``D`` devices as one engine in colocated mode only; the per-role
-        degrees of time-shared and pooled modes, KV transfers of a group's (sharded) pool to devices
-        or peers, the thread layout and the benchmark models come later. The model's side (heads, KV
-        heads, intermediate size divisible by ``D``) is checked once its config is read
+    def role_configs(self) -> dict:
+        """Each role's execution configuration (:class:`node.core.role_config.RoleConfig`) by role name:
+        ``prefill`` and ``decode`` in time-shared mode, ``mixed`` otherwise."""
+        from node.core.role_config import RoleConfig, time_shared_roles
+
+        # decode graphs: CUDA devices, the triton backend, no --enforce-eager, no benchmark model (loader)
+        graphs = (not self.enforce_eager and not self.benchmark_model and self.attention_backend in ("auto", "triton")
+                  and all(d.startswith("cuda") for d in self.devices))
+        if self.mode == "time-shared":
+            return time_shared_roles(self.decode_tp, self.prefill_tp, self.max_num_batched_tokens, self.max_num_seqs,
+                                     cuda_graphs=graphs)
+        return {"mixed": RoleConfig("mixed", self.group_size, 1, self.max_num_batched_tokens,
+                                    cuda_graphs=graphs and self.group_size == 1)}
+
+    def tensor_parallel_error(self) -> str | None:
+        """Why the tensor-parallel flags cannot run with the other flags, or None (always None at 1).
+
+        ``--tensor-parallel-size D`` runs a group of ``D`` devices as one engine in colocated mode;
+        ``--decode-tp D --prefill-tp P`` runs time-shared groups of ``D`` devices (one instance at ``D``
+        in the decode role, ``D / P`` instances at ``P`` in the prefill role). Pooled mode's per-pool
+        degrees, KV transfers of a group's (sharded) pool to devices or peers, the thread layout and
+        the benchmark models come later. The model's side (heads, KV heads, intermediate size
+        divisible by the degrees) is checked once its config is read
         (:meth:`node.runtime.node.Node.create`).
         """
-        d = self.tensor_parallel_size
-        if not isinstance(d, int) or d < 1:
-            return f"--tensor-parallel-size must be a positive integer, got {d!r}"
+        for flag, v in (("--tensor-parallel-size", self.tensor_parallel_size), ("--decode-tp", self.decode_tp),
+                        ("--prefill-tp", self.prefill_tp)):
+            if not isinstance(v, int) or v < 1:
+                return f"{flag} must be a positive integer, got {v!r}"
+        if self.tensor_parallel_size > 1 and self.mode != "colocated":
+            return (f"--tensor-parallel-size {self.tensor_parallel_size} is colocated mode's degree (the mode is "
+                    f"{self.mode}): time-shared mode takes --decode-tp and --prefill-tp; pooled mode's per-pool "
+                    f"degrees come later")
+        if (self.decode_tp > 1 or self.prefill_tp > 1) and self.mode != "time-shared":
+            return (f"--decode-tp and --prefill-tp are time-shared mode's per-role degrees (the mode is {self.mode}): "
+                    f"colocated mode takes --tensor-parallel-size; pooled mode's per-pool degrees come later")
+        if self.decode_tp % self.prefill_tp:
+            return (f"--prefill-tp {self.prefill_tp} must divide --decode-tp {self.decode_tp} (a group of "
+                    f"{self.decode_tp} devices prefills as --decode-tp / --prefill-tp instances)")
+        d = self.group_size
         if d == 1:
             return None
-        if self.mode != "colocated":
-            return (f"--tensor-parallel-size {d} runs in --mode colocated only for now (the mode is {self.mode}): "
-                    f"per-role tensor-parallel degrees for time-shared and pooled modes come later")
+        flag = "--decode-tp" if self.mode == "time-shared" else "--tensor-parallel-size"
         if len(self.devices) % d:
-            return (f"--tensor-parallel-size {d} groups --devices in consecutive runs of {d}, but {len(self.devices)} "
+            return (f"{flag} {d} groups --devices in consecutive runs of {d}, but {len(self.devices)} "
                     f"device{'s' * (len(self.devices) != 1)} ({','.join(self.devices)}) is not a multiple of {d}")
         for group in self.device_groups():
             kinds = {dev.partition(":")[0] for dev in group}
             if len(kinds) > 1:
                 return f"a tensor-parallel group mixes device kinds ({'+'.join(group)}): one group is all cpu or all cuda"
         if self.engine_layout != "process":
-            return f"--tensor-parallel-size {d} needs --engine-layout process (each rank is its own engine process)"
+            return f"{flag} {d} needs --engine-layout process (each rank is its own engine process)"
         if self.benchmark_model:
-            return f"--benchmark-model is not supported with --tensor-parallel-size {d} yet"
+            return f"--benchmark-model is not supported with {flag} {d} yet"
         if self.kv_port is not None or self.peers:
-            return (f"--kv-port and --peers are not supported with --tensor-parallel-size {d} yet: KV transfers "
+            return (f"--kv-port and --peers are not supported with {flag} {d} yet: KV transfers "
                     f"of a tensor-parallel group's sharded KV pool come later")
         return None
 
@@ -185,9 +219,9 @@ class NodeConfig(msgspec.Struct, kw_only=True):
         return self.cost_model or benchmark_cost_path(self.benchmark_model)
 
     def device_groups(self) -> list[list[str]]:
-        """``devices`` in consecutive groups of ``tensor_parallel_size`` (each one engine, one
+        """``devices`` in consecutive groups of :attr:`group_size` (each one engine, one
         ``DeviceEngine``); one device per group at size 1."""
-        d = max(1, self.tensor_parallel_size)
+        d = max(1, self.group_size)
         return [self.devices[i : i + d] for i in range(0, len(self.devices), d)]
 
     @property

@@ -109,13 +109,16 @@ STEPS = [[(0, 7), (1, 1), (2, 13)], [(0, 1), (1, 5), (2, 1), (3, 4)], [(0, 1), (
          [(0, 1), (1, 1), (2, 1), (3, 1)]]
 
 
-def run_ragged(model: CausalLM, cfg: ModelConfig, kv_heads: int) -> dict:
+def run_ragged(model: CausalLM, cfg: ModelConfig, kv_heads: int, pools: int = 1) -> dict:
     """Run :data:`STEPS` on random tokens (the same on every rank); capture every layer's outputs, the
-    final hidden states, the logits of all rows and the KV pool."""
+    final hidden states, the logits of all rows and the KV pool. ``pools > 1``: the KV heads are cached
+    in that many pools of ``kv_heads / pools`` heads (a time-shared group's prefill layout); ``kv`` is
+    then their concatenation along the heads."""
     g = torch.Generator().manual_seed(7)
     tokens = [torch.randint(3, cfg.vocab_size, (40,), generator=g).tolist() for _ in range(4)]
     tables = [[4 * b + s for b in range(6)] for s in range(4)]  # blocks of the four sequences interleaved
-    kv = torch.zeros(cfg.num_layers, 2, 24, BLOCK, kv_heads, cfg.head_dim)
+    split = tuple(torch.zeros(cfg.num_layers, 2, 24, BLOCK, kv_heads // pools, cfg.head_dim) for _ in range(pools))
+    kv = split[0] if pools == 1 else split
     done = [0] * 4
     layers: list[list[torch.Tensor]] = [[] for _ in range(cfg.num_layers)]
     hooks = [layer.register_forward_hook(lambda mod, args, out, i=i: layers[i].append(torch.cat(out, dim=-1).clone()))
@@ -142,7 +145,8 @@ def run_ragged(model: CausalLM, cfg: ModelConfig, kv_heads: int) -> dict:
     finally:
         for hk in hooks:
             hk.remove()
-    return {"layers": [torch.cat(x) for x in layers], "hidden": torch.cat(hidden), "logits": torch.cat(logits), "kv": kv}
+    return {"layers": [torch.cat(x) for x in layers], "hidden": torch.cat(hidden), "logits": torch.cat(logits),
+            "kv": torch.cat(split, dim=-2)}
 
 
 def compare(got: dict, want: dict, tp: TPGroup, cfg: ModelConfig) -> dict:
@@ -423,3 +427,24 @@ def test_interleaved_layout_at_degree_1_equals_plain(tmp_path, family):
     got = run_ragged(load(cfg, folder, ShardLayout(m)), cfg, cfg.num_kv_heads)
     c = compare(got, want, TPGroup.single(), cfg)
     assert max(c["layers"], c["hidden"], c["logits"], c["kv"]) <= 1e-6, c
+
+
+@pytest.mark.parametrize("family, pools", [("stories260k", 2), ("stories260k", 4), *((f, 2) for f in FAMILIES)])
+def test_prefill_layout_over_several_pools_equals_plain(tmp_path, family, pools):
+    """A time-shared group's prefill layout at degree 1 (node.worker.role_layouts): a device holding the
+    whole-model shard of a layout for ``pools`` ranks computes every KV head and caches head group
+    ``j`` in pool ``j`` (another device's, in the node). Over ragged prefill, a chunked prefill on
+    cached context (read back from the pools) and decode, every layer, the hidden states and the
+    logits stay within 1e-5 of the plain model, and pool ``j`` holds exactly KV heads
+    ``[j*K/pools, (j+1)*K/pools)`` of the plain pool."""
+    if family == "stories260k":
+        cfg, folder = ModelConfig.from_folder(STORIES), STORIES
+    else:
+        cfg = family_config(TINY / family, FAMILIES[family])
+        folder = write_random_checkpoint(cfg, tmp_path / family, seed=5)
+    assert cfg.num_kv_heads % pools == 0
+    want = run_ragged(load(cfg, folder), cfg, cfg.num_kv_heads)
+    held = load(cfg, folder, ShardLayout(pools, 1, 0))  # the degree-1 shard of a layout for `pools` ranks
+    got = run_ragged(held, cfg, cfg.num_kv_heads, pools=pools)
+    c = compare(got, want, TPGroup.single(), cfg)
+    assert max(c["layers"], c["hidden"], c["logits"], c["kv"]) <= TOL, c

@@ -78,7 +78,7 @@ def test_a_tp2_group_serves_the_references_exactly_and_a_killed_rank_downs_the_g
             assert group.kv_cache is None  # no node-side view: transfers are refused for groups
             status = node.status()["devices"]
             assert len(status) == 1 and status[0]["device"] == "cpu:0+cpu:1"
-            assert status[0]["tensor_parallel"] == {"size": 2, "devices": ["cpu:0", "cpu:1"], "pids": pids}
+            assert status[0]["tensor_parallel"] == {"size": 2, "devices": ["cpu:0", "cpu:1"], "pids": pids, "active_layout": None}
             assert status[0]["engine"]["pid"] == pids[0]
 
             t1 = time.perf_counter()
@@ -159,8 +159,8 @@ def test_the_cli_serves_a_group_over_http_and_its_ranks_exit_with_the_node():
 
 
 @pytest.mark.parametrize("over, message", [
-    (dict(mode="time-shared"), r"--tensor-parallel-size 2 runs in --mode colocated only for now \(the mode is "
-                               r"time-shared\): per-role tensor-parallel degrees for time-shared and pooled modes come later"),
+    (dict(mode="time-shared"), r"--tensor-parallel-size 2 is colocated mode.s degree \(the mode is "
+                               r"time-shared\): time-shared mode takes --decode-tp and --prefill-tp"),
     (dict(devices=["cpu:0", "cpu:1", "cpu:2"]), r"consecutive runs of 2, but 3 devices \(cpu:0,cpu:1,cpu:2\) is not a multiple of 2"),
     (dict(devices=["cpu:0", "cuda:0"]), r"mixes device kinds \(cpu:0\+cuda:0\)"),
     (dict(engine_layout="thread"), r"needs --engine-layout process"),

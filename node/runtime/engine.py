@@ -9,16 +9,18 @@ steps only, so a step in flight never sees its blocks freed under it.
 from __future__ import annotations
 
 import asyncio
+import random
 from collections import deque
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import structlog
 
-from node.core.batcher import Batcher, ScheduledSeq, StepKind, StepPlan
+from node.core.batcher import BatchConfig, Batcher, ScheduledSeq, StepKind, StepPlan
+from node.core.role_config import RoleConfig, assign_instances
 from node.core.roles import Role
 from node.core.sequence import PENDING, Sequence, SeqStatus
 from node.runtime.request import RequestState
@@ -27,6 +29,7 @@ from node.transport.local import copy_sequence_blocks
 from node.runtime.step_encoder import StepEncoder
 from node.worker.engine_core import StepMsg, StepReply
 from node.worker.engine_process import EngineDied, EngineProcess, LocalEngine
+from node.worker.role_layouts import scatter_bytes
 from node.worker.runner import SeqOutput
 
 log = structlog.get_logger("shiftnode.engine")
@@ -109,6 +112,30 @@ class DeviceEngine:
         self.failure: str | None = None  # why the device is down (its step loop ended), else None
         self._encoder = StepEncoder()  # what the engine holds of each sequence; steps are diffs
         self._dead: str | None = None  # the engine process exited (seen between steps)
+        self.role_configs: dict[Role, RoleConfig] = {}  # time-shared: each role's configuration (configure_roles)
+        self._role_batch: dict[Role, BatchConfig] = {}
+        self._kv_bytes_per_token = 0
+        self._rng = random.Random(0)  # seeds of composite steps (StepMsg.rng_seed)
+        self.kv_scatter_bytes = 0  # KV written into other devices' pools by prefill instances (role_layouts)
+
+    def configure_roles(self, configs: dict[Role, RoleConfig], base: BatchConfig, kv_bytes_per_token: int,
+                        seed: int = 0) -> None:
+        """Give each role its configuration (time-shared mode): the batcher's limits follow the
+        active role from now on (a prefill role of several instances plans ``token_budget`` per
+        instance and at most that per sequence, :class:`RoleConfig`); ``kv_bytes_per_token``: the
+        model's whole-KV bytes per token (for :attr:`kv_scatter_bytes`)."""
+        self.role_configs = dict(configs)
+        self._role_batch = {r: replace(base, max_batched_tokens=c.step_budget, max_item_tokens=c.item_cap)
+                            if r is Role.PREFILL else base for r, c in configs.items()}
+        self._kv_bytes_per_token = kv_bytes_per_token
+        self._rng = random.Random(seed)
+        if self.role is not None and self.role.role in self._role_batch:
+            self.batcher.config = self._role_batch[self.role.role]
+
+    @property
+    def active_config(self) -> RoleConfig | None:
+        """The configuration of the role the device is in (None while switching, or outside time-shared mode)."""
+        return self.role_configs.get(self.role.role) if self.role is not None else None
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -408,6 +435,14 @@ class DeviceEngine:
         batcher as if the step ran (the next plan builds on it) and hand the message to the engine."""
         self._current_plan = plan
         msg = self._encoder.encode(plan, self._by_seq)
+        rc = self.active_config
+        # one step, several instances; a group whose switch failed runs in the layout it is in (getattr: a group)
+        if (rc is not None and rc.instances > 1 and plan.kind is StepKind.PREFILL
+                and getattr(self.runner, "active_role", None) == "prefill"):
+            msg.instances = assign_instances([it.num_tokens for it in plan.items], rc.instances)
+            msg.rng_seed = self._rng.getrandbits(62)
+            self.kv_scatter_bytes += scatter_bytes(plan.num_tokens, self._kv_bytes_per_token, rc.tp_degree,
+                                                   rc.group_size)
         pending = []
         for it in plan.items:
             if it.samples:
@@ -550,8 +585,11 @@ class DeviceEngine:
         try:
             await asyncio.get_running_loop().run_in_executor(self._executor, self.reconfigure, to_role)
         except Exception as e:  # noqa: BLE001 - the role still changes (steps of it run eagerly)
-            self.errors["reconfigure"] = self.errors.get("reconfigure", 0) + 1
-            log.error("reconfigure_failed", device=self.device_id, to_role=to_role.value, error=str(e), exc_info=e)
+            if not self.runner.stopping:  # (a switch the node's closing cut short is no error)
+                self.errors["reconfigure"] = self.errors.get("reconfigure", 0) + 1
+                log.error("reconfigure_failed", device=self.device_id, to_role=to_role.value, error=str(e), exc_info=e)
+        if to_role in self._role_batch:
+            self.batcher.config = self._role_batch[to_role]
         swap_s = self.clock() - drained
         deadline = self.clock() + self.role.pause_floor_s
         while (left := deadline - self.clock()) > 0:  # event-loop timers may fire a little early
@@ -567,8 +605,16 @@ class DeviceEngine:
 
     def reconfigure(self, to_role: Role) -> None:
         """Swap the execution configuration (runs in the worker thread; its time is the switch's swap
-        time). The step kind comes from the role; the decode role also needs the runner's CUDA graphs,
-        captured on the first switch to it and reused afterwards (a no-op without graphs)."""
+        time). The step kind and the batch limits come from the role (:meth:`configure_roles`); a
+        tensor-parallel group's ranks switch layout (degree, weight views, KV heads, then a barrier:
+        :meth:`GroupLayouts.activate <node.worker.role_layouts.GroupLayouts.activate>`); the decode role
+        also needs the runner's CUDA graphs, captured on the first switch to it and reused afterwards
+        (a no-op without graphs)."""
+        if self.runner.stopping:  # the node is closing: nothing will run in the new role
+            return
+        set_role = getattr(self.runner, "set_role", None)
+        if set_role is not None and to_role in self.role_configs:
+            set_role(to_role.value)
         if to_role is Role.DECODE:
             self.runner.prepare_decode()
 

@@ -74,7 +74,7 @@ def select_ops(backend: str, device_type: str) -> object:
 
 
 def check_tensor_parallel(config: NodeConfig, info: LoadedModel) -> None:
-    """Refuse a ``--tensor-parallel-size`` the other flags (:meth:`NodeConfig.tensor_parallel_error`)
+    """Refuse tensor-parallel degrees (``--tensor-parallel-size``, ``--decode-tp``, ``--prefill-tp``) the other flags (:meth:`NodeConfig.tensor_parallel_error`)
     or the model (heads, KV heads, intermediate size not divisible by it) cannot run with.
 
     Raises:
@@ -83,13 +83,15 @@ def check_tensor_parallel(config: NodeConfig, info: LoadedModel) -> None:
     problem = config.tensor_parallel_error()
     if problem:
         raise StartupError(problem)
-    if config.tensor_parallel_size > 1:
-        from node.worker.tensor_parallel import TensorParallelError, check_tp_config
+    from node.worker.tensor_parallel import TensorParallelError, check_tp_config
 
-        try:
-            check_tp_config(info.cfg, config.tensor_parallel_size)
-        except TensorParallelError as e:
-            raise StartupError(f"--tensor-parallel-size {config.tensor_parallel_size}: {e}") from e
+    for flag, degree in (("--tensor-parallel-size", config.tensor_parallel_size), ("--decode-tp", config.decode_tp),
+                         ("--prefill-tp", config.prefill_tp)):
+        if degree > 1:
+            try:
+                check_tp_config(info.cfg, degree)
+            except TensorParallelError as e:
+                raise StartupError(f"{flag} {degree}: {e}") from e
 
 
 class Node:
@@ -213,7 +215,12 @@ class Node:
                 role = DeviceRole(device_id, Role.PREFILL, time.monotonic(), 0.0)
             # Pooled decode devices get no role: they decode, and recompute a sequence that an
             # underestimated output forced them to preempt (vLLM's recompute), in mixed steps.
-            engines.append(DeviceEngine(device_id, runner, batcher, time.monotonic, role))
+            engine = DeviceEngine(device_id, runner, batcher, time.monotonic, role)
+            if config.mode == "time-shared":  # each role's limits and layout (node.core.role_config)
+                roles = {Role(name): rc for name, rc in config.role_configs().items()}
+                engine.configure_roles(roles, batcher.config, info.cfg.kv_bytes_per_token(info.dtype),
+                                       seed=config.seed + len(engines))
+            engines.append(engine)
         fingerprint = None
         if cls.networked(config):  # hashed once, off the event loop (see node.transport.fingerprint)
             fingerprint = await loop.run_in_executor(None, engines[0].runner.fingerprint, config, info)
@@ -474,8 +481,14 @@ class Node:
                 "errors": dict(e.errors),  # contained failures by stage; the device kept serving
                 "failure": e.failure,  # why the device is down, or null
             }
-            if isinstance(e.runner, TPEngineGroup):  # a group of --tensor-parallel-size devices as one
-                d["tensor_parallel"] = {"size": e.runner.degree, "devices": e.runner.devices, "pids": e.runner.pids}
+            if isinstance(e.runner, TPEngineGroup):  # a group of devices as one (--tensor-parallel-size, --decode-tp)
+                d["tensor_parallel"] = {"size": e.runner.degree, "devices": e.runner.devices, "pids": e.runner.pids,
+                                        "active_layout": e.runner.active_role}
+            if e.role_configs:  # time-shared: what each role runs, and what the device runs now
+                d["role_configs"] = {r.value: c.as_dict() for r, c in e.role_configs.items()}
+                active = e.active_config
+                d["active_config"] = active.as_dict() if active is not None else None
+                d["kv_scatter_bytes"] = e.kv_scatter_bytes
             if e.role is not None:
                 r = e.role
                 d |= {

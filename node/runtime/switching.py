@@ -1,9 +1,11 @@
 """A device's role in time-shared mode and the reconfiguration that changes it.
 
-A switch drains the step in flight, swaps the execution configuration (the step kind and token
-budget; on CUDA also the decode graphs) and pays the reconfiguration pause: the measured cost of the
-swap plus the configured floor ``--reconfig-pause-ms`` (which models heavier reconfigurations, such as a
-change of parallelism, on any machine). Every switch is recorded with its timings and reason.
+A switch drains the step in flight, swaps the execution configuration (the role's
+:class:`~node.core.role_config.RoleConfig`: step kind and batch limits; on CUDA the decode graphs; on a
+time-shared tensor-parallel group the parallel layout, :mod:`node.worker.role_layouts`) and pays the
+reconfiguration pause: the measured cost of the swap plus the configured floor ``--reconfig-pause-ms``
+(which models heavier reconfigurations on any machine). Every switch is recorded with its timings and
+reason.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ import time
 import msgspec
 
 from node.core.sequence import SamplingParams
+from node.worker.role_layouts import GroupLayouts
 from node.worker.runner import ModelRunner, SeqInput, SeqOutput, StepInput
 from node.worker.sampler import SampleRequest
 from node.worker.timed_step import step_work
@@ -70,7 +71,13 @@ class StepItem(msgspec.Struct, array_like=True):
 
 
 class StepMsg(msgspec.Struct, tag="step"):
-    """One step, as a diff against the engine's state. ``reset`` drops every sequence first."""
+    """One step, as a diff against the engine's state. ``reset`` drops every sequence first.
+
+    ``instances`` (a *composite* step of a time-shared group prefilling as several instances,
+    :mod:`node.worker.role_layouts`): the instance each item runs on, in item order; each rank
+    computes its own instance's items only. ``rng_seed``: the unseeded-sampling generator of every
+    rank restarts from it after a composite step (instance ``s`` samples from ``rng_seed + 1 + s``
+    during it), so the ranks' generators agree again for the group's next step."""
 
     items: list[StepItem]
     new: list[NewSeq] = []
@@ -78,6 +85,8 @@ class StepMsg(msgspec.Struct, tag="step"):
     blocks: list[SeqBlocks] = []
     drop: list[str] = []
     reset: bool = False
+    instances: list[int] = []
+    rng_seed: int = 0
 
 
 class StepReply(msgspec.Struct, tag="step"):
@@ -110,8 +119,9 @@ class EngineCore:
     whether the step ran or not), tokens are appended only by a step that completed.
     """
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, layouts: GroupLayouts | None = None):
         self.runner = runner
+        self.layouts = layouts  # a time-shared group's rank: its decode and prefill layouts
         self.seqs: dict[str, _SeqState] = {}
         self.pacer = getattr(runner, "pacer", None)  # ModelRunner.pacer (a timed device), else None
 
@@ -148,9 +158,23 @@ class EngineCore:
         (:mod:`node.worker.timed_step`)."""
         t0 = time.perf_counter()
         self.apply(msg)
+        if msg.instances:
+            return self._composite_step(msg, t0)
+        seqs = self.seqs
+        outs = self.runner.execute(StepInput(self._inputs(msg.items)))
+        pacer = self.pacer
+        if pacer is not None:  # a timed benchmark device: the step lasts the cost model's time from t0
+            pacer.finish(t0, step_work(msg.items, {it.seq_id: seqs[it.seq_id].prompt_len for it in msg.items}))
+        ordered = [outs[it.seq_id] for it in msg.items]
+        for it, out in zip(msg.items, ordered):
+            if out.token_id is not None:
+                seqs[it.seq_id].token_ids.append(out.token_id)
+        return StepReply(ordered, time.perf_counter() - t0)
+
+    def _inputs(self, items: list[StepItem]) -> list[SeqInput]:
         seqs = self.seqs
         inputs = []
-        for it in msg.items:
+        for it in items:
             s = seqs[it.seq_id]
             toks = s.token_ids
             start, n = it.start, it.num_tokens
@@ -162,14 +186,35 @@ class EngineCore:
                 targets = toks[start + 1 : min(start + n + 1, s.prompt_len)]
                 top = it.prompt_top
             inputs.append(SeqInput(it.seq_id, toks[start : start + n], start, s.block_ids, sample, targets, top))
-        outs = self.runner.execute(StepInput(inputs))
-        pacer = self.pacer
-        if pacer is not None:  # a timed benchmark device: the step lasts the cost model's time from t0
-            pacer.finish(t0, step_work(msg.items, {it.seq_id: seqs[it.seq_id].prompt_len for it in msg.items}))
-        ordered = [outs[it.seq_id] for it in msg.items]
-        for it, out in zip(msg.items, ordered):
-            if out.token_id is not None:
-                seqs[it.seq_id].token_ids.append(out.token_id)
+        return inputs
+
+    def _composite_step(self, msg: StepMsg, t0: float) -> StepReply:
+        """A step of several instances (``msg.instances``): compute this rank's instance's items, then
+        learn every item's sampled token from the group (:meth:`GroupLayouts.merge_tokens`). Items of
+        other instances get an output with their token only (their logprobs are in the reply of their
+        instance's first rank).
+
+        Raises:
+            RuntimeError: this engine is not a group rank in its prefill layout of several instances.
+        """
+        lay = self.layouts
+        if lay is None or not lay.composite:
+            raise RuntimeError("a step of several instances reached an engine not in a prefill layout of several")
+        mine = [it for it, s in zip(msg.items, msg.instances) if s == lay.instance]
+        gen = self.runner.generator
+        gen.manual_seed(msg.rng_seed + 1 + lay.instance)
+        outs = self.runner.execute(StepInput(self._inputs(mine))) if mine else {}
+        gen.manual_seed(msg.rng_seed)
+        own = [-1 if (o := outs.get(it.seq_id)) is None or o.token_id is None else o.token_id for it in msg.items]
+        merged = lay.merge_tokens(own, self.runner.device)
+        ordered = []
+        for it, token in zip(msg.items, merged):
+            out = outs.get(it.seq_id)
+            if out is None:
+                out = SeqOutput(token_id=None if token < 0 else token)
+            ordered.append(out)
+            if token >= 0:
+                self.seqs[it.seq_id].token_ids.append(token)
         return StepReply(ordered, time.perf_counter() - t0)
 
     def warm_up(self) -> None:

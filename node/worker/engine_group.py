@@ -16,8 +16,8 @@ import structlog
 
 from node.config import NodeConfig
 from node.transport.protocol import Fingerprint
-from node.worker.engine_core import StepReply
-from node.worker.engine_process import (EngineDied, EngineError, EngineProcess, Prepare, StepAck, TPRank,
+from node.worker.engine_core import StepMsg, StepReply
+from node.worker.engine_process import (EngineDied, EngineError, EngineProcess, Prepare, Reconfigure, StepAck, TPRank,
                                         submit_from_thread)
 
 log = structlog.get_logger("shiftnode.engine_group")
@@ -69,9 +69,13 @@ class TPEngineGroup:
         self.devices = list(devices)
         self.device_id = group_id(devices)
         self.degree = len(devices)
+        # a time-shared group: decode at the group's degree, prefill as instances of --prefill-tp
+        self.prefill_degree = config.prefill_tp if config.mode == "time-shared" else 0
+        self.instances = self.degree // self.prefill_degree if self.prefill_degree else 1
+        self.active_role: str | None = None  # the layout the ranks run (time-shared groups)
         self._dir = tempfile.mkdtemp(prefix="shiftnode-tp-")
         init = f"file://{self._dir}/rendezvous"
-        self.ranks = [EngineProcess(config, d, method, TPRank(r, self.degree, init, self.device_id))
+        self.ranks = [EngineProcess(config, d, method, TPRank(r, self.degree, init, self.device_id, self.prefill_degree))
                       for r, d in enumerate(devices)]
         self._enc = msgspec.msgpack.Encoder()
         self._dead: EngineDied | None = None
@@ -147,6 +151,37 @@ class TPEngineGroup:
 
             raise StartupError(f"tensor-parallel group {self.device_id}: ranks disagree on num_blocks {sorted(blocks)}")
         self.num_blocks, self.threads = self.ranks[0].num_blocks, self.ranks[0].threads
+        if self.prefill_degree:
+            self._start_layouts()
+
+    def _start_layouts(self) -> None:
+        """A time-shared group: map each rank's column of pools into it (several prefill instances),
+        then make the prefill layout active (devices start in the prefill role). Before :meth:`attach`.
+
+        Raises:
+            EngineError, EngineDied: a rank failed or died (named with its device).
+        """
+        g = self.instances
+        handles = dict(enumerate(self.ranks))
+        for i, r in enumerate(self.ranks):
+            if g > 1:
+                column = [i // g * g + t for t in range(g)]
+                self._named(i, lambda r=r, column=column: r.send_pools(column, handles))
+        for r in self.ranks:  # every rank first: the switch ends in a barrier of the whole group
+            r.send_sync(Reconfigure("prefill"))
+        for i, r in enumerate(self.ranks):
+            self._named(i, r._expect_value)
+        self.active_role = "prefill"
+
+    def _named(self, i: int, fn) -> Any:
+        try:
+            return fn()
+        except (EngineError, EngineDied) as e:
+            for other in self.ranks:
+                if other.process.is_alive():
+                    other.process.terminate()
+            message = f"tensor-parallel group {self.device_id}: rank {i} ({self.devices[i]}): {e}"
+            raise (EngineError(message, e.kind) if isinstance(e, EngineError) else EngineDied(message)) from e
 
     def _wait_rank(self, i: int, errors: list) -> None:
         try:
@@ -188,12 +223,13 @@ class TPEngineGroup:
                 raise self._dead from e
         out = self._loop.create_future()
         out.add_done_callback(_retrieved)  # a group that went down may leave it unread
+        instances = msg.instances if isinstance(msg, StepMsg) else []
         for f in futs:
             f.add_done_callback(_retrieved)  # read by _settle, or moot once the group's reply is settled
-            f.add_done_callback(lambda _f: self._settle(futs, out))
+            f.add_done_callback(lambda _f: self._settle(futs, out, instances))
         return out
 
-    def _settle(self, futs: list[asyncio.Future], out: asyncio.Future) -> None:
+    def _settle(self, futs: list[asyncio.Future], out: asyncio.Future, instances: list[int] = ()) -> None:
         if out.done():
             return
         for i, f in enumerate(futs):
@@ -206,10 +242,17 @@ class TPEngineGroup:
         errors = [f.exception() for f in futs]
         if all(e is None for e in errors):
             first = futs[0].result()
+            if isinstance(first, StepReply) and instances:  # each item's outputs from its instance's first rank
+                leaders = [futs[s].result() for s in range(self.instances)]
+                if all(isinstance(r, StepReply) for r in leaders):
+                    first = StepReply([leaders[s].outputs[i] for i, s in enumerate(instances)],
+                                      max(r.busy_s for r in leaders))
             if isinstance(first, StepReply):
                 want = [-1 if o.token_id is None else o.token_id for o in first.outputs]
                 for i, f in enumerate(futs[1:], 1):
                     ack = f.result()
+                    if isinstance(ack, StepReply):  # another instance's first rank: all tokens, merged
+                        ack = StepAck([-1 if o.token_id is None else o.token_id for o in ack.outputs])
                     if not isinstance(ack, StepAck) or ack.tokens != want:
                         got = ack.tokens if isinstance(ack, StepAck) else type(ack).__name__
                         self._down(f"rank {i} ({self.devices[i]}) sampled {got} where rank 0 sampled {want}: "
@@ -231,7 +274,7 @@ class TPEngineGroup:
         """The group cannot serve any more: record the first reason, end the surviving ranks."""
         if self._reason is None:
             self._reason = f"tensor-parallel group {self.device_id} is down: {why}"
-            log.error("tp_group_down", device=self.device_id, reason=self._reason)
+            (log.info if self.stopping else log.error)("tp_group_down", device=self.device_id, reason=self._reason)
         self._dead = EngineDied(self._reason)
         for r in self.ranks:
             if r.process.is_alive():
@@ -261,6 +304,14 @@ class TPEngineGroup:
 
     def prepare_decode(self) -> float:
         return self.call(Prepare()).value
+
+    def set_role(self, role: str) -> float:
+        """Switch every rank to ``role``'s layout (a time-shared group; :class:`Reconfigure`); the
+        slowest rank's milliseconds are not known here: returns rank 0's, barrier included. Call from a
+        thread other than the loop's, with no step in flight."""
+        ms = self.call(Reconfigure(role)).value
+        self.active_role = role
+        return ms
 
     def fingerprint(self, config: NodeConfig, info: Any) -> Fingerprint:
         """Refused: peers (which need the fingerprint) are not supported for tensor-parallel groups yet."""

@@ -133,15 +133,31 @@ class StepAck(msgspec.Struct, tag="ack"):
 
 class TPRank(msgspec.Struct, frozen=True):
     """An engine's place in a tensor-parallel group: ``rank`` of ``degree``, joining the group's own
-    ``torch.distributed`` world through ``init_method`` (``file://...``)."""
+    ``torch.distributed`` world through ``init_method`` (``file://...``). ``prefill_degree``: a
+    time-shared group (``--prefill-tp``; :mod:`node.worker.role_layouts`), 0 otherwise."""
 
     rank: int
     degree: int
     init_method: str
     group: str  # the group's device id (cpu:0+cpu:1), for logs
+    prefill_degree: int = 0
 
 
-Request = StepMsg | Prepare | GetFingerprint | Shutdown
+class PeerPools(msgspec.Struct, tag="pools"):
+    """Map the KV pools of ``ranks`` (this rank's column of a time-shared group) into the engine: one
+    handle per rank other than the engine's own follows on the pipe, in order (the pool's memfd over
+    ``SCM_RIGHTS`` on the CPU, its CUDA IPC handle on GPUs)."""
+
+    ranks: list[int]
+
+
+class Reconfigure(msgspec.Struct, tag="reconfigure"):
+    """Make ``role``'s layout active (a time-shared group's switch; :meth:`GroupLayouts.activate`)."""
+
+    role: str
+
+
+Request = StepMsg | Prepare | GetFingerprint | Shutdown | PeerPools | Reconfigure
 Reply = StepReply | StepAck | Ready | Value | FingerprintReply | Failed
 
 TP_TIMEOUT_S = 300.0  # a collective of a tensor-parallel group waits this long for a rank that never joins
@@ -206,17 +222,23 @@ def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid
         holder: dict = {}
         kv_alloc = (lambda shape, dtype, device: _memfd_kv(shape, dtype, device, holder)) \
             if device_id.startswith("cpu") else None
-        group = None
+        group = layouts = None
         if tp is not None:
             from node.worker.loader import torch_device
+            from node.worker.role_layouts import GroupLayouts, new_instance_groups
             from node.worker.tensor_parallel import init_distributed, new_tp_group
 
             init_distributed(tp.rank, tp.degree, tp.init_method, torch_device(device_id), timeout_s=TP_TIMEOUT_S)
             group = new_tp_group(tp.degree)
+            if tp.prefill_degree:  # a time-shared group: its prefill instances' groups too, made once, here
+                p = tp.prefill_degree
+                prefill = group if p == tp.degree else new_instance_groups(tp.degree, p, tp.rank)
+                layouts = GroupLayouts(tp.rank, tp.degree, p, group, prefill)
             log.info("tp_rank_joined", group=tp.group, rank=tp.rank, degree=tp.degree, device=device_id,
-                     backend=torch.distributed.get_backend())
-        runner = build_runner(config, info, device_id, ops, kv_alloc=kv_alloc, tp=group)
-        core = EngineCore(runner)
+                     backend=torch.distributed.get_backend(), prefill_degree=tp.prefill_degree or None)
+        runner = build_runner(config, info, device_id, ops, kv_alloc=kv_alloc, tp=group,
+                              held_degree=(tp.prefill_degree or None) if tp is not None else None)
+        core = EngineCore(runner, layouts)
         core.warm_up()
         kv = runner.kv_cache
         conn.send_bytes(enc.encode(Ready(runner.num_blocks, list(kv.shape), str(kv.dtype).removeprefix("torch."),
@@ -231,6 +253,7 @@ def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid
         conn.send_bytes(enc.encode(Failed(type(e).__name__, str(e), traceback.format_exc())))
         _exit_rank(tp)
         return
+    pool_maps: list = []  # mmaps of other ranks' pools (PeerPools), kept open while they are used
     while True:
         try:
             data = conn.recv_bytes()
@@ -244,10 +267,15 @@ def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid
         try:
             if isinstance(msg, StepMsg):
                 reply: Any = core.step(msg)
-                if tp is not None and tp.rank:
+                # rank 0 answers with the outputs; in a step of several instances, each instance's first rank
+                if tp is not None and tp.rank and not (msg.instances and tp.rank < layouts.instances):
                     reply = StepAck([-1 if o.token_id is None else o.token_id for o in reply.outputs], reply.busy_s)
             elif isinstance(msg, Prepare):
                 reply = Value(core.prepare_decode())
+            elif isinstance(msg, Reconfigure):
+                reply = Value(layouts.activate(msg.role, runner))
+            elif isinstance(msg, PeerPools):
+                reply = Value(_map_pools(conn, msg, tp.rank, runner, layouts, pool_maps))
             else:
                 from node.transport.fingerprint import node_fingerprint
 
@@ -258,6 +286,29 @@ def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid
             conn.send_bytes(enc.encode(reply))
         except (BrokenPipeError, OSError):
             return
+
+
+def _map_pools(conn: Connection, msg: PeerPools, rank: int, runner: Any, layouts: Any, keep: list) -> float:
+    """Receive the handles of ``msg.ranks``' KV pools (see :class:`PeerPools`) and map them into
+    ``layouts.pools`` (same shape and dtype as this rank's pool); the milliseconds it took."""
+    import time
+
+    t0 = time.perf_counter()
+    own = runner.kv_cache
+    nbytes = own.numel() * own.element_size()
+    for q in msg.ranks:
+        if q == rank:
+            layouts.pools[q] = own
+        elif own.is_cuda:
+            rebuild, args = conn.recv()
+            layouts.pools[q] = rebuild(*args)
+        else:
+            fd = recv_handle(conn)
+            buf = mmap.mmap(fd, max(nbytes, 1))
+            os.close(fd)
+            keep.append(buf)
+            layouts.pools[q] = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(own.dtype).view(own.shape)
+    return (time.perf_counter() - t0) * 1e3
 
 
 # --- the node's handle ----------------------------------------------------------------------------------
@@ -325,6 +376,9 @@ class EngineProcess:
         self.num_blocks = 0
         self.threads = 0
         self._mmap: mmap.mmap | None = None
+        self.keep_kv_fd = bool(tp is not None and tp.prefill_degree and tp.prefill_degree < tp.degree)
+        self._kv_fd: int | None = None
+        self._kv_ipc: tuple | None = None
         self.stopping = False
         # Set by attach: the loop that owns the socket, its thread, and the loop's end of it.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -363,13 +417,17 @@ class EngineProcess:
         try:
             if reply.kv_cuda:
                 rebuild, args = self._conn.recv()
+                self._kv_ipc = (rebuild, args)  # forwarded to the other ranks of a time-shared group
                 self.kv_cache = rebuild(*args)
             else:
                 fd = recv_handle(self._conn)
                 dtype = _DTYPES[reply.kv_dtype]
                 nbytes = int(torch.Size(reply.kv_shape).numel()) * torch.empty((), dtype=dtype).element_size()
                 self._mmap = mmap.mmap(fd, max(nbytes, 1))
-                os.close(fd)
+                if self.keep_kv_fd:
+                    self._kv_fd = fd  # passed on to the other ranks of a time-shared group (PeerPools)
+                else:
+                    os.close(fd)
                 self.kv_cache = torch.frombuffer(self._mmap, dtype=torch.uint8, count=nbytes).view(dtype).view(reply.kv_shape)
         except (EOFError, OSError) as e:
             raise EngineDied(f"engine process of {self.device_id} exited while sharing its KV pool") from e
@@ -503,6 +561,37 @@ class EngineProcess:
             self.process.kill()
             self.process.join(2.0)
         self._conn.close()
+        if self._kv_fd is not None:
+            os.close(self._kv_fd)
+            self._kv_fd = None
+
+    def send_pools(self, ranks: list[int], handles: dict[int, "EngineProcess"]) -> float:
+        """Map the KV pools of ``ranks`` into this engine (:class:`PeerPools`; before :meth:`attach`):
+        ``handles[q]`` is rank ``q``'s engine. Returns the engine's milliseconds.
+
+        Raises:
+            EngineError: the engine failed to map them; EngineDied: it is gone.
+        """
+        self._conn.send_bytes(self._enc.encode(PeerPools(ranks)))
+        for q in ranks:
+            other = handles[q]
+            if other is self:
+                continue
+            if other._kv_ipc is not None:
+                self._conn.send(other._kv_ipc)
+            else:
+                send_handle(self._conn, other._kv_fd, self.pid)
+        return self._expect_value()
+
+    def send_sync(self, msg: Any) -> None:
+        """Write ``msg`` now (before :meth:`attach`; read its reply with :meth:`_expect_value`)."""
+        self._conn.send_bytes(self._enc.encode(msg))
+
+    def _expect_value(self) -> float:
+        reply = self._recv()
+        if isinstance(reply, Failed):
+            raise EngineError(reply.message, reply.kind)
+        return reply.value
 
 
 class LocalEngine:

@@ -84,7 +84,8 @@ def torch_device(device_id: str) -> torch.device:
 
 
 def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: object,
-                 kv_alloc: KVAlloc | None = None, tp: TPGroup | None = None) -> ModelRunner:
+                 kv_alloc: KVAlloc | None = None, tp: TPGroup | None = None,
+                 held_degree: int | None = None) -> ModelRunner:
     """Load weights on one device and size its KV pool.
 
     The KV budget is ``--kv-cache-memory`` bytes when given; on CUDA otherwise
@@ -99,7 +100,9 @@ def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: obj
     (``[layers, 2, num_blocks, block_size, K/D, head_dim]``), so the budget is divided by
     ``kv_bytes_per_token / D``; the ranks then agree on the smallest ``num_blocks`` of the group (one
     all-reduce MIN: CUDA devices may have different free memory), which the node's one block ledger
-    of the group indexes on every rank. Decode CUDA graphs are off at ``D > 1`` (eager steps) in
+    of the group indexes on every rank. ``held_degree`` ``P`` (a time-shared group's ``--prefill-tp``,
+    dividing ``D``): the device holds the degree-``P`` shard that contains its degree-``D`` one
+    (``ShardLayout(D, P, rank // (D / P))``, ``1/P`` of the weights), so both layouts are views. Decode CUDA graphs are off at ``D > 1`` (eager steps) in
     this slice. Collective: every rank of the group must call it.
 
     ``--benchmark-model timed:PATH``: the block count is the geometry's for ``--kv-cache-memory``
@@ -123,7 +126,8 @@ def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: obj
         model = build_benchmark_model(config.benchmark_model, cfg, info.tokenizer, dev, ops=ops, seed=config.seed,
                                       rows=config.max_num_batched_tokens + config.max_num_seqs, device_id=device_id)
     else:
-        layout = ShardLayout(degree, degree, tp.rank) if degree > 1 else ShardLayout()
+        held = held_degree or degree
+        layout = ShardLayout(degree, held, tp.rank // (degree // held)) if degree > 1 else ShardLayout()
         model = build_model(cfg, folder=config.model, load_format=fmt, dtype=info.dtype, device=dev,
                             max_positions=info.max_model_len, ops=ops, seed=config.seed, layout=layout,
                             tp=tp if degree > 1 else None)

@@ -112,11 +112,14 @@ class DecoderLayer(nn.Module):
         else:
             q, k = q.contiguous(), k.contiguous()
         ops.rotary_embedding(positions, q, k, cos_sin)
-        ops.reshape_and_cache(k, v.contiguous(), k_cache, v_cache, meta.slot_mapping)
-        attn = ops.paged_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
-            meta.max_seqlen_q, d**-0.5,
-        )
+        if isinstance(k_cache, tuple):  # KV heads owned by several devices' pools (node.worker.role_layouts)
+            attn = _attention_over_pools(q, k, v, k_cache, v_cache, meta, ops, d**-0.5)
+        else:
+            ops.reshape_and_cache(k, v.contiguous(), k_cache, v_cache, meta.slot_mapping)
+            attn = ops.paged_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
+                meta.max_seqlen_q, d**-0.5,
+            )
         # Row-parallel o_proj: partial [T, hidden] sums, all-reduced.
         x = F.linear(attn.reshape(t, s.num_heads * d), s.o_weight)
         if s.reduce is not None:
@@ -133,6 +136,24 @@ class DecoderLayer(nn.Module):
         if s.reduce is not None:
             s.reduce(x)
         return x, residual
+
+
+def _attention_over_pools(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_caches: tuple, v_caches: tuple,
+                          meta: AttentionMetadata, ops: Any, scale: float) -> torch.Tensor:
+    """Paged attention of a rank whose ``q [T, Hl, d]`` / ``k, v [T, Kl, d]`` heads are split in
+    ``g = len(k_caches)`` head groups, group ``j`` cached in pool ``j`` (``[num_blocks, block_size,
+    Kl/g, d]``, another device's): its KV is written there and read from there, with the same slot
+    mapping and block tables (block ids are the group's). Query heads ``[j*Hl/g, (j+1)*Hl/g)`` read KV
+    heads ``[j*Kl/g, (j+1)*Kl/g)``, the GQA mapping of the whole. Returns ``[T, Hl, d]``."""
+    g = len(k_caches)
+    qh, kh = q.shape[1] // g, k.shape[1] // g
+    outs = []
+    for j in range(g):
+        ops.reshape_and_cache(k[:, j * kh : (j + 1) * kh].contiguous(), v[:, j * kh : (j + 1) * kh].contiguous(),
+                              k_caches[j], v_caches[j], meta.slot_mapping)
+        outs.append(ops.paged_attention(q[:, j * qh : (j + 1) * qh].contiguous(), k_caches[j], v_caches[j],
+                                        meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, meta.max_seqlen_q, scale))
+    return torch.cat(outs, dim=1)
 
 
 class CausalLM(nn.Module):
@@ -214,11 +235,18 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """``kv_cache``: ``[layers, 2, num_blocks, block_size, local_kv_heads, head_dim]``."""
+        """``kv_cache``: ``[layers, 2, num_blocks, block_size, local_kv_heads, head_dim]``, or a tuple of
+        ``g`` pools of ``local_kv_heads / g`` heads each, in head order (several devices' pools: a
+        time-shared group's prefill layout, :mod:`node.worker.role_layouts`)."""
         x = self.embed_tokens(input_ids)
         residual = None
+        pools = kv_cache if isinstance(kv_cache, tuple) else None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, kv_cache[i, 0], kv_cache[i, 1], meta, self.cos_sin, self.ops)
+            if pools is None:
+                k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+            else:
+                k_cache, v_cache = tuple(p[i, 0] for p in pools), tuple(p[i, 1] for p in pools)
+            x, residual = layer(x, residual, positions, k_cache, v_cache, meta, self.cos_sin, self.ops)
         return self.ops.rms_norm(x, self.norm, self.cfg.rms_norm_eps, residual)[0]
 
     @torch.inference_mode()

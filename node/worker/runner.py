@@ -98,6 +98,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.graphs_error: str | None = None  # why a capture failed (graphs were then turned off)
         self.pacer: StepPacer | None = None
+        # A time-shared group rank in its prefill layout: the pools of the devices whose KV heads it
+        # computes, its own among them (node.worker.role_layouts); None: its own pool only.
+        self.kv_views: tuple[torch.Tensor, ...] | None = None
 
     @property
     def kv_pool_bytes(self) -> int:
@@ -179,7 +182,7 @@ class ModelRunner:
         )
         return self.model(
             torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
-            self.kv_cache, meta,
+            self.kv_cache if self.kv_views is None else self.kv_views, meta,
         )
 
 
