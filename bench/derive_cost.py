@@ -62,8 +62,10 @@ NVSwitch node is of that order; not measured here). Both are options.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -92,7 +94,45 @@ REFERENCE_LAYERS = 32
 LINK_GBPS_DEFAULT = 450.0  # GB/s per direction, NVLink 4 on H200 SXM (specification)
 LINK_LATENCY_US_DEFAULT = 8.0  # per all-reduce (assumption)
 
-__all__ = ["geometry_terms", "layer_params", "decode_bytes", "calibrate", "derive", "evidence", "main"]
+__all__ = ["geometry_terms", "layer_params", "decode_bytes", "calibrate", "derive", "evidence", "main",
+           "HardwarePreset", "H200_NVLINK", "PRESETS", "reference_model", "derive_at"]
+
+
+@dataclass(frozen=True)
+class HardwarePreset:
+    """One device kind and its in-node link, for projections at any tensor-parallel degree.
+
+    Attributes:
+        name: the preset's name (``h200``).
+        hbm_bytes: device memory (bytes).
+        memory_utilization: share of ``hbm_bytes`` a node may use for weights, activations and KV
+            (the rest: CUDA context, allocator slack, graphs), as the node's ``--gpu-memory-utilization``.
+        link_Bps: link bandwidth per device and direction (bytes/s): the all-reduce ring's rate, the
+            in-node KV scatter's and the pooled hand-off's.
+        allreduce_latency_s: fixed time of one all-reduce call (s), paid twice per layer per pass.
+        source: where each figure comes from.
+    """
+
+    name: str
+    hbm_bytes: float
+    memory_utilization: float
+    link_Bps: float
+    allreduce_latency_s: float
+    source: str
+
+
+# NVIDIA H200 SXM: 141 GB of HBM3e and NVLink 4 at 900 GB/s per GPU, both directions together, i.e.
+# 450 GB/s each way (NVIDIA H200 Tensor Core GPU datasheet, specifications, not measured here); every
+# GPU of an HGX H200 board reaches every other through the NVSwitches at that rate. The all-reduce
+# latency is the project's existing assumption (LINK_LATENCY_US_DEFAULT: small-message NCCL
+# all-reduce inside one NVSwitch node is of the order of 10 us); it is neither measured here nor a
+# cited figure. 0.9 of HBM is the node's usual memory fraction (bench.sim --memory-fraction default).
+H200_NVLINK = HardwarePreset(
+    name="h200", hbm_bytes=141e9, memory_utilization=0.9, link_Bps=LINK_GBPS_DEFAULT * 1e9,
+    allreduce_latency_s=LINK_LATENCY_US_DEFAULT * 1e-6,
+    source="NVIDIA H200 SXM datasheet (141 GB HBM3e, NVLink 4 900 GB/s per GPU = 450 GB/s per direction); "
+           "8 us per all-reduce an assumption (not measured); memory utilization 0.9 (the node's default fraction)")
+PRESETS = {"h200": H200_NVLINK}
 
 
 def layer_params(g: Geometry) -> int:
@@ -200,6 +240,25 @@ def derive(config: dict, reference: RooflineCost, dtype: str = "bf16", tensor_pa
     if tensor_parallel > 1:
         hw.update(link_bandwidth_Bps=link_Bps, link_latency_s=link_latency_s)
     return RooflineCost(**terms, **hw)
+
+
+@functools.lru_cache(maxsize=4)
+def reference_model(dtype: str = "bf16") -> RooflineCost:
+    """The calibrated Llama-3-8B, D = 1 model (:func:`calibrate` on :data:`REFERENCE_CONFIG`), computed once."""
+    return calibrate(load_config(REFERENCE_CONFIG), dtype)
+
+
+def derive_at(config: dict, tensor_parallel: int, preset: HardwarePreset = H200_NVLINK,
+              dtype: str = "bf16") -> RooflineCost:
+    """``config``'s roofline model per rank at degree ``tensor_parallel`` on ``preset``: one per-device
+    model (the calibrated reference's hardware terms) with the geometry split ``D`` ways
+    (:func:`geometry_terms`) and the preset's link (:func:`derive`). So a decode step at degree ``D``
+    reads ``(weight bytes + KV bytes) / D`` at the HBM rate and pays ``2 x layers`` all-reduces of
+    ``2 (D-1)/D x tokens x hidden x dtype_bytes`` bytes at ``link_Bps`` plus ``allreduce_latency_s``
+    each; a prefill at degree ``P`` does ``1/P`` of the FLOPs and the same all-reduce terms at ``P``
+    (:class:`node.core.roofline.RooflineCost`, its module doc). D = 1 gives exactly :func:`derive`'s
+    D = 1 model (no link terms)."""
+    return derive(config, reference_model(dtype), dtype, tensor_parallel, preset.link_Bps, preset.allreduce_latency_s)
 
 
 def evidence(ref: RooflineCost) -> list[dict]:

@@ -12,6 +12,13 @@ Main knobs, searched on a grid (:data:`GRID`, overridable):
 * time-shared — the window bounds (``max_window_ms``: how long a prefill window may hold decode back)
   and the imbalance fallback (``imbalance_threshold`` 0, off, or the node's default 1).
 
+With tensor parallelism (:data:`TP_GRID`, on a :class:`bench.sim.parallel.ParallelModel`) the degrees
+are knobs too: colocated its instances' degree ``T`` (``decode_tp``) and budget; time-shared its group
+size ``D`` (``decode_tp``) and prefill degree ``P`` (``prefill_tp``); pooled its split and both pools'
+degrees. Settings that are not valid configurations (``P`` not dividing ``D``, a degree not dividing
+its devices) are left out; those whose weights do not fit are left out by the caller
+(:class:`bench.sim.parallel.DoesNotFit`).
+
 A setting's score is its goodput (requests meeting both SLOs per second), ties broken by SLO
 attainment and then by the lower p90 TTFT. Pure apart from the simulations it is handed.
 """
@@ -24,12 +31,21 @@ from typing import Callable, Iterable
 
 from bench.sim.config import SimConfig
 
-__all__ = ["GRID", "candidates", "setting_of", "score", "pick_best"]
+__all__ = ["GRID", "TP_GRID", "candidates", "setting_of", "score", "pick_best"]
 
 GRID: dict[str, dict[str, tuple]] = {
     "colocated": {"max_num_batched_tokens": (512, 1024, 2048, 4096, 8192)},
     "pooled": {},  # every split: filled in from the device (or node) count by candidates()
     "time-shared": {"max_window_ms": (100.0, 250.0, 500.0, 1000.0), "imbalance_threshold": (0.0, 1.0)},
+}
+
+# Degrees as knobs (8 devices in mind; invalid combinations are dropped by candidates()).
+TP_GRID: dict[str, dict[str, tuple]] = {
+    "colocated": {"decode_tp": (1, 2, 4, 8), "max_num_batched_tokens": (1024, 4096)},
+    "pooled": {"prefill_devices": (2, 4, 6), "prefill_tp": (1, 2, 4), "decode_tp": (1, 2, 4)},
+    # the per-instance prefill budget too: a group step of D/P instances lasts one instance's budget at
+    # degree P, and decode waits for it (512: a shorter step when P < D)
+    "time-shared": {"decode_tp": (1, 2, 4, 8), "prefill_tp": (1, 2, 4, 8), "max_num_batched_tokens": (512, 2048)},
 }
 
 
@@ -54,8 +70,13 @@ def candidates(base: SimConfig, grid: dict[str, dict[str, tuple]] = GRID) -> lis
     if unknown:
         raise ValueError(f"not SimConfig fields: {', '.join(sorted(unknown))}")
     names = sorted(axes)
-    return [dataclasses.replace(base, **dict(zip(names, values)))
-            for values in itertools.product(*(axes[n] for n in names))] or [base]
+    out = []
+    for values in itertools.product(*(axes[n] for n in names)):
+        try:
+            out.append(dataclasses.replace(base, **dict(zip(names, values))))
+        except ValueError:  # not a valid configuration (e.g. a degree that does not divide the devices)
+            continue
+    return out or [base]
 
 
 def setting_of(cfg: SimConfig, grid: dict[str, dict[str, tuple]] = GRID) -> str:

@@ -12,6 +12,11 @@ Step times come from a :class:`node.core.cost.CostModel` (linear; ``bench/calibr
 or a :class:`node.core.roofline.RooflineCost` (bytes and FLOPs; ``bench/derive_cost.py`` builds one for
 a geometry from the H200 calibration), plus optional host overheads per step and per request
 (:class:`SimConfig`);
+With a :class:`bench.sim.parallel.ParallelModel` (a geometry on a hardware preset, e.g. H200 with
+NVLink) as the cost model, each mode runs at tensor-parallel degrees (``SimConfig.decode_tp`` and
+``prefill_tp``): time-shared groups that decode at ``D`` and prefill as ``D/P`` instances at ``P``,
+colocated instances at ``T``, pooled prefill and decode instances at their own degrees, with the KV
+each device's memory leaves beside its weight shard (:mod:`bench.sim.parallel`).
 :mod:`bench.sim.run` splits requests over nodes and produces :mod:`bench.metrics` summaries, the same
 ones the live replay prints. ``python -m bench.sim --help`` for the command line.
 """

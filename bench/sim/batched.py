@@ -32,18 +32,24 @@ __all__ = ["SimDevice", "simulate_colocated"]
 
 
 class SimDevice:
-    """One device: its batch former, the step in flight and its busy time (s).
+    """One device (or tensor-parallel group): its batch former, the step in flight and its busy time (s).
+
+    ``kv_blocks`` overrides ``cfg.kv_blocks`` (pooled prefill instances at another degree than the
+    decode ones); ``cfg.max_item_tokens`` is the batch's per-sequence cap (a time-shared group that
+    prefills as several instances).
 
     ``node`` is the index of its node (pooled cluster scope); ``sending`` is set while it sends a KV
     cache and may run no step (pooled, blocking transfers).
     """
 
-    def __init__(self, device_id: str, kind: StepKind, cfg: SimConfig, node: int = 0):
+    def __init__(self, device_id: str, kind: StepKind, cfg: SimConfig, node: int = 0, kv_blocks: int | None = None):
         self.device_id = device_id
         self.kind = kind
         self.node = node
-        self.batcher = Batcher(BlockLedger(cfg.kv_blocks, cfg.block_size, prefix_caching=cfg.prefix_caching),
-                               BatchConfig(max_num_seqs=cfg.max_num_seqs, max_batched_tokens=cfg.max_num_batched_tokens))
+        blocks = cfg.kv_blocks if kv_blocks is None else kv_blocks
+        self.batcher = Batcher(BlockLedger(blocks, cfg.block_size, prefix_caching=cfg.prefix_caching),
+                               BatchConfig(max_num_seqs=cfg.max_num_seqs, max_batched_tokens=cfg.max_num_batched_tokens,
+                                           max_item_tokens=cfg.max_item_tokens))
         self.plan: StepPlan | None = None
         self.sampling: list[Sequence] = []
         self.busy_until_s = math.inf

@@ -73,6 +73,14 @@ class SimConfig:
             reuse hits. Off (the default), every prompt is computed from scratch, as before.
         imbalance_threshold: time-shared: the node's ``--imbalance-threshold`` (the fallback that moves
             decoding sequences between devices; 0: off; on by default, as on the node).
+        decode_tp, prefill_tp: tensor-parallel degrees (:mod:`bench.sim.parallel`; both 1: one device
+            per instance, as before). Time-shared: groups of ``decode_tp`` devices decode as one
+            instance at that degree and prefill as ``decode_tp / prefill_tp`` instances at
+            ``prefill_tp``; colocated: every instance runs at ``decode_tp`` (``prefill_tp`` must be 1);
+            pooled: prefill instances at ``prefill_tp``, decode instances at ``decode_tp``. Degrees
+            above 1 need a :class:`bench.sim.parallel.ParallelModel` as the cost model.
+        max_item_tokens: new tokens per sequence per step (``BatchConfig.max_item_tokens``; None: the
+            step budget). Set by :mod:`bench.sim.parallel` for a group that prefills as several instances.
         abort_late: stop the run (raise :class:`SimAborted`) as soon as this many requests are
             certainly late — still waiting for a device more than ``ttft_slo_ms`` after arriving — so
             that a capacity search does not simulate overloads to the end (``None``: never).
@@ -108,6 +116,9 @@ class SimConfig:
     abort_late: int | None = None
     prefix_caching: bool = False
     imbalance_threshold: float = 1.0
+    decode_tp: int = 1
+    prefill_tp: int = 1
+    max_item_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -126,6 +137,19 @@ class SimConfig:
             raise ValueError("link rates must be positive")
         if self.imbalance_threshold < 0:
             raise ValueError("imbalance_threshold must be at least 0 (0 turns the fallback off)")
+        if self.decode_tp < 1 or self.prefill_tp < 1:
+            raise ValueError("decode_tp and prefill_tp must be at least 1")
+        if self.mode == "time-shared" and (self.decode_tp % self.prefill_tp or self.devices % self.decode_tp):
+            raise ValueError(f"time-shared: prefill_tp {self.prefill_tp} must divide decode_tp {self.decode_tp}, "
+                             f"and decode_tp the {self.devices} devices")
+        if self.mode == "colocated" and (self.prefill_tp != 1 or self.devices % self.decode_tp):
+            raise ValueError(f"colocated: one degree (decode_tp {self.decode_tp}) dividing the {self.devices} "
+                             "devices, prefill_tp 1")
+        if self.mode == "pooled" and (self.decode_tp > 1 or self.prefill_tp > 1):
+            p = self.num_prefill_devices
+            if self.pool_scope != "node" or p % self.prefill_tp or (self.devices - p) % self.decode_tp:
+                raise ValueError(f"pooled: prefill_tp {self.prefill_tp} must divide the {p} prefill devices and "
+                                 f"decode_tp {self.decode_tp} the {self.devices - p} decode devices (node scope)")
         if self.max_unsent < 1 or min(self.step_overhead_ms, self.request_overhead_ms, self.pause_ms) < 0:
             raise ValueError("max_unsent must be at least 1, and overheads and pauses at least 0")
 

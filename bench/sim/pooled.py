@@ -86,8 +86,11 @@ def link_plan(src: SimDevice, dst: SimDevice, cfg: SimConfig) -> tuple[list[str]
 
 
 class _Pool:
-    def __init__(self, cfg: SimConfig, cost: CostModel | RooflineCost, nodes: int):
+    def __init__(self, cfg: SimConfig, cost: CostModel | RooflineCost, nodes: int, layout=None):
         self.cfg, self.cost = cfg, cost
+        # Prefill instances at another degree (bench.sim.parallel.PoolLayout): their own model and blocks.
+        self.front_cost = cost if layout is None else layout.prefill_cost
+        front_blocks = None if layout is None else layout.prefill_blocks
         self.front: list[SimDevice] = []
         self.back: list[SimDevice] = []
         for n in range(nodes):
@@ -97,7 +100,8 @@ class _Pool:
                 else:
                     prefill = i < cfg.num_prefill_devices
                 dev = SimDevice(f"n{n}/dev{i}" if nodes > 1 else f"dev{i}",
-                                StepKind.PREFILL if prefill else StepKind.MIXED, cfg, node=n)
+                                StepKind.PREFILL if prefill else StepKind.MIXED, cfg, node=n,
+                                kv_blocks=front_blocks if prefill else None)
                 (self.front if prefill else self.back).append(dev)
         self.devices = self.front + self.back
         self.router = PooledRouter(cfg.max_unsent)
@@ -300,7 +304,9 @@ class _Pool:
             if self.waiting:
                 self.place()
             self.start_transfers(now)
-            for d in self.devices:
+            for d in self.front:
+                d.start(now, self.front_cost)
+            for d in self.back:
                 d.start(now, self.cost)
             if self.cfg.abort_late is not None:
                 self._check_late(now)
@@ -328,12 +334,14 @@ class _Pool:
 
 
 def simulate_pooled(requests: list[TraceRequest], cfg: SimConfig, cost: CostModel | RooflineCost, prefix: str = "r",
-                    nodes: int = 1) -> tuple[list[RequestTrace], dict]:
+                    nodes: int = 1, layout=None) -> tuple[list[RequestTrace], dict]:
     """Replay ``requests`` on one pool of ``nodes`` nodes; ``(traces in request order, stats)``.
 
     With ``pool_scope="node"`` call it once per node (``nodes=1``); with ``"cluster"`` once for all.
+    ``layout`` (a :class:`bench.sim.parallel.PoolLayout`): the prefill instances' own cost model and
+    KV blocks, when they run at another degree than the decode instances (``cost``, ``cfg.kv_blocks``).
     """
-    pool = _Pool(cfg, cost, nodes)
+    pool = _Pool(cfg, cost, nodes, layout)
     ids = [f"{prefix}{i}" for i in range(len(requests))]
     pool.run(list(zip(ids, requests)))
     return [pool.traces[i] for i in ids], pool.stats()

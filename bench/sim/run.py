@@ -63,9 +63,26 @@ def with_step_overhead(cost: CostModel | RooflineCost, overhead_s: float) -> Cos
     return cost.with_host_overhead(overhead_s)
 
 
-def simulate(requests: list[TraceRequest], cfg: SimConfig, cost: CostModel | RooflineCost) -> SimResult:
-    """Simulate ``requests`` on ``cfg`` with step times from ``cost``."""
+def simulate(requests: list[TraceRequest], cfg: SimConfig, cost) -> SimResult:
+    """Simulate ``requests`` on ``cfg`` with step times from ``cost``: a :class:`CostModel` or
+    :class:`RooflineCost` (every instance one device; ``decode_tp`` and ``prefill_tp`` must be 1), or a
+    :class:`bench.sim.parallel.ParallelModel`, which lowers ``cfg``'s degrees onto groups and instances
+    first (its module doc).
+
+    Raises:
+        ValueError: degrees above 1 without a ParallelModel;
+        bench.sim.parallel.DoesNotFit: a layout's weights leave no KV room.
+    """
+    from bench.sim.parallel import ParallelModel  # parallel imports this package's config and step costs
+
+    layout = None
+    if isinstance(cost, ParallelModel):
+        cfg, cost, layout = cost.lower(cfg)
+    elif cfg.decode_tp > 1 or cfg.prefill_tp > 1:
+        raise ValueError("tensor-parallel degrees need a bench.sim.parallel.ParallelModel as the cost model")
     cost = with_step_overhead(cost, cfg.step_overhead_ms / 1e3)
+    if layout is not None and cfg.step_overhead_ms > 0:
+        layout = replace(layout, prefill_cost=with_step_overhead(layout.prefill_cost, cfg.step_overhead_ms / 1e3))
     arrivals = [r.arrival_s for r in requests]
     if cfg.request_overhead_ms > 0:
         requests = [replace(r, arrival_s=r.arrival_s + cfg.request_overhead_ms / 1e3) for r in requests]
@@ -82,7 +99,8 @@ def simulate(requests: list[TraceRequest], cfg: SimConfig, cost: CostModel | Roo
         for n, idx in enumerate(shares):
             if not idx:
                 continue
-            got, st = run([requests[i] for i in idx], cfg, cost, prefix=f"n{n}r")
+            extra = {"layout": layout} if layout is not None else {}
+            got, st = run([requests[i] for i in idx], cfg, cost, prefix=f"n{n}r", **extra)
             for i, t in zip(idx, got):
                 traces[i] = t
             _merge(stats, st, n)

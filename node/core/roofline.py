@@ -54,7 +54,8 @@ import msgspec
 
 from node.core.cost import CostModel, chunked_s, tokens_within
 
-__all__ = ["RooflineCost", "PassWork", "cost_model_from_dict", "cost_model_to_dict", "sum_max_linear"]
+__all__ = ["RooflineCost", "PassWork", "cost_model_from_dict", "cost_model_to_dict", "sum_max_linear",
+           "ring_allreduce_link_bytes", "kv_scatter_bytes", "kv_scatter_s"]
 
 
 class PassWork(msgspec.Struct, frozen=True, kw_only=True):
@@ -240,6 +241,52 @@ class RooflineCost(msgspec.Struct, frozen=True, kw_only=True):
         if seconds <= 0:
             return self
         return msgspec.structs.replace(self, host_s=self.host_s + seconds)
+
+
+def ring_allreduce_link_bytes(message_bytes: float, degree: int) -> float:
+    """Bytes each rank sends (and receives) in a ring all-reduce of ``message_bytes`` over ``degree``
+    ranks: ``2 (D-1)/D x message`` (a reduce-scatter then an all-gather, each ``(D-1)/D`` of the
+    message; the bandwidth-optimal all-reduce of Patarasuk and Yuan, "Bandwidth optimal all-reduce
+    algorithms for clusters of workstations", J. Parallel Distrib. Comput. 69(2), 2009). 0 for D = 1.
+    :meth:`RooflineCost.comm_s` charges the same formula."""
+    if degree <= 1:
+        return 0.0
+    return 2.0 * (degree - 1) / degree * message_bytes
+
+
+def kv_scatter_bytes(tokens: int, kv_bytes_per_token_rank: int, prefill_tp: int, decode_tp: int) -> float:
+    """Bytes one device sends after prefilling ``tokens`` prompt tokens at degree ``P = prefill_tp``
+    inside a time-shared group that decodes at degree ``D = decode_tp`` (``P`` divides ``D``).
+
+    At degree ``P`` a device computes ``K/P`` of the ``K`` KV heads; at degree ``D`` it owns ``K/D`` of
+    them (strided instances, :mod:`node.core.role_config`: its ``D`` heads lie inside its ``P`` heads),
+    so ``1 - P/D`` of the KV it computed belongs to other devices of the group and is written to them:
+    ``tokens x kv_bytes_per_token_rank x (1 - P/D)``, ``kv_bytes_per_token_rank`` the device's KV per
+    token at degree ``P`` (all layers). 0 when ``P == D``.
+
+    Raises:
+        ValueError: ``P`` < 1 or ``P`` does not divide ``D``.
+    """
+    if prefill_tp < 1 or decode_tp % prefill_tp:
+        raise ValueError(f"prefill degree {prefill_tp} must divide the decode degree {decode_tp}")
+    return max(0, tokens) * kv_bytes_per_token_rank * (1.0 - prefill_tp / decode_tp)
+
+
+def kv_scatter_s(tokens: int, kv_bytes_per_token_rank: int, prefill_tp: int, decode_tp: int,
+                 link_Bps: float) -> float:
+    """Seconds of the in-node KV scatter of :func:`kv_scatter_bytes` over a device's link at
+    ``link_Bps`` bytes/s per direction (every device of an instance sends its own share at once, over
+    its own link, so one device's bytes over one link is the scatter's time). 0 when nothing moves.
+
+    Raises:
+        ValueError: as :func:`kv_scatter_bytes`, or bytes to move and ``link_Bps`` <= 0.
+    """
+    nbytes = kv_scatter_bytes(tokens, kv_bytes_per_token_rank, prefill_tp, decode_tp)
+    if nbytes <= 0:
+        return 0.0
+    if not link_Bps > 0:
+        raise ValueError("a KV scatter needs link_Bps > 0")
+    return nbytes / link_Bps
 
 
 def sum_max_linear(lines: list[tuple[float, float]], n: int) -> float:
