@@ -1,6 +1,7 @@
 """Capacity planner: KV and weight arithmetic from a Hugging Face ``config.json`` (stdlib only).
 
-``shiftnode plan --config PATH [--link-gbps G] [--prompt-tokens N] [--device-memory-gib M] [--dtype auto]``
+``shiftnode plan --config PATH [--link-gbps G] [--prompt-tokens N] [--device-memory-gib M] [--dtype auto]
+[--decode-tp D] [--prefill-tp P]``
 
 ``--dtype auto`` (the default) takes the checkpoint's ``torch_dtype`` (or ``dtype``), float32 when the
 config names none, exactly as ``shiftnode serve --dtype auto`` loads the weights and sizes the KV cache.
@@ -20,6 +21,14 @@ Formulas (the seed note, *Prefill and Decode Disaggregation*, "The transfer that
   ``2*hidden``; a final norm ``hidden``; an untied ``lm_head`` ``vocab*hidden``;
 * KV tokens that fit = ``floor((device_bytes * memory_fraction - weight_bytes) / kv_bytes_per_token)``
   (the fraction plays the role of vLLM's ``gpu_memory_utilization``; activations are not modelled).
+
+Tensor parallelism (``--decode-tp D --prefill-tp P``, time-shared groups; ``--tensor-parallel-size T``
+is ``D = P = T``): each device holds the degree-``P`` shard (node.worker.tensor_parallel: the layers'
+projections and an untied LM head split ``P`` ways; the embedding, a tied head and the norms
+replicated), so weights per device = ``replicated + sharded / P``; it caches ``K / D`` KV heads, so KV
+per token per device = ``kv_bytes_per_token / D`` and the tokens that fit are
+``floor((device_bytes * memory_fraction - weights per device) / (kv_bytes_per_token / D))``, the same
+for every device of the group (each holds its heads of every token).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["DTYPE_BYTES", "resolve_dtype", "Geometry", "Plan", "kv_bytes_per_token", "param_count", "transfer_s",
+           "weight_bytes_per_device", "check_degrees",
            "kv_token_capacity", "make_plan", "format_plan", "main"]
 
 GIB = 1 << 30
@@ -99,6 +109,28 @@ def param_count(g: Geometry) -> int:
     return embed + g.layers * layer + g.hidden + (0 if g.tied else embed)
 
 
+def weight_bytes_per_device(g: Geometry, dtype_bytes: int, held_degree: int) -> int:
+    """Weight bytes a device holding the degree-``held_degree`` shard stores: the replicated part
+    (embedding, a tied head, norms) whole, the layers' projections (and biases) and an untied head
+    divided by the degree (see the module docstring)."""
+    q, kv = g.heads * g.head_dim, g.kv_heads * g.head_dim
+    sharded = g.layers * (2 * g.hidden * q + 2 * g.hidden * kv + (q + 2 * kv) * g.qkv_bias
+                          + 3 * g.hidden * g.intermediate + 2 * g.intermediate * g.mlp_bias)
+    sharded += 0 if g.tied else g.vocab * g.hidden
+    return (param_count(g) - sharded) * dtype_bytes + -(-sharded // held_degree) * dtype_bytes
+
+
+def check_degrees(g: Geometry, decode_tp: int, prefill_tp: int) -> None:
+    """Raises ValueError, naming the numbers, for degrees the node would refuse: ``P`` not dividing ``D``,
+    or ``D`` not dividing the attention heads, KV heads or intermediate size."""
+    if prefill_tp < 1 or decode_tp < 1 or decode_tp % prefill_tp:
+        raise ValueError(f"--prefill-tp {prefill_tp} must divide --decode-tp {decode_tp}")
+    bad = [f"{n} {v}" for n, v in (("num_attention_heads", g.heads), ("num_key_value_heads", g.kv_heads),
+                                   ("intermediate_size", g.intermediate)) if v % decode_tp]
+    if bad:
+        raise ValueError(f"degree {decode_tp} does not divide the model's {', '.join(bad)}")
+
+
 def transfer_s(nbytes: int, link_gbps: float) -> float:
     """Seconds to send ``nbytes`` over a ``link_gbps`` Gb/s link at line rate: ``bytes*8/(gbps*1e9)``."""
     return nbytes * 8 / (link_gbps * 1e9)
@@ -128,29 +160,39 @@ class Plan:
     kv_tokens_fit: int | None
     hbm_tbps: float | None
     decode_weight_read_s: float | None
+    decode_tp: int = 1
+    prefill_tp: int = 1
+    weight_bytes_per_device: int = 0  # the held degree-prefill_tp shard
 
 
 def make_plan(cfg: dict, *, dtype: str = "auto", prompt_tokens: int = 4000, link_gbps: float = 100.0,
               device_memory_gib: float | None = None, memory_fraction: float = 0.9,
-              hbm_tbps: float | None = None) -> Plan:
+              hbm_tbps: float | None = None, decode_tp: int = 1, prefill_tp: int | None = None) -> Plan:
     """All figures for one config, weights and KV in ``dtype`` (``auto``: the config's, see
-    :func:`resolve_dtype`). ``hbm_tbps`` (TB/s) adds the weight-read lower bound of a decode step.
+    :func:`resolve_dtype`). ``hbm_tbps`` (TB/s) adds the weight-read lower bound of a decode step (of
+    one device at degree ``decode_tp``). ``decode_tp``/``prefill_tp`` (default: ``decode_tp``): a
+    group's degrees; the KV tokens that fit are then per group (module docstring).
 
     Raises:
-        ValueError: an unknown dtype; KeyError: a config without the geometry fields.
+        ValueError: an unknown dtype, or degrees the node would refuse; KeyError: a config without the
+            geometry fields.
     """
     dtype = resolve_dtype(dtype, cfg)
     g = Geometry.from_config(cfg)
+    prefill_tp = decode_tp if prefill_tp is None else prefill_tp
+    check_degrees(g, decode_tp, prefill_tp)
     nb = DTYPE_BYTES[dtype]
     params = param_count(g)
     wbytes = params * nb
+    w_dev = weight_bytes_per_device(g, nb, prefill_tp)
     per_tok = kv_bytes_per_token(g, nb)
     prompt_bytes = per_tok * prompt_tokens
     dev_bytes = int(device_memory_gib * GIB) if device_memory_gib is not None else None
-    fit = kv_token_capacity(dev_bytes, wbytes, per_tok, memory_fraction) if dev_bytes is not None else None
+    fit = kv_token_capacity(dev_bytes, w_dev, per_tok // decode_tp, memory_fraction) if dev_bytes is not None else None
     return Plan(g, dtype, params, wbytes, per_tok, prompt_tokens, prompt_bytes, link_gbps,
                 transfer_s(prompt_bytes, link_gbps), dev_bytes, memory_fraction, fit, hbm_tbps,
-                wbytes / (hbm_tbps * 1e12) if hbm_tbps else None)
+                weight_bytes_per_device(g, nb, decode_tp) / (hbm_tbps * 1e12) if hbm_tbps else None,
+                decode_tp, prefill_tp, w_dev)
 
 
 def _bytes(n: float) -> str:
@@ -183,11 +225,16 @@ def format_plan(p: Plan) -> str:
         (f"KV of a {p.prompt_tokens:,}-token prompt", _bytes(p.prompt_kv_bytes)),
         (f"  transfer at {p.link_gbps:g} Gb/s", _ms(p.prompt_transfer_s)),
     ]
+    if p.decode_tp > 1 or p.prefill_tp > 1:
+        rows.append((f"weights per device (1/{p.prefill_tp} shard held)", _bytes(p.weight_bytes_per_device)))
+        rows.append((f"KV per token per device (1/{p.decode_tp} of the KV heads)", _bytes(p.kv_bytes_per_token // p.decode_tp)))
     if p.decode_weight_read_s is not None:
-        rows.append((f"decode step weight read at {p.hbm_tbps:g} TB/s", _ms(p.decode_weight_read_s)))
+        rows.append((f"decode step weight read at {p.hbm_tbps:g} TB/s" + (f", degree {p.decode_tp}" if p.decode_tp > 1 else ""),
+                     _ms(p.decode_weight_read_s)))
         rows.append(("  transfer / decode step", f"{p.prompt_transfer_s / p.decode_weight_read_s:,.1f}x"))
     if p.device_bytes is not None:
-        rows.append((f"KV tokens beside weights in {_bytes(p.device_bytes)} x {p.memory_fraction:g}",
+        group = f" (per group of {p.decode_tp})" if p.decode_tp > 1 else ""
+        rows.append((f"KV tokens beside weights in {_bytes(p.device_bytes)} x {p.memory_fraction:g}{group}",
                      f"{p.kv_tokens_fit:,}" + ("  (weights do not fit)" if p.kv_tokens_fit == 0 else "")))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -210,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device-memory-gib", type=float, default=None, help="device memory (GiB)")
     ap.add_argument("--memory-fraction", type=float, default=0.9, help="share of device memory usable")
     ap.add_argument("--hbm-tbps", type=float, default=None, help="memory bandwidth (TB/s) for a decode bound")
+    ap.add_argument("--decode-tp", "--tensor-parallel-size", type=int, default=1, dest="decode_tp",
+                    help="devices per group (time-shared --decode-tp, colocated --tensor-parallel-size)")
+    ap.add_argument("--prefill-tp", type=int, default=None,
+                    help="time-shared prefill degree (default: the decode degree): each device holds 1/P of the weights")
     ap.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPE_BYTES)],
                     help="weight and KV dtype (default auto: the config's torch_dtype, float32 if it has none)")
     try:
@@ -220,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config)
         plan = make_plan(cfg, dtype=args.dtype, prompt_tokens=args.prompt_tokens, link_gbps=args.link_gbps,
                          device_memory_gib=args.device_memory_gib, memory_fraction=args.memory_fraction,
-                         hbm_tbps=args.hbm_tbps)
+                         hbm_tbps=args.hbm_tbps, decode_tp=args.decode_tp, prefill_tp=args.prefill_tp)
     except (OSError, ValueError, KeyError, TypeError) as e:
         print(f"shiftnode plan: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

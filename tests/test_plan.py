@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from node.plan import (
-    Geometry, kv_bytes_per_token, kv_token_capacity, main, make_plan, param_count, transfer_s,
+    Geometry, kv_bytes_per_token, kv_token_capacity, load_config, main, make_plan, param_count, transfer_s,
+    weight_bytes_per_device,
 )
 
 SHARED = Path(os.environ.get("SHIFTNODE_SHARED") or Path(__file__).resolve().parents[1].parent / "shared")
@@ -106,3 +107,33 @@ def test_main_auto_matches_the_node(capsys):
     dt = dtype_from_name("auto", mc)
     assert dt == torch.float32
     assert make_plan(json.loads((folder / "config.json").read_text())).kv_bytes_per_token == mc.kv_bytes_per_token(dt)
+
+
+def test_degrees_per_device_match_the_loaded_shards():
+    """Weights per device at a held degree equal what a rank of the node holds (``weight_bytes`` of a
+    stories260k rank holding the 1/P shard: every parameter, by the loader's own count), KV per device
+    divides by the decode degree, and degrees the node refuses are refused with the numbers."""
+    import torch
+
+    import kernels.reference as ref_ops
+    from node.worker.model_config import ModelConfig
+    from node.worker.runner import weight_bytes
+    from node.worker.tensor_parallel import ShardLayout
+    from node.worker.weights import build_model
+
+    folder = SHARED / "models" / "stories260k"
+    cfg = load_config(folder)
+    g = Geometry.from_config(cfg)
+    mcfg = ModelConfig.from_folder(folder)
+    for held in (1, 2, 4):
+        model = build_model(mcfg, folder=folder, load_format="safetensors", dtype=torch.float32,
+                            device=torch.device("cpu"), max_positions=64, ops=ref_ops, layout=ShardLayout(4, held, 0))
+        assert weight_bytes_per_device(g, 4, held) == weight_bytes(model), held
+    assert weight_bytes_per_device(g, 4, 2) == 587008  # logged by a rank of --decode-tp 2 --prefill-tp 2
+    p = make_plan(cfg, dtype="float32", decode_tp=2, prefill_tp=1, device_memory_gib=1)
+    assert p.weight_bytes_per_device == p.weight_bytes  # P = 1: the whole model on every device
+    assert p.kv_tokens_fit == int(GIB * 0.9 - p.weight_bytes) // (p.kv_bytes_per_token // 2)
+    with pytest.raises(ValueError, match="--prefill-tp 3 must divide --decode-tp 2"):
+        make_plan(cfg, decode_tp=2, prefill_tp=3)
+    with pytest.raises(ValueError, match="degree 8 does not divide the model's num_key_value_heads 4"):
+        make_plan(cfg, decode_tp=8)
