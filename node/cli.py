@@ -37,10 +37,11 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
                         "rank each (colocated mode; no KV transfers or peers)")
     p.add_argument("--decode-tp", type=int, default=1, metavar="D",
                    help="time-shared mode: group each consecutive D --devices; a group decodes as one tensor-parallel "
-                        "instance of degree D (no KV transfers or peers)")
+                        "instance of degree D (no KV transfers to peers); pooled mode: --decode-devices form groups of D")
     p.add_argument("--prefill-tp", type=int, default=1, metavar="P",
                    help="time-shared mode: in the prefill role a group runs D/P instances of P devices side by side, "
-                        "each writing its KV straight into the decode layout (P divides D)")
+                        "each writing its KV straight into the decode layout (P divides D); pooled mode: "
+                        "--prefill-devices form groups of P")
     p.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

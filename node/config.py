@@ -47,8 +47,8 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     attention_backend: str = "auto"  # auto | torch | cpu | triton
     enforce_eager: bool = False  # no CUDA-graph decode (graphs are used on CUDA with the triton backend otherwise)
     tensor_parallel_size: int = 1  # colocated: devices per engine, --devices grouped in consecutive runs of this many
-    decode_tp: int = 1  # time-shared: devices per group, one tensor-parallel instance in the decode role
-    prefill_tp: int = 1  # time-shared: devices per instance in the prefill role (divides decode_tp)
+    decode_tp: int = 1  # time-shared: devices per group, one instance in the decode role; pooled: the decode pool's degree
+    prefill_tp: int = 1  # time-shared: devices per instance in the prefill role (divides decode_tp); pooled: the prefill pool's
     engine_layout: str = "process"  # process: one engine process per device | thread: in the node's process (debugging, bench baseline)
     benchmark_model: str | None = None  # bench tool, not for serving: "zero" (fixed logits, no compute) | "sleep:MS" (each step sleeps MS ms) | "timed:PATH" (a cost model's step times)
     mode: str = "time-shared"  # time-shared | colocated | pooled
@@ -154,9 +154,10 @@ class NodeConfig(msgspec.Struct, kw_only=True):
 
         ``--tensor-parallel-size D`` runs a group of ``D`` devices as one engine in colocated mode;
         ``--decode-tp D --prefill-tp P`` runs time-shared groups of ``D`` devices (one instance at ``D``
-        in the decode role, ``D / P`` instances at ``P`` in the prefill role). Pooled mode's per-pool
-        degrees, KV transfers of a group's (sharded) pool to devices or peers, the thread layout and
-        the benchmark models come later. The model's side (heads, KV heads, intermediate size
+        in the decode role, ``D / P`` instances at ``P`` in the prefill role), and in pooled mode a
+        prefill pool of groups of ``P`` and a decode pool of groups of ``D`` (hand-offs re-shard the KV
+        heads). KV transfers of a group's (sharded) pool to peers, the thread layout and the benchmark
+        models come later. The model's side (heads, KV heads, intermediate size
         divisible by the degrees) is checked once its config is read
         (:meth:`node.runtime.node.Node.create`).
         """
@@ -166,31 +167,36 @@ class NodeConfig(msgspec.Struct, kw_only=True):
                 return f"{flag} must be a positive integer, got {v!r}"
         if self.tensor_parallel_size > 1 and self.mode != "colocated":
             return (f"--tensor-parallel-size {self.tensor_parallel_size} is colocated mode's degree (the mode is "
-                    f"{self.mode}): time-shared mode takes --decode-tp and --prefill-tp; pooled mode's per-pool "
-                    f"degrees come later")
-        if (self.decode_tp > 1 or self.prefill_tp > 1) and self.mode != "time-shared":
-            return (f"--decode-tp and --prefill-tp are time-shared mode's per-role degrees (the mode is {self.mode}): "
-                    f"colocated mode takes --tensor-parallel-size; pooled mode's per-pool degrees come later")
-        if self.decode_tp % self.prefill_tp:
+                    f"{self.mode}): time-shared and pooled modes take --decode-tp and --prefill-tp")
+        if (self.decode_tp > 1 or self.prefill_tp > 1) and self.mode == "colocated":
+            return ("--decode-tp and --prefill-tp are the per-role degrees of time-shared and pooled modes (the mode "
+                    "is colocated): colocated mode takes --tensor-parallel-size")
+        if self.mode == "time-shared" and self.decode_tp % self.prefill_tp:
             return (f"--prefill-tp {self.prefill_tp} must divide --decode-tp {self.decode_tp} (a group of "
                     f"{self.decode_tp} devices prefills as --decode-tp / --prefill-tp instances)")
-        d = self.group_size
-        if d == 1:
+        if self.mode == "pooled":
+            runs = [("--prefill-tp", self.prefill_tp, "--prefill-devices", self.prefill_devices),
+                    ("--decode-tp", self.decode_tp, "--decode-devices", self.decode_devices)]
+        else:
+            flag = "--decode-tp" if self.mode == "time-shared" else "--tensor-parallel-size"
+            runs = [(flag, self.group_size, "--devices", self.devices)]
+        if all(d == 1 for _, d, _, _ in runs):
             return None
-        flag = "--decode-tp" if self.mode == "time-shared" else "--tensor-parallel-size"
-        if len(self.devices) % d:
-            return (f"{flag} {d} groups --devices in consecutive runs of {d}, but {len(self.devices)} "
-                    f"device{'s' * (len(self.devices) != 1)} ({','.join(self.devices)}) is not a multiple of {d}")
+        for flag, d, where, devices in runs:
+            if len(devices) % d:
+                return (f"{flag} {d} groups {where} in consecutive runs of {d}, but {len(devices)} "
+                        f"device{'s' * (len(devices) != 1)} ({','.join(devices)}) is not a multiple of {d}")
+        flag = " / ".join(f"{f} {d}" for f, d, _, _ in runs if d > 1)
         for group in self.device_groups():
             kinds = {dev.partition(":")[0] for dev in group}
             if len(kinds) > 1:
                 return f"a tensor-parallel group mixes device kinds ({'+'.join(group)}): one group is all cpu or all cuda"
         if self.engine_layout != "process":
-            return f"{flag} {d} needs --engine-layout process (each rank is its own engine process)"
+            return f"{flag} needs --engine-layout process (each rank is its own engine process)"
         if self.benchmark_model:
-            return f"--benchmark-model is not supported with {flag} {d} yet"
+            return f"--benchmark-model is not supported with {flag} yet"
         if self.kv_port is not None or self.peers:
-            return (f"--kv-port and --peers are not supported with {flag} {d} yet: KV transfers "
+            return (f"--kv-port and --peers are not supported with {flag} yet: KV transfers "
                     f"of a tensor-parallel group's sharded KV pool come later")
         return None
 
@@ -220,9 +226,24 @@ class NodeConfig(msgspec.Struct, kw_only=True):
 
     def device_groups(self) -> list[list[str]]:
         """``devices`` in consecutive groups of :attr:`group_size` (each one engine, one
-        ``DeviceEngine``); one device per group at size 1."""
-        d = max(1, self.group_size)
-        return [self.devices[i : i + d] for i in range(0, len(self.devices), d)]
+        ``DeviceEngine``); one device per group at size 1. Pooled mode: ``--prefill-devices`` in groups
+        of ``--prefill-tp``, then ``--decode-devices`` in groups of ``--decode-tp``."""
+        if self.mode == "pooled":
+            return self._runs(self.prefill_devices, self.prefill_tp) + self._runs(self.decode_devices, self.decode_tp)
+        return self._runs(self.devices, self.group_size)
+
+    @staticmethod
+    def _runs(devices: list[str], d: int) -> list[list[str]]:
+        d = max(1, d)
+        return [devices[i : i + d] for i in range(0, len(devices), d)]
+
+    def prefill_group_ids(self) -> list[str]:
+        """Pooled mode: the device ids of the prefill pool's groups (``cpu:0+cpu:1``; single devices as named)."""
+        return [group_id(g) for g in self._runs(self.prefill_devices, self.prefill_tp)]
+
+    def decode_group_ids(self) -> list[str]:
+        """Pooled mode: the device ids of the decode pool's groups."""
+        return [group_id(g) for g in self._runs(self.decode_devices, self.decode_tp)]
 
     @property
     def name(self) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from node.config import NodeConfig
+
 from node.runtime.health import node_health
 from node.runtime.peer_state import InboundRefusals, Peer
 from node.transport.protocol import StatusReply
@@ -26,7 +28,8 @@ def ready_peer(addr: str = "10.0.0.2:9100", accepting: bool = True) -> Peer:
 
 def node(mode="time-shared", engines=None, peers=None, prefill=(), decode=(), draining=False, receiver=None):
     links = None if peers is None else SimpleNamespace(peers={p.id: p for p in peers}, stale_s=3.0)
-    cfg = SimpleNamespace(mode=mode, prefill_devices=list(prefill), decode_devices=list(decode))
+    cfg = NodeConfig(mode=mode, prefill_devices=list(prefill), decode_devices=list(decode),
+                     devices=list(prefill) + list(decode) or ["cpu:0"])
     return SimpleNamespace(config=cfg, engines=engines or [engine("cpu:0")], peers=links, receiver=receiver,
                            draining=draining)
 

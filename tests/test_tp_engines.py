@@ -160,7 +160,7 @@ def test_the_cli_serves_a_group_over_http_and_its_ranks_exit_with_the_node():
 
 @pytest.mark.parametrize("over, message", [
     (dict(mode="time-shared"), r"--tensor-parallel-size 2 is colocated mode.s degree \(the mode is "
-                               r"time-shared\): time-shared mode takes --decode-tp and --prefill-tp"),
+                               r"time-shared\): time-shared and pooled modes take --decode-tp and --prefill-tp"),
     (dict(devices=["cpu:0", "cpu:1", "cpu:2"]), r"consecutive runs of 2, but 3 devices \(cpu:0,cpu:1,cpu:2\) is not a multiple of 2"),
     (dict(devices=["cpu:0", "cuda:0"]), r"mixes device kinds \(cpu:0\+cuda:0\)"),
     (dict(engine_layout="thread"), r"needs --engine-layout process"),

@@ -11,7 +11,9 @@ layout the ranks run and the KV bytes the prefill instances wrote into the other
 (``tokens x kv_bytes_per_token x (1 - P/D)``). A KV budget too small for the cases plus three more copies of the
 longest forces preemption and recompute, still exact; an aborted request frees its blocks; sampled requests
 (seeded and not) keep the ranks in agreement through composite steps. The refusals of flags the
-slice does not run are checked without starting an engine.
+slice does not run are checked without starting an engine. Hand-offs between groups of different
+degrees re-shard the KV heads: pooled mode with its prefill pool at ``P`` and its decode pool at ``D``,
+and a sequence moved between two time-shared groups, both keep the reference tokens.
 """
 
 from __future__ import annotations
@@ -148,8 +150,11 @@ async def _collect(node: Node, rid: str, prompt: list[int], params: SamplingPara
     (dict(prefill_tp=3, devices=["cpu:0", "cpu:1", "cpu:2"], decode_tp=3), None),  # model check below
     (dict(prefill_tp=2, decode_tp=1, devices=["cpu:0"]), r"--prefill-tp 2 must divide --decode-tp 1"),
     (dict(devices=["cpu:0", "cpu:1", "cpu:2"]), r"--decode-tp 2 groups --devices in consecutive runs of 2, but 3"),
-    (dict(mode="colocated"), r"--decode-tp and --prefill-tp are time-shared mode's per-role degrees \(the mode is "
-                             r"colocated\): colocated mode takes --tensor-parallel-size"),
+    (dict(mode="colocated"), r"--decode-tp and --prefill-tp are the per-role degrees of time-shared and pooled "
+                             r"modes \(the mode is colocated\): colocated mode takes --tensor-parallel-size"),
+    (dict(mode="pooled", prefill_devices=["cpu:0"], decode_devices=["cpu:1", "cpu:2", "cpu:3"], decode_tp=2,
+          devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"]),
+     r"--decode-tp 2 groups --decode-devices in consecutive runs of 2, but 3 devices"),
     (dict(engine_layout="thread"), r"--decode-tp 2 needs --engine-layout process"),
     (dict(decode_tp=0), r"--decode-tp must be a positive integer, got 0"),
 ])
@@ -165,3 +170,89 @@ def test_flags_the_slice_does_not_run_are_refused(over, message):
         config.validate()
     with pytest.raises(StartupError, match=message):
         asyncio.run(Node.create(config))
+
+
+# --- hand-offs between groups of different degrees (pooled mode, moves between time-shared groups) --------
+
+
+@pytest.mark.parametrize("src, dst", [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (2, 2)])
+def test_a_sharded_copy_re_shards_the_kv_heads(src, dst):
+    import torch
+
+    from node.transport.local import copy_sharded_blocks, head_overlaps
+
+    layers, blocks, bs, heads, hd = 3, 10, 4, 4, 8
+    g = torch.Generator().manual_seed(src * 10 + dst)
+    whole = torch.randn(layers, 2, blocks, bs, heads, hd, generator=g)
+    src_pools = [whole[..., r * heads // src : (r + 1) * heads // src, :].clone() for r in range(src)]
+    dst_pools = [torch.zeros(layers, 2, blocks + 3, bs, heads // dst, hd) for _ in range(dst)]
+    src_ids, dst_ids = [7, 2, 5], [0, 11, 4]
+    report = copy_sharded_blocks(src_pools, src_ids, dst_pools, dst_ids)
+    got = torch.cat(dst_pools, dim=4)
+    assert torch.equal(got[:, :, dst_ids], whole[:, :, src_ids])
+    untouched = [b for b in range(blocks + 3) if b not in dst_ids]
+    assert not got[:, :, untouched].any()
+    assert report.nbytes == whole[:, :, src_ids].numel() * 4
+    spans = head_overlaps(heads, src, dst)
+    assert sum(b - a for _, _, a, b in spans) == heads and [a for _, _, a, _ in spans] == sorted(a for _, _, a, _ in spans)
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 2), (2, 1)])
+def test_pooled_pools_at_their_own_degrees_hand_off_exactly(prefill_tp, decode_tp):
+    """Pooled mode with a prefill pool at degree P and a decode pool at D (what disaggregation buys):
+    each hand-off re-shards the KV heads between the groups' ranks; the references come out exactly."""
+    require_shared()
+    cases = reference_cases()
+    pre = [f"cpu:{i}" for i in range(prefill_tp)]
+    dec = [f"cpu:{i}" for i in range(prefill_tp, prefill_tp + decode_tp)]
+
+    async def go():
+        config = ts_config(mode="pooled", devices=pre + dec, prefill_devices=pre, decode_devices=dec,
+                           prefill_tp=prefill_tp, decode_tp=decode_tp, max_num_batched_tokens=8)
+        config.validate()
+        node = await Node.create(config)
+        node.start()
+        try:
+            assert [e.device_id for e in node.engines] == ["+".join(pre), "+".join(dec)]
+            got = await asyncio.gather(*(run_case(node, f"ref-{i}", c) for i, c in enumerate(cases)))
+            for g, c in zip(got, cases):
+                assert g == c["output_token_ids"], c["prompt"]
+            assert len(node.migrations) == len(cases)
+            assert all(e.batcher.ledger.num_used == 0 and e.failure is None and not e.errors for e in node.engines)
+            roles = {d["device"]: d["role"] for d in node.status()["devices"]}
+            assert roles == {"+".join(pre): "prefill", "+".join(dec): "decode"}
+        finally:
+            await node.close()
+
+    asyncio.run(go())
+
+
+def test_a_decoding_sequence_moves_between_time_shared_groups_exactly():
+    """Four devices as two groups of two: a sequence moved mid-decode from one group to the other (the
+    imbalance fallback's move, forced) goes on with the reference tokens; both ledgers end empty."""
+    require_shared()
+    case = reference_cases()[0]
+
+    async def go():
+        node = await Node.create(ts_config(devices=[f"cpu:{i}" for i in range(4)], imbalance_threshold=0.0))
+        node.start()
+        try:
+            a, b = node.engines
+            assert (a.device_id, b.device_id) == ("cpu:0+cpu:1", "cpu:2+cpu:3")
+            params = SamplingParams(max_tokens=case["max_new_tokens"], temperature=0.0)
+            ids, moved = [], None
+            async for req, d in node.generate("moving", case["prompt_token_ids"], params):
+                assert d.error is None, d.error
+                ids += d.token_ids
+                if moved is None and len(ids) >= 20:
+                    seq = req.seqs[0]
+                    src, dst = (a, b) if seq.device_id == a.device_id else (b, a)
+                    moved = src.migrate(seq, dst, "test")
+            record = await moved
+            assert record is not None and record.dst == dst.device_id
+            assert ids == case["output_token_ids"]
+            assert a.batcher.ledger.num_used == 0 and b.batcher.ledger.num_used == 0
+        finally:
+            await node.close()
+
+    asyncio.run(go())

@@ -25,7 +25,7 @@ from node.core.roles import Role
 from node.core.sequence import PENDING, Sequence, SeqStatus
 from node.runtime.request import RequestState
 from node.runtime.switching import DeviceRole, SwitchRecord
-from node.transport.local import copy_sequence_blocks
+from node.transport.local import copy_sharded_blocks
 from node.runtime.step_encoder import StepEncoder
 from node.worker.engine_core import StepMsg, StepReply
 from node.worker.engine_process import EngineDied, EngineProcess, LocalEngine
@@ -131,6 +131,13 @@ class DeviceEngine:
         self._rng = random.Random(seed)
         if self.role is not None and self.role.role in self._role_batch:
             self.batcher.config = self._role_batch[self.role.role]
+
+    @property
+    def kv_pools(self) -> list:
+        """The device's KV pool as this process sees it, one tensor per rank in rank order (one for a
+        single device; a group's ranks each hold ``K/D`` heads): what in-node moves copy between."""
+        pools = getattr(self.runner, "kv_caches", None)
+        return list(pools) if pools is not None else [self.runner.kv_cache]
 
     @property
     def active_config(self) -> RoleConfig | None:
@@ -317,7 +324,7 @@ class DeviceEngine:
             src_blocks = self.batcher.release(seq)
             try:
                 report = await loop.run_in_executor(self._executor, partial(
-                    copy_sequence_blocks, self.runner.kv_cache, src_blocks[reused:], dst.runner.kv_cache,
+                    copy_sharded_blocks, self.kv_pools, src_blocks[reused:], dst.kv_pools,
                     blocks[reused:], link_gbps=self.link_gbps, block_layer_bytes=self.block_layer_bytes))
             except Exception as e:  # noqa: BLE001 - a failed copy leaves the sequence where it was
                 log.warning("migration_failed", seq=seq.seq_id, src=self.device_id, dst=dst.device_id, error=str(e))

@@ -63,9 +63,9 @@ def node_health(node: "Node", now: float | None = None) -> Health:
         reasons += [f"refused peer {r.node_id or r.peer} connecting to the KV port ({r.code}): {r.reason}"
                     for r in node.receiver.refused.recent(now, INBOUND_REFUSAL_WINDOW_S)]
     if cfg.mode == "pooled" and cfg.prefill_devices:
-        if all(d in down for d in cfg.prefill_devices):
+        if all(d in down for d in cfg.prefill_group_ids()):
             fatal.append("no prefill device is up")
-        if ready == 0 and all(d in down for d in cfg.decode_devices):
+        if ready == 0 and all(d in down for d in cfg.decode_group_ids()):
             fatal.append("no decode device is up and no decode peer is ready" if cfg.decode_devices
                          else "no decode peer is ready")
     if fatal:

@@ -143,8 +143,8 @@ class Node:
             # timed devices take their cost model's time by construction: the policy plans with it unrefitted
             self.driver = RoleDriver(self, RoleScheduler(policy, cost), time.monotonic, refit=not timed)
         elif config.mode == "pooled":
-            self.driver = PooledDriver(self, PooledRouter(config.max_unsent), config.prefill_devices,
-                                       config.decode_devices, time.monotonic)
+            self.driver = PooledDriver(self, PooledRouter(config.max_unsent), config.prefill_group_ids(),
+                                       config.decode_group_ids(), time.monotonic)
         elif config.mode != "colocated":
             raise StartupError(f"unknown mode {config.mode!r} (time-shared, colocated, pooled)")
         block_layer_bytes = None  # timed devices' transfers are paced and counted at the geometry's KV size
@@ -211,7 +211,7 @@ class Node:
             role = None
             if config.mode == "time-shared":  # devices start parked in PREFILL (nothing resident yet)
                 role = DeviceRole(device_id, Role.PREFILL, time.monotonic(), config.reconfig_pause_ms / 1e3)
-            elif config.mode == "pooled" and device_id in config.prefill_devices:  # prompt-only steps, always
+            elif config.mode == "pooled" and device_id in config.prefill_group_ids():  # prompt-only steps, always
                 role = DeviceRole(device_id, Role.PREFILL, time.monotonic(), 0.0)
             # Pooled decode devices get no role: they decode, and recompute a sequence that an
             # underestimated output forced them to preempt (vLLM's recompute), in mixed steps.
@@ -459,7 +459,7 @@ class Node:
         for e in self.engines:
             d = {
                 "device": e.device_id,
-                "role": e.role.role.value if e.role else ("decode" if e.device_id in self.config.decode_devices else "mixed"),
+                "role": e.role.role.value if e.role else ("decode" if e.device_id in self.config.decode_group_ids() else "mixed"),
                 "engine": {"layout": self.config.engine_layout, "pid": e.runner.pid},  # pid: null in the thread layout; a group's rank 0
                 "engine_busy_s": round(e.busy_s, 6),  # the engine's own time in steps, summed (wall minus this: waiting)
                 "kv_blocks_total": e.batcher.ledger.num_blocks,

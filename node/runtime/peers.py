@@ -452,7 +452,7 @@ class KVReceiver:
         mode every device, those in the decode role first."""
         cfg = self.node.config
         if cfg.mode == "pooled":
-            return [self.node.engine(d) for d in cfg.decode_devices]
+            return [self.node.engine(d) for d in cfg.decode_group_ids()]
         return sorted(self.node.engines, key=lambda e: e.role is None or e.role.role is not Role.DECODE)
 
     def _room(self, e: DeviceEngine) -> tuple[int, int]:

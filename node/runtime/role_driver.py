@@ -58,13 +58,8 @@ class RoleDriver(Driver):
         self._steps = 0
         rc = scheduler.config
         copy_s_per_token = self._transfer_s_per_token(node)  # to a peer and inside the node alike
-        threshold = node.config.imbalance_threshold
-        if node.config.group_size > 1 and threshold > 0:  # a group's KV pool is sharded across its ranks
-            log.info("imbalance_fallback_off", reason=f"--decode-tp {node.config.group_size}: moving a tensor-parallel "
-                                                      f"group's sharded KV between groups is not built yet")
-            threshold = 0.0
         self.imbalance = ImbalancePolicy(ImbalanceConfig(
-            threshold=threshold, tpot_slo_ms=rc.tpot_slo_ms, slo_margin=rc.slo_margin,
+            threshold=node.config.imbalance_threshold, tpot_slo_ms=rc.tpot_slo_ms, slo_margin=rc.slo_margin,
             reconfig_pause_ms=rc.reconfig_pause_ms, prefill_token_budget=rc.prefill_token_budget,
             transfer_s_per_token=copy_s_per_token, local_transfer_s_per_token=copy_s_per_token,
             ttft_slo_ms=rc.ttft_slo_ms), scheduler.cost)

@@ -106,3 +106,57 @@ def copy_sequence_blocks(src_kv: torch.Tensor, src_blocks: list[int], dst_kv: to
             on_layer(layer)
     report.total_s = time.monotonic() - t0
     return report
+
+
+def head_overlaps(num_kv_heads: int, src_degree: int, dst_degree: int) -> list[tuple[int, int, int, int]]:
+    """How KV heads move between two sharded pools: ``(src_rank, dst_rank, first_head, end_head)`` for
+    every head range that source rank ``r`` (heads ``[r*K/S, (r+1)*K/S)`` at degree ``S``) and
+    destination rank ``q`` (``[q*K/T, (q+1)*K/T)`` at degree ``T``) share, in head order; global head
+    numbers. Degrees must divide ``K`` (node.worker.tensor_parallel's split of the KV heads)."""
+    ks, kt = num_kv_heads // src_degree, num_kv_heads // dst_degree
+    out = []
+    for r in range(src_degree):
+        for q in range(dst_degree):
+            a, b = max(r * ks, q * kt), min((r + 1) * ks, (q + 1) * kt)
+            if a < b:
+                out.append((r, q, a, b))
+    return out
+
+
+def copy_sharded_blocks(src_pools: list[torch.Tensor], src_blocks: list[int], dst_pools: list[torch.Tensor],
+                        dst_blocks: list[int], *, verify: bool = True, link_gbps: LinkThrottle | float | None = None,
+                        block_layer_bytes: int | None = None) -> LocalCopyReport:
+    """:func:`copy_sequence_blocks` between two tensor-parallel groups' pools, re-sharding the KV heads.
+
+    ``src_pools``/``dst_pools``: each rank's pool in rank order (``[layers, 2, blocks, block_size,
+    K/degree, head_dim]``; one pool for a single device), so a group of degree ``S`` hands a sequence
+    to one of degree ``T`` (a pooled hand-off from a prefill pool at ``P`` to a decode pool at ``D``, or
+    a move between time-shared groups): for each head range a source and a destination rank share
+    (:func:`head_overlaps`), those heads of every block are copied (views of both pools, no staging
+    of the whole sequence). Pairs are copied one after another, through one shared link throttle: on
+    GPUs each pair could use its own link, so the pacing errs long. ``block_layer_bytes`` is per
+    single-device block (a timed device's emulated size) and is split by head range.
+
+    Raises: as :func:`copy_sequence_blocks`; ``LayoutMismatch`` when the pools' heads do not add up to
+    the same KV heads.
+    """
+    if len(src_pools) == 1 and len(dst_pools) == 1:
+        return copy_sequence_blocks(src_pools[0], src_blocks, dst_pools[0], dst_blocks, verify=verify,
+                                    link_gbps=link_gbps, block_layer_bytes=block_layer_bytes)
+    heads = src_pools[0].shape[4] * len(src_pools)
+    if dst_pools[0].shape[4] * len(dst_pools) != heads or heads % len(src_pools) or heads % len(dst_pools):
+        raise LayoutMismatch(["num_kv_heads"], f"sharded pools of {len(src_pools)} x {src_pools[0].shape[4]} and "
+                                               f"{len(dst_pools)} x {dst_pools[0].shape[4]} KV heads do not match")
+    link = as_throttle(link_gbps)
+    report = LocalCopyReport()
+    t0 = time.monotonic()
+    ks, kt = heads // len(src_pools), heads // len(dst_pools)
+    for r, q, a, b in head_overlaps(heads, len(src_pools), len(dst_pools)):
+        part = copy_sequence_blocks(
+            src_pools[r][..., a - r * ks : b - r * ks, :], src_blocks, dst_pools[q][..., a - q * kt : b - q * kt, :],
+            dst_blocks, verify=verify, link_gbps=link,
+            block_layer_bytes=None if block_layer_bytes is None else block_layer_bytes * (b - a) // heads)
+        report.nbytes += part.nbytes
+    report.total_s = time.monotonic() - t0
+    report.layer_end_s = [report.total_s] * src_pools[0].shape[0]  # pairs interleave layers: all end together
+    return report

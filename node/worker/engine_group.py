@@ -56,7 +56,14 @@ class TPEngineGroup:
 
     KV pool. Each rank's pool holds its ``K/D`` KV heads, all with the same ``num_blocks``; there is
     no node-side view of the group's whole pool (``kv_cache`` is None, the ranks' shards are in
-    ``kv_caches``): KV transfers between devices or to peers are refused for groups in this slice.
+    ``kv_caches``): in-node moves copy rank by rank, re-sharding the heads between groups of different
+    degrees (:func:`~node.transport.local.copy_sharded_blocks`); KV transfers to peers are refused.
+
+    Time-shared groups (``--decode-tp D --prefill-tp P``, :mod:`node.worker.role_layouts`): at start
+    each rank gets its column's pools mapped (:class:`PeerPools`) and the prefill layout made active;
+    :meth:`set_role` switches the layout of every rank. A step of several prefill instances
+    (``StepMsg.instances``) is answered by each instance's first rank (ranks ``0 .. D/P - 1``) with
+    its items' outputs, merged here item by item; the other ranks' sampled ids must equal the merge.
     """
 
     method = "process"

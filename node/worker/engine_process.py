@@ -30,7 +30,7 @@ Start. Engines for CPU devices are forked by ``shiftnode serve`` before the even
 and the parent has not yet run any parallel torch work that a fork would break. CUDA devices, and
 nodes created inside a process that has already computed (tests), spawn a fresh interpreter.
 
-Tensor-parallel groups (``--tensor-parallel-size D``). A group of ``D`` devices is one device of the
+Tensor-parallel groups (``--tensor-parallel-size D``, ``--decode-tp``/``--prefill-tp``). A group of ``D`` devices is one device of the
 node: one engine process per rank, each a full engine (its own socket pair, its own shard of the
 weights and of the KV heads), joined in a ``torch.distributed`` group; :class:`TPEngineGroup` is the
 node's handle and sends each request to every rank (see there for ordering, replies and failure).
