@@ -335,7 +335,7 @@ def test_loader_attaches_graphs_only_where_supported(monkeypatch):
     assert runner.graphs is None and not made
     attach_decode_graphs(runner, NodeConfig(mode="time-shared", max_num_seqs=32, block_size=16), 256, None, "cuda:0")
     assert made[-1] == dict(block_size=16, max_model_len=256, max_num_seqs=32)
-    assert not runner.graphs.captured  # time-shared: captured at the first switch to decode
+    assert runner.graphs.captured  # time-shared too: captured at start-up, never while requests wait
     runner.graphs = None
     attach_decode_graphs(runner, NodeConfig(mode="colocated"), 256, None, "cuda:0")
     assert runner.graphs.captured  # colocated: captured at start-up

@@ -615,8 +615,8 @@ class DeviceEngine:
         time). The step kind and the batch limits come from the role (:meth:`configure_roles`); a
         tensor-parallel group's ranks switch layout (degree, weight views, KV heads, then a barrier:
         :meth:`GroupLayouts.activate <node.worker.role_layouts.GroupLayouts.activate>`); the decode role
-        also needs the runner's CUDA graphs, captured on the first switch to it and reused afterwards
-        (a no-op without graphs)."""
+        also needs the runner's CUDA graphs, captured at start-up (``prepare_decode`` then only
+        captures what a failed or skipped start-up capture left; a no-op without graphs)."""
         if self.runner.stopping:  # the node is closing: nothing will run in the new role
             return
         set_role = getattr(self.runner, "set_role", None)

@@ -91,8 +91,8 @@ def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: obj
     The KV budget is ``--kv-cache-memory`` bytes when given; on CUDA otherwise
     ``gpu_memory_utilization * total - (total - free after loading)``; on the CPU 512 MiB.
     On CUDA with the triton backend (and without ``--enforce-eager``) the runner gets decode CUDA
-    graphs, captured here in colocated mode and at the first switch to the decode role in time-shared
-    mode (their memory comes out of the ``1 - gpu_memory_utilization`` headroom).
+    graphs, captured here, at start-up, in every mode (never lazily while requests wait; their memory
+    comes out of the ``1 - gpu_memory_utilization`` headroom).
 
     ``tp`` (degree ``D > 1``): this device is rank ``tp.rank`` of a tensor-parallel group. It loads
     only its shard (``ShardLayout(D, D, rank)``: its heads, KV heads, MLP features and vocab rows of
@@ -190,7 +190,7 @@ def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: obj
 def attach_decode_graphs(runner: ModelRunner, config: NodeConfig, max_model_len: int, ops: object,
                          device_id: str) -> None:
     """Give ``runner`` decode graphs where they are supported and not ``--enforce-eager``; capture
-    them now in colocated mode (time-shared mode captures on the first switch to the decode role)."""
+    them now, before the node serves (a time-shared switch to the decode role then only installs them)."""
     reason = "--enforce-eager" if config.enforce_eager else decode_graphs_unsupported(runner.device, ops)
     if reason is not None:
         if runner.device.type == "cuda":
@@ -198,5 +198,4 @@ def attach_decode_graphs(runner: ModelRunner, config: NodeConfig, max_model_len:
         return
     runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, block_size=config.block_size,
                                  max_model_len=max_model_len, max_num_seqs=config.max_num_seqs)
-    if config.mode == "colocated":
-        runner.prepare_decode()
+    runner.prepare_decode()
