@@ -591,7 +591,7 @@ class DeviceEngine:
         drained = self.clock()
         try:
             await asyncio.get_running_loop().run_in_executor(self._executor, self.reconfigure, to_role)
-        except Exception as e:  # noqa: BLE001 - the role still changes (steps of it run eagerly)
+        except Exception as e:  # noqa: BLE001 - the role still changes (its steps run in the layout the ranks are in)
             if not self.runner.stopping:  # (a switch the node's closing cut short is no error)
                 self.errors["reconfigure"] = self.errors.get("reconfigure", 0) + 1
                 log.error("reconfigure_failed", device=self.device_id, to_role=to_role.value, error=str(e), exc_info=e)

@@ -177,7 +177,7 @@ class TPEngineGroup:
         for r in self.ranks:  # every rank first: the switch ends in a barrier of the whole group
             r.send_sync(Reconfigure("prefill"))
         for i, r in enumerate(self.ranks):
-            self._named(i, r._expect_value)
+            self._named(i, r.recv_value)
         self.active_role = "prefill"
 
     def _named(self, i: int, fn) -> Any:

@@ -581,13 +581,18 @@ class EngineProcess:
                 self._conn.send(other._kv_ipc)
             else:
                 send_handle(self._conn, other._kv_fd, self.pid)
-        return self._expect_value()
+        return self.recv_value()
 
     def send_sync(self, msg: Any) -> None:
-        """Write ``msg`` now (before :meth:`attach`; read its reply with :meth:`_expect_value`)."""
+        """Write ``msg`` now (before :meth:`attach`; read its reply with :meth:`recv_value`)."""
         self._conn.send_bytes(self._enc.encode(msg))
 
-    def _expect_value(self) -> float:
+    def recv_value(self) -> float:
+        """The :class:`Value` that answers a request sent with :meth:`send_sync` (before :meth:`attach`).
+
+        Raises:
+            EngineError: the engine failed the request; EngineDied: it is gone.
+        """
         reply = self._recv()
         if isinstance(reply, Failed):
             raise EngineError(reply.message, reply.kind)
