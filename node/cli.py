@@ -257,6 +257,19 @@ def run_serve(config: NodeConfig) -> int:
 
     from node.worker.engine_group import prelaunch
 
+    if max(config.tensor_parallel_size, config.decode_tp, config.prefill_tp) > 1:  # before any rank starts
+        from node.runtime.node import check_tp_degrees
+        from node.worker.loader import DEFAULT_MODEL_CONFIG
+        from node.worker.model_config import ModelConfig
+
+        try:
+            cfg = ModelConfig.from_folder(config.model) if config.model else ModelConfig.from_dict(DEFAULT_MODEL_CONFIG)
+            check_tp_degrees(config, cfg)
+        except StartupError as e:
+            print(f"shiftnode: cannot start: {e}", file=sys.stderr)
+            return 2
+        except (ModelConfigError, OSError):
+            pass  # reported with its context by the load below
     configure_logging(config.log_format)
     prelaunched = prelaunch(config)  # forked now: before the event loop and any torch work in this process
     loop = uvloop.new_event_loop()

@@ -256,3 +256,30 @@ def test_a_decoding_sequence_moves_between_time_shared_groups_exactly():
             await node.close()
 
     asyncio.run(go())
+
+
+def test_prefix_hits_on_blocks_written_in_the_same_step_stay_exact():
+    """Many prompts sharing their first block arrive at once (a reference prompt plus the first ``k``
+    reference tokens): the first admitted writes the block, later ones in the same composite step
+    reuse it from the prefix cache. They run on the writer's instance (instances run side by side, so
+    another instance could read the block before it is written), and every continuation is exact."""
+    require_shared()
+    case = reference_cases()[0]
+    want = case["output_token_ids"]
+
+    async def go():
+        node = await Node.create(ts_config(max_num_batched_tokens=64))
+        node.start()
+        try:
+            ks = list(range(11, 41))
+            prompts = [case["prompt_token_ids"] + want[:k] for k in ks]
+            params = SamplingParams(max_tokens=4, temperature=0.0)
+            got = await asyncio.gather(*(_collect(node, f"p{k}", p, params) for k, p in zip(ks, prompts)))
+            for k, g in zip(ks, got):
+                assert g == want[k : k + 4], k
+            engine = node.engines[0]
+            assert engine.batcher.prefix_hit_tokens > 0 and engine.batcher.ledger.num_used == 0
+        finally:
+            await node.close()
+
+    asyncio.run(go())

@@ -99,24 +99,69 @@ def instance_ranks(group_size: int, degree: int) -> list[list[int]]:
     return [[s + j * n for j in range(degree)] for s in range(n)]
 
 
-def assign_instances(tokens: Sequence[int], instances: int) -> list[int]:
-    """The instance each step item runs on: longest item first to the least loaded instance (Graham's
+def assign_instances(tokens: Sequence[int], instances: int, together: Sequence[int] | None = None) -> list[int]:
+    """The instance each step item runs on: longest unit first to the least loaded instance (Graham's
     LPT rule, "Bounds on multiprocessing timing anomalies", SIAM J. Appl. Math. 1969: the step's
     longest instance is within 4/3 of the best split); ties go to the lower instance.
 
     Args:
         tokens: new tokens of each item, in step order.
         instances: instances to spread them over.
+        together: a unit key per item (None: every item its own unit); items with the same key run on
+            the same instance (a sequence that reads a block another item of the step writes must run
+            where it is written: instances run side by side, so only one instance orders a write
+            before a read; :func:`shared_block_units`).
 
     Returns:
         ``[instance index of item i]``, in item order.
     """
     if instances <= 1:
         return [0] * len(tokens)
+    keys = list(range(len(tokens))) if together is None else list(together)
+    units: dict[int, list[int]] = {}
+    for i, k in enumerate(keys):
+        units.setdefault(k, []).append(i)
+    size = {k: sum(tokens[i] for i in items) for k, items in units.items()}
     load = [0] * instances
     out = [0] * len(tokens)
-    for i in sorted(range(len(tokens)), key=lambda i: -tokens[i]):
-        s = min(range(instances), key=lambda k: load[k])
-        out[i] = s
-        load[s] += tokens[i]
+    for k in sorted(units, key=lambda k: (-size[k], units[k][0])):
+        s = min(range(instances), key=lambda j: load[j])
+        for i in units[k]:
+            out[i] = s
+        load[s] += size[k]
     return out
+
+
+def shared_block_units(spans: Sequence[tuple[Sequence[int], int, int]], block_size: int) -> list[int]:
+    """Unit keys for :func:`assign_instances`: items that share a KV block one of them writes in the
+    step get the same key (union-find over the written blocks).
+
+    Args:
+        spans: per item, ``(block table, first new position, new tokens)``: it writes the blocks of
+            positions ``[start, start + n)`` and reads those of ``[0, start + n)`` (prefix-cache hits
+            registered by an earlier item of the same step are among the read ones).
+        block_size: tokens per block.
+
+    Returns:
+        ``[unit key of item i]`` (the smallest item index of its unit).
+    """
+    parent = list(range(len(spans)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    writer: dict[int, int] = {}
+    for i, (table, start, n) in enumerate(spans):
+        if n > 0:
+            for b in table[start // block_size : (start + n - 1) // block_size + 1]:
+                writer.setdefault(b, i)
+    for i, (table, start, n) in enumerate(spans):
+        for b in table[: (start + n - 1) // block_size + 1 if n > 0 else 0]:
+            w = writer.get(b)
+            if w is not None and w != i:
+                a, c = root(i), root(w)
+                parent[max(a, c)] = min(a, c)
+    return [root(i) for i in range(len(spans))]

@@ -20,7 +20,7 @@ from typing import Callable
 import structlog
 
 from node.core.batcher import BatchConfig, Batcher, ScheduledSeq, StepKind, StepPlan
-from node.core.role_config import RoleConfig, assign_instances
+from node.core.role_config import RoleConfig, assign_instances, shared_block_units
 from node.core.roles import Role
 from node.core.sequence import PENDING, Sequence, SeqStatus
 from node.runtime.request import RequestState
@@ -446,7 +446,10 @@ class DeviceEngine:
         # one step, several instances; a group whose switch failed runs in the layout it is in (getattr: a group)
         if (rc is not None and rc.instances > 1 and plan.kind is StepKind.PREFILL
                 and getattr(self.runner, "active_role", None) == "prefill"):
-            msg.instances = assign_instances([it.num_tokens for it in plan.items], rc.instances)
+            # a sequence reading a block another item writes now (a prefix hit registered this step) goes with it
+            units = shared_block_units([(it.seq.block_ids, m.start, m.num_tokens) for it, m in zip(plan.items, msg.items)],
+                                       self.batcher.ledger.block_size)
+            msg.instances = assign_instances([it.num_tokens for it in plan.items], rc.instances, units)
             msg.rng_seed = self._rng.getrandbits(62)
             self.kv_scatter_bytes += scatter_bytes(plan.num_tokens, self._kv_bytes_per_token, rc.tp_degree,
                                                    rc.group_size)
@@ -592,7 +595,9 @@ class DeviceEngine:
         try:
             await asyncio.get_running_loop().run_in_executor(self._executor, self.reconfigure, to_role)
         except Exception as e:  # noqa: BLE001 - the role still changes (its steps run in the layout the ranks are in)
-            if not self.runner.stopping:  # (a switch the node's closing cut short is no error)
+            if isinstance(e, EngineDied):  # the device is down: its step loop reports it (no traceback here)
+                log.info("reconfigure_skipped", device=self.device_id, to_role=to_role.value, reason=str(e))
+            elif not self.runner.stopping:  # (a switch the node's closing cut short is no error)
                 self.errors["reconfigure"] = self.errors.get("reconfigure", 0) + 1
                 log.error("reconfigure_failed", device=self.device_id, to_role=to_role.value, error=str(e), exc_info=e)
         if to_role in self._role_batch:

@@ -83,13 +83,22 @@ def check_tensor_parallel(config: NodeConfig, info: LoadedModel) -> None:
     problem = config.tensor_parallel_error()
     if problem:
         raise StartupError(problem)
+    check_tp_degrees(config, info.cfg)
+
+
+def check_tp_degrees(config: NodeConfig, cfg) -> None:
+    """Refuse tensor-parallel degrees the model ``cfg`` (a :class:`ModelConfig`) cannot split into.
+
+    Raises:
+        StartupError: naming the flag and the model's numbers.
+    """
     from node.worker.tensor_parallel import TensorParallelError, check_tp_config
 
     for flag, degree in (("--tensor-parallel-size", config.tensor_parallel_size), ("--decode-tp", config.decode_tp),
                          ("--prefill-tp", config.prefill_tp)):
         if degree > 1:
             try:
-                check_tp_config(info.cfg, degree)
+                check_tp_config(cfg, degree)
             except TensorParallelError as e:
                 raise StartupError(f"{flag} {degree}: {e}") from e
 

@@ -15,7 +15,10 @@ instance). It writes each head group straight into the pool of the device that o
 from there in attention (the pools of the column are mapped into every rank: memfd on the CPU, CUDA
 IPC on GPUs), so the KV a prefill produces is in the decode layout as it is written: it never moves
 again, and a chunked prefill or a prefix-cache hit reads earlier chunks where they lie. Instances
-write disjoint block ids (each sequence of a step is on one instance), and every composite step ends
+write disjoint block ids: each sequence of a step is on one instance, and a sequence that reuses a
+block another item of the same step writes (a prefix hit registered in that step) is put on the
+writer's instance (:func:`node.core.role_config.shared_block_units`), since only one instance orders a
+write before a read. Every composite step ends
 in one all-reduce of the sampled token ids over the whole group (:meth:`GroupLayouts.merge_tokens`),
 which is also the barrier after which any rank may read what the others wrote.
 

@@ -4,7 +4,7 @@ import pytest
 
 from node.core.batcher import BatchConfig, Batcher, StepKind
 from node.core.ledger import BlockLedger
-from node.core.role_config import RoleConfig, assign_instances, instance_ranks, time_shared_roles
+from node.core.role_config import RoleConfig, assign_instances, instance_ranks, shared_block_units, time_shared_roles
 from node.core.sequence import SamplingParams, Sequence
 
 
@@ -63,3 +63,15 @@ def test_item_cap_limits_each_sequence_not_the_step():
     assert [it.num_tokens for it in plan.items] == [300, 300]
     assert BatchConfig(max_batched_tokens=100, max_item_tokens=300).item_cap == 100
     assert BatchConfig(max_batched_tokens=100).item_cap == 100
+
+
+def test_items_sharing_a_block_written_in_the_step_run_on_one_instance():
+    # item 0 writes blocks 10, 11 (positions 0..19 at block size 16); item 1 hits block 10 (registered by
+    # item 0 in this step) and writes 12; item 2 is unrelated; item 3 reads block 11
+    spans = [([10, 11], 0, 20), ([10, 12], 16, 4), ([20, 21], 0, 30), ([10, 11, 13], 32, 2)]
+    units = shared_block_units(spans, 16)
+    assert units == [0, 0, 2, 0]
+    out = assign_instances([20, 4, 30, 2], 2, units)
+    assert out[0] == out[1] == out[3] != out[2]
+    assert shared_block_units([([5], 0, 0), ([5], 0, 3)], 16) == [0, 1]  # a zero-token item writes nothing
+    assert assign_instances([5, 5, 5, 5], 2, [0, 0, 0, 0]) == [0, 0, 0, 0]
