@@ -99,6 +99,23 @@ def instance_ranks(group_size: int, degree: int) -> list[list[int]]:
     return [[s + j * n for j in range(degree)] for s in range(n)]
 
 
+def column_ranks(rank: int, group_size: int, prefill_tp: int) -> list[int]:
+    """The ranks whose decode KV heads ``rank`` computes at degree ``prefill_tp``, in head order: its
+    *column* ``c*g .. c*g + g - 1`` (``g = group_size / prefill_tp``, ``c = rank // g``), one rank of
+    each instance, itself among them (see the module docstring)."""
+    g = group_size // prefill_tp
+    c = rank // g
+    return [c * g + t for t in range(g)]
+
+
+def scatter_bytes(tokens: int, kv_bytes_per_token: int, prefill_tp: int, decode_tp: int) -> int:
+    """KV bytes an instance's prefill of ``tokens`` at degree ``prefill_tp`` writes into the pools of
+    other devices of a ``decode_tp`` group: of the ``K`` heads its devices compute, each keeps ``K/D``
+    of its ``K/P``, so ``tokens * kv_bytes_per_token * (1 - P/D)`` (``kv_bytes_per_token``: all heads,
+    all layers)."""
+    return tokens * kv_bytes_per_token * (decode_tp - prefill_tp) // decode_tp
+
+
 def assign_instances(tokens: Sequence[int], instances: int, together: Sequence[int] | None = None) -> list[int]:
     """The instance each step item runs on: longest unit first to the least loaded instance (Graham's
     LPT rule, "Bounds on multiprocessing timing anomalies", SIAM J. Appl. Math. 1969: the step's

@@ -53,6 +53,7 @@ from __future__ import annotations
 import msgspec
 
 from node.core.cost import CostModel, chunked_s, tokens_within
+from node.core.role_config import scatter_bytes
 
 __all__ = ["RooflineCost", "PassWork", "cost_model_from_dict", "cost_model_to_dict", "sum_max_linear",
            "ring_allreduce_link_bytes", "kv_scatter_bytes", "kv_scatter_s"]
@@ -269,7 +270,8 @@ def kv_scatter_bytes(tokens: int, kv_bytes_per_token_rank: int, prefill_tp: int,
     """
     if prefill_tp < 1 or decode_tp % prefill_tp:
         raise ValueError(f"prefill degree {prefill_tp} must divide the decode degree {decode_tp}")
-    return max(0, tokens) * kv_bytes_per_token_rank * (1.0 - prefill_tp / decode_tp)
+    # one device's share of its instance's scatter (node.core.role_config.scatter_bytes, all heads)
+    return scatter_bytes(max(0, tokens), kv_bytes_per_token_rank * prefill_tp, prefill_tp, decode_tp) / prefill_tp
 
 
 def kv_scatter_s(tokens: int, kv_bytes_per_token_rank: int, prefill_tp: int, decode_tp: int,

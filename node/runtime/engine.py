@@ -20,7 +20,7 @@ from typing import Callable
 import structlog
 
 from node.core.batcher import BatchConfig, Batcher, ScheduledSeq, StepKind, StepPlan
-from node.core.role_config import RoleConfig, assign_instances, shared_block_units
+from node.core.role_config import RoleConfig, assign_instances, scatter_bytes, shared_block_units
 from node.core.roles import Role
 from node.core.sequence import PENDING, Sequence, SeqStatus
 from node.runtime.request import RequestState
@@ -29,7 +29,6 @@ from node.transport.local import copy_sharded_blocks
 from node.runtime.step_encoder import StepEncoder
 from node.worker.engine_core import StepMsg, StepReply
 from node.worker.engine_process import EngineDied, EngineProcess, LocalEngine
-from node.worker.role_layouts import scatter_bytes
 from node.worker.runner import SeqOutput
 
 log = structlog.get_logger("shiftnode.engine")

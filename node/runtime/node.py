@@ -211,6 +211,8 @@ class Node:
         for h in prelaunched.values():  # forked for devices this config does not use (not expected)
             h.stop()
         engines = []
+        roles = {Role(name): rc for name, rc in config.role_configs().items()} if config.mode == "time-shared" else {}
+        prefillers = config.prefill_group_ids()
         for device_id, runner in zip(ids, handles):
             ledger = BlockLedger(runner.num_blocks, config.block_size, prefix_caching=config.prefix_caching)
             batcher = Batcher(ledger, BatchConfig(
@@ -220,13 +222,12 @@ class Node:
             role = None
             if config.mode == "time-shared":  # devices start parked in PREFILL (nothing resident yet)
                 role = DeviceRole(device_id, Role.PREFILL, time.monotonic(), config.reconfig_pause_ms / 1e3)
-            elif config.mode == "pooled" and device_id in config.prefill_group_ids():  # prompt-only steps, always
+            elif config.mode == "pooled" and device_id in prefillers:  # prompt-only steps, always
                 role = DeviceRole(device_id, Role.PREFILL, time.monotonic(), 0.0)
             # Pooled decode devices get no role: they decode, and recompute a sequence that an
             # underestimated output forced them to preempt (vLLM's recompute), in mixed steps.
             engine = DeviceEngine(device_id, runner, batcher, time.monotonic, role)
-            if config.mode == "time-shared":  # each role's limits and layout (node.core.role_config)
-                roles = {Role(name): rc for name, rc in config.role_configs().items()}
+            if roles:  # time-shared: each role's limits and layout (node.core.role_config)
                 engine.configure_roles(roles, batcher.config, info.cfg.kv_bytes_per_token(info.dtype),
                                        seed=config.seed + len(engines))
             engines.append(engine)
@@ -465,10 +466,11 @@ class Node:
         (the role timeline)."""
         now = time.monotonic()
         devices = []
+        decoders = self.config.decode_group_ids()
         for e in self.engines:
             d = {
                 "device": e.device_id,
-                "role": e.role.role.value if e.role else ("decode" if e.device_id in self.config.decode_group_ids() else "mixed"),
+                "role": e.role.role.value if e.role else ("decode" if e.device_id in decoders else "mixed"),
                 "engine": {"layout": self.config.engine_layout, "pid": e.runner.pid},  # pid: null in the thread layout; a group's rank 0
                 "engine_busy_s": round(e.busy_s, 6),  # the engine's own time in steps, summed (wall minus this: waiting)
                 "kv_blocks_total": e.batcher.ledger.num_blocks,

@@ -15,6 +15,7 @@ import msgspec
 import structlog
 
 from node.config import NodeConfig
+from node.core.role_config import column_ranks
 from node.transport.protocol import Fingerprint
 from node.worker.engine_core import StepMsg, StepReply
 from node.worker.engine_process import (EngineDied, EngineError, EngineProcess, Prepare, Reconfigure, StepAck, TPRank,
@@ -168,11 +169,10 @@ class TPEngineGroup:
         Raises:
             EngineError, EngineDied: a rank failed or died (named with its device).
         """
-        g = self.instances
         handles = dict(enumerate(self.ranks))
         for i, r in enumerate(self.ranks):
-            if g > 1:
-                column = [i // g * g + t for t in range(g)]
+            if self.instances > 1:
+                column = column_ranks(i, self.degree, self.prefill_degree)
                 self._named(i, lambda r=r, column=column: r.send_pools(column, handles))
         for r in self.ranks:  # every rank first: the switch ends in a barrier of the whole group
             r.send_sync(Reconfigure("prefill"))

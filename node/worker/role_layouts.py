@@ -23,7 +23,8 @@ in one all-reduce of the sampled token ids over the whole group (:meth:`GroupLay
 which is also the barrier after which any rank may read what the others wrote.
 
 Bytes. At degree ``P`` a rank writes ``(g - 1) / g`` of the KV it computes into other devices' pools:
-``tokens * kv_bytes_per_token * (1 - P / D)`` per instance step (:func:`scatter_bytes`), over the
+``tokens * kv_bytes_per_token * (1 - P / D)`` per instance step
+(:func:`node.core.role_config.scatter_bytes`), over the
 device link on GPUs (NVLink peer writes), through shared memory on the CPU.
 """
 
@@ -35,14 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from node.core.role_config import instance_ranks
+from node.core.role_config import column_ranks, instance_ranks
 from node.worker.tensor_parallel import TPGroup
-
-
-def scatter_bytes(tokens: int, kv_bytes_per_token: int, prefill_tp: int, decode_tp: int) -> int:
-    """KV bytes a prefill of ``tokens`` at degree ``prefill_tp`` writes into other devices' pools of a
-    ``decode_tp`` group: ``tokens * kv_bytes_per_token * (1 - P / D)`` (see the module docstring)."""
-    return tokens * kv_bytes_per_token * (decode_tp - prefill_tp) // decode_tp
 
 
 def new_instance_groups(degree: int, prefill_degree: int, rank: int) -> TPGroup:
@@ -79,8 +74,7 @@ class GroupLayouts:
     @property
     def column_ranks(self) -> list[int]:
         """The ranks whose KV heads this rank computes at the prefill degree, in head order."""
-        g = self.instances
-        return [self.column * g + t for t in range(g)]
+        return column_ranks(self.rank, self.degree, self.prefill_degree)
 
     def activate(self, role: str, runner: Any) -> float:
         """Make ``role``'s layout the active one on this rank (``"prefill"`` or ``"decode"``), then wait
