@@ -81,7 +81,7 @@ class Cell:
     mode: str
     link_gbps: float | None = None
     prefill_devices: int | None = None
-    transfer: str = "blocking"
+    transfer: str = "overlap"
     setting: tuple[tuple[str, float], ...] = ()  # tuned knobs (bench.tuning) other than the split
 
 
@@ -421,7 +421,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--splits", default=None, help="pooled prefill devices to try (default 1..devices-1)")
     ap.add_argument("--tune-grid", default="full", choices=sorted(TUNE_GRIDS),
                     help="settings searched per mode besides pooled's splits (bench.tuning)")
-    ap.add_argument("--transfers", default="blocking", help="pooled transfer models: blocking, overlap, or both")
+    ap.add_argument("--transfers", default="overlap",
+                    help="pooled transfer models: overlap (the node's hand-offs), blocking, or both")
     ap.add_argument("--devices", type=int, default=4)
     ap.add_argument("--duration", type=float, default=5.0, help="seconds of Poisson arrivals per run (at least)")
     ap.add_argument("--min-requests", type=int, default=0,

@@ -40,6 +40,7 @@ import asyncio
 import json
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -158,14 +159,24 @@ def validate_mode(a: argparse.Namespace, mode: str, out: Path) -> dict:
                     max_num_batched_tokens=a.max_num_batched_tokens, ttft_slo_ms=a.ttft_slo_ms,
                     tpot_slo_ms=a.tpot_slo_ms, reconfig_pause_ms=a.reconfig_pause_ms,
                     step_overhead_ms=step_ms, request_overhead_ms=request_ms, pause_ms=pause_ms or 0.0)
-    sim = simulate(wl.requests, cfg, load_cost_model(cost_path))
+    depths = [int(x) for x in str(a.step_pipeline).split(",")]
+    sims = {d: simulate(wl.requests, replace(cfg, step_pipeline=d), load_cost_model(cost_path)) for d in depths}
+    sim = sims[depths[0]]
     rows = compare_summaries(res.summary, sim.summary)
+    for d in depths[1:]:  # the same live run against other pipeline depths (reported, not checked)
+        for row, other in zip(rows, compare_summaries(res.summary, sims[d].summary)):
+            row.setdefault("other_pipelines", {})[d] = {"sim_ms": other["sim_ms"], "rel_err": other["rel_err"]}
     if len(lives) > 1:  # run-to-run spread of the live node on the identical workload
         for i, row in enumerate(rows):
             vals = [compare_summaries(lv[2].summary, sim.summary)[i]["live_ms"] for lv in lives]
             row["live_runs_ms"] = vals
             row["live_spread"] = (max(vals) - min(vals)) / statistics.median(vals) if statistics.median(vals) else 0.0
     live_switches = (sum(d.get("switch_count", 0) for d in status["devices"]) - switches0) / len(lives)
+    moved = [m for m in status.get("kv_transfers", []) if m["start_s"] >= status0["clock_s"]]  # the last 200
+    live_moves = {r: sum(1 for m in moved if m["reason"] == r) / len(lives) for r in sorted({m["reason"] for m in moved})}
+    sim_moves = {k.removeprefix("moves_"): v for k, v in sim.stats.items() if k.startswith("moves_")}
+    if mode == "pooled":
+        sim_moves = {"pooled": sim.stats.get("transfers", 0)}
     per_request = [{"arrival_s": r.arrival_s, "prompt": r.prompt_tokens, "output": r.output_tokens,
                     "live_ttft_ms": _ms(lv.ttft_s), "sim_ttft_ms": _ms(sv.ttft_s),
                     "live_tpot_ms": _ms(request_tpot_s(lv)), "sim_tpot_ms": _ms(request_tpot_s(sv))}
@@ -174,14 +185,17 @@ def validate_mode(a: argparse.Namespace, mode: str, out: Path) -> dict:
             "sim_failed": sim.summary.failed, "cost_model": str(cost_path), "sim_overheads": {
                 "step_overhead_ms": step_ms, "request_overhead_ms": request_ms, "pause_ms": pause_ms or 0.0},
             "measured": measured, "live_switches": live_switches, "sim_switches": sim.stats.get("switches", 0),
+            "live_moves": live_moves, "sim_moves": sim_moves,
             "rows": rows, "per_request": per_request,
             "ok": all(abs(r["rel_err"]) <= a.tolerance for r in rows if r["stat"] in CHECKED)}
 
 
 def format_report(results: list[dict], tolerance: float) -> str:
     spread = any("live_spread" in r for res in results for r in res.get("rows", []))
-    lines = ["| mode | metric | stat | live (ms) | sim (ms) | sim vs live |" + (" live run-to-run |" if spread else ""),
-             "|---|---|---|---:|---:|---:|" + ("---:|" if spread else "")]
+    others = sorted({d for res in results for r in res.get("rows", []) for d in r.get("other_pipelines", {})})
+    lines = ["| mode | metric | stat | live (ms) | sim (ms) | sim vs live |" + (" live run-to-run |" if spread else "")
+             + "".join(f" sim, pipeline {d} |" for d in others),
+             "|---|---|---|---:|---:|---:|" + ("---:|" if spread else "") + "---:|" * len(others)]
     for res in results:
         if "error" in res:
             lines.append(f"| {res['mode']} | — | — | — | — | {res['error']} |")
@@ -191,6 +205,9 @@ def format_report(results: list[dict], tolerance: float) -> str:
             extra = ""
             if spread:
                 extra = f" {r.get('live_spread', 0):.0%} ({', '.join(f'{v:.1f}' for v in r.get('live_runs_ms', []))}) |"
+            for d in others:
+                o = r.get("other_pipelines", {}).get(d)
+                extra += f" {o['sim_ms']:.1f} ({o['rel_err']:+.0%}) |" if o else " — |"
             lines.append(f"| {res['mode']} | {r['metric'][:-3].upper()} | {r['stat']} | {r['live_ms']:.1f} | "
                          f"{r['sim_ms']:.1f} | {r['rel_err']:+.0%}{flag} |{extra}")
     return "\n".join(lines)
@@ -234,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drain-timeout", type=float, default=60.0)
     ap.add_argument("--tolerance", type=float, default=0.25, help="largest |sim - live| / live for medians and p90s")
     ap.add_argument("--out", default=None, help="folder for the report JSON and node logs (default bench/out/validate)")
+    ap.add_argument("--step-pipeline", default="2",
+                    help="simulated steps in flight per device (SimConfig.step_pipeline; 2: the node's overlapped "
+                         "steps); a list (2,1) simulates each against the same live run, the first is checked")
     add_workload_args(ap)
     a = ap.parse_args(argv)
     out = Path(a.out) if a.out else REPO / "bench" / "out" / "validate"
@@ -261,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         if "error" not in r:
             print(f"{r['mode']}: {r['requests']} requests, failed live {r['live_failed']} / sim {r['sim_failed']}, "
-                  f"switches live {r['live_switches']} / sim {r['sim_switches']}")
+                  f"switches live {r['live_switches']} / sim {r['sim_switches']}, "
+                  f"KV moves live {r['live_moves']} / sim {r['sim_moves']}")
     return 0 if all(r["ok"] for r in results) else 1
 
 

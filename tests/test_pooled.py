@@ -82,6 +82,36 @@ def test_link_gbps_paces_transfers():
         node.close()
 
 
+def test_prefill_device_goes_on_while_a_kv_copy_runs():
+    """Hand-offs overlap (DeviceEngine.migrate(overlap=True)): while one request's KV crawls over a slow
+    link (--link-gbps 0.0005: ~0.65 s for its two blocks), the prefill device prefills and answers
+    another request; with copies between steps that request would wait for the copy."""
+    import json
+
+    node = NodeProcess("--model", str(STORIES), "--mode", "pooled", "--prefill-devices", "cpu:0", "--decode-devices", "cpu:1",
+                       "--link-gbps", "0.0005")
+    try:
+        case = reference_cases()[1]
+        body = {"prompt": "Once upon a time " * 6, "max_tokens": 4, "temperature": 0, "stream": True, "return_token_ids": True}
+        with node.client.stream("POST", "/v1/completions", json=body) as a:
+            lines = a.iter_lines()
+            first = next(x for x in lines if x.startswith("data: {"))  # A's prefill is done: its copy starts
+            b = node.client.post("/v1/completions", json={"prompt": case["prompt"], "max_tokens": 1, "temperature": 0,
+                                                          "return_token_ids": True})
+            b_done_s = node.status()["clock_s"]
+            rest = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert b.status_code == 200 and b.json()["choices"][0]["token_ids"] == case["output_token_ids"][:1]
+        assert len(json.loads(first[6:])["choices"][0]["token_ids"]) + sum(
+            len(c["token_ids"]) for e in rest for c in e["choices"]) == 4
+        st = node.wait_idle()
+        (t,) = st["kv_transfers"]  # B's one token finished on the prefill device: only A moved
+        assert t["blocks"] >= 2 and t["end_s"] - t["start_s"] > 0.3
+        assert b_done_s < t["end_s"], (b_done_s, t)
+        assert all(d["kv_blocks_used"] == 0 for d in st["devices"])
+    finally:
+        node.close()
+
+
 def test_b31_clients_leaving_right_after_prefill_free_both_sides(pooled_node):
     """Disconnect right after the first token (around the hand-off), many times: prefill and decode KV
     both return to zero and the node keeps serving."""

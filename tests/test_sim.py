@@ -35,22 +35,35 @@ def test_mixed_step_pays_one_fixed_cost():
 
 
 def test_colocated_one_device_two_requests():
+    # One step in flight at a time (step_pipeline=1: each step planned when the one before ends):
     # t=0      r0 arrives; step 1 prefills its 10 tokens: 0.020 s          -> r0 token 1 at 0.020
     # t=0.012  r1 arrives and waits for the step in flight
     # t=0.020  step 2 mixes r0's decode token with r1's 20-token prompt: 0.010 + 0.020 + 0.001 = 0.031
     #          -> r0 token 2 and r1 token 1 at 0.051
     # t=0.051  step 3 decodes both: 0.005 + 0.002 = 0.007  -> r0 token 3, r1 token 2 at 0.058 (both done)
-    res = simulate(TWO, SimConfig(mode="colocated", devices=1, max_model_len=512), COST)
+    res = simulate(TWO, SimConfig(mode="colocated", devices=1, max_model_len=512, step_pipeline=1), COST)
     assert token_times(res) == [[0.020, 0.051, 0.058], [0.051, 0.058]]
     r0, r1 = res.records
     assert (r0.ttft_s, r0.e2e_s, r0.output_tokens) == (pytest.approx(0.020), pytest.approx(0.058), 3)
     assert (r1.ttft_s, r1.e2e_s, r1.output_tokens) == (pytest.approx(0.039), pytest.approx(0.046), 2)
     assert r0.itls_s == pytest.approx([0.031, 0.007])
-    # The summary is bench.metrics' over these records (duration: first arrival to last token).
+    # The summary is bench.metrics' over these records (duration: first arrival to last finish).
     assert res.summary == summarize(res.records, ttft_slo_ms=1000.0, tpot_slo_ms=100.0)
     assert res.summary.duration_s == pytest.approx(0.058)
     assert res.summary.ttft_ms.mean == pytest.approx((20 + 39) / 2)
     assert res.summary.tpot_ms.mean == pytest.approx((19 + 7) / 2)  # (0.058-0.020)/2 and (0.046-0.039)/1
+
+
+def test_colocated_steps_are_pipelined_as_on_the_node():
+    # The node's device loop (the default step_pipeline=2): a step is planned when the one before it
+    # starts, on placeholders of the tokens still in flight.
+    # t=0      step 1 prefills r0 (0 -> 0.020); step 2, planned at once, decodes r0 (0.020 -> 0.026)
+    # t=0.012  r1 arrives: both steps are already planned
+    # t=0.020  step 3 is planned: r0's decode + r1's prompt, 0.031 s, run 0.026 -> 0.057
+    # t=0.026  step 4: r0 is complete (its last token is in flight), r1 decodes 0.057 -> 0.063
+    res = simulate(TWO, SimConfig(mode="colocated", devices=1, max_model_len=512), COST)
+    assert token_times(res) == [[0.020, 0.026, 0.057], [0.057, 0.063]]
+    assert res.records[1].ttft_s == pytest.approx(0.045)  # against 0.039 with one step in flight
 
 
 def test_pooled_one_prefill_one_decode_device_with_kv_transfer():
@@ -64,9 +77,13 @@ def test_pooled_one_prefill_one_decode_device_with_kv_transfer():
     assert token_times(res) == [[0.020, 0.036, 0.042], [0.050, 0.076]]
     assert res.stats["transfers"] == 2 and res.stats["transfer_bytes"] == 125 * 30
     assert res.records[1].ttft_s == pytest.approx(0.038) and res.records[1].e2e_s == pytest.approx(0.064)
-    # Blocking transfers (the node's migrate copies between steps): the prefill device sends r0's KV
-    # 0.020 -> 0.030 before it prefills r1 0.030 -> 0.060; r1's KV 0.060 -> 0.080; its decode -> 0.086.
+    # Blocking transfers (the node's copies before they overlapped): r1's prefill was planned behind
+    # r0's at 0.012 (0.020 -> 0.050), and the device drains it before it sends r0's KV 0.050 -> 0.060,
+    # so r0 decodes 0.060 -> 0.066 -> 0.072; r1's KV 0.060 -> 0.080; its decode -> 0.086.
     res = simulate(TWO, replace(cfg, transfer="blocking"), COST)
+    assert token_times(res) == [[0.020, 0.066, 0.072], [0.050, 0.086]]
+    # One step in flight: r0's KV goes 0.020 -> 0.030 before r1 prefills 0.030 -> 0.060.
+    res = simulate(TWO, replace(cfg, transfer="blocking", step_pipeline=1), COST)
     assert token_times(res) == [[0.020, 0.036, 0.042], [0.060, 0.086]]
 
 
@@ -122,12 +139,12 @@ def test_cluster_pool_sends_kv_between_nodes_over_both_device_links():
     # 2 nodes x 1 device, node 0 prefills, node 1 decodes; 125 bytes of KV per token over 1 Mb/s
     # network links (1 ms per token); the intra-node link (1 Gb/s) is never used.
     # r0: prefill 0 -> 0.020; KV (10 tokens) 0.020 -> 0.030; decode 0.030 -> 0.036 -> 0.042.
-    # r1 (t=0.012): prefill 0.030 -> 0.060 (blocking: the prefill device sent r0's KV first);
-    #     KV (20 tokens) 0.060 -> 0.080; decode step 0.080 -> 0.086.
+    # r1 (t=0.012): prefill 0.020 -> 0.050 (overlapped transfers: the prefill device goes on while
+    #     r0's KV leaves); KV (20 tokens) 0.050 -> 0.070; decode step 0.070 -> 0.076.
     cfg = SimConfig(mode="pooled", devices=1, nodes=2, pool_scope="cluster", max_model_len=512,
                     kv_bytes_per_token=125, internode_gbps=1e-3, link_gbps=1.0)
     res = simulate(TWO, cfg, COST)
-    assert token_times(res) == [[0.020, 0.036, 0.042], [0.060, 0.086]]
+    assert token_times(res) == [[0.020, 0.036, 0.042], [0.050, 0.076]]
     assert [t.device_id for t in res.traces] == ["n0/dev0", "n0/dev0"]  # the device of the first token
     assert set(res.stats["busy_s"]) == {"n0/dev0", "n1/dev0"}
     # Two prefill nodes feeding one decode device: the transfers queue on the decode device's link.

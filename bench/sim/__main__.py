@@ -54,9 +54,12 @@ def parser() -> argparse.ArgumentParser:
                     help="pooled, cluster scope: prefill-only nodes (default half); a comma list runs each")
     ap.add_argument("--internode-gbps", type=float, default=400.0,
                     help="pooled, cluster scope: network link per device between nodes (Gb/s)")
-    ap.add_argument("--transfer", default="blocking", choices=["blocking", "overlap"],
-                    help="pooled: a prefill device waits for its KV sends, as the node does (blocking), "
-                         "or not (overlap)")
+    ap.add_argument("--transfer", default="overlap", choices=["blocking", "overlap"],
+                    help="pooled: a prefill device goes on while its KV is sent, as the node's hand-offs do "
+                         "(overlap), or waits for each send (blocking)")
+    ap.add_argument("--step-pipeline", type=int, default=2,
+                    help="steps in flight per device (2: the node's overlapped steps; 1: each planned when "
+                         "the one before ends)")
     ap.add_argument("--max-unsent", type=int, default=64, help="pooled: the node's --max-unsent")
     ap.add_argument("--step-overhead-ms", type=float, default=0.0, help="host time added to every step (ms)")
     ap.add_argument("--request-overhead-ms", type=float, default=0.0, help="send-to-scheduler time added to TTFT (ms)")
@@ -110,7 +113,7 @@ def config_for(args: argparse.Namespace, mode: str, model_cfg: dict, prefill_dev
         mode=mode, devices=args.devices, nodes=args.nodes, prefill_devices=prefill_devices, kv_blocks=blocks,
         block_size=args.block_size, kv_bytes_per_token=per_token, link_gbps=args.link_gbps,
         pool_scope=args.pool_scope, prefill_nodes=prefill_nodes, internode_gbps=args.internode_gbps,
-        transfer=args.transfer, max_unsent=args.max_unsent, step_overhead_ms=args.step_overhead_ms,
+        transfer=args.transfer, step_pipeline=getattr(args, "step_pipeline", 2), max_unsent=args.max_unsent, step_overhead_ms=args.step_overhead_ms,
         request_overhead_ms=args.request_overhead_ms, pause_ms=args.pause_ms,
         max_model_len=args.max_model_len or int(model_cfg.get("max_position_embeddings", 2048)),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -2,7 +2,8 @@
 
 Every device is a :class:`node.core.batcher.Batcher` over a :class:`node.core.ledger.BlockLedger` —
 the objects a live device engine runs — with a fixed step kind, and each step lasts what
-:func:`bench.sim.stepcost.plan_step_s` says. A step's sampled tokens come at its end.
+:func:`bench.sim.stepcost.plan_step_s` says. A step's sampled tokens come at its end; steps are
+pipelined as the node's device loop pipelines them (:class:`SimDevice`).
 
 **Colocated**: every device runs MIXED steps (chunked prefill mixed with decode under the token
 budget); an arriving request goes to the device with the fewest (queued prompts, resident sequences),
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections import deque
 
 from bench.sim.config import SimAborted, SimConfig, count_late
 from bench.sim.stepcost import plan_step_s
@@ -25,14 +27,31 @@ from node.core.batcher import BatchConfig, Batcher, StepKind, StepPlan
 from node.core.cost import CostModel
 from node.core.roofline import RooflineCost
 from node.core.ledger import BlockLedger
-from node.core.sequence import SamplingParams, Sequence
+from node.core.sequence import PENDING, SamplingParams, Sequence
 from bench.sim.trace import RequestTrace
 
 __all__ = ["SimDevice", "simulate_colocated"]
 
 
+class _SimStep:
+    """A step sent to a simulated device: its plan, the placeholder slots of the tokens it samples
+    (``(sequence, index in its token_ids)``) and when it starts and ends (s)."""
+
+    __slots__ = ("plan", "pending", "start_s", "end_s")
+
+    def __init__(self, plan: StepPlan, pending: list[tuple[Sequence, int]], start_s: float, end_s: float):
+        self.plan, self.pending, self.start_s, self.end_s = plan, pending, start_s, end_s
+
+
 class SimDevice:
-    """One device (or tensor-parallel group): its batch former, the step in flight and its busy time (s).
+    """One device (or tensor-parallel group): its batch former, the steps in flight and its busy time (s).
+
+    Steps are pipelined as on the node (``DeviceEngine._iteration``): a step is planned and committed to
+    the batcher when it is sent — each sampling sequence gets a :data:`~node.core.sequence.PENDING`
+    placeholder token, so the next step can be planned on it — and up to ``cfg.step_pipeline`` steps
+    are in flight, each starting when the one before it ends. With the default 2, the step after the
+    running one is planned when the running one starts, so what arrives meanwhile waits for the step
+    after that. ``plan`` and ``busy_until_s`` are the oldest step's (None and infinity when idle).
 
     ``kv_blocks`` overrides ``cfg.kv_blocks`` (pooled prefill instances at another degree than the
     decode ones); ``cfg.max_item_tokens`` is the batch's per-sequence cap (a time-shared group that
@@ -50,38 +69,66 @@ class SimDevice:
         self.batcher = Batcher(BlockLedger(blocks, cfg.block_size, prefix_caching=cfg.prefix_caching),
                                BatchConfig(max_num_seqs=cfg.max_num_seqs, max_batched_tokens=cfg.max_num_batched_tokens,
                                            max_item_tokens=cfg.max_item_tokens))
-        self.plan: StepPlan | None = None
-        self.sampling: list[Sequence] = []
-        self.busy_until_s = math.inf
+        self.depth = cfg.step_pipeline
+        self.inflight: deque[_SimStep] = deque()
         self.busy_s = 0.0
         self.sending = False
         self.version = 0  # bumped on every change of its queues or blocks (views of it may be cached)
 
     @property
+    def plan(self) -> StepPlan | None:
+        """The oldest step in flight (None: idle)."""
+        return self.inflight[0].plan if self.inflight else None
+
+    @property
+    def busy_until_s(self) -> float:
+        """End of the oldest step in flight (infinity: idle)."""
+        return self.inflight[0].end_s if self.inflight else math.inf
+
+    @property
+    def last_end_s(self) -> float:
+        """End of the newest step in flight (minus infinity: idle)."""
+        return self.inflight[-1].end_s if self.inflight else -math.inf
+
+    @property
     def load(self) -> tuple[int, int]:
         return len(self.batcher.waiting), len(self.batcher.running)
 
-    def start(self, now_s: float, cost: CostModel | RooflineCost) -> None:
-        """Start the next step if idle and there is work of this device's kind."""
-        if self.plan is not None or self.sending or not self.batcher.has_work(self.kind):
-            return
-        plan = self.batcher.schedule(self.kind)
-        if not plan:
-            return
-        self.version += 1
-        dur = plan_step_s(cost, plan)
-        self.plan, self.sampling = plan, [it.seq for it in plan.items if it.samples]
-        self.busy_until_s = now_s + dur
-        self.busy_s += dur
+    def start(self, now_s: float, cost: CostModel | RooflineCost) -> list[_SimStep]:
+        """Send steps of this device's kind while fewer than ``depth`` are in flight and there is work
+        (none while ``sending``); returns the steps sent."""
+        sent = []
+        while len(self.inflight) < self.depth and not self.sending and self.batcher.has_work(self.kind):
+            plan = self.batcher.schedule(self.kind)
+            if not plan:
+                break
+            dur = plan_step_s(cost, plan)  # before commit: it reads the sequences' context
+            pending = []
+            for it in plan.items:
+                if it.samples:  # before commit: the step reaches the end of the known tokens
+                    it.seq.token_ids.append(PENDING)
+                    it.seq.num_pending += 1
+                    pending.append((it.seq, len(it.seq.token_ids) - 1))
+            self.batcher.commit(plan)
+            self.version += 1
+            start = self.inflight[-1].end_s if self.inflight else now_s
+            step = _SimStep(plan, pending, start, start + dur)
+            self.inflight.append(step)
+            self.busy_s += dur
+            sent.append(step)
+        return sent
 
     def complete(self) -> list[Sequence]:
-        """End the step in flight: commit it, append a token to each sampling sequence; return those."""
-        self.batcher.commit(self.plan)
+        """End the oldest step in flight: its sampled tokens replace their placeholders; returns the
+        sequences that got one."""
+        step = self.inflight.popleft()
         self.version += 1
-        out = self.sampling
-        for seq in out:
-            seq.token_ids.append(0)
-        self.plan, self.sampling, self.busy_until_s = None, [], math.inf
+        out = []
+        for seq, index in step.pending:
+            seq.num_pending -= 1
+            if index < len(seq.token_ids) and seq.token_ids[index] == PENDING:
+                seq.token_ids[index] = 0
+            out.append(seq)
         return out
 
 
@@ -108,7 +155,9 @@ def new_sequence(rid: str, r: TraceRequest, cfg: SimConfig) -> Sequence:
 
 
 def finished(seq: Sequence) -> bool:
-    return seq.num_output >= seq.params.max_tokens or len(seq.token_ids) >= seq.max_len
+    """The sequence has all its tokens (placeholders of steps still in flight do not count)."""
+    done = len(seq.token_ids) - seq.num_pending
+    return done - seq.prompt_len >= seq.params.max_tokens or done >= seq.max_len
 
 
 def simulate_colocated(requests: list[TraceRequest], cfg: SimConfig, cost: CostModel | RooflineCost,
@@ -123,7 +172,7 @@ def simulate_colocated(requests: list[TraceRequest], cfg: SimConfig, cost: CostM
     t_end = now + cfg.max_sim_s
     while True:
         for d in devices:
-            if d.plan is not None and d.busy_until_s <= now:
+            while d.busy_until_s <= now:
                 for seq in d.complete():
                     tr = traces[seq.request_id]
                     tr.token_times_s.append(now)

@@ -50,9 +50,9 @@ class SimConfig:
         internode_gbps: pooled, cluster scope: each device's network link (one NIC per device, as
             GPU-direct RDMA nodes have; Gb/s, line rate). A KV transfer between nodes holds the
             source device's link and the destination device's link for its whole duration.
-        transfer: pooled. ``blocking``: the prefill device runs no step while it sends a KV cache (what
-            the node's ``DeviceEngine.migrate`` does: the copy runs between steps); ``overlap``: the
-            copy runs on the link alone and the prefill device goes on (asynchronous transfers).
+        transfer: pooled. ``overlap`` (the node's hand-offs, ``DeviceEngine.migrate(overlap=True)``):
+            the copy runs on the link alone and the prefill device goes on; ``blocking``: the prefill
+            device runs no step while it sends a KV cache (the node's copies before they overlapped).
         max_unsent: pooled: prompts in flight plus unsent caches per prefill device (the node's
             ``--max-unsent``, the :class:`node.core.pooled.PooledRouter` bound).
         step_overhead_ms: host time added to every step (the node's shell around a model step:
@@ -81,6 +81,10 @@ class SimConfig:
             above 1 need a :class:`bench.sim.parallel.ParallelModel` as the cost model.
         max_item_tokens: new tokens per sequence per step (``BatchConfig.max_item_tokens``; None: the
             step budget). Set by :mod:`bench.sim.parallel` for a group that prefills as several instances.
+        step_pipeline: steps a device keeps in flight, as the node's device loop does (2: while the
+            engine computes step N, step N+1 is already planned and queued behind it, so work that
+            arrives during N joins N+2 at the earliest, and a drain — a switch, a blocking copy — waits
+            for both; 1: every step is planned when the one before ends).
         abort_late: stop the run (raise :class:`SimAborted`) as soon as this many requests are
             certainly late — still waiting for a device more than ``ttft_slo_ms`` after arriving — so
             that a capacity search does not simulate overloads to the end (``None``: never).
@@ -97,7 +101,7 @@ class SimConfig:
     pool_scope: str = "node"
     prefill_nodes: int | None = None
     internode_gbps: float = 400.0
-    transfer: str = "blocking"
+    transfer: str = "overlap"
     max_unsent: int = 64
     step_overhead_ms: float = 0.0
     request_overhead_ms: float = 0.0
@@ -119,6 +123,7 @@ class SimConfig:
     decode_tp: int = 1
     prefill_tp: int = 1
     max_item_tokens: int | None = None
+    step_pipeline: int = 2
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -131,6 +136,8 @@ class SimConfig:
             raise ValueError("pooled mode with --pool-scope cluster needs at least 2 nodes")
         if self.pool_scope not in ("node", "cluster"):
             raise ValueError(f"unknown pool scope {self.pool_scope!r} (node, cluster)")
+        if self.step_pipeline < 1:
+            raise ValueError("step_pipeline must be at least 1")
         if self.transfer not in ("blocking", "overlap"):
             raise ValueError(f"unknown transfer model {self.transfer!r} (blocking, overlap)")
         if not (self.link_gbps > 0 and self.internode_gbps > 0):

@@ -24,9 +24,11 @@ prompt's cached tokens per device (the live driver's ``WaitingPrompt.cached_toke
 computes only what its cache lacks, and a decode device reuses its own cached prefix of the sequence
 and receives only the blocks after it (``kv_bytes_per_token`` x the tokens after it).
 
-``transfer="blocking"`` (the node's behaviour: ``DeviceEngine.migrate`` copies between steps) keeps a
-prefill device from stepping while it sends, one cache after another; ``transfer="overlap"`` lets it go
-on while the link works.
+``transfer="overlap"`` (the node's behaviour: ``DeviceEngine.migrate(overlap=True)`` copies beside the
+prefill device's later steps) lets the prefill device go on while the link works, one cache after
+another; ``transfer="blocking"`` keeps it from stepping while it sends (its steps in flight drain
+first), as the node did before its copies overlapped. Inside a node a copy also waits for the
+destination's steps in flight when its blocks were taken, as the node's does.
 
 Scopes: ``pool_scope="node"`` simulates one node (its ``num_prefill_devices`` first devices prefill,
 the rest decode); ``"cluster"`` one pool over ``nodes`` nodes, the first ``num_prefill_nodes`` of
@@ -249,6 +251,8 @@ class _Pool:
         nbytes = self.cfg.kv_bytes_per_token * (seq.num_computed - len(hits) * led.block_size)
         links, gbps = link_plan(src, dst, self.cfg)
         start = max([now_s] + [self.link_free.get(k, 0.0) for k in links])
+        if src.node == dst.node:  # the node's copy waits for the destination's steps in flight (DeviceEngine.migrate)
+            start = max(start, dst.last_end_s)
         end = start + transfer_s(nbytes, gbps)
         for k in links:
             self.link_free[k] = end
@@ -293,9 +297,10 @@ class _Pool:
         i = 0
         now = pending[0][1].arrival_s if pending else 0.0
         t_end = now + self.cfg.max_sim_s
+        blocking = self.cfg.transfer == "blocking"
         while True:
             for d in self.devices:
-                if d.plan is not None and d.busy_until_s <= now:
+                while d.busy_until_s <= now:
                     self.on_tokens(d, d.complete(), now)
             self.land_transfers(now)
             while i < len(pending) and pending[i][1].arrival_s <= now:
@@ -305,7 +310,8 @@ class _Pool:
                 self.place()
             self.start_transfers(now)
             for d in self.front:
-                d.start(now, self.front_cost)
+                if not (blocking and self.handoffs[d.device_id]):  # a queued blocking copy drains the device
+                    d.start(now, self.front_cost)
             for d in self.back:
                 d.start(now, self.cost)
             if self.cfg.abort_late is not None:

@@ -11,15 +11,17 @@ is done here the same way, in the same order, every round:
 
 1. the imbalance fallback (``imbalance_threshold`` > 0, on by default as on the node) picks moves,
    told the copy's time per context token at ``link_gbps`` (as the node with ``--link-gbps``);
-   a move runs at its source's next step boundary: the destination allocates the blocks (or the move
+   a move runs once its source's steps in flight have ended (the source sends none while a move
+   waits, as ``DeviceEngine._iteration`` drains for it): the destination allocates the blocks (or the move
    is refused, and the sequence cools down), the source detaches the sequence and, sending, runs no
-   step for ``context x kv_bytes_per_token / link`` seconds (``DeviceEngine._apply_migrations`` copies
-   between steps too), then the destination adopts it;
+   step until the destination's steps in flight have ended and then for ``context x
+   kv_bytes_per_token / link`` seconds (``DeviceEngine.migrate`` without overlap), then the destination
+   adopts it;
 2. the snapshot is built as ``RoleDriver.snapshot`` builds it (a moving sequence counts on its
    destination, cooling down, with its blocks reserved there until they are allocated; residents are
    decoding sequences, everything else placed is queued prompt work; each placement's reserve stays
    promised until allocated; free sequence slots are ``max_num_seqs`` minus both);
-3. the role scheduler decides; a switch drains the step in flight, then pauses ``pause_s`` (the swap,
+3. the role scheduler decides; a switch drains the steps in flight, then pauses ``pause_s`` (the swap,
    at least the cost model's and ``pause_ms``, plus the ``reconfig_pause_ms`` floor the node adds);
    a placement adds the request's sequence to the device's batcher with its reserve; a rejection
    fails the request.
@@ -193,11 +195,10 @@ class TimeSharedSim:
             self._round(now, on_decide)
             for d in self.devices:
                 self._start_move(now, d)
-                if not d.switching and d.move is None:
-                    had = d.plan is not None
-                    d.start(now, self.cost)
-                    if not had and d.plan is not None:
-                        self.steps.append(StepRecord(d.device_id, d.kind.value, now, d.busy_until_s, d.plan.num_tokens))
+                if not d.switching and d.move is None and not self._move_queued(d):  # a queued move drains
+                    for step in d.start(now, self.cost):
+                        self.steps.append(StepRecord(d.device_id, d.kind.value, step.start_s, step.end_s,
+                                                     step.plan.num_tokens))
             events = [pending[pi].arrival_s] if pi < len(pending) else []
             for d in self.devices:
                 events += [t for t in (d.busy_until_s, d.switch_done_s) if t < math.inf]
@@ -276,6 +277,10 @@ class TimeSharedSim:
             started += 1
         return started
 
+    def _move_queued(self, d: RoleDevice) -> bool:
+        """A move from ``d`` waits for its steps in flight to end (the node sends no step meanwhile)."""
+        return any(m.src is d and m.done_s == math.inf for m in self._moves.values())
+
     def _start_move(self, now: float, d: RoleDevice) -> None:
         """At a step boundary of ``d``, start its oldest queued move (or refuse it)."""
         while d.plan is None and d.move is None:
@@ -292,7 +297,8 @@ class TimeSharedSim:
             nbytes = seq.num_computed * self.cfg.kv_bytes_per_token
             m.src_blocks = d.batcher.release(seq)
             seq.block_ids = blocks
-            m.done_s = now + nbytes * 8 / (self.cfg.link_gbps * 1e9)
+            start = max(now, m.dst.last_end_s)  # the copy waits for the destination's steps in flight
+            m.done_s = start + nbytes * 8 / (self.cfg.link_gbps * 1e9)
             d.move = m
             d.version += 1
             self.transfer_bytes += nbytes
@@ -301,9 +307,8 @@ class TimeSharedSim:
     def _advance(self, now: float) -> None:
         """Apply everything due at ``now``: step ends, transfer ends, pause ends."""
         for d in self.devices:
-            if d.plan is not None and d.busy_until_s <= now:
+            while d.busy_until_s <= now:
                 t = d.busy_until_s
-                d.busy_until_s = math.inf
                 for seq in d.complete():
                     tr = self.traces[seq.request_id]
                     tr.token_times_s.append(t)

@@ -63,6 +63,24 @@ class _InFlight:
     pending: list[tuple[Sequence, int]]  # sequences given a placeholder token, and its index
 
 
+class _Move:
+    """A move of one decoding sequence to ``dst`` (:meth:`DeviceEngine.migrate`); the fields after
+    ``overlap`` are set when it begins (:meth:`DeviceEngine._begin_move`)."""
+
+    __slots__ = ("seq", "dst", "reason", "fut", "overlap", "req", "index", "start_s", "src_blocks",
+                 "dst_blocks", "reused", "fence")
+
+    def __init__(self, seq: Sequence, dst: "DeviceEngine", reason: str, fut: asyncio.Future, overlap: bool):
+        self.seq, self.dst, self.reason, self.fut, self.overlap = seq, dst, reason, fut, overlap
+        self.req: RequestState | None = None
+        self.index = 0
+        self.start_s = 0.0
+        self.src_blocks: list[int] = []
+        self.dst_blocks: list[int] = []
+        self.reused = 0
+        self.fence: list[asyncio.Future] = []
+
+
 class DeviceEngine:
     """Runs continuous batching on one device.
 
@@ -87,7 +105,9 @@ class DeviceEngine:
         self.requests: dict[str, RequestState] = {}  # request id → state, for sequences on this device
         self._by_seq: dict[str, tuple[RequestState, int]] = {}
         self._aborts: list[str] = []
-        self._migrations: list[tuple[Sequence, DeviceEngine, str, asyncio.Future]] = []
+        self._migrations: list[_Move] = []  # queued moves, not begun
+        self._copies: deque[_Move] = deque()  # overlapped moves begun, copied by _copy_loop in order
+        self._copier: asyncio.Task | None = None
         self._detaches: list[tuple[Sequence, asyncio.Future]] = []
         self.link_gbps: float | None = None  # emulated interconnect for KV leaving this device
         self.block_layer_bytes: int | None = None  # a timed device: KV bytes one block of one layer emulates
@@ -167,6 +187,10 @@ class DeviceEngine:
             self.wake()
 
     async def stop(self) -> None:
+        if self._copier and not self._copier.done():
+            self._copier.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._copier
         if self._task and not self._task.done():  # a loop that already ended was reported by _on_loop_done
             self._task.cancel()
             with suppress(asyncio.CancelledError):
@@ -284,70 +308,129 @@ class DeviceEngine:
             self._aborts.append(request_id)
             self.wake()
 
-    def migrate(self, seq: Sequence, dst: "DeviceEngine", reason: str) -> asyncio.Future:
-        """Move a decoding sequence's KV to ``dst`` at this device's next step boundary.
+    def migrate(self, seq: Sequence, dst: "DeviceEngine", reason: str, overlap: bool = False) -> asyncio.Future:
+        """Move a decoding sequence's KV to ``dst``.
+
+        ``overlap=False``: at this device's next step boundary, with nothing of this device running
+        meanwhile (the steps in flight end first and none is sent until the copy is done: the imbalance
+        fallback's moves, whose cost the policy prices as time the source is busy). ``overlap=True``
+        (pooled hand-offs): as soon as no step in flight includes the sequence, the copy runs beside this
+        device's later steps, one copy after another (a FIFO link), so a prefill device goes on
+        prefilling while it sends. Either way the copy waits for the destination's steps in flight at
+        the time its blocks were taken (a step sent before a block was freed may still write it).
 
         The future resolves to a :class:`MigrationRecord`, or ``None`` when the move was refused (the
         sequence is not decoding here, or ``dst`` has no free blocks) or failed; the sequence then stays.
         """
         fut = asyncio.get_running_loop().create_future()
-        self._migrations.append((seq, dst, reason, fut))
+        self._migrations.append(_Move(seq, dst, reason, fut, overlap))
         self.wake()
         return fut
 
+    def _begin_move(self, m: "_Move") -> bool:
+        """Take the destination's blocks and release the sequence here (keeping its blocks pinned);
+        False (and the future resolved to None) when the move is refused."""
+        seq, dst = m.seq, m.dst
+        entry = self._by_seq.get(seq.seq_id)
+        blocks = None
+        if entry is not None and seq in self.batcher.running and seq.is_decoding and not seq.num_pending:
+            blocks, m.reused = dst.reserve_for(seq.token_ids, seq.num_computed, len(seq.block_ids), seq.block_keys)
+        if blocks is None:
+            m.fut.set_result(None)
+            return False
+        m.req, m.index = entry
+        m.start_s = self.clock()
+        m.dst_blocks = blocks
+        m.src_blocks = self.batcher.release(seq)
+        m.fence = [r.reply for r in dst._inflight]
+        # No step or abort touches it during the copy (an abort meanwhile finds no sequence to free;
+        # the request is marked cancelled, which _finish_move checks). The request stays listed here
+        # until the copy ends, so the pooled router still counts its reservation.
+        del self._by_seq[seq.seq_id]
+        return True
+
+    async def _finish_move(self, m: "_Move") -> None:
+        """Copy a begun move's KV (layer by layer, in logical block order, read back for verification),
+        then free the source blocks and let the destination adopt the sequence with its position counter
+        unchanged; on a failed copy the destination blocks are freed and the sequence comes back here.
+        Prefix cache: the destination's own cached prefix (``m.reused`` blocks) is not received."""
+        seq, dst, fut, reused = m.seq, m.dst, m.fut, m.reused
+        for reply in m.fence:  # the destination's steps sent before its blocks were taken
+            with suppress(BaseException):
+                await asyncio.shield(reply)
+        try:
+            report = await asyncio.get_running_loop().run_in_executor(self._executor, partial(
+                copy_sharded_blocks, self.kv_pools, m.src_blocks[reused:], dst.kv_pools,
+                m.dst_blocks[reused:], link_gbps=self.link_gbps, block_layer_bytes=self.block_layer_bytes))
+        except Exception as e:  # noqa: BLE001 - a failed copy leaves the sequence where it was
+            log.warning("migration_failed", seq=seq.seq_id, src=self.device_id, dst=dst.device_id, error=str(e))
+            dst.batcher.ledger.free(m.dst_blocks)
+            if m.req.cancelled:
+                self.batcher.ledger.free(m.src_blocks)
+                seq.block_ids, seq.status = [], SeqStatus.FINISHED
+                if not any(s.seq_id in self._by_seq for s in m.req.seqs):
+                    self.requests.pop(m.req.request_id, None)
+            else:
+                seq.block_ids = m.src_blocks
+                self.adopt(m.req, m.index, seq)
+            fut.set_result(None)
+            return
+        req = m.req
+        self.batcher.ledger.free(m.src_blocks)
+        if not any(s.seq_id in self._by_seq for s in req.seqs):
+            self.requests.pop(req.request_id, None)
+        self.wake()
+        if req.cancelled:  # the client left during the copy (its abort was queued here): drop it
+            dst.batcher.ledger.free(m.dst_blocks)
+            seq.block_ids = []
+            seq.status = SeqStatus.FINISHED
+            fut.set_result(None)
+            return
+        seq.block_ids = m.dst_blocks
+        dst.adopt(req, m.index, seq)
+        record = MigrationRecord(seq.seq_id, self.device_id, dst.device_id, m.start_s, self.clock(),
+                                 report.nbytes, len(m.dst_blocks), m.reason)  # nbytes: only the blocks not reused
+        self._notify(self.migration_listeners, dst, seq, record)
+        fut.set_result(record)
+
     async def _apply_migrations(self) -> None:
-        """Carry out queued migrations between steps (nothing of this device runs meanwhile).
-
-        Order of a move, so nothing is ever half-installed: the destination allocates its blocks first
-        (or refuses); the source detaches the sequence but keeps its blocks pinned; the KV is copied
-        layer by layer in the logical block order and read back for verification; only then are the
-        source blocks freed and the sequence adopted by the destination with its position counter
-        (``num_computed``) unchanged. On any failure the destination blocks are freed and the
-        sequence goes back to the source untouched.
-
-        Prefix cache: the destination reuses its own cached blocks of the sequence's longest cached
-        prefix of full, computed blocks (:meth:`reserve_for`) and receives only the blocks after it.
-        """
-        loop = asyncio.get_running_loop()
+        """Carry out the queued blocking moves between steps (nothing of this device runs meanwhile)."""
         while self._migrations:
-            seq, dst, reason, fut = self._migrations.pop(0)
-            entry = self._by_seq.get(seq.seq_id)
-            blocks = None
-            if entry is not None and seq in self.batcher.running and seq.is_decoding:
-                blocks, reused = dst.reserve_for(seq.token_ids, seq.num_computed, len(seq.block_ids), seq.block_keys)
-            if blocks is None:
-                fut.set_result(None)
-                continue
-            req, index = entry
-            start = self.clock()
-            src_blocks = self.batcher.release(seq)
+            m = self._migrations.pop(0)
+            if self._begin_move(m):
+                await self._finish_move(m)
+
+    def _start_overlapped_moves(self) -> None:
+        """Begin every queued overlapped move whose sequence is in no step in flight, and hand it to
+        the copier task (the others wait: the blocking ones for a step boundary, the overlapped ones for
+        their sequence's last step to end)."""
+        if not any(m.overlap for m in self._migrations):
+            return
+        busy = {it.seq.seq_id for r in self._inflight for it in r.plan.items}
+        keep = []
+        for m in self._migrations:
+            if not m.overlap or m.seq.seq_id in busy:
+                keep.append(m)
+            elif self._begin_move(m):
+                self._copies.append(m)
+        self._migrations = keep
+        if self._copies and (self._copier is None or self._copier.done()):
+            self._copier = asyncio.get_running_loop().create_task(self._copy_loop(), name=f"copies-{self.device_id}")
+
+    async def _copy_loop(self) -> None:
+        """Overlapped moves, one after another while this device's steps go on."""
+        while self._copies:
+            m = self._copies.popleft()
             try:
-                report = await loop.run_in_executor(self._executor, partial(
-                    copy_sharded_blocks, self.kv_pools, src_blocks[reused:], dst.kv_pools,
-                    blocks[reused:], link_gbps=self.link_gbps, block_layer_bytes=self.block_layer_bytes))
-            except Exception as e:  # noqa: BLE001 - a failed copy leaves the sequence where it was
-                log.warning("migration_failed", seq=seq.seq_id, src=self.device_id, dst=dst.device_id, error=str(e))
-                dst.batcher.ledger.free(blocks)
-                seq.block_ids = src_blocks
-                self.batcher.adopt(seq)
-                fut.set_result(None)
-                continue
-            self.batcher.ledger.free(src_blocks)
-            del self._by_seq[seq.seq_id]
-            if not any(s.seq_id in self._by_seq for s in req.seqs):
-                self.requests.pop(req.request_id, None)
-            if req.cancelled:  # the client left during the copy (its abort was queued here): drop it
-                dst.batcher.ledger.free(blocks)
-                seq.block_ids = []
-                seq.status = SeqStatus.FINISHED
-                fut.set_result(None)
-                continue
-            seq.block_ids = blocks
-            dst.adopt(req, index, seq)
-            record = MigrationRecord(seq.seq_id, self.device_id, dst.device_id, start, self.clock(),
-                                     report.nbytes, len(blocks), reason)  # nbytes: only the blocks not reused
-            self._notify(self.migration_listeners, dst, seq, record)
-            fut.set_result(record)
+                await self._finish_move(m)
+            except asyncio.CancelledError:
+                if not m.fut.done():
+                    m.fut.cancel()
+                raise
+            except Exception as e:  # noqa: BLE001 - one move's bug must not strand the others
+                log.warning("migration_failed", seq=m.seq.seq_id, src=self.device_id, dst=m.dst.device_id, error=str(e))
+                if not m.fut.done():
+                    m.fut.set_result(None)
 
     def cached_blocks_of(self, token_ids: list[int], num_computed: int, memo: list[bytes] | None = None) -> list[int]:
         """This device's cached blocks of the longest cached prefix of full blocks within the first
@@ -416,6 +499,7 @@ class DeviceEngine:
         if self._dead:
             raise EngineDied(self._dead)
         self._apply_aborts()
+        self._start_overlapped_moves()
         if (self._detaches or self._migrations or self._jobs) and self._inflight:
             await self._complete()
             return

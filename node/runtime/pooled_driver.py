@@ -162,7 +162,7 @@ class PooledDriver(Driver):
                 self.node.peers.hand_off(engine, req, seq, peer, "pooled",
                                          settled=lambda ok, sid=seq.seq_id: self._handed(sid, ok))
             else:
-                fut = engine.migrate(seq, self.node.engine(dst), "pooled")
+                fut = engine.migrate(seq, self.node.engine(dst), "pooled", overlap=True)  # the prefill device goes on
                 fut.add_done_callback(lambda f, sid=seq.seq_id: self._handed(
                     sid, not f.cancelled() and f.exception() is None and f.result() is not None))
 
