@@ -206,8 +206,11 @@ def greedy_check(original: Path, padded: Path, backend: str) -> dict:
 
 
 def stream_throughput(model: Path, backend: str, streams: int, output_tokens: int, log_dir: Path,
-                      seed: int = 0) -> dict:
-    """Part 2: one node, ``streams`` concurrent streams; output tokens/s and TPOT (ms)."""
+                      seed: int = 0, kv_cache_memory: str = "256MiB") -> dict:
+    """Part 2: one node, ``streams`` concurrent streams; output tokens/s, TPOT (ms) and the node's
+    preemptions. ``kv_cache_memory`` is the node's KV budget: the same bytes hold 4x fewer tokens of the
+    head_dim-32 copy, so the default leaves both models room for every stream (64 MiB, the CPU
+    default, makes the padded model preempt and recompute, which is not what part 2 compares)."""
     from bench.node_process import NodeServer
     from bench.replay import fetch_server_info, replay
     from bench.traces import TraceRequest
@@ -215,7 +218,8 @@ def stream_throughput(model: Path, backend: str, streams: int, output_tokens: in
 
     rng = random.Random(seed)
     requests = [TraceRequest(0.0, rng.randint(16, 192), output_tokens) for _ in range(streams)]
-    args = ["--model", str(model), "--attention-backend", backend, "--max-num-seqs", str(max(streams, 1))]
+    args = ["--model", str(model), "--attention-backend", backend, "--max-num-seqs", str(max(streams, 1)),
+            "--kv-cache-memory", kv_cache_memory]
     with NodeServer(args, log_path=log_dir / f"{model.name}-{backend}.log") as node:
         async def go():
             async with aiohttp.ClientSession() as s:
@@ -225,12 +229,13 @@ def stream_throughput(model: Path, backend: str, streams: int, output_tokens: in
             return await replay(node.url, requests, info, seed=seed, progress=False, drain_timeout_s=600)
 
         res = asyncio.run(go())
+        preemptions = sum(d["preemptions"] for d in node.get_json("/v1/node")["devices"])
     s = res.summary
     row = dict(model=model.name, backend=backend, streams=streams, output_tokens=s.total_output_tokens,
                failed=s.failed, duration_s=round(s.duration_s, 2), tokens_per_s=round(s.output_throughput, 1),
-               tpot_p50_ms=round(s.tpot_ms.median, 2))
+               tpot_p50_ms=round(s.tpot_ms.median, 2), preemptions=preemptions, kv_cache_memory=kv_cache_memory)
     print(f"stream {model.name} backend={backend}: {row['tokens_per_s']} tokens/s, TPOT p50 "
-          f"{row['tpot_p50_ms']} ms, {s.failed} failed", flush=True)
+          f"{row['tpot_p50_ms']} ms, {s.failed} failed, {preemptions} preemptions", flush=True)
     return row
 
 
@@ -247,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-tokens", type=int, default=128)
     ap.add_argument("--stream-repeats", type=int, default=2, help="node runs per (model, backend); the best counts")
     ap.add_argument("--backends", default="torch,cpu", help="node backends of part 2")
+    ap.add_argument("--kv-cache-memory", default="256MiB",
+                    help="part 2: the nodes' --kv-cache-memory (room for every stream of both models)")
     ap.add_argument("--skip-attention", action="store_true")
     ap.add_argument("--skip-stream", action="store_true")
     ap.add_argument("--work-dir", type=Path, default=Path("bench/out/cpu_attention"))
@@ -261,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         padded = pad_head_dim(a.model, a.work_dir / f"{a.model.name}-hd{a.padded_head_dim}", a.padded_head_dim)
         doc["greedy_check"] = greedy_check(a.model, padded, "cpu")
         print(f"greedy check (original vs head_dim {a.padded_head_dim}): {doc['greedy_check']}", flush=True)
-        rows = [stream_throughput(m, b, a.streams, a.output_tokens, a.work_dir, seed=rep)
+        rows = [stream_throughput(m, b, a.streams, a.output_tokens, a.work_dir, seed=rep, kv_cache_memory=a.kv_cache_memory)
                 for rep in range(a.stream_repeats) for m in (a.model, padded) for b in a.backends.split(",")]
         doc["stream"] = rows
         by: dict = {}

@@ -362,7 +362,10 @@ class EngineProcess:
     def __init__(self, config: NodeConfig, device_id: str, method: str, tp: TPRank | None = None):
         self.device_id = device_id
         self.method = method
-        threads = max(1, (os.cpu_count() or 1) // max(1, len(config.devices)))
+        # CPU engines share the cores less one, which the node's own process (API, policies) keeps:
+        # on 2 cores an engine with 2 intra-op threads fights the event loop for both, and streamed
+        # throughput swings between runs by 1.5x (bench/RESULTS.md, 2026-12-03).
+        threads = max(1, ((os.cpu_count() or 1) - 1) // max(1, len(config.devices)))
         ctx = multiprocessing.get_context(method)
         self._conn, child = ctx.Pipe(duplex=True)
         self.process = ctx.Process(target=engine_main, name=f"shiftnode-engine-{device_id}",
