@@ -64,6 +64,8 @@ def test_colocated_steps_are_pipelined_as_on_the_node():
     res = simulate(TWO, SimConfig(mode="colocated", devices=1, max_model_len=512), COST)
     assert token_times(res) == [[0.020, 0.026, 0.057], [0.057, 0.063]]
     assert res.records[1].ttft_s == pytest.approx(0.045)  # against 0.039 with one step in flight
+    with pytest.raises(ValueError, match="step_pipeline"):
+        SimConfig(mode="colocated", step_pipeline=0)
 
 
 def test_pooled_one_prefill_one_decode_device_with_kv_transfer():
