@@ -422,7 +422,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tune-grid", default="full", choices=sorted(TUNE_GRIDS),
                     help="settings searched per mode besides pooled's splits (bench.tuning)")
     ap.add_argument("--transfers", default="overlap",
-                    help="pooled transfer models: overlap (the node's hand-offs), blocking, or both")
+                    help="pooled transfer models, comma-separated: overlap (the node's hand-offs), blocking "
+                         "(e.g. overlap,blocking runs both)")
     ap.add_argument("--devices", type=int, default=4)
     ap.add_argument("--duration", type=float, default=5.0, help="seconds of Poisson arrivals per run (at least)")
     ap.add_argument("--min-requests", type=int, default=0,

@@ -256,6 +256,12 @@ def main(argv: list[str] | None = None) -> int:
                          "steps); a list (2,1) simulates each against the same live run, the first is checked")
     add_workload_args(ap)
     a = ap.parse_args(argv)
+    try:  # checked before any node starts: a bad value must not cost a whole live run
+        depths = [int(x) for x in a.step_pipeline.split(",")]
+    except ValueError:
+        depths = []
+    if not depths or min(depths) < 1:
+        ap.error(f"--step-pipeline wants positive integers, comma-separated (got {a.step_pipeline!r})")
     out = Path(a.out) if a.out else REPO / "bench" / "out" / "validate"
     out.mkdir(parents=True, exist_ok=True)
     if a.cost_model is None:

@@ -185,3 +185,41 @@ def test_the_engine_core_feeds_its_own_sampled_token_to_the_next_step():
     assert core.seqs["a"].token_ids == a.token_ids == [1, 2, 3, 103, 104, 105, 106]
     sample = runner.steps[-1].seqs[0].sample
     assert sample.prompt_len == 3 and sample.output_index == 3 and sample.token_ids is core.seqs["a"].token_ids
+
+
+def test_pooled_hand_offs_avoid_a_dead_decode_device():
+    """Pooled, two decode devices, one killed: new requests are placed on the live one, a sequence whose
+    target died is handed to the live one, and nothing hangs; with no decode device left, 503."""
+    import json
+
+    node = NodeProcess("--model", str(STORIES), "--mode", "pooled", "--prefill-devices", "cpu:0",
+                       "--decode-devices", "cpu:1,cpu:2", "--link-gbps", "0.0005")
+    try:
+        pids = _engine_pids(node)
+        body = {"prompt": CASE["prompt"], "max_tokens": 24, "temperature": 0.0, "stream": True, "return_token_ids": True}
+        with node.client.stream("POST", "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(x for x in lines if x.startswith("data: {"))  # placed on cpu:1 (ties go to the first)
+            os.kill(pids["cpu:1"], signal.SIGKILL)  # while its KV is on the way there
+            events = [json.loads(first[6:])] + [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        ids = [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
+        assert ids == CASE["output_token_ids"][:24], events[-1]
+        deadline = time.monotonic() + 10
+        while not {d["device"]: d for d in node.status()["devices"]}["cpu:1"]["failure"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for _ in range(4):
+            r = _complete(node)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == CASE["output_text"][: len(r.json()["choices"][0]["text"])]
+        moved = node.status()["kv_transfers"]
+        assert moved and all(m["dst"] == "cpu:2" for m in moved)
+        os.kill(pids["cpu:2"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not {d["device"]: d for d in node.status()["devices"]}["cpu:2"]["failure"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r = node.client.post("/v1/completions", json={"prompt": CASE["prompt"], "max_tokens": 24, "temperature": 0.0},
+                             timeout=30)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] in ("engine_down", "peer_unavailable"), r.text
+    finally:
+        node.close()

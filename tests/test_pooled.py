@@ -112,6 +112,37 @@ def test_prefill_device_goes_on_while_a_kv_copy_runs():
         node.close()
 
 
+def test_clients_leaving_while_their_copies_queue_free_kv_at_once():
+    """Ten clients leave right after their first token while their KV queues for a slow link (each copy
+    about 1.6 s at --link-gbps 0.0003): the queued copies are dropped, not sent, so both devices are
+    empty within seconds (sending them all would take 16 s) and a new request is served."""
+    import socket
+
+    node = NodeProcess("--model", str(STORIES), "--mode", "pooled", "--prefill-devices", "cpu:0", "--decode-devices", "cpu:1",
+                       "--link-gbps", "0.0003")
+    try:
+        body = b'{"prompt": [1' + b", 300" * 40 + b'], "max_tokens": 200, "ignore_eos": true, "stream": true}'
+        socks = []
+        for _ in range(10):
+            s = socket.create_connection(("127.0.0.1", node.port))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            socks.append(s)
+        for s in socks:  # every first token is out: prefill done, copies queued behind the link
+            s.settimeout(30)
+            got = b""
+            while b"data: " not in got:
+                got += s.recv(4096)
+        for s in socks:
+            s.close()
+        st = node.wait_idle(8)
+        assert len(st["kv_transfers"]) < 10  # the queued ones were never sent
+        r = node.client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200
+    finally:
+        node.close()
+
+
 def test_b31_clients_leaving_right_after_prefill_free_both_sides(pooled_node):
     """Disconnect right after the first token (around the hand-off), many times: prefill and decode KV
     both return to zero and the node keeps serving."""

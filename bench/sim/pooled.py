@@ -140,9 +140,11 @@ class _Pool:
                   + sum(s.num_uncomputed for s in b.running if not s.is_decoding))
         reserved = sum(led.blocks_for(s.num_uncomputed) for s in b.waiting)
         held = self.held[d.device_id]
+        outgoing = (sum(p.seq.num_computed for p in self.handoffs[d.device_id])
+                    + sum(t.placed.seq.num_computed for t in self.flying if t.placed.src is d))
         return PoolDevice(device_id=d.device_id, kv_free_blocks=led.num_free, kv_reserved_blocks=reserved,
                           kv_total_blocks=led.num_blocks, block_size=led.block_size, queued_tokens=queued,
-                          inflight_seqs=held, seq_slots_free=b.config.max_num_seqs - held)
+                          inflight_seqs=held, seq_slots_free=b.config.max_num_seqs - held, outgoing_tokens=outgoing)
 
     def _decode_view(self, d: SimDevice) -> PoolDevice:
         b, led = d.batcher, d.batcher.ledger

@@ -11,7 +11,8 @@ in (arrival, request id) order:
   admission decision);
 * **prefill side** — the prefill device with the fewest queued prompt tokens (compute availability)
   whose KV holds the prompt and whose prompts in flight plus finished-but-unsent caches stay under
-  ``max_unsent_per_device`` (stranded state is bounded).
+  ``max_unsent_per_device`` (stranded state is bounded). A request of more sequences (``n``) than the
+  bound goes to a device with nothing in flight, so it waits its turn instead of never being placed.
 
 **Following the prefix cache** (each waiting prompt carries, per device, the prompt tokens its prefix
 cache holds: ``WaitingPrompt.cached_tokens``). Among the devices that can take it, the prompt goes to
@@ -21,8 +22,9 @@ active_blocks``) with weight 1 on each side's own resource:
 * decode side: ``cost = (prompt blocks - cached blocks there) - free blocks after reservations`` —
   blocks it must receive (the cached prefix is reused in place, only the rest is sent) against the
   room it has, in blocks (with no cache: the roomiest device, as before);
-* prefill side: ``cost = queued tokens + (prompt - cached tokens there)`` — prompt tokens it must
-  compute before this one is done, in tokens (with no cache: the least queued device).
+* prefill side: ``cost = queued tokens + outgoing tokens + (prompt - cached tokens there)`` — prompt
+  tokens it must compute before this one is done, plus the KV its link must still send, one token
+  for one token (with no cache: the least queued device whose link is least backed up).
 
 So a prefix draws its conversation to the device that holds it until that device is busier than the
 others by more than what the cache saves. Ties: snapshot order.
@@ -48,7 +50,9 @@ class PoolDevice(msgspec.Struct, frozen=True, kw_only=True):
 
     ``inflight_seqs`` counts prompts placed and not yet handed off (queued, prefilling, or prefilled
     and waiting for their transfer) on a prefill device; ``kv_reserved_blocks`` the blocks promised to
-    placed work and not yet allocated; ``seq_slots_free`` sequences it may still take.
+    placed work and not yet allocated; ``seq_slots_free`` sequences it may still take;
+    ``outgoing_tokens`` the tokens of KV queued to leave a prefill device or leaving it now (the backlog
+    of its link: with copies that overlap prefill, a device can be idle while its link is not).
     """
 
     device_id: str
@@ -59,6 +63,7 @@ class PoolDevice(msgspec.Struct, frozen=True, kw_only=True):
     queued_tokens: int = 0
     inflight_seqs: int = 0
     seq_slots_free: int = 1 << 30
+    outgoing_tokens: int = 0
 
 
 class PoolSnapshot(msgspec.Struct, frozen=True):
@@ -104,13 +109,15 @@ class PooledRouter:
             dec = [d for d in snapshot.decode
                    if dec_need[d.device_id] <= decode[d.device_id][0] and w.seqs <= decode[d.device_id][1]]
             pre = [d for d in snapshot.prefill
-                   if pre_need[d.device_id] <= prefill[d.device_id][0] and prefill[d.device_id][2] + w.seqs <= self.max_unsent]
+                   if pre_need[d.device_id] <= prefill[d.device_id][0]
+                   and (prefill[d.device_id][2] + w.seqs <= self.max_unsent or prefill[d.device_id][2] == 0)]
             if not dec or not pre:
                 break  # FIFO: later prompts wait behind this one
             d_best = min(dec, key=lambda d: (
                 dec_need[d.device_id] - w.cached_tokens.get(d.device_id, 0) // w.seqs // d.block_size
                 - decode[d.device_id][0], snapshot.decode.index(d)))
-            p_best = min(pre, key=lambda d: (prefill[d.device_id][1] + w.new_tokens(d.device_id), snapshot.prefill.index(d)))
+            p_best = min(pre, key=lambda d: (prefill[d.device_id][1] + d.outgoing_tokens + w.new_tokens(d.device_id),
+                                             snapshot.prefill.index(d)))
             out.append(PlacePooled(w.request_id, p_best.device_id, d_best.device_id,
                                    pre_need[p_best.device_id], dec_need[d_best.device_id]))
             decode[d_best.device_id][0] -= dec_need[d_best.device_id]

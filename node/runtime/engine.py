@@ -108,6 +108,7 @@ class DeviceEngine:
         self._migrations: list[_Move] = []  # queued moves, not begun
         self._copies: deque[_Move] = deque()  # overlapped moves begun, copied by _copy_loop in order
         self._copier: asyncio.Task | None = None
+        self._copying: _Move | None = None  # the overlapped move being copied now
         self._detaches: list[tuple[Sequence, asyncio.Future]] = []
         self.link_gbps: float | None = None  # emulated interconnect for KV leaving this device
         self.block_layer_bytes: int | None = None  # a timed device: KV bytes one block of one layer emulates
@@ -320,12 +321,20 @@ class DeviceEngine:
         the time its blocks were taken (a step sent before a block was freed may still write it).
 
         The future resolves to a :class:`MigrationRecord`, or ``None`` when the move was refused (the
-        sequence is not decoding here, or ``dst`` has no free blocks) or failed; the sequence then stays.
+        sequence is not decoding here, or ``dst`` is down or has no free blocks) or failed; the sequence
+        then stays. A move whose request is cancelled or whose choice ended (a timeout) before its copy
+        starts is dropped without copying, and both sides' blocks are freed.
         """
         fut = asyncio.get_running_loop().create_future()
         self._migrations.append(_Move(seq, dst, reason, fut, overlap))
         self.wake()
         return fut
+
+    @property
+    def outgoing_tokens(self) -> int:
+        """Tokens of KV queued to leave this device or leaving it now (moves not yet done)."""
+        moves = [*self._migrations, *self._copies] + ([self._copying] if self._copying is not None else [])
+        return sum(m.seq.num_computed for m in moves)
 
     def _begin_move(self, m: "_Move") -> bool:
         """Take the destination's blocks and release the sequence here (keeping its blocks pinned);
@@ -333,7 +342,8 @@ class DeviceEngine:
         seq, dst = m.seq, m.dst
         entry = self._by_seq.get(seq.seq_id)
         blocks = None
-        if entry is not None and seq in self.batcher.running and seq.is_decoding and not seq.num_pending:
+        if entry is not None and seq in self.batcher.running and seq.is_decoding and not seq.num_pending \
+                and dst.failure is None:
             blocks, m.reused = dst.reserve_for(seq.token_ids, seq.num_computed, len(seq.block_ids), seq.block_keys)
         if blocks is None:
             m.fut.set_result(None)
@@ -358,14 +368,21 @@ class DeviceEngine:
         for reply in m.fence:  # the destination's steps sent before its blocks were taken
             with suppress(BaseException):
                 await asyncio.shield(reply)
+        if self._drop_if_gone(m):  # it ended (client left, timed out) while it waited
+            return
+        m.start_s = self.clock()  # the copy itself starts now (queued copies waited for the link)
         try:
+            if dst.failure is not None:
+                raise RuntimeError(f"device {dst.device_id} is down: {dst.failure}")
             report = await asyncio.get_running_loop().run_in_executor(self._executor, partial(
                 copy_sharded_blocks, self.kv_pools, m.src_blocks[reused:], dst.kv_pools,
                 m.dst_blocks[reused:], link_gbps=self.link_gbps, block_layer_bytes=self.block_layer_bytes))
+            if dst.failure is not None:  # it went down during the copy: nothing would ever run it there
+                raise RuntimeError(f"device {dst.device_id} is down: {dst.failure}")
         except Exception as e:  # noqa: BLE001 - a failed copy leaves the sequence where it was
             log.warning("migration_failed", seq=seq.seq_id, src=self.device_id, dst=dst.device_id, error=str(e))
             dst.batcher.ledger.free(m.dst_blocks)
-            if m.req.cancelled:
+            if m.req.cancelled or m.req.finished[m.index]:
                 self.batcher.ledger.free(m.src_blocks)
                 seq.block_ids, seq.status = [], SeqStatus.FINISHED
                 if not any(s.seq_id in self._by_seq for s in m.req.seqs):
@@ -380,7 +397,7 @@ class DeviceEngine:
         if not any(s.seq_id in self._by_seq for s in req.seqs):
             self.requests.pop(req.request_id, None)
         self.wake()
-        if req.cancelled:  # the client left during the copy (its abort was queued here): drop it
+        if req.cancelled or req.finished[m.index]:  # the client left (or it timed out) during the copy: drop it
             dst.batcher.ledger.free(m.dst_blocks)
             seq.block_ids = []
             seq.status = SeqStatus.FINISHED
@@ -392,6 +409,20 @@ class DeviceEngine:
                                  report.nbytes, len(m.dst_blocks), m.reason)  # nbytes: only the blocks not reused
         self._notify(self.migration_listeners, dst, seq, record)
         fut.set_result(record)
+
+    def _drop_if_gone(self, m: "_Move") -> bool:
+        """Free a begun move's blocks on both sides, without copying, when its request was cancelled or
+        its choice has ended meanwhile; True when it was dropped (its future resolves to None)."""
+        if not (m.req.cancelled or m.req.finished[m.index]):
+            return False
+        m.dst.batcher.ledger.free(m.dst_blocks)
+        self.batcher.ledger.free(m.src_blocks)
+        m.seq.block_ids, m.seq.status = [], SeqStatus.FINISHED
+        if not any(s.seq_id in self._by_seq for s in m.req.seqs):
+            self.requests.pop(m.req.request_id, None)
+        self.wake()
+        m.fut.set_result(None)
+        return True
 
     async def _apply_migrations(self) -> None:
         """Carry out the queued blocking moves between steps (nothing of this device runs meanwhile)."""
@@ -420,7 +451,7 @@ class DeviceEngine:
     async def _copy_loop(self) -> None:
         """Overlapped moves, one after another while this device's steps go on."""
         while self._copies:
-            m = self._copies.popleft()
+            m = self._copying = self._copies.popleft()
             try:
                 await self._finish_move(m)
             except asyncio.CancelledError:
@@ -431,6 +462,8 @@ class DeviceEngine:
                 log.warning("migration_failed", seq=m.seq.seq_id, src=self.device_id, dst=m.dst.device_id, error=str(e))
                 if not m.fut.done():
                     m.fut.set_result(None)
+            finally:
+                self._copying = None
 
     def cached_blocks_of(self, token_ids: list[int], num_computed: int, memo: list[bytes] | None = None) -> list[int]:
         """This device's cached blocks of the longest cached prefix of full blocks within the first

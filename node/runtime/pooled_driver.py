@@ -82,7 +82,8 @@ class PooledDriver(Driver):
             led.blocks_for(s.num_uncomputed) for s in e.batcher.waiting)
         return PoolDevice(device_id=device_id, kv_free_blocks=led.num_free, kv_reserved_blocks=reserved,
                           kv_total_blocks=led.num_blocks, block_size=led.block_size, queued_tokens=queued,
-                          inflight_seqs=held, seq_slots_free=e.batcher.config.max_num_seqs - held - reserved_seqs)
+                          inflight_seqs=held, seq_slots_free=e.batcher.config.max_num_seqs - held - reserved_seqs,
+                          outgoing_tokens=0 if decode_side else e.outgoing_tokens)
 
     def _requests_bound_to(self, device_id: str):
         """Requests placed with ``device_id`` as decode device whose sequences have not all arrived."""
@@ -105,7 +106,8 @@ class PooledDriver(Driver):
                 self.pending.remove(req)
                 self.node.least_loaded(self.decode_ids).add(req)
             return
-        if not self.decode_ids and not peers:
+        decode_ids = [d for d in self.decode_ids if self.node.engine(d).failure is None]  # a down device takes nothing
+        if not decode_ids and not peers:
             if self.unreachable_since is None:
                 self.unreachable_since = now
                 log.warning("no_decode_peer_reachable", peers=self.node.peers.unusable(now)[1] if self.node.peers else None)
@@ -116,7 +118,7 @@ class PooledDriver(Driver):
             self.unreachable_since = None
         snap = PoolSnapshot(
             prefill=tuple(self._device(d, False) for d in self.prefill_ids),
-            decode=tuple(self._device(d, True) for d in self.decode_ids) + tuple(self._peer_device(p) for p in peers),
+            decode=tuple(self._device(d, True) for d in decode_ids) + tuple(self._peer_device(p) for p in peers),
             waiting=tuple(WaitingPrompt(r.request_id, len(r.prompt_ids) * len(r.seqs), r.stats.arrival_s,
                                         self.expected_output(r) * len(r.seqs), seqs=len(r.seqs),
                                         cached_tokens=self.cached_tokens(r, i, self.prefill_ids + self.decode_ids))
@@ -162,9 +164,32 @@ class PooledDriver(Driver):
                 self.node.peers.hand_off(engine, req, seq, peer, "pooled",
                                          settled=lambda ok, sid=seq.seq_id: self._handed(sid, ok))
             else:
+                if self.node.engine(dst).failure is not None:  # its decode device died: another one, or 503
+                    dst = self._retarget(req, seq, engine)
+                    if dst is None:
+                        self.handing.discard(seq.seq_id)
+                        continue
                 fut = engine.migrate(seq, self.node.engine(dst), "pooled", overlap=True)  # the prefill device goes on
                 fut.add_done_callback(lambda f, sid=seq.seq_id: self._handed(
                     sid, not f.cancelled() and f.exception() is None and f.result() is not None))
+
+    def _retarget(self, req, seq, engine: DeviceEngine) -> str | None:
+        """A new decode device for a prefilled sequence whose target went down: the live one with the
+        most free blocks after reservations that holds the sequence and its reservation; with none live,
+        the request fails (503 ``engine_down``) and leaves the prefill device. None: not handed now."""
+        live = [self.node.engine(d) for d in self.decode_ids if self.node.engine(d).failure is None]
+        need = max(self.reserve.get(req.request_id, 0), len(seq.block_ids) + 1)
+        room = [e for e in live if e.batcher.ledger.num_free - self._decode_reserved(e.device_id) >= need]
+        if not live:
+            req.fail("every decode device is down", status=503, code="engine_down", retry_after_s=RETRY_AFTER_S)
+            engine.abort(req.request_id)
+            return None
+        if not room:
+            return None  # it waits here (bounded by --max-unsent) until a live device has room
+        best = max(room, key=lambda e: e.batcher.ledger.num_free - self._decode_reserved(e.device_id))
+        self.target[req.request_id] = best.device_id
+        log.warning("handoff_retargeted", request=req.request_id, to=best.device_id)
+        return best.device_id
 
     def unsent_to_peers(self) -> int:
         """Prefilled sequences on the prefill devices waiting for a peer to take their KV (not yet

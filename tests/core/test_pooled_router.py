@@ -38,3 +38,22 @@ def test_prompt_too_big_for_any_device_is_rejected():
     out = PooledRouter(8).decide(snap)
     assert out[0] == Reject("big", "prompt does not fit the KV memory of any device")
     assert isinstance(out[1], PlacePooled) and out[1].request_id == "ok"
+
+
+def test_more_sequences_than_the_unsent_bound_wait_for_an_empty_prefill_device():
+    # n=2 under --max-unsent 1 was never placed and never rejected, and held every prompt behind it.
+    two = WaitingPrompt("n2", 10, 0.0, 5, seqs=2)
+    busy = PoolSnapshot(prefill=(dev("p0", 50, inflight_seqs=1),), decode=(dev("d0", 60),), waiting=(two,))
+    assert PooledRouter(1).decide(busy) == []  # it waits while the device holds anything
+    idle = PoolSnapshot(prefill=(dev("p0", 50),), decode=(dev("d0", 60),),
+                        waiting=(two, WaitingPrompt("b", 10, 0.1, 5)))
+    out = PooledRouter(1).decide(idle)
+    assert [d.request_id for d in out] == ["n2"] and isinstance(out[0], PlacePooled)  # b waits behind it
+
+
+def test_a_backed_up_link_counts_as_prefill_work():
+    # Copies overlap prefill, so an idle prefill device may still have KV queued on its link.
+    snap = PoolSnapshot(prefill=(dev("p0", 50, outgoing_tokens=900), dev("p1", 50, queued_tokens=100)),
+                        decode=(dev("d0", 60),), waiting=(WaitingPrompt("a", 100, 0.0, 5),))
+    (d,) = PooledRouter(8).decide(snap)
+    assert d.prefill_device == "p1"
