@@ -127,6 +127,15 @@ def up(*nodes: NodeProcess) -> list[NodeProcess]:
         raise
 
 
+def raw_stream(port: int, body: bytes) -> socket.socket:
+    """POST ``body`` (JSON bytes) to /v1/completions on a bare socket, the reply left unread: a client
+    that can vanish at any moment (close the socket)."""
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return s
+
+
 def sse_events(lines) -> list:
     """Parse SSE ``data:`` lines into JSON objects; ``"[DONE]"`` stays a string. Asserts the shape."""
     events = []

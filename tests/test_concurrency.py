@@ -1,13 +1,12 @@
 """Continuous batching under concurrency, preemption, and aborts (ABORT-LIFECYCLE, SCHED-LOAD cases)."""
 
 import concurrent.futures as cf
-import socket
 import time
 
 import httpx
 import pytest
 
-from support import STORIES, NodeProcess, reference_cases
+from support import STORIES, NodeProcess, raw_stream, reference_cases
 
 PROMPTS = [c["prompt"] for c in reference_cases()] + ["Tom had a red", "The sun was", "A bird", "Sara and her mom"]
 
@@ -62,19 +61,12 @@ def test_b28_tiny_pool_keeps_outputs(request, mode):
         small.close()
 
 
-def _raw_request(port: int, body: bytes) -> socket.socket:
-    s = socket.create_connection(("127.0.0.1", port))
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-    return s
-
-
 def test_b25_abort_mid_prefill_and_mid_decode():
     """Clients that vanish mid-prefill (a long prompt, 8-token chunks) or mid-decode free their blocks at once."""
     node = NodeProcess("--model", str(STORIES), "--max-num-batched-tokens", "8")
     try:
         long_prompt = b'{"prompt": [' + b",".join([b"300"] * 500) + b'], "max_tokens": 10, "stream": true}'
-        socks = [_raw_request(node.port, long_prompt) for _ in range(4)]
+        socks = [raw_stream(node.port, long_prompt) for _ in range(4)]
         deadline = time.monotonic() + 5
         while not any(d["kv_blocks_used"] > 0 for d in node.status()["devices"]):  # wait for the prefill
             assert time.monotonic() < deadline, "the prefill never started"
@@ -84,7 +76,7 @@ def test_b25_abort_mid_prefill_and_mid_decode():
             s.close()
         node.wait_idle(5)
         decode = b'{"prompt": "Once upon a time", "max_tokens": 450, "ignore_eos": true, "stream": %s}'
-        socks = [_raw_request(node.port, decode % b"true"), _raw_request(node.port, decode % b"false")]
+        socks = [raw_stream(node.port, decode % b"true"), raw_stream(node.port, decode % b"false")]
         time.sleep(0.5)
         st = node.status()["devices"][0]
         assert st["running"] == 2 and st["kv_blocks_used"] > 0  # both decoding

@@ -1,12 +1,11 @@
 """/metrics in Prometheus text format; gauges fall back to idle after aborts (B27)."""
 
 import re
-import socket
 import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from support import STORIES, NodeProcess
+from support import STORIES, NodeProcess, raw_stream
 
 
 def scrape(node) -> dict[str, float]:
@@ -58,12 +57,7 @@ def test_b27_gauges_fall_to_idle_after_aborts():
     node = NodeProcess("--model", str(STORIES), "--max-num-seqs", "4")
     try:
         body = b'{"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": true, "stream": true}'
-        socks = []
-        for _ in range(12):
-            s = socket.create_connection(("127.0.0.1", node.port))
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-            socks.append(s)
+        socks = [raw_stream(node.port, body) for _ in range(12)]
         time.sleep(0.5)
         busy = scrape(node)
         assert busy["shiftnode_running_sequences{device=cpu:0}"] == 4

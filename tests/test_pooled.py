@@ -6,7 +6,7 @@ into queueing or 503, never a hang (the seed's first failure mode)."""
 
 import concurrent.futures as cf
 
-from support import STORIES, NodeProcess, reference_cases
+from support import STORIES, NodeProcess, raw_stream, reference_cases
 from test_metrics import scrape
 from test_time_shared import bodies, run
 
@@ -116,18 +116,12 @@ def test_clients_leaving_while_their_copies_queue_free_kv_at_once():
     """Ten clients leave right after their first token while their KV queues for a slow link (each copy
     about 1.6 s at --link-gbps 0.0003): the queued copies are dropped, not sent, so both devices are
     empty within seconds (sending them all would take 16 s) and a new request is served."""
-    import socket
 
     node = NodeProcess("--model", str(STORIES), "--mode", "pooled", "--prefill-devices", "cpu:0", "--decode-devices", "cpu:1",
                        "--link-gbps", "0.0003")
     try:
         body = b'{"prompt": [1' + b", 300" * 40 + b'], "max_tokens": 200, "ignore_eos": true, "stream": true}'
-        socks = []
-        for _ in range(10):
-            s = socket.create_connection(("127.0.0.1", node.port))
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-            socks.append(s)
+        socks = [raw_stream(node.port, body) for _ in range(10)]
         for s in socks:  # every first token is out: prefill done, copies queued behind the link
             s.settimeout(30)
             got = b""
@@ -146,14 +140,11 @@ def test_clients_leaving_while_their_copies_queue_free_kv_at_once():
 def test_b31_clients_leaving_right_after_prefill_free_both_sides(pooled_node):
     """Disconnect right after the first token (around the hand-off), many times: prefill and decode KV
     both return to zero and the node keeps serving."""
-    import socket
     import time
 
     body = b'{"prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": true, "stream": true}'
     for _ in range(40):
-        s = socket.create_connection(("127.0.0.1", pooled_node.port))
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        s = raw_stream(pooled_node.port, body)
         s.settimeout(10)
         got = b""
         while b"data: " not in got:  # the first token is out: prefill is done, the hand-off is near
