@@ -13,7 +13,6 @@ import random
 from collections import deque
 from contextlib import suppress
 from dataclasses import dataclass, replace
-from functools import partial
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -22,30 +21,16 @@ import structlog
 from node.core.batcher import BatchConfig, Batcher, ScheduledSeq, StepKind, StepPlan
 from node.core.role_config import RoleConfig, assign_instances, scatter_bytes, shared_block_units
 from node.core.roles import Role
-from node.core.sequence import PENDING, Sequence, SeqStatus
+from node.core.sequence import PENDING, Sequence
+from node.runtime.moves import KVMoves, MigrationRecord, Move
 from node.runtime.request import RequestState
 from node.runtime.switching import DeviceRole, SwitchRecord
-from node.transport.local import copy_sharded_blocks
 from node.runtime.step_encoder import StepEncoder
 from node.worker.engine_core import StepMsg, StepReply
 from node.worker.engine_process import EngineDied, EngineProcess, LocalEngine
 from node.worker.runner import SeqOutput
 
 log = structlog.get_logger("shiftnode.engine")
-
-
-@dataclass(frozen=True)
-class MigrationRecord:
-    """One sequence moved between devices: times on the node's monotonic clock (s), bytes of KV."""
-
-    seq_id: str
-    src: str
-    dst: str
-    start_s: float
-    end_s: float
-    nbytes: int
-    blocks: int
-    reason: str
 
 
 def _nothing() -> None:
@@ -63,25 +48,7 @@ class _InFlight:
     pending: list[tuple[Sequence, int]]  # sequences given a placeholder token, and its index
 
 
-class _Move:
-    """A move of one decoding sequence to ``dst`` (:meth:`DeviceEngine.migrate`); the fields after
-    ``overlap`` are set when it begins (:meth:`DeviceEngine._begin_move`)."""
-
-    __slots__ = ("seq", "dst", "reason", "fut", "overlap", "req", "index", "start_s", "src_blocks",
-                 "dst_blocks", "reused", "fence")
-
-    def __init__(self, seq: Sequence, dst: "DeviceEngine", reason: str, fut: asyncio.Future, overlap: bool):
-        self.seq, self.dst, self.reason, self.fut, self.overlap = seq, dst, reason, fut, overlap
-        self.req: RequestState | None = None
-        self.index = 0
-        self.start_s = 0.0
-        self.src_blocks: list[int] = []
-        self.dst_blocks: list[int] = []
-        self.reused = 0
-        self.fence: list[asyncio.Future] = []
-
-
-class DeviceEngine:
+class DeviceEngine(KVMoves):
     """Runs continuous batching on one device.
 
     Args:
@@ -105,10 +72,10 @@ class DeviceEngine:
         self.requests: dict[str, RequestState] = {}  # request id → state, for sequences on this device
         self._by_seq: dict[str, tuple[RequestState, int]] = {}
         self._aborts: list[str] = []
-        self._migrations: list[_Move] = []  # queued moves, not begun
-        self._copies: deque[_Move] = deque()  # overlapped moves begun, copied by _copy_loop in order
+        self._migrations: list[Move] = []  # queued moves, not begun
+        self._copies: deque[Move] = deque()  # overlapped moves begun, copied by _copy_loop in order
         self._copier: asyncio.Task | None = None
-        self._copying: _Move | None = None  # the overlapped move being copied now
+        self._copying: Move | None = None  # the overlapped move being copied now
         self._detaches: list[tuple[Sequence, asyncio.Future]] = []
         self.link_gbps: float | None = None  # emulated interconnect for KV leaving this device
         self.block_layer_bytes: int | None = None  # a timed device: KV bytes one block of one layer emulates
@@ -299,8 +266,7 @@ class DeviceEngine:
             req, index = entry
             blocks = self.batcher.release(seq)
             del self._by_seq[seq.seq_id]
-            if not any(s.seq_id in self._by_seq for s in req.seqs):
-                self.requests.pop(req.request_id, None)
+            self._forget_if_empty(req)
             fut.set_result((req, index, blocks))
 
     def abort(self, request_id: str) -> None:
@@ -308,162 +274,6 @@ class DeviceEngine:
         if request_id in self.requests:
             self._aborts.append(request_id)
             self.wake()
-
-    def migrate(self, seq: Sequence, dst: "DeviceEngine", reason: str, overlap: bool = False) -> asyncio.Future:
-        """Move a decoding sequence's KV to ``dst``.
-
-        ``overlap=False``: at this device's next step boundary, with nothing of this device running
-        meanwhile (the steps in flight end first and none is sent until the copy is done: the imbalance
-        fallback's moves, whose cost the policy prices as time the source is busy). ``overlap=True``
-        (pooled hand-offs): as soon as no step in flight includes the sequence, the copy runs beside this
-        device's later steps, one copy after another (a FIFO link), so a prefill device goes on
-        prefilling while it sends. Either way the copy waits for the destination's steps in flight at
-        the time its blocks were taken (a step sent before a block was freed may still write it).
-
-        The future resolves to a :class:`MigrationRecord`, or ``None`` when the move was refused (the
-        sequence is not decoding here, or ``dst`` is down or has no free blocks) or failed; the sequence
-        then stays. A move whose request is cancelled or whose choice ended (a timeout) before its copy
-        starts is dropped without copying, and both sides' blocks are freed.
-        """
-        fut = asyncio.get_running_loop().create_future()
-        self._migrations.append(_Move(seq, dst, reason, fut, overlap))
-        self.wake()
-        return fut
-
-    @property
-    def outgoing_tokens(self) -> int:
-        """Tokens of KV queued to leave this device or leaving it now (moves not yet done)."""
-        moves = [*self._migrations, *self._copies] + ([self._copying] if self._copying is not None else [])
-        return sum(m.seq.num_computed for m in moves)
-
-    def _begin_move(self, m: "_Move") -> bool:
-        """Take the destination's blocks and release the sequence here (keeping its blocks pinned);
-        False (and the future resolved to None) when the move is refused."""
-        seq, dst = m.seq, m.dst
-        entry = self._by_seq.get(seq.seq_id)
-        blocks = None
-        if entry is not None and seq in self.batcher.running and seq.is_decoding and not seq.num_pending \
-                and dst.failure is None:
-            blocks, m.reused = dst.reserve_for(seq.token_ids, seq.num_computed, len(seq.block_ids), seq.block_keys)
-        if blocks is None:
-            m.fut.set_result(None)
-            return False
-        m.req, m.index = entry
-        m.start_s = self.clock()
-        m.dst_blocks = blocks
-        m.src_blocks = self.batcher.release(seq)
-        m.fence = [r.reply for r in dst._inflight]
-        # No step or abort touches it during the copy (an abort meanwhile finds no sequence to free;
-        # the request is marked cancelled, which _finish_move checks). The request stays listed here
-        # until the copy ends, so the pooled router still counts its reservation.
-        del self._by_seq[seq.seq_id]
-        return True
-
-    async def _finish_move(self, m: "_Move") -> None:
-        """Copy a begun move's KV (layer by layer, in logical block order, read back for verification),
-        then free the source blocks and let the destination adopt the sequence with its position counter
-        unchanged; on a failed copy the destination blocks are freed and the sequence comes back here.
-        Prefix cache: the destination's own cached prefix (``m.reused`` blocks) is not received."""
-        seq, dst, fut, reused = m.seq, m.dst, m.fut, m.reused
-        for reply in m.fence:  # the destination's steps sent before its blocks were taken
-            with suppress(BaseException):
-                await asyncio.shield(reply)
-        if self._drop_if_gone(m):  # it ended (client left, timed out) while it waited
-            return
-        m.start_s = self.clock()  # the copy itself starts now (queued copies waited for the link)
-        try:
-            if dst.failure is not None:
-                raise RuntimeError(f"device {dst.device_id} is down: {dst.failure}")
-            report = await asyncio.get_running_loop().run_in_executor(self._executor, partial(
-                copy_sharded_blocks, self.kv_pools, m.src_blocks[reused:], dst.kv_pools,
-                m.dst_blocks[reused:], link_gbps=self.link_gbps, block_layer_bytes=self.block_layer_bytes))
-            if dst.failure is not None:  # it went down during the copy: nothing would ever run it there
-                raise RuntimeError(f"device {dst.device_id} is down: {dst.failure}")
-        except Exception as e:  # noqa: BLE001 - a failed copy leaves the sequence where it was
-            log.warning("migration_failed", seq=seq.seq_id, src=self.device_id, dst=dst.device_id, error=str(e))
-            dst.batcher.ledger.free(m.dst_blocks)
-            if m.req.cancelled or m.req.finished[m.index]:
-                self.batcher.ledger.free(m.src_blocks)
-                seq.block_ids, seq.status = [], SeqStatus.FINISHED
-                if not any(s.seq_id in self._by_seq for s in m.req.seqs):
-                    self.requests.pop(m.req.request_id, None)
-            else:
-                seq.block_ids = m.src_blocks
-                self.adopt(m.req, m.index, seq)
-            fut.set_result(None)
-            return
-        req = m.req
-        self.batcher.ledger.free(m.src_blocks)
-        if not any(s.seq_id in self._by_seq for s in req.seqs):
-            self.requests.pop(req.request_id, None)
-        self.wake()
-        if req.cancelled or req.finished[m.index]:  # the client left (or it timed out) during the copy: drop it
-            dst.batcher.ledger.free(m.dst_blocks)
-            seq.block_ids = []
-            seq.status = SeqStatus.FINISHED
-            fut.set_result(None)
-            return
-        seq.block_ids = m.dst_blocks
-        dst.adopt(req, m.index, seq)
-        record = MigrationRecord(seq.seq_id, self.device_id, dst.device_id, m.start_s, self.clock(),
-                                 report.nbytes, len(m.dst_blocks), m.reason)  # nbytes: only the blocks not reused
-        self._notify(self.migration_listeners, dst, seq, record)
-        fut.set_result(record)
-
-    def _drop_if_gone(self, m: "_Move") -> bool:
-        """Free a begun move's blocks on both sides, without copying, when its request was cancelled or
-        its choice has ended meanwhile; True when it was dropped (its future resolves to None)."""
-        if not (m.req.cancelled or m.req.finished[m.index]):
-            return False
-        m.dst.batcher.ledger.free(m.dst_blocks)
-        self.batcher.ledger.free(m.src_blocks)
-        m.seq.block_ids, m.seq.status = [], SeqStatus.FINISHED
-        if not any(s.seq_id in self._by_seq for s in m.req.seqs):
-            self.requests.pop(m.req.request_id, None)
-        self.wake()
-        m.fut.set_result(None)
-        return True
-
-    async def _apply_migrations(self) -> None:
-        """Carry out the queued blocking moves between steps (nothing of this device runs meanwhile)."""
-        while self._migrations:
-            m = self._migrations.pop(0)
-            if self._begin_move(m):
-                await self._finish_move(m)
-
-    def _start_overlapped_moves(self) -> None:
-        """Begin every queued overlapped move whose sequence is in no step in flight, and hand it to
-        the copier task (the others wait: the blocking ones for a step boundary, the overlapped ones for
-        their sequence's last step to end)."""
-        if not any(m.overlap for m in self._migrations):
-            return
-        busy = {it.seq.seq_id for r in self._inflight for it in r.plan.items}
-        keep = []
-        for m in self._migrations:
-            if not m.overlap or m.seq.seq_id in busy:
-                keep.append(m)
-            elif self._begin_move(m):
-                self._copies.append(m)
-        self._migrations = keep
-        if self._copies and (self._copier is None or self._copier.done()):
-            self._copier = asyncio.get_running_loop().create_task(self._copy_loop(), name=f"copies-{self.device_id}")
-
-    async def _copy_loop(self) -> None:
-        """Overlapped moves, one after another while this device's steps go on."""
-        while self._copies:
-            m = self._copying = self._copies.popleft()
-            try:
-                await self._finish_move(m)
-            except asyncio.CancelledError:
-                if not m.fut.done():
-                    m.fut.cancel()
-                raise
-            except Exception as e:  # noqa: BLE001 - one move's bug must not strand the others
-                log.warning("migration_failed", seq=m.seq.seq_id, src=self.device_id, dst=m.dst.device_id, error=str(e))
-                if not m.fut.done():
-                    m.fut.set_result(None)
-            finally:
-                self._copying = None
 
     def cached_blocks_of(self, token_ids: list[int], num_computed: int, memo: list[bytes] | None = None) -> list[int]:
         """This device's cached blocks of the longest cached prefix of full blocks within the first
@@ -498,12 +308,16 @@ class DeviceEngine:
             if req is not None:
                 self._finish_request(req)
 
+    def _forget_if_empty(self, req: RequestState) -> None:
+        """Drop ``req`` from this device once none of its sequences is held here."""
+        if not any(s.seq_id in self._by_seq for s in req.seqs):
+            self.requests.pop(req.request_id, None)
+
     def _finish_seq(self, seq: Sequence) -> None:
         entry = self._by_seq.pop(seq.seq_id, None)
         if entry is not None:
             self.batcher.remove(seq)
-            if not any(s.seq_id in self._by_seq for s in entry[0].seqs):
-                self.requests.pop(entry[0].request_id, None)
+            self._forget_if_empty(entry[0])
 
     def _finish_request(self, req: RequestState) -> None:
         for seq in req.seqs:

@@ -27,7 +27,8 @@ from node.core.sequence import SamplingParams
 from node.core.cost import CostModel
 from node.core.roles import Role, RoleScheduler, RoleSchedulerConfig
 from node.core.pooled import PooledRouter
-from node.runtime.engine import DeviceEngine, MigrationRecord
+from node.runtime.engine import DeviceEngine
+from node.runtime.moves import MigrationRecord
 from node.runtime.peers import KVReceiver, PeerLinks
 from node.runtime.pooled_driver import PooledDriver
 from node.runtime.role_driver import RoleDriver

@@ -35,7 +35,8 @@ import structlog
 
 from node.core.roles import Role, blocks_for
 from node.core.sequence import SamplingParams, Sequence, SeqStatus
-from node.runtime.engine import DeviceEngine, MigrationRecord
+from node.runtime.engine import DeviceEngine
+from node.runtime.moves import MigrationRecord
 from node.config import RELAY_KEEPALIVE_S
 from node.runtime.request import RequestState
 from node.runtime.peer_state import (READY, REFUSED, InboundRefusals, Peer, is_peer, peer_id,  # noqa: F401 - re-exported

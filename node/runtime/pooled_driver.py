@@ -15,7 +15,6 @@ requests that waited ``DECODE_WAIT_S`` for it, instead of holding them forever.
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING, Callable
 
 import structlog
@@ -106,7 +105,7 @@ class PooledDriver(Driver):
                 self.pending.remove(req)
                 self.node.least_loaded(self.decode_ids).add(req)
             return
-        decode_ids = [d for d in self.decode_ids if self.node.engine(d).failure is None]  # a down device takes nothing
+        decode_ids = self._live_decode_ids()  # a down device takes nothing
         if not decode_ids and not peers:
             if self.unreachable_since is None:
                 self.unreachable_since = now
@@ -177,19 +176,21 @@ class PooledDriver(Driver):
         """A new decode device for a prefilled sequence whose target went down: the live one with the
         most free blocks after reservations that holds the sequence and its reservation; with none live,
         the request fails (503 ``engine_down``) and leaves the prefill device. None: not handed now."""
-        live = [self.node.engine(d) for d in self.decode_ids if self.node.engine(d).failure is None]
-        need = max(self.reserve.get(req.request_id, 0), len(seq.block_ids) + 1)
-        room = [e for e in live if e.batcher.ledger.num_free - self._decode_reserved(e.device_id) >= need]
+        live = self._live_decode_ids()
         if not live:
             req.fail("every decode device is down", status=503, code="engine_down", retry_after_s=RETRY_AFTER_S)
             engine.abort(req.request_id)
             return None
-        if not room:
+        room = {d: self.node.engine(d).batcher.ledger.num_free - self._decode_reserved(d) for d in live}
+        best = max(live, key=room.__getitem__)
+        if room[best] < max(self.reserve.get(req.request_id, 0), len(seq.block_ids) + 1):
             return None  # it waits here (bounded by --max-unsent) until a live device has room
-        best = max(room, key=lambda e: e.batcher.ledger.num_free - self._decode_reserved(e.device_id))
-        self.target[req.request_id] = best.device_id
-        log.warning("handoff_retargeted", request=req.request_id, to=best.device_id)
-        return best.device_id
+        self.target[req.request_id] = best
+        log.warning("handoff_retargeted", request=req.request_id, to=best)
+        return best
+
+    def _live_decode_ids(self) -> list[str]:
+        return [d for d in self.decode_ids if self.node.engine(d).failure is None]
 
     def unsent_to_peers(self) -> int:
         """Prefilled sequences on the prefill devices waiting for a peer to take their KV (not yet
