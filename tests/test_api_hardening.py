@@ -141,3 +141,42 @@ def test_startup_refuses_broken_model_files(tmp_path, file, content, message):
     with pytest.raises(RuntimeError, match=f"cannot start: .*{message}") as e:
         NodeProcess("--model", str(folder), timeout_s=60)
     assert "Traceback" not in str(e.value)
+
+
+def _raw_post(port: int, version: str, body: dict) -> bytes:
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(f"POST /v1/completions {version}\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+def _dechunk(body: bytes) -> bytes:
+    out = b""
+    while True:
+        size, _, rest = body.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            assert rest == b"\r\n", rest
+            return out
+        assert rest[n : n + 2] == b"\r\n"
+        out, body = out + rest[:n], rest[n + 2 :]
+
+
+@pytest.mark.parametrize("version", ["HTTP/1.1", "HTTP/1.0"])
+def test_streams_are_framed_for_the_clients_http_version(stories_node, version):
+    """The SSE writer frames its own writes: HTTP/1.1 gets valid chunked encoding ending in the empty
+    chunk; HTTP/1.0 (no chunked encoding) gets the bare events, ended by the connection's close."""
+    body = {"prompt": "Once upon a time", "max_tokens": 12, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    head, _, payload = _raw_post(stories_node.port, version, body).partition(b"\r\n\r\n")
+    assert head.split(b" ")[1] == b"200", head
+    chunked = b"transfer-encoding: chunked" in head.lower()
+    assert chunked == (version == "HTTP/1.1")
+    events = [line for line in (_dechunk(payload) if chunked else payload).decode().split("\n\n") if line]
+    assert events[-1] == "data: [DONE]"
+    parsed = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert sum(len(p["choices"]) for p in parsed) == 12 and parsed[-1]["usage"]["completion_tokens"] == 12

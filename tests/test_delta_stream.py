@@ -80,3 +80,48 @@ def test_without_keepalive_take_waits_until_a_push_and_a_cancelled_take_loses_no
         return await s.take()
 
     assert [d.token_ids for d in asyncio.run(main())] == [[1]]
+
+
+def test_a_consumer_callback_gets_a_whole_step_in_one_call_and_what_came_before_first():
+    """consume(): one call per loop wake with every delta pushed meanwhile, none after close()."""
+    async def main():
+        s = DeltaStream()
+        s.push(SeqDelta(index=0, token_ids=[-1]))  # before the consumer: goes in its first call
+        calls = []
+        s.consume(lambda batch: calls.append([d.token_ids[0] for d in batch]))
+        loop = asyncio.get_running_loop()
+
+        def step(base):
+            for i in range(3):
+                s.push(SeqDelta(index=0, token_ids=[base + i]))
+
+        loop.call_soon(step, 0)
+        await asyncio.sleep(0.01)
+        loop.call_soon(step, 10)
+        await asyncio.sleep(0.01)
+        s.close()
+        s.push(SeqDelta(index=0, token_ids=[99]))
+        await asyncio.sleep(0.01)
+        return calls
+
+    assert asyncio.run(main()) == [[-1], [0, 1, 2], [10, 11, 12]]
+
+
+def test_a_consumer_callback_gets_empty_batches_at_the_keepalive_interval():
+    async def main():
+        s = DeltaStream(keepalive_s=0.05)
+        calls = []
+        s.consume(lambda batch: calls.append((time.monotonic(), len(batch))))
+        t0 = time.monotonic()
+        await asyncio.sleep(0.18)
+        idle = [c for c in calls if c[1] == 0]
+        for i in range(4):  # a token every 20 ms: no keep-alive in between
+            s.push(SeqDelta(index=0, token_ids=[i]))
+            await asyncio.sleep(0.02)
+        busy = calls[len(idle):]
+        s.close()
+        return t0, idle, busy
+
+    t0, idle, busy = asyncio.run(main())
+    assert 2 <= len(idle) <= 4 and idle[0][0] - t0 >= 0.045
+    assert [n for _, n in busy] == [1, 1, 1, 1]

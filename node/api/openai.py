@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import msgspec
+import structlog
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
@@ -29,6 +30,8 @@ from node.runtime.node import EnginesDown, Node, NodeDraining, QueueFullError
 from node.runtime.output import SeqDelta
 from node.runtime.request import RequestState
 from node.worker.tokenizer import IncrementalDetokenizer
+
+log = structlog.get_logger("shiftnode.api")
 
 NODE_KEY = web.AppKey("node", Node)
 
@@ -100,8 +103,10 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
                       chunk_envelope: dict) -> web.StreamResponse:
     """Drive a request to its end, as SSE chunks or one JSON body.
 
-    Each prompt becomes one engine request; all of them push to one :class:`DeltaStream`, and each
-    wake-up takes every delta since the last one and writes their chunks in one write. ``on_delta``
+    Each prompt becomes one engine request; all of them push to one :class:`DeltaStream`. A stream's
+    events are written by a callback of that stream, synchronously, once per step with every delta
+    since the last call, in one write (no task wakes per token); a non-streamed request's handler
+    awaits the deltas instead. A client that leaves mid-stream ends its requests. ``on_delta``
     folds a delta into its choice and returns the stream chunk's choice entry (or None to send
     nothing); ``first_chunks`` gives chunks sent before any token (e.g. the chat role);
     ``final_body`` builds the non-streamed body.
@@ -149,31 +154,48 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
             completion = sum(len(c.token_ids) for c in choices)
             return web.json_response(final_body(choices, usage(prompt_tokens, completion, sum(cached))))
         sse = SSEWriter(request)
-        await sse.prepare()
         extra = {"usage": None} if include_usage else {}
-        await sse.send_many([{**chunk_envelope, **c} for c in first_chunks(choices)])
-        failed = False
-        while not failed and open_choices():
-            batch = await deltas.take()
-            if not batch:
-                await sse.comment("keep-alive")
-                continue
-            now = time.monotonic()
-            chunks = []
-            for d in batch:
-                if d.error:
-                    node.account(reqs[d.index // n], d, now)
-                    chunks.append(delta_error(d).body())
-                    failed = True
-                    break
-                entry = fold(d, now)
-                if entry is not None:
-                    chunks.append({**chunk_envelope, "choices": [entry], **extra})
-            await sse.send_many(chunks)
-        if include_usage:
-            completion = sum(len(c.token_ids) for c in choices)
-            await sse.send({**chunk_envelope, "choices": [], "usage": usage(prompt_tokens, completion, sum(cached))})
-        await sse.done()
+        ended = asyncio.get_running_loop().create_future()  # done: every choice ended, or one failed
+
+        def write_step(batch: list[SeqDelta]) -> None:  # a DeltaStream callback: must not raise
+            try:
+                if not batch:
+                    sse.comment("keep-alive")
+                    return
+                now = time.monotonic()
+                chunks = []
+                failed = False
+                for d in batch:
+                    if d.error:
+                        node.account(reqs[d.index // n], d, now)
+                        chunks.append(delta_error(d).body())
+                        failed = True
+                        break
+                    entry = fold(d, now)
+                    if entry is not None:
+                        chunks.append({**chunk_envelope, "choices": [entry], **extra})
+                sse.send_many(chunks)
+                if failed or not open_choices():
+                    deltas.close()
+                    if not ended.done():
+                        ended.set_result(None)
+            except Exception as e:  # noqa: BLE001 - the client left (ConnectionResetError) or a bug: the handler raises it
+                deltas.close()
+                if not ended.done():
+                    ended.set_exception(e)
+
+        try:
+            await sse.prepare()
+            sse.send_many([{**chunk_envelope, **c} for c in first_chunks(choices)])
+            if open_choices():
+                deltas.consume(write_step)  # each step's deltas are written from here on, in one call per step
+                await ended
+            if include_usage:
+                completion = sum(len(c.token_ids) for c in choices)
+                sse.send({**chunk_envelope, "choices": [], "usage": usage(prompt_tokens, completion, sum(cached))})
+            await sse.done()
+        except ConnectionResetError:  # the client left mid-stream: nothing to answer; its requests end below
+            log.info("client_gone", request_id=request_id)
         return sse.response
     finally:
         deltas.close()

@@ -1,13 +1,21 @@
 """Server-Sent Events writer: ``data: {json}`` events, comment keep-alives, the closing ``[DONE]``.
 
 Events are encoded with msgspec (UTF-8, no ASCII escaping; a non-finite float becomes ``null``, so
-every event is valid JSON) and the events of one wake-up go out in one write.
+every event is valid JSON) and the events of one step go out in one write.
+
+Writes are synchronous: once :meth:`SSEWriter.prepare` has sent the headers (an aiohttp
+``StreamResponse`` sends them in ``prepare``), each write frames its bytes as one HTTP/1.1 chunk
+(``Transfer-Encoding: chunked``, enabled explicitly) and hands them to the connection's transport,
+so a step's post-processing can write every stream's events without a coroutine per write.
+HTTP/1.0 clients get the bytes unframed, the body ending when the connection closes (what aiohttp
+does for them too). Nothing waits for the client to read: like aiohttp's own writer below its
+64 KiB drain mark, a slow reader's events queue in the transport, a few hundred bytes per token.
 """
 
 from __future__ import annotations
 
 import msgspec
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 _encode = msgspec.json.Encoder().encode
 
@@ -22,21 +30,32 @@ class SSEWriter:
             "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no",  # proxies must not buffer the stream
         })
+        self._chunked = request.version == HttpVersion11
 
     async def prepare(self) -> None:
+        """Send the status line and headers."""
+        if self._chunked:
+            self.response.enable_chunked_encoding()
         await self.response.prepare(self.request)
 
-    async def send(self, payload: dict) -> None:
-        await self.response.write(b"data: " + _encode(payload) + b"\n\n")
-
-    async def send_many(self, payloads: list[dict]) -> None:
+    def send_many(self, payloads: list[dict]) -> None:
         """All ``payloads`` as consecutive events, in one write (nothing for an empty list)."""
         if payloads:
-            await self.response.write(b"".join(b"data: " + _encode(p) + b"\n\n" for p in payloads))
+            self._write(b"".join([b"data: " + _encode(p) + b"\n\n" for p in payloads]))
 
-    async def comment(self, text: str) -> None:
-        await self.response.write(f": {text}\n\n".encode())
+    def send(self, payload: dict) -> None:
+        self._write(b"data: " + _encode(payload) + b"\n\n")
+
+    def comment(self, text: str) -> None:
+        self._write(f": {text}\n\n".encode())
 
     async def done(self) -> None:
-        await self.response.write(b"data: [DONE]\n\n")
+        """The ``[DONE]`` event and the end of the body."""
+        self._write(b"data: [DONE]\n\n")
         await self.response.write_eof()
+
+    def _write(self, data: bytes) -> None:
+        transport = self.request.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
