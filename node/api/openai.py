@@ -164,18 +164,19 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
                     return
                 now = time.monotonic()
                 chunks = []
-                failed = False
+                failed = ending = False
                 for d in batch:
                     if d.error:
                         node.account(reqs[d.index // n], d, now)
                         chunks.append(delta_error(d).body())
                         failed = True
                         break
+                    ending = ending or d.finish_reason is not None
                     entry = fold(d, now)
                     if entry is not None:
                         chunks.append({**chunk_envelope, "choices": [entry], **extra})
                 sse.send_many(chunks)
-                if failed or not open_choices():
+                if failed or (ending and not open_choices()):
                     deltas.close()
                     if not ended.done():
                         ended.set_result(None)
