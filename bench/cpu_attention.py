@@ -2,7 +2,7 @@
 
 ``python -m bench.cpu_attention --out bench/out/cpu_attention.json``
 
-Two parts, side by side in one run:
+Three parts, side by side in one run:
 
 1. **Attention alone**: :func:`kernels.reference.paged_attention` and
    :func:`kernels.cpu_attention.paged_attention` on the same decode batches (1/16/64/256 sequences,
@@ -16,6 +16,11 @@ Two parts, side by side in one run:
    ``ignore_eos``); the figure is output tokens per second (first send to last token), the best of
    ``--stream-repeats`` runs (each run's figure is kept in the JSON). The models are stories260k and
    its head_dim-32 copy (:func:`pad_head_dim`).
+3. **The decode step by operator** (:func:`step_breakdown`, skipped with ``--skip-breakdown``): for
+   each model and backend of part 2, one decode step of ``--streams`` sequences at part 2's mid-run
+   contexts, in the bench process: ms per step and per operator (attention, cache writes, rotary,
+   RMSNorm, SiLU-and-mul, all layers), and the K/V bytes attention reads per layer. It says what
+   part 2's ratio is made of.
 
 The head_dim-32 copy computes the same function as the original: each head's 8 dims are placed at
 dims ``0..3`` and ``16..19`` of 32 (rotate-half pairs ``(i, i + D/2)`` stay pairs), the other dims
@@ -37,6 +42,7 @@ import os
 import platform
 import random
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -45,7 +51,7 @@ import torch
 
 from kernels import cpu_attention, reference
 
-__all__ = ["pad_head_dim", "decode_batch", "time_attention", "stream_throughput", "main"]
+__all__ = ["pad_head_dim", "decode_batch", "time_attention", "stream_throughput", "step_breakdown", "main"]
 
 STORIES = Path(os.environ.get("SHIFTNODE_SHARED", Path(__file__).resolve().parents[2] / "shared")) / "models" / "stories260k"
 
@@ -239,6 +245,74 @@ def stream_throughput(model: Path, backend: str, streams: int, output_tokens: in
     return row
 
 
+def step_breakdown(folder: Path, backend: str, streams: int, output_tokens: int, seed: int = 0,
+                   steps: int = 100) -> dict:
+    """Part 3: where a decode step of ``streams`` sequences goes, in this process (no node): the model's
+    forward + logits + argmax, timed per operator of the backend (each summed over the layers), ms
+    per step, medians over ``steps``. Contexts are part 2's mid-run ones (prompt uniform in
+    ``[16, 192]`` plus up to ``output_tokens``), blocks scattered over a pool sized like part 2's
+    node's, on ``cores - 1`` torch threads as a one-device node's engine runs.
+    """
+    from dataclasses import replace
+
+    from node.runtime.node import select_ops
+    from node.worker.model import AttentionMetadata
+    from node.worker.model_config import ModelConfig
+    from node.worker.weights import build_model
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    cfg = ModelConfig.from_folder(folder)
+    spent: dict[str, float] = {}
+
+    def timed(name, fn):
+        def run(*args, **kw):
+            t0 = time.perf_counter()
+            out = fn(*args, **kw)
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+            return out
+        return run
+
+    base = select_ops(backend, "cpu")
+    names = ("paged_attention", "reshape_and_cache", "rotary_embedding", "rms_norm", "silu_and_mul")
+    ops = replace(base, **{n: timed(n, getattr(base, n)) for n in names})
+    model = build_model(cfg, folder=folder, load_format="safetensors", dtype=torch.float32, device=torch.device("cpu"),
+                        max_positions=cfg.max_position_embeddings, ops=ops)
+    rng = random.Random(seed)
+    bs = 16
+    ctx = [rng.randint(16, 192) + rng.randint(0, output_tokens) for _ in range(streams)]
+    n_blocks = [-(-c // bs) for c in ctx]
+    pool = max(sum(n_blocks), (256 << 20) // (2 * cfg.num_layers * bs * cfg.num_kv_heads * cfg.head_dim * 4))
+    perm = torch.randperm(pool, generator=torch.Generator().manual_seed(seed))
+    tables = torch.zeros(streams, max(n_blocks), dtype=torch.int32)
+    at = 0
+    for i, nb in enumerate(n_blocks):
+        tables[i, :nb] = perm[at : at + nb]
+        at += nb
+    slots = [int(tables[i, (c - 1) // bs]) * bs + (c - 1) % bs for i, c in enumerate(ctx)]
+    kv = torch.randn(cfg.num_layers, 2, pool, bs, cfg.num_kv_heads, cfg.head_dim)
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), block_tables=tables,
+                             seq_lens=torch.tensor(ctx, dtype=torch.int32),
+                             cu_seqlens_q=torch.arange(streams + 1, dtype=torch.int32), max_seqlen_q=1)
+    ids, pos = torch.randint(3, cfg.vocab_size, (streams,)), torch.tensor(ctx) - 1
+    per_step: dict[str, list[float]] = {"step": [], **{n: [] for n in names}}
+    with torch.inference_mode():
+        for i in range(steps + 10):
+            spent.clear()
+            t0 = time.perf_counter()
+            model.compute_logits(model(ids, pos, kv, meta)).argmax(-1).tolist()
+            if i >= 10:
+                per_step["step"].append(time.perf_counter() - t0)
+                for n in names:
+                    per_step[n].append(spent.get(n, 0.0))
+    row = {"model": folder.name, "backend": backend, "streams": streams, "mean_context": round(sum(ctx) / streams, 1),
+           "kv_bytes_per_layer_step": 2 * sum(ctx) * cfg.num_kv_heads * cfg.head_dim * 4,
+           **{f"{n}_ms": round(1e3 * statistics.median(v), 3) for n, v in per_step.items()}}
+    print(f"step {folder.name} backend={backend}: {row['step_ms']} ms per decode step of {streams} sequences, "
+          + ", ".join(f"{n} {row[n + '_ms']}" for n in names)
+          + f" (ms, all layers; {row['kv_bytes_per_layer_step'] / 2**20:.1f} MiB of K+V read per layer)", flush=True)
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.cpu_attention", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=STORIES, help="the unpadded model folder (stories260k)")
@@ -256,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="part 2: the nodes' --kv-cache-memory (room for every stream of both models)")
     ap.add_argument("--skip-attention", action="store_true")
     ap.add_argument("--skip-stream", action="store_true")
+    ap.add_argument("--skip-breakdown", action="store_true", help="skip part 3 (the decode step by operator)")
     ap.add_argument("--work-dir", type=Path, default=Path("bench/out/cpu_attention"))
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     a = ap.parse_args(argv)
@@ -267,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     if not a.skip_stream:
         padded = pad_head_dim(a.model, a.work_dir / f"{a.model.name}-hd{a.padded_head_dim}", a.padded_head_dim)
         doc["greedy_check"] = greedy_check(a.model, padded, "cpu")
+        if not a.skip_breakdown:
+            doc["breakdown"] = [step_breakdown(m, b, a.streams, a.output_tokens)
+                                for m in (a.model, padded) for b in a.backends.split(",")]
         print(f"greedy check (original vs head_dim {a.padded_head_dim}): {doc['greedy_check']}", flush=True)
         rows = [stream_throughput(m, b, a.streams, a.output_tokens, a.work_dir, seed=rep, kv_cache_memory=a.kv_cache_memory)
                 for rep in range(a.stream_repeats) for m in (a.model, padded) for b in a.backends.split(",")]

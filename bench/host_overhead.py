@@ -1,6 +1,7 @@
 """The node's own (host) overhead per decode step, under streaming load (issue 11).
 
     python -m bench.host_overhead [--quick] [--layouts thread,process] [--duration S] [--json PATH]
+                                  [--models zero,...] [--baseline DIR [--pairs N]]
 
 Starts ``shiftnode serve`` subprocesses (:class:`bench.node_process.NodeServer`) for each model and
 device setup and drives closed-loop streaming load: ``c`` client tasks each send
@@ -27,7 +28,14 @@ Per cell, after ``--warmup`` seconds, the measured interval of ``--duration`` se
   logits + argmax measured in this process before the nodes start (``runner ms`` in the header).
 * ``wait``: sleep:5 only, the share of wall time a device waits for the host: ``1 - steps*5ms/wall``.
 * ``ITL ms``: mean gap between a request's token chunks, per token, as the client sees it.
+* ``node us/tok``, ``eng us/tok``: CPU time (user + system, ``/proc``) of the node process and of its
+  engine processes in the interval, per streamed token. On a shared machine whose speed drifts this is
+  steadier than tok/s, and it says what the node's own path costs whatever CPU it was given.
 * ``cli%``: the client's own CPU use in the interval (100 = one core): near 100 the client limits.
+
+``--baseline DIR`` runs every node of the grid from another checkout as well (``git worktree add
+/tmp/base <rev>``), ``--pairs`` times each, alternating with this one, and prints per grid point the
+medians of both and their ratio: an old-against-new comparison measured side by side in one run.
 
 Targets (issue 11) are checked beside the figures: zero, one device, c=256: >= 30k tok/s; sleep:5 at
 256 sequences per device: >= 95 % of 200 steps/s per device; two devices >= 1.6x one device (same
@@ -84,6 +92,10 @@ class Cell:
     gap_tokens: int = 0  # tokens of the chunks those gaps end at
     requests: int = 0
     client_cpu_s: float = 0.0  # this (client) process's CPU time in the interval
+    node_cpu_s: float = 0.0  # the node process's CPU time (user + system, all threads) in the interval
+    engine_cpu_s: float = 0.0  # its child processes' (the engines') CPU time in the interval
+    tree: str = "this"  # which checkout ran the node: "this" or "baseline" (--baseline)
+    pair: int = 0  # with --baseline: which of the --pairs rounds
     errors: int = 0
     error: str | None = None  # the node did not start (or the cell failed), why
 
@@ -101,13 +113,17 @@ class Cell:
     def itl_ms(self) -> float | None:
         return self.gap_s * 1e3 / self.gap_tokens if self.gap_tokens else None
 
+    def node_us_per_token(self) -> float | None:
+        return self.node_cpu_s * 1e6 / self.tokens if self.tokens else None
+
 
 # --- the client ------------------------------------------------------------------------------------
 class Load:
     """``c`` closed-loop streaming clients; counts tokens whose chunk arrives inside ``[t_a, t_b]``."""
 
-    def __init__(self, url: str, body: dict, concurrency: int, vocab: int, seed: int = 0):
+    def __init__(self, url: str, body: dict, concurrency: int, vocab: int, seed: int = 0, pid: int | None = None):
         self.url, self.body, self.c = url, body, concurrency
+        self.pid = pid  # the node's process: its and its children's CPU time are read at both ends
         self.rng = random.Random(seed)
         self.vocab = vocab
         self.t_a = self.t_b = float("inf")
@@ -157,9 +173,11 @@ class Load:
             workers = [asyncio.create_task(self._worker(s)) for _ in range(self.c)]
             await asyncio.sleep(warmup_s)
             before, self.t_a = await _steps(s, self.url)
-            cpu0 = time.process_time()
+            cpu0, node0 = time.process_time(), _tree_cpu_s(self.pid)
             await asyncio.sleep(duration_s)
             cell.client_cpu_s = time.process_time() - cpu0
+            node1 = _tree_cpu_s(self.pid)
+            cell.node_cpu_s, cell.engine_cpu_s = node1[0] - node0[0], node1[1] - node0[1]
             after, self.t_b = await _steps(s, self.url)
             self.stop = True
             for w in workers:
@@ -167,6 +185,28 @@ class Load:
             await asyncio.gather(*workers, return_exceptions=True)
         cell.wall_s = self.t_b - self.t_a
         cell.steps = [b - a for a, b in zip(before, after)]
+
+
+def _tree_cpu_s(pid: int | None) -> tuple[float, float]:
+    """CPU seconds (user + system, from ``/proc``) of process ``pid`` and of its children together;
+    ``(0, 0)`` without ``pid`` or off Linux. A child that exits in between drops out of the sum."""
+    if pid is None or not os.path.isdir("/proc"):
+        return 0.0, 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def stat(p: str) -> list[str] | None:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()  # fields from 3 (state) on
+        except OSError:
+            return None
+
+    own = stat(str(pid))
+    kids = 0.0
+    for p in os.listdir("/proc"):
+        if p.isdigit() and (f := stat(p)) is not None and f[1] == str(pid):
+            kids += (int(f[11]) + int(f[12])) / tick
+    return ((int(own[11]) + int(own[12])) / tick if own else 0.0), kids
 
 
 async def _steps(session: aiohttp.ClientSession, url: str) -> tuple[list[int], float]:
@@ -227,49 +267,60 @@ def grid(quick: bool) -> dict[tuple[str, str], list[tuple[int, str]]]:
 
 
 def run_grid(args: argparse.Namespace, log_dir: Path) -> list[Cell]:
+    """Every grid point for each layout; with ``--baseline``, each node runs ``--pairs`` times for each
+    checkout, alternating (baseline first), so both see the same phases of a noisy machine."""
     cells, t0 = [], time.monotonic()
+    trees = [("baseline", args.baseline), ("this", None)] if args.baseline else [("this", None)]
     for layout in args.layouts:
         for (model, setup), points in grid(args.quick).items():
+            if args.models and model not in args.models:
+                continue
             flags = ["--model", str(STORIES), *MODELS[model], *SETUPS[setup], "--engine-layout", layout]
-            log_path = log_dir / f"{layout}-{model.replace(':', '')}-{setup.replace(' ', '')}.log"
-            print(f"# {time.monotonic() - t0:5.0f} s  {layout} {model} {setup}: {' '.join(flags)}", file=sys.stderr,
-                  flush=True)
-            try:
-                with NodeServer(flags, log_path=log_path, startup_timeout_s=120) as node:
-                    for c, sampling in points:
-                        cell = Cell(layout, model, setup, c, sampling)
-                        body = {"max_tokens": args.max_tokens, "ignore_eos": True, "stream": True,
-                                "return_token_ids": True, **SAMPLING[sampling]}
-                        try:
-                            asyncio.run(Load(node.url, body, c, vocab=512).run(cell, args.warmup, args.duration))
-                        except Exception as e:  # noqa: BLE001 - one bad cell must not lose the table
-                            cell.error = f"{type(e).__name__}: {e}"
-                        cells.append(cell)
-                        if not node.alive():
-                            raise NodeUnavailable(f"node exited: {node.log_tail(2)}")
-            except NodeUnavailable as e:
-                cells.append(Cell(layout, model, setup, 0, "-", error=str(e)[:300]))
+            for pair in range(args.pairs if args.baseline else 1):
+                for tree, repo in trees:
+                    log_path = log_dir / f"{tree}-{pair}-{layout}-{model.replace(':', '')}-{setup.replace(' ', '')}.log"
+                    print(f"# {time.monotonic() - t0:5.0f} s  {tree} {layout} {model} {setup}: {' '.join(flags)}",
+                          file=sys.stderr, flush=True)
+                    try:
+                        with NodeServer(flags, log_path=log_path, startup_timeout_s=120, repo=repo) as node:
+                            for c, sampling in points:
+                                cell = Cell(layout, model, setup, c, sampling, tree=tree, pair=pair)
+                                body = {"max_tokens": args.max_tokens, "ignore_eos": True, "stream": True,
+                                        "return_token_ids": True, **SAMPLING[sampling]}
+                                try:
+                                    asyncio.run(Load(node.url, body, c, vocab=512, pid=node.proc.pid).run(
+                                        cell, args.warmup, args.duration))
+                                except Exception as e:  # noqa: BLE001 - one bad cell must not lose the table
+                                    cell.error = f"{type(e).__name__}: {e}"
+                                cells.append(cell)
+                                if not node.alive():
+                                    raise NodeUnavailable(f"node exited: {node.log_tail(2)}")
+                    except NodeUnavailable as e:
+                        cells.append(Cell(layout, model, setup, 0, "-", tree=tree, pair=pair, error=str(e)[:300]))
     return cells
 
 
 def table(cells: list[Cell], runner_ms: float | None) -> str:
-    head = (f"{'layout':8} {'model':8} {'devs':6} {'c':>4} {'sampling':8} {'tok/s':>8} {'steps/s':>8} {'ms/step':>8} "
-            f"{'host ms':>8} {'wait':>6} {'ITL ms':>7} {'cli%':>5} {'err':>4}  target")
+    head = (f"{'tree':8} {'layout':8} {'model':8} {'devs':6} {'c':>4} {'sampling':8} {'tok/s':>8} {'steps/s':>8} "
+            f"{'ms/step':>8} {'host ms':>8} {'wait':>6} {'ITL ms':>7} {'node us/tok':>11} {'eng us/tok':>10} "
+            f"{'cli%':>5} {'err':>4}  target")
     rows = [head, "-" * len(head)]
     for x in cells:
         if x.wall_s == 0:
-            rows.append(f"{x.layout:8} {x.model:8} {x.setup:6} {x.concurrency:>4} {x.sampling:8} ERROR: {x.error}")
+            rows.append(f"{x.tree:8} {x.layout:8} {x.model:8} {x.setup:6} {x.concurrency:>4} {x.sampling:8} ERROR: {x.error}")
             continue
         ms = x.ms_per_step()
         runner = {"zero": 0.0, "sleep:5": SLEEP_MS}.get(x.model, runner_ms if x.concurrency == 1 else None)
         host = ms - runner if ms is not None and runner is not None else None
         wait = (statistics.mean(1 - s * SLEEP_MS / 1e3 / x.wall_s for s in x.steps)
                 if x.model == "sleep:5" and x.steps else None)
-        rows.append(f"{x.layout:8} {x.model:8} {x.setup:6} {x.concurrency:>4} {x.sampling:8} {x.tok_s():8.0f} "
+        eng = x.engine_cpu_s * 1e6 / x.tokens if x.tokens else None
+        rows.append(f"{x.tree:8} {x.layout:8} {x.model:8} {x.setup:6} {x.concurrency:>4} {x.sampling:8} {x.tok_s():8.0f} "
                     f"{sum(x.steps) / x.wall_s:8.1f} {_f(ms, 8, 2)} {_f(host, 8, 2)} {_f(wait, 6, 3)} "
-                    f"{_f(x.itl_ms(), 7, 2)} {100 * x.client_cpu_s / x.wall_s:5.0f} {x.errors:>4}  {target(x, runner_ms)}"
+                    f"{_f(x.itl_ms(), 7, 2)} {_f(x.node_us_per_token(), 11, 1)} {_f(eng, 10, 1)} "
+                    f"{100 * x.client_cpu_s / x.wall_s:5.0f} {x.errors:>4}  {target(x, runner_ms)}"
                     + (f"  [{x.error[:80]}]" if x.error else ""))
-    rows += scaling(cells)
+    rows += scaling(cells) + against_baseline(cells)
     return "\n".join(rows)
 
 
@@ -286,14 +337,37 @@ def target(x: Cell, runner_ms: float | None) -> str:
     return ""
 
 
+def against_baseline(cells: list[Cell]) -> list[str]:
+    """Per grid point run by both checkouts: this tree's node CPU per streamed token and tok/s as ratios
+    to the baseline's run of the same round (the two ran one after the other, so they share the
+    machine's phase), the median over rounds, each round's in brackets. CPU per token is the steadier
+    figure on a shared machine: it does not depend on how much CPU the node was given."""
+    out = []
+    key = lambda x: (x.layout, x.model, x.setup, x.concurrency, x.sampling)  # noqa: E731
+    ok = {(key(x), x.tree, x.pair): x for x in cells if x.wall_s and x.tokens}
+    for k in dict.fromkeys(k for k, tree, _ in ok if tree == "baseline"):
+        rounds = [(ok[(k, "this", i)], b) for (kk, tree, i), b in ok.items()
+                  if kk == k and tree == "baseline" and (k, "this", i) in ok]
+        if not rounds:
+            continue
+        cpu = [t.node_us_per_token() / b.node_us_per_token() for t, b in rounds]
+        tok = [t.tok_s() / b.tok_s() for t, b in rounds]
+        us = statistics.median(t.node_us_per_token() for t, _ in rounds)
+        base_us = statistics.median(b.node_us_per_token() for _, b in rounds)
+        out.append(f"this vs baseline ({' '.join(map(str, k))}, {len(rounds)} rounds): node CPU per token "
+                   f"{statistics.median(cpu):.2f}x [{' '.join(f'{r:.2f}' for r in cpu)}] (medians {us:.1f} vs "
+                   f"{base_us:.1f} us), tok/s {statistics.median(tok):.2f}x [{' '.join(f'{r:.2f}' for r in tok)}]")
+    return out
+
+
 def scaling(cells: list[Cell]) -> list[str]:
     """Two devices vs one: tok/s at 256 sequences per device, same layout, model, mode and sampling."""
-    ok = [x for x in cells if x.wall_s and x.concurrency == 256 * x.devices]
+    ok = [x for x in cells if x.wall_s and x.concurrency == 256 * x.devices and x.tree == "this"]
     out = []
     for two in (x for x in ok if x.devices == 2):
         mode = two.setup.split()[1]
         one = next((x for x in ok if x.devices == 1 and x.setup.split()[1] == mode and
-                    (x.layout, x.model, x.sampling) == (two.layout, two.model, two.sampling)), None)
+                    (x.layout, x.model, x.sampling, x.pair) == (two.layout, two.model, two.sampling, two.pair)), None)
         if one and one.tok_s():
             r = two.tok_s() / one.tok_s()
             out.append(f"2 vs 1 device ({two.layout}, {two.model}, {mode}, {two.sampling}): {r:.2f}x "
@@ -319,7 +393,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per request (ignore_eos)")
     p.add_argument("--json", default=None, help="write the cells as JSON here")
     p.add_argument("--log-dir", default=None, help="node logs (default: a temporary folder)")
+    p.add_argument("--baseline", default=None, metavar="DIR",
+                   help="another checkout (e.g. 'git worktree add /tmp/base <rev>') whose node runs every grid point "
+                        "too, alternating with this one")
+    p.add_argument("--pairs", type=int, default=3, help="with --baseline: runs of each checkout per node (default 3)")
+    p.add_argument("--models", default=None, help=f"only these models of the grid, comma-separated ({', '.join(MODELS)})")
     a = p.parse_args(argv)
+    a.models = [m.strip() for m in a.models.split(",")] if a.models else None
+    if a.models and not set(a.models) <= set(MODELS):
+        p.error(f"--models: one of {', '.join(MODELS)}")
+    if a.baseline and not (Path(a.baseline) / "node" / "cli.py").is_file():
+        p.error(f"--baseline {a.baseline}: not a shiftnode checkout (no node/cli.py)")
     a.layouts = [a.engine_layout] if a.engine_layout else [x.strip() for x in a.layouts.split(",") if x.strip()]
     a.duration = a.duration or (2.0 if a.quick else 6.0)
     a.warmup = a.warmup or (1.0 if a.quick else 2.0)

@@ -1,7 +1,9 @@
 """A ``shiftnode serve`` subprocess for benchmarks: free port, health wait, always stopped.
 
 ``with NodeServer([...serve flags...], log_path=...) as node:`` starts ``python -m node.cli serve``
-on a free loopback port and waits for ``GET /health``; a node that exits first raises
+on a free loopback port and waits for ``GET /health`` (``repo``: run another checkout's ``node``
+package, e.g. a ``git worktree`` of an older commit: ``python -m`` imports from the working directory
+first); a node that exits first raises
 :class:`NodeUnavailable` with the tail of its log (an unknown ``--mode`` ends that way), one that is
 not healthy in ``startup_timeout_s`` seconds raises it too. Leaving the block terminates the process
 (SIGTERM, then SIGKILL after ``stop_timeout_s``). Stdlib only (``urllib``), so it needs no event loop.
@@ -38,10 +40,11 @@ class NodeServer:
     """One node process. ``url`` is its base URL; ``get_json``/``get_text`` read its routes."""
 
     def __init__(self, serve_args: list[str], *, log_path: str | Path, env: dict[str, str] | None = None,
-                 startup_timeout_s: float = 180.0, stop_timeout_s: float = 10.0):
+                 startup_timeout_s: float = 180.0, stop_timeout_s: float = 10.0, repo: str | Path | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "node.cli", "serve", "--port", str(self.port), *serve_args]
+        self.repo = Path(repo) if repo is not None else REPO  # the checkout whose ``node`` package runs (the cwd)
         self.log_path = Path(log_path)
         self.env = {**os.environ, **(env or {})}
         self.startup_timeout_s = startup_timeout_s
@@ -58,7 +61,7 @@ class NodeServer:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=self.env)
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.repo, env=self.env)
         deadline = time.monotonic() + self.startup_timeout_s
         try:
             while time.monotonic() < deadline:

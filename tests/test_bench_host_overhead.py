@@ -1,0 +1,42 @@
+"""bench.host_overhead's bookkeeping: CPU read from /proc, and old-against-new rounds paired."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bench.host_overhead import Cell, _tree_cpu_s, against_baseline
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_tree_cpu_counts_the_process_and_its_children_apart():
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 0.6: pass"])
+    try:
+        own0, kids0 = _tree_cpu_s(os.getpid())
+        t = time.process_time()
+        while time.process_time() - t < 0.3:
+            pass
+        time.sleep(0.3)
+        own1, kids1 = _tree_cpu_s(os.getpid())
+    finally:
+        child.wait()
+    assert own1 - own0 >= 0.2
+    assert kids1 - kids0 >= 0.2  # the busy child, counted while it runs
+    assert _tree_cpu_s(None) == (0.0, 0.0)
+
+
+def _cell(tree: str, pair: int, node_cpu_s: float, tokens: int) -> Cell:
+    return Cell("process", "zero", "1 col", 256, "greedy", wall_s=1.0, tokens=tokens, node_cpu_s=node_cpu_s,
+                tree=tree, pair=pair)
+
+
+def test_baseline_ratios_pair_each_round_with_its_own_baseline_run():
+    cells = [_cell("baseline", 0, 1.0, 10_000), _cell("this", 0, 0.8, 10_000),  # round 0: 0.80x CPU/token
+             _cell("baseline", 1, 2.0, 10_000), _cell("this", 1, 1.8, 10_000),  # a slow phase: 0.90x
+             _cell("baseline", 2, 1.0, 10_000), _cell("this", 2, 0.7, 12_500)]  # 0.56x, 1.25x tok/s
+    (line,) = against_baseline(cells)
+    assert "3 rounds" in line and "node CPU per token 0.80x [0.80 0.90 0.56]" in line
+    assert "tok/s 1.00x [1.00 1.00 1.25]" in line
+    assert against_baseline([c for c in cells if c.tree == "this"]) == []
