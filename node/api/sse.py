@@ -8,8 +8,9 @@ Writes are synchronous: once :meth:`SSEWriter.prepare` has sent the headers (an 
 (``Transfer-Encoding: chunked``, enabled explicitly) and hands them to the connection's transport,
 so a step's post-processing can write every stream's events without a coroutine per write.
 HTTP/1.0 clients get the bytes unframed, the body ending when the connection closes (what aiohttp
-does for them too). Nothing waits for the client to read: like aiohttp's own writer below its
-64 KiB drain mark, a slow reader's events queue in the transport, a few hundred bytes per token.
+does for them too). Nothing waits for the client to read: a slow reader's events queue in the
+transport, a few hundred bytes per token and at most the request's ``max_tokens`` of them (aiohttp's
+own writer would wait above 64 KiB, and the deltas would queue in the request's DeltaStream instead).
 """
 
 from __future__ import annotations
