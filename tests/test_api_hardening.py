@@ -143,11 +143,11 @@ def test_startup_refuses_broken_model_files(tmp_path, file, content, message):
     assert "Traceback" not in str(e.value)
 
 
-def _raw_post(port: int, version: str, body: dict) -> bytes:
+def _raw_post(port: int, version: str, body: dict, connection: str = "close") -> bytes:
     data = json.dumps(body).encode()
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         s.sendall(f"POST /v1/completions {version}\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+                  f"Content-Length: {len(data)}\r\nConnection: {connection}\r\n\r\n".encode() + data)
         out = b""
         while chunk := s.recv(65536):
             out += chunk
@@ -166,13 +166,14 @@ def _dechunk(body: bytes) -> bytes:
         out, body = out + rest[:n], rest[n + 2 :]
 
 
-@pytest.mark.parametrize("version", ["HTTP/1.1", "HTTP/1.0"])
-def test_streams_are_framed_for_the_clients_http_version(stories_node, version):
+@pytest.mark.parametrize("version,connection", [("HTTP/1.1", "close"), ("HTTP/1.0", "close"), ("HTTP/1.0", "keep-alive")])
+def test_streams_are_framed_for_the_clients_http_version(stories_node, version, connection):
     """The SSE writer frames its own writes: HTTP/1.1 gets valid chunked encoding ending in the empty
-    chunk; HTTP/1.0 (no chunked encoding) gets the bare events, ended by the connection's close."""
+    chunk; HTTP/1.0 (no chunked encoding) gets the bare events, ended by the connection's close, even
+    when it asked to keep the connection (the read below would time out otherwise)."""
     body = {"prompt": "Once upon a time", "max_tokens": 12, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    head, _, payload = _raw_post(stories_node.port, version, body).partition(b"\r\n\r\n")
+    head, _, payload = _raw_post(stories_node.port, version, body, connection).partition(b"\r\n\r\n")
     assert head.split(b" ")[1] == b"200", head
     chunked = b"transfer-encoding: chunked" in head.lower()
     assert chunked == (version == "HTTP/1.1")

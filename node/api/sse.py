@@ -37,6 +37,8 @@ class SSEWriter:
         """Send the status line and headers."""
         if self._chunked:
             self.response.enable_chunked_encoding()
+        else:  # the close ends the body; say so, or a keep-alive HTTP/1.0 client waits for more
+            self.response.force_close()
         await self.response.prepare(self.request)
 
     def send_many(self, payloads: list[dict]) -> None:
