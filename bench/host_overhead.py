@@ -34,8 +34,9 @@ Per cell, after ``--warmup`` seconds, the measured interval of ``--duration`` se
 * ``cli%``: the client's own CPU use in the interval (100 = one core): near 100 the client limits.
 
 ``--baseline DIR`` runs every node of the grid from another checkout as well (``git worktree add
-/tmp/base <rev>``), ``--pairs`` times each, alternating with this one, and prints per grid point the
-medians of both and their ratio: an old-against-new comparison measured side by side in one run.
+/tmp/base <rev>``), ``--pairs`` times each, alternating with this one, and prints per grid point
+this tree's ratio to the baseline run of the same round (node CPU per token, tok/s), each round's and
+their median: an old-against-new comparison measured side by side in one run.
 
 Targets (issue 11) are checked beside the figures: zero, one device, c=256: >= 30k tok/s; sleep:5 at
 256 sequences per device: >= 95 % of 200 steps/s per device; two devices >= 1.6x one device (same
@@ -402,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     a.models = [m.strip() for m in a.models.split(",")] if a.models else None
     if a.models and not set(a.models) <= set(MODELS):
         p.error(f"--models: one of {', '.join(MODELS)}")
+    if a.pairs < 1:
+        p.error("--pairs must be at least 1")
     if a.baseline and not (Path(a.baseline) / "node" / "cli.py").is_file():
         p.error(f"--baseline {a.baseline}: not a shiftnode checkout (no node/cli.py)")
     a.layouts = [a.engine_layout] if a.engine_layout else [x.strip() for x in a.layouts.split(",") if x.strip()]
