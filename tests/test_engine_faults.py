@@ -178,3 +178,56 @@ def test_request_timeout_over_http_is_503_with_retry_after():
         assert "shiftnode_request_timeouts_total 1.0" in node.client.get("/metrics").text
     finally:
         node.close()
+
+
+def test_a_bug_after_a_streams_headers_ends_that_stream_with_an_error_event_and_done():
+    """A failure in the API's own per-step code (here: accounting the 5th token of one request) once
+    the 200 and some events are out ends that stream with an error event and [DONE] on a well-formed
+    body; the other stream and the node go on, and the failed request's KV is freed."""
+    import json
+
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from node.api.app import create_app
+
+    real = Node.account
+    seen = {"bad": 0}
+
+    def flaky(self, req, delta, now):
+        if req.params.seed == 7:  # only the "bad" request sets this seed
+            seen["bad"] += 1
+            if seen["bad"] == 5:
+                raise RuntimeError("injected")
+        return real(self, req, delta, now)
+
+    async def stream(server: TestServer, seed: int) -> list[str]:
+        req = {"prompt": CASE["prompt"], "max_tokens": 40, "temperature": 0.0, "seed": seed, "stream": True}
+        timeout = aiohttp.ClientTimeout(total=30)  # before the fix the failed stream never ended
+        async with aiohttp.ClientSession(timeout=timeout) as s, s.post(server.make_url("/v1/completions"), json=req) as r:
+            assert r.status == 200
+            text = (await r.read()).decode()  # aiohttp's parser: a malformed chunked body raises
+        return [e for e in text.split("\n\n") if e]
+
+    async def go():
+        node = await Node.create(NodeConfig(model=str(STORIES)))
+        server = TestServer(create_app(node.config, node=node))  # the app starts the node and closes it
+        await server.start_server()
+        Node.account = flaky
+        try:
+            bad, good = await asyncio.gather(stream(server, 7), stream(server, 1))
+            Node.account = real
+            await idle(node)
+            again = await stream(server, 7)
+        finally:
+            Node.account = real
+            await server.close()
+        return bad, good, again
+
+    bad, good, again = asyncio.run(go())
+    assert bad[-1] == "data: [DONE]"
+    err = json.loads(bad[-2][len("data: "):])
+    assert err["error"]["code"] == "internal_error" and "RuntimeError" in err["error"]["message"]
+    assert len(bad) - 2 == 4  # the four tokens before the failure
+    assert good[-1] == "data: [DONE]" and len(good) == 41
+    assert len(again) == 41  # the node goes on

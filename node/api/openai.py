@@ -19,7 +19,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from node.api.errors import APIError, bad_request, delta_error
+from node.api.errors import APIError, bad_request, delta_error, error_body
 from node.api.responses import ChoiceState, chat_logprobs, completion_logprobs, envelope, usage
 from node.api.sse import SSEWriter
 from node.api.validate import chat_prompt, check_model, completion_prompts, sampling_params
@@ -197,6 +197,15 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
             await sse.done()
         except ConnectionResetError:  # the client left mid-stream: nothing to answer; its requests end below
             log.info("client_gone", request_id=request_id)
+        except Exception as e:  # noqa: BLE001 - a bug once the 200 went out: end the stream, not a second response
+            if not sse.response.prepared:
+                raise  # nothing sent yet: errors_middleware answers it as usual
+            log.exception("stream_failed", request_id=request_id, error=str(e))
+            try:
+                sse.send(error_body(500, f"internal server error: {type(e).__name__}", code="internal_error"))
+                await sse.done()
+            except ConnectionResetError:
+                pass
         return sse.response
     finally:
         deltas.close()
