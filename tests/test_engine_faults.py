@@ -231,3 +231,16 @@ def test_a_bug_after_a_streams_headers_ends_that_stream_with_an_error_event_and_
     assert len(bad) - 2 == 4  # the four tokens before the failure
     assert good[-1] == "data: [DONE]" and len(good) == 41
     assert len(again) == 41  # the node goes on
+
+
+def test_starting_a_node_twice_runs_one_step_loop_per_device():
+    """A second start() (e.g. create_app given a node already started) must not add a second step
+    loop: with two, every token came out twice."""
+    expected = CASE["output_token_ids"][:40]
+
+    async def body(node: Node):
+        node.start()  # with_node started it already
+        ids, errors = await collect(node, "twice")
+        assert errors == [] and ids == expected
+
+    with_node(body)

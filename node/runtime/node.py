@@ -125,6 +125,7 @@ class Node:
         self.driver: RoleDriver | PooledDriver | None = None
         self.migrations: deque[MigrationRecord] = deque(maxlen=1000)
         self.draining = False
+        self._started = False  # start() ran: a second call must not add a second step loop per device
         self.live: dict[str, RequestState] = {}  # request id → state, from admission until its last delta
         self.timed_out = 0  # requests ended by --request-timeout-s
         self.peers: PeerLinks | None = None
@@ -248,6 +249,10 @@ class Node:
         return bool(config.peers) or config.kv_port is not None or bool(config.peer_secret and config.mode != "colocated")
 
     def start(self) -> None:
+        """Start every device's step loop and the driver. Idempotent."""
+        if self._started:
+            return
+        self._started = True
         for e in self.engines:
             e.start()
         if self.driver:
