@@ -112,19 +112,27 @@ def decode_batch(num_seqs: int, max_ctx: int, *, heads: int = 8, kv_heads: int =
     ``paged_attention`` up to ``max_seqlen_q``: ``(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)``."""
     g = torch.Generator().manual_seed(seed)
     ctx = torch.randint(1, max_ctx + 1, (num_seqs,), generator=g)
-    n_blocks = (ctx + block_size - 1) // block_size
-    total = int(n_blocks.sum())
-    pool = total + total // 8 + 1
-    ids = torch.randperm(pool, generator=g)[:total]
-    table = torch.full((num_seqs, int(n_blocks.max())), -1, dtype=torch.int32)
-    offsets = torch.cumsum(n_blocks, 0) - n_blocks
-    for i in range(num_seqs):
-        table[i, : n_blocks[i]] = ids[offsets[i] : offsets[i] + n_blocks[i]].int()
+    n_blocks = ((ctx + block_size - 1) // block_size).tolist()
+    pool = sum(n_blocks) + sum(n_blocks) // 8 + 1
+    table = scattered_block_tables(n_blocks, pool, g)
     k_cache = torch.randn(pool, block_size, kv_heads, head_dim, generator=g)
     v_cache = torch.randn(pool, block_size, kv_heads, head_dim, generator=g)
     q = torch.randn(num_seqs, heads, head_dim, generator=g)
     cu = torch.arange(num_seqs + 1, dtype=torch.int32)
     return q, k_cache, v_cache, table, ctx.int(), cu
+
+
+def scattered_block_tables(n_blocks: list[int], pool: int, generator: torch.Generator) -> torch.Tensor:
+    """Block tables ``[len(n_blocks), max(n_blocks)]`` int32: sequence ``i`` gets ``n_blocks[i]`` block
+    ids drawn without replacement from ``range(pool)`` (one ``randperm``, in sequence order), the
+    rest of its row -1 (never read)."""
+    ids = torch.randperm(pool, generator=generator)[: sum(n_blocks)]
+    table = torch.full((len(n_blocks), max(n_blocks)), -1, dtype=torch.int32)
+    at = 0
+    for i, nb in enumerate(n_blocks):
+        table[i, :nb] = ids[at : at + nb].int()
+        at += nb
+    return table
 
 
 def _best_ms(fn, repeats: int, budget_s: float) -> float:
@@ -282,12 +290,7 @@ def step_breakdown(folder: Path, backend: str, streams: int, output_tokens: int,
     ctx = [rng.randint(16, 192) + rng.randint(0, output_tokens) for _ in range(streams)]
     n_blocks = [-(-c // bs) for c in ctx]
     pool = max(sum(n_blocks), (256 << 20) // (2 * cfg.num_layers * bs * cfg.num_kv_heads * cfg.head_dim * 4))
-    perm = torch.randperm(pool, generator=torch.Generator().manual_seed(seed))
-    tables = torch.zeros(streams, max(n_blocks), dtype=torch.int32)
-    at = 0
-    for i, nb in enumerate(n_blocks):
-        tables[i, :nb] = perm[at : at + nb]
-        at += nb
+    tables = scattered_block_tables(n_blocks, pool, torch.Generator().manual_seed(seed))
     slots = [int(tables[i, (c - 1) // bs]) * bs + (c - 1) % bs for i, c in enumerate(ctx)]
     kv = torch.randn(cfg.num_layers, 2, pool, bs, cfg.num_kv_heads, cfg.head_dim)
     meta = AttentionMetadata(slot_mapping=torch.tensor(slots), block_tables=tables,

@@ -117,6 +117,9 @@ class Cell:
     def node_us_per_token(self) -> float | None:
         return self.node_cpu_s * 1e6 / self.tokens if self.tokens else None
 
+    def engine_us_per_token(self) -> float | None:
+        return self.engine_cpu_s * 1e6 / self.tokens if self.tokens else None
+
 
 # --- the client ------------------------------------------------------------------------------------
 class Load:
@@ -315,10 +318,9 @@ def table(cells: list[Cell], runner_ms: float | None) -> str:
         host = ms - runner if ms is not None and runner is not None else None
         wait = (statistics.mean(1 - s * SLEEP_MS / 1e3 / x.wall_s for s in x.steps)
                 if x.model == "sleep:5" and x.steps else None)
-        eng = x.engine_cpu_s * 1e6 / x.tokens if x.tokens else None
         rows.append(f"{x.tree:8} {x.layout:8} {x.model:8} {x.setup:6} {x.concurrency:>4} {x.sampling:8} {x.tok_s():8.0f} "
                     f"{sum(x.steps) / x.wall_s:8.1f} {_f(ms, 8, 2)} {_f(host, 8, 2)} {_f(wait, 6, 3)} "
-                    f"{_f(x.itl_ms(), 7, 2)} {_f(x.node_us_per_token(), 11, 1)} {_f(eng, 10, 1)} "
+                    f"{_f(x.itl_ms(), 7, 2)} {_f(x.node_us_per_token(), 11, 1)} {_f(x.engine_us_per_token(), 10, 1)} "
                     f"{100 * x.client_cpu_s / x.wall_s:5.0f} {x.errors:>4}  {target(x, runner_ms)}"
                     + (f"  [{x.error[:80]}]" if x.error else ""))
     rows += scaling(cells) + against_baseline(cells)
@@ -347,8 +349,8 @@ def against_baseline(cells: list[Cell]) -> list[str]:
     key = lambda x: (x.layout, x.model, x.setup, x.concurrency, x.sampling)  # noqa: E731
     ok = {(key(x), x.tree, x.pair): x for x in cells if x.wall_s and x.tokens}
     for k in dict.fromkeys(k for k, tree, _ in ok if tree == "baseline"):
-        rounds = [(ok[(k, "this", i)], b) for (kk, tree, i), b in ok.items()
-                  if kk == k and tree == "baseline" and (k, "this", i) in ok]
+        pairs = sorted(i for kk, tree, i in ok if kk == k and tree == "baseline")
+        rounds = [(ok[(k, "this", i)], ok[(k, "baseline", i)]) for i in pairs if (k, "this", i) in ok]
         if not rounds:
             continue
         cpu = [t.node_us_per_token() / b.node_us_per_token() for t, b in rounds]

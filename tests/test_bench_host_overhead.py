@@ -5,13 +5,13 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from bench.host_overhead import Cell, _tree_cpu_s, against_baseline
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 def test_tree_cpu_counts_the_process_and_its_children_apart():
+    if not os.path.isdir("/proc"):  # off Linux there is nothing to read: zeros, never an error
+        assert _tree_cpu_s(os.getpid()) == (0.0, 0.0)
+        return
     child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 0.6: pass"])
     try:
         own0, kids0 = _tree_cpu_s(os.getpid())
