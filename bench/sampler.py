@@ -9,8 +9,10 @@ for the candidate-set top-p). Penalty rows carry a 1024-token history (512 promp
 
 Prints ms per step (median of ``reps`` after one warm-up) and the ratio to greedy at the same batch:
 sampler only, and per node step, i.e. with a dummy LM-head matmul ``[B, 2048] x [2048, V]`` (the
-cost every step pays anyway) added to both sides. The old per-row loop (``_old_sample`` below, the
-previous implementation, abridged) runs at batch 64 for contrast.
+cost every step pays anyway) added to both sides. Each configuration runs twice, side by side: with
+the compiled CPU kernel for rows without top-k (:mod:`kernels.cpu_sampling_numba`, the default) and
+on the torch path (``node.worker.sampler.CPU_SAMPLER = "torch"``, as without Numba). The old per-row
+loop (``_old_sample`` below, the implementation before both, abridged) runs at batch 64 for contrast.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 import torch
 
 from node.core.sequence import SamplingParams
+from node.worker import sampler as sampler_module
 from node.worker.sampler import SampleRequest, sample
 
 HIDDEN = 2048
@@ -78,7 +81,7 @@ def main() -> None:
     }
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, V={v}, float32, CPU; "
           f"median of {args.reps} (ms/step)")
-    print(f"{'batch':>5} {'logits':>6} {'config':<26} {'sampler ms':>10} {'x greedy':>8} "
+    print(f"{'batch':>5} {'logits':>6} {'config':<26} {'path':>8} {'sampler ms':>10} {'x greedy':>8} "
           f"{'+lmhead ms':>10} {'x greedy':>8}")
     for b in [int(x) for x in args.batches.split(",")]:
         h = torch.randn(b, HIDDEN, generator=gen)
@@ -98,15 +101,18 @@ def main() -> None:
                     buf.copy_(base)  # sample() may modify penalised rows in place
                     sample(buf, reqs, gen)
 
-                ms = _time(step, args.reps) - _time(lambda: buf.copy_(base), args.reps)
-                greedy_ms = ms if greedy_ms is None else greedy_ms
-                print(f"{b:>5} {label:>6} {name:<26} {ms:>10.2f} {ms / greedy_ms:>8.2f} "
-                      f"{mm + ms:>10.1f} {(mm + ms) / (mm + greedy_ms):>8.3f}")
+                for path in ("compiled", "torch") if name != "greedy" else ("-",):
+                    sampler_module.CPU_SAMPLER = "torch" if path == "torch" else "auto"
+                    ms = _time(step, args.reps) - _time(lambda: buf.copy_(base), args.reps)
+                    greedy_ms = ms if greedy_ms is None else greedy_ms
+                    print(f"{b:>5} {label:>6} {name:<26} {path:>8} {ms:>10.2f} {ms / greedy_ms:>8.2f} "
+                          f"{mm + ms:>10.1f} {(mm + ms) / (mm + greedy_ms):>8.3f}", flush=True)
+                sampler_module.CPU_SAMPLER = "auto"
             if b == 64:
                 p = SamplingParams(max_tokens=1, temperature=0.8, top_p=0.95)
                 ms = _time(lambda: _old_sample(base, [p] * b, gen), max(1, args.reps // 2))
-                print(f"{b:>5} {label:>6} {'OLD per-row T0.8 top-p0.95':<26} {ms:>10.2f} {ms / greedy_ms:>8.2f} "
-                      f"{mm + ms:>10.1f} {(mm + ms) / (mm + greedy_ms):>8.3f}")
+                print(f"{b:>5} {label:>6} {'OLD per-row T0.8 top-p0.95':<26} {'old':>8} {ms:>10.2f} "
+                      f"{ms / greedy_ms:>8.2f} {mm + ms:>10.1f} {(mm + ms) / (mm + greedy_ms):>8.3f}")
         print(f"{b:>5} {'':>6} {'(LM head matmul alone)':<26} {mm:>10.1f}")
 
 

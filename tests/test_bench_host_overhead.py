@@ -1,11 +1,15 @@
-"""bench.host_overhead's bookkeeping: CPU read from /proc, and old-against-new rounds paired."""
+"""bench.host_overhead's bookkeeping: CPU read from /proc, old-against-new rounds paired, the sampled
+against greedy ratio, the 128k-vocabulary model folder."""
 
 import os
 import subprocess
 import sys
 import time
 
-from bench.host_overhead import Cell, _tree_cpu_s, against_baseline
+import json
+
+from bench.host_overhead import LLAMA3_VOCAB, STORIES, Cell, _tree_cpu_s, against_baseline, llama3_vocab_model, \
+    sampled_vs_greedy
 
 
 def test_tree_cpu_counts_the_process_and_its_children_apart():
@@ -40,3 +44,23 @@ def test_baseline_ratios_pair_each_round_with_its_own_baseline_run():
     assert "3 rounds" in line and "node CPU per token 0.80x [0.80 0.90 0.56]" in line
     assert "tok/s 1.00x [1.00 1.00 1.25]" in line
     assert against_baseline([c for c in cells if c.tree == "this"]) == []
+
+
+def test_sampled_against_greedy_pairs_the_same_point_and_flags_the_target():
+    def cell(model, sampling, steps, pair=0):
+        return Cell("process", model, "1 col", 256, sampling, wall_s=2.0, tokens=1, steps=[steps], pair=pair)
+
+    lines = sampled_vs_greedy([cell("llama3-vocab", "greedy", 20), cell("llama3-vocab", "t0.8", 18),  # 1.11x
+                               cell("zero", "greedy", 100), cell("zero", "t0.8", 50),  # 2.00x, no target
+                               cell("llama3-vocab", "t0.8", 10, pair=1)])  # no greedy in its round: no line
+    assert len(lines) == 2
+    assert "llama3-vocab" in lines[0] and "1.11x (target <= 1.2x: ok)" in lines[0]
+    assert "zero" in lines[1] and lines[1].endswith("2.00x")
+
+
+def test_llama3_vocab_model_is_stories_with_llama3s_vocabulary(tmp_path):
+    folder = llama3_vocab_model(tmp_path)
+    cfg, base = json.loads((folder / "config.json").read_text()), json.loads((STORIES / "config.json").read_text())
+    assert cfg == base | {"vocab_size": LLAMA3_VOCAB} and LLAMA3_VOCAB == 128256
+    assert (folder / "tokenizer.json").read_bytes() == (STORIES / "tokenizer.json").read_bytes()
+    assert not list(folder.glob("*.safetensors"))

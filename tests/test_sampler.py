@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from node.core.sequence import SamplingParams
+from kernels import cpu_sampling_numba
 from node.worker import sampler as S
-from node.worker.sampler import SampleRequest, TokenLogprobs, logprobs_of, sample, seeded_uniform
+from node.worker.sampler import SampleRequest, TokenLogprobs, logprobs_of, sample, seed_key, seeded_uniform
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -71,6 +72,47 @@ def ref_draw(row: torch.Tensor, p: SamplingParams, u: float) -> int:
     cum = torch.cumsum(sp, -1)
     i = int(torch.searchsorted(cum, torch.tensor([u * float(cum[-1])], dtype=torch.float64), right=True))
     return int(order[min(i, len(order) - 1)])
+
+
+def ref_round_uniform(key: int, k: int) -> float:
+    """Round ``k >= 1`` uniform of the compiled kernel: SplitMix64 of ``key ^ k * ROUND_STRIDE``."""
+    return (S._splitmix64(key ^ ((k * cpu_sampling_numba.ROUND_STRIDE) & S._MASK64)) >> 11) * 2.0**-53
+
+
+def ref_draw_rejection(row: torch.Tensor, p: SamplingParams, u: float, key: int) -> int:
+    """The CPU kernel's draw (rows without top-k), in float64: inverse CDF in vocabulary order over the
+    proposal set (weights ``>= min_p``, above the pivot), accepted when the mass strictly above the token
+    is under ``top_p * Z``, else the pivot rises to its weight and the next round's uniform is used."""
+    x = row.double() / p.temperature
+    w = torch.exp(x - x.max())
+    z = float(w.sum())
+    ok = (w >= p.min_p) & (w > 0)
+    k = 0
+    while True:
+        cum = torch.where(ok, w, 0.0).cumsum(0)
+        j = min(int(torch.searchsorted(cum, torch.tensor([u * float(cum[-1])], dtype=torch.float64), right=True)),
+                len(cum) - 1)
+        if p.top_p >= 1.0 or float(w[w > w[j]].sum()) < p.top_p * z:
+            return j
+        ok &= w > w[j]
+        k += 1
+        u = ref_round_uniform(key, k)
+
+
+def ref_seeded(row: torch.Tensor, req: SampleRequest, device: str = "cpu", compiled: bool = True) -> int:
+    """The token a seeded row must get: the compiled kernel's draw for CPU rows without top-k, the
+    sorted inverse CDF otherwise."""
+    p = req.params
+    u = seeded_uniform(p.seed, req.output_index)
+    if device == "cpu" and compiled and not (0 < p.top_k < row.shape[-1]):
+        return ref_draw_rejection(row, p, u, seed_key(p.seed, req.output_index))
+    return ref_draw(row, p, u)
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """Force the torch sampling path on the CPU (as without Numba)."""
+    monkeypatch.setattr(S, "CPU_SAMPLER", "torch")
 
 
 def gen(seed=0) -> torch.Generator:
@@ -150,8 +192,17 @@ def test_seeded_tokens_equal_reference_draw(device):
         k = kinds[i % len(kinds)]
         reqs.append(R(SamplingParams(**{f: getattr(k, f) for f in k.__struct_fields__} | {"seed": 1000 + i}), index=i))
     toks, _ = run(logits, reqs, device)
-    want = [ref_draw(logits[i], r.params, seeded_uniform(r.params.seed, r.output_index)) for i, r in enumerate(reqs)]
-    assert toks == want
+    assert toks == [ref_seeded(logits[i], r, device) for i, r in enumerate(reqs)]
+
+
+def test_seeded_tokens_equal_reference_draw_torch_path(torch_path):
+    """The torch path (CPU without Numba): the sorted inverse CDF for every row with top-k or top-p."""
+    torch.manual_seed(2)
+    logits = torch.randn(30, 700) * 2.5
+    kinds = [P(temperature=1.0), P(temperature=1.2, top_p=0.9), P(temperature=0.6, top_p=0.5, min_p=0.01)]
+    reqs = [R(SamplingParams(**{f: getattr(k, f) for f in k.__struct_fields__} | {"seed": 1000 + i}), index=i)
+            for i, k in enumerate(kinds * 10)]
+    assert run(logits, reqs)[0] == [ref_seeded(logits[i], r, compiled=False) for i, r in enumerate(reqs)]
 
 
 def test_min_p_and_top_k_masks_support():
@@ -227,7 +278,7 @@ def test_seeded_row_independent_of_batch(device):
     _batch_invariance_case(device)
 
 
-def test_seeded_row_independent_of_chunking_and_candidate_growth(monkeypatch):
+def test_seeded_row_independent_of_chunking_and_candidate_growth(monkeypatch, torch_path):
     torch.manual_seed(6)
     v = 4096
     # Flat rows: the 0.99 nucleus holds thousands of tokens, beyond any small candidate set.
@@ -235,8 +286,7 @@ def test_seeded_row_independent_of_chunking_and_candidate_growth(monkeypatch):
     reqs = [R(P(temperature=1.0, top_p=0.99 if i % 3 else 0.3, min_p=0.0 if i % 4 else 0.2, seed=i), index=i)
             for i in range(24)]
     base, _ = run(logits, reqs)
-    want = [ref_draw(logits[i], r.params, seeded_uniform(r.params.seed, r.output_index)) for i, r in enumerate(reqs)]
-    assert base == want
+    assert base == [ref_seeded(logits[i], r, compiled=False) for i, r in enumerate(reqs)]
     monkeypatch.setattr(S, "_NUCLEUS_CANDIDATES", 8)
     monkeypatch.setattr(S, "_GROW", 3)
     monkeypatch.setattr(S, "_CHUNK_ELEMS", 3 * v)  # 3 rows per chunk
@@ -320,3 +370,77 @@ def test_empty_and_mismatched():
     assert sample(torch.empty(0, 10), [], gen()) == ([], [])
     with pytest.raises(ValueError):
         sample(torch.zeros(2, 10), [R(P())], gen())
+
+
+# ---------------------------------------------------------------- the compiled CPU kernel (no sort)
+
+
+@pytest.mark.parametrize("v", [7, 1023, 1024, 1025, 5000])
+def test_compiled_draw_equals_rejection_reference(v):
+    """Exact tokens against the float64 reference over vocabularies within, at and across block edges,
+    flat and peaked rows, every filter, and nuclei that take many rejection rounds (tiny top_p)."""
+    assert cpu_sampling_numba.available()
+    g = torch.Generator().manual_seed(v)
+    kinds = [P(temperature=1.0), P(temperature=0.8, top_p=0.95), P(temperature=1.3, top_p=0.5),
+             P(temperature=1.0, top_p=0.05), P(temperature=0.7, top_p=1e-6), P(temperature=1.0, min_p=0.1),
+             P(temperature=0.9, top_p=0.9, min_p=0.05), P(temperature=2.0, top_p=0.3, min_p=0.5)]
+    rows, reqs = [], []
+    for i in range(48):
+        scale = [0.05, 1.0, 4.0][i % 3]  # flat, spread, peaked
+        rows.append(torch.randn(v, generator=g) * scale)
+        k = kinds[i % len(kinds)]
+        reqs.append(R(SamplingParams(**{f: getattr(k, f) for f in k.__struct_fields__} | {"seed": 7 * i + v}), index=i))
+    logits = torch.stack(rows)
+    toks, _ = run(logits, reqs)
+    assert toks == [ref_seeded(logits[i], r) for i, r in enumerate(reqs)]
+    tiny = [i for i, r in enumerate(reqs) if r.params.top_p == 1e-6]
+    assert all(toks[i] == int(logits[i].argmax()) for i in tiny)  # the nucleus is the maximum alone
+
+
+def test_compiled_draw_never_picks_masked_tokens():
+    """-inf logits have no weight: never drawn, not even by the rounding fallbacks; a row whose only
+    finite logit sits in the last block still finds it."""
+    v = 3000
+    logits = torch.full((64, v), -math.inf)
+    allowed = [5, 1030, 2999]
+    logits[:, allowed] = torch.tensor([0.0, 0.5, -0.2])
+    logits[1::2, :2999] = -math.inf  # odd rows: only the very last token is finite
+    reqs = [R(P(temperature=1.0, top_p=[1.0, 0.9, 0.4][i % 3], seed=i), index=i) for i in range(64)]
+    toks, _ = run(logits, reqs)
+    assert all(t in allowed for t in toks)
+    assert all(toks[i] == 2999 for i in range(1, 64, 2))
+    assert {toks[i] for i in range(0, 64, 2)} == set(allowed)
+
+
+def test_compiled_draw_flags_degenerate_rows():
+    """A NaN anywhere, an infinite maximum or a temperature that overflows the scaled maximum: the kernel
+    leaves the row to the caller, which takes the argmax."""
+    v = 2050
+    logits = torch.randn(4, v)
+    logits[0, 1500] = float("nan")
+    logits[1, 0] = float("nan")  # first element of a block
+    logits[2, 77] = math.inf
+    logits[3] = torch.randn(v) * 1e30
+    tok, bad = cpu_sampling_numba.draw(logits, [0, 1, 2, 3], [1.0, 1.0, 1.0, 1e-20], [0.9] * 4, [0.0] * 4,
+                                       torch.full((4,), 0.5, dtype=torch.float64), [1, 2, 3, 4])
+    assert bad.tolist() == [True] * 4
+    ok, bad = cpu_sampling_numba.draw(torch.randn(2, v), [0, 1], [1.0] * 2, [0.9] * 2, [0.0] * 2,
+                                      torch.full((2,), 0.5, dtype=torch.float64), [1, 2])
+    assert bad.tolist() == [False, False] and all(0 <= t < v for t in ok.tolist())
+
+
+def test_compiled_draw_frequencies_across_blocks():
+    """Empirical frequencies of a 3-block vocabulary under top-p and min-p match the nucleus distribution
+    (unseeded rows: the first uniform and the round keys come from the node's generator)."""
+    torch.manual_seed(8)
+    v, n = 2500, 20000
+    row = torch.randn(v) * 0.3 - 4.0  # distinct values: no ties at the nucleus boundary
+    top = torch.tensor([3, 900, 1024, 2048, 2499])  # the mass sits in a few tokens spread over the blocks
+    row[top] = torch.tensor([1.0, 0.6, 0.2, -0.3, 0.9])
+    logits = row.expand(n, v).contiguous()
+    for p in [P(temperature=1.0, top_p=0.8), P(temperature=0.9, top_p=0.95, min_p=0.02)]:
+        toks, _ = run(logits, [R(p)] * n)
+        freq = torch.bincount(torch.tensor(toks), minlength=v).double() / n
+        want = ref_probs(row, p)
+        tol = 4.5 * torch.sqrt(want * (1 - want) / n) + 1e-4
+        assert torch.all((freq - want).abs() <= tol), (p, freq[top], want[top])

@@ -11,6 +11,15 @@ device→host transfer is one ``.tolist()`` of a packed float64 tensor at the en
 together). On the CPU a few extra host reads are free and are used to skip work (which rows are
 degenerate, whether a nucleus fits in the candidate set); they are never done on other devices.
 
+**CPU rows without top-k** (plain temperature, top-p, min-p) go to the compiled kernel of
+:mod:`kernels.cpu_sampling_numba` when Numba is there: no sort, top-p by rejection (the
+sorting-free top-p of FlashInfer), about the cost of the greedy argmax at Llama-3's vocabulary. Its
+draw for a top-p row differs from the sorted inverse CDF below (same distribution, another mapping
+from uniforms to tokens: in vocabulary order, with further uniforms when a draw is rejected), so a
+seeded top-p row gives other tokens on the CPU than on a GPU or on a CPU without Numba; on one of
+them it is reproducible as documented. Everything below describes the torch path, which the other
+rows and devices take.
+
 Algorithm for the filters. All three filters keep a *prefix* of the tokens sorted by descending
 probability (top-k: the first ``k``; top-p: the shortest prefix whose renormalised mass reaches
 ``top_p``, the first token always kept; min-p: tokens with ``p >= min_p * p_max``), so their
@@ -33,8 +42,9 @@ vocabulary order for full rows; which order a row uses depends only on its own p
 row's ``u`` is a counter-based hash of ``(seed, output_index)`` (SplitMix64, Steele, Lea & Flood
 2014, "Fast splittable pseudorandom number generators", OOPSLA; constants from Vigna's
 splitmix64.c), so its token depends only on its own logits, seed and output index, never on the
-batch, preemption or migration. Unseeded rows take ``u`` from the node's generator (one
-``torch.rand`` call per step). Caveat: float reductions may round differently in the last ulp with
+batch, preemption or migration; the compiled kernel's later rounds hash the same key
+(:func:`seed_key`) with the round number. Unseeded rows take ``u`` from the node's generator (one
+``torch.rand`` call per step, and on the CPU one ``torch.randint`` for the round keys). Caveat: float reductions may round differently in the last ulp with
 the batch shape (thread splitting of a single-row sum, vector vs scalar tail of ``exp``); a seeded
 token can then flip only when ``u`` falls within ~1e-7 of a CDF or top-p boundary.
 
@@ -46,12 +56,19 @@ the penalised logits; they never fail the batch. Logprobs are those of the model
 from __future__ import annotations
 
 import itertools
+import os
 from array import array
 from dataclasses import dataclass
 
 import torch
 
+from kernels import cpu_sampling_numba
 from node.core.sequence import SamplingParams
+
+CPU_SAMPLER = os.environ.get("SHIFTNODE_CPU_SAMPLER", "auto")
+"""CPU rows without top-k: ``"auto"`` runs the compiled kernel where it applies (Numba installed, float32
+logits), ``"torch"`` always the torch path. Read from ``$SHIFTNODE_CPU_SAMPLER`` at import (benches
+compare the two); tests set it directly."""
 
 _NUCLEUS_CANDIDATES = 1024  # first candidate-set size for top-p rows without top-k (CPU)
 _GROW = 8  # candidate-set growth factor for rows whose nucleus did not fit
@@ -110,9 +127,16 @@ def _splitmix64(x: int) -> int:
     return z ^ (z >> 31)
 
 
+def seed_key(seed: int, output_index: int) -> int:
+    """The 64-bit key of token ``output_index`` of a sequence seeded with ``seed``: its first uniform is
+    :func:`seeded_uniform`, its later rejection rounds (CPU top-p, :mod:`kernels.cpu_sampling_numba`)
+    hash the key with the round number."""
+    return _splitmix64(seed & _MASK64) ^ (output_index & _MASK64)
+
+
 def seeded_uniform(seed: int, output_index: int) -> float:
     """Uniform in ``[0, 1)`` (53 bits) for token ``output_index`` of a sequence seeded with ``seed``."""
-    return (_splitmix64(_splitmix64(seed & _MASK64) ^ (output_index & _MASK64)) >> 11) * 2.0**-53
+    return (_splitmix64(seed_key(seed, output_index)) >> 11) * 2.0**-53
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,16 +311,44 @@ def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return logits.index_select(0, torch.tensor(rows, device=logits.device))
 
 
-def _draw(logits: torch.Tensor, reqs: list[SampleRequest], rows: list[int], u: torch.Tensor) -> torch.Tensor:
+def _draw_compiled(logits: torch.Tensor, rows: list[int], ps: list[SamplingParams], u: torch.Tensor,
+                   keys: list[int], out: torch.Tensor) -> bool:
+    """CPU rows without top-k through :mod:`kernels.cpu_sampling_numba` (rejection top-p, no sort),
+    written into ``out [len(rows)]``; False (nothing done) when the kernel does not apply."""
+    res = cpu_sampling_numba.draw(logits, rows, [p.temperature for p in ps], [p.top_p for p in ps],
+                                  [p.min_p for p in ps], u, keys)
+    if res is None:
+        return False
+    tok, bad = res
+    if bool(bad.any()):
+        idx = bad.nonzero().flatten()
+        tok[idx] = logits.index_select(0, torch.tensor(rows)[idx]).argmax(dim=-1)
+    out.copy_(tok)
+    return True
+
+
+def _draw(logits: torch.Tensor, reqs: list[SampleRequest], rows: list[int], u: torch.Tensor,
+          keys: list[int]) -> torch.Tensor:
     """Tokens ``[len(rows)]`` int64 for the non-greedy ``rows`` of the penalised ``logits [N, V]``.
-    ``u [len(rows)]`` float64. Splits the rows by kind (full / sorted, from their own parameters) and,
-    on the CPU, into chunks of ≈``_CHUNK_ELEMS`` elements so temporaries stay small and reused."""
+    ``u [len(rows)]`` float64, ``keys`` the rows' 64-bit round keys. On the CPU, rows without top-k go
+    to the compiled kernel when it applies. The others split by kind (full / sorted, from their own
+    parameters) and, on the CPU, into chunks of ≈``_CHUNK_ELEMS`` elements so temporaries stay small."""
     dev = logits.device
     vocab = logits.shape[1]
     out = torch.empty(len(rows), dtype=torch.int64, device=dev)
     ps = [reqs[i].params for i in rows]
-    full = [j for j, p in enumerate(ps) if not (0 < p.top_k < vocab) and p.top_p >= 1.0]
-    srt = [j for j, p in enumerate(ps) if (0 < p.top_k < vocab) or p.top_p < 1.0]
+    has_k = [0 < p.top_k < vocab for p in ps]
+    no_k = [j for j, h in enumerate(has_k) if not h]
+    compiled = False
+    if dev.type == "cpu" and no_k and CPU_SAMPLER != "torch":
+        sel = torch.tensor(no_k)
+        tok = torch.empty(len(no_k), dtype=torch.int64)
+        compiled = _draw_compiled(logits, [rows[j] for j in no_k], [ps[j] for j in no_k], u[sel],
+                                  [keys[j] for j in no_k], tok)
+        if compiled:
+            out[sel] = tok
+    full = [j for j, p in enumerate(ps) if not compiled and not has_k[j] and p.top_p >= 1.0]
+    srt = [j for j, p in enumerate(ps) if has_k[j] or (not compiled and p.top_p < 1.0)]
     step = max(1, _CHUNK_ELEMS // vocab) if dev.type == "cpu" else len(rows)
     for kind in (full, srt):
         for a in range(0, len(kind), step):
@@ -360,14 +412,21 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest],
         seeded = [j for j, i in enumerate(sampled) if params[i].seed is not None]
         unseeded = [j for j, i in enumerate(sampled) if params[i].seed is None]
         u = torch.empty(len(sampled), dtype=torch.float64, device=dev)
+        keys = [0] * len(sampled)
         if seeded:
-            host = [seeded_uniform(params[sampled[j]].seed, reqs[sampled[j]].output_index) for j in seeded]
+            for j in seeded:
+                keys[j] = seed_key(params[sampled[j]].seed, reqs[sampled[j]].output_index)
+            host = [(_splitmix64(keys[j]) >> 11) * 2.0**-53 for j in seeded]  # == seeded_uniform
             u[torch.tensor(seeded, device=dev)] = torch.tensor(host, dtype=torch.float64).to(dev)
         if unseeded:
             gdev = generator.device
             r = torch.rand(len(unseeded), generator=generator, dtype=torch.float64, device=gdev)
             u[torch.tensor(unseeded, device=dev)] = r.to(dev)
-        tokens[torch.tensor(sampled, device=dev)] = _draw(logits, reqs, sampled, u)
+            if dev.type == "cpu":  # keys of the compiled kernel's later rounds, from the same generator
+                rk = torch.randint(-(2**63), 2**63 - 1, (len(unseeded),), generator=generator, dtype=torch.int64)
+                for j, kk in zip(unseeded, rk.tolist()):
+                    keys[j] = kk & _MASK64
+        tokens[torch.tensor(sampled, device=dev)] = _draw(logits, reqs, sampled, u, keys)
 
     # One host copy: tokens, chosen logprobs, top values and ids, packed as float64 (ids < 2^53).
     parts = [tokens.double()]
