@@ -18,9 +18,13 @@ Three parts, side by side in one run:
    its head_dim-32 copy (:func:`pad_head_dim`).
 3. **The decode step by operator** (:func:`step_breakdown`, skipped with ``--skip-breakdown``): for
    each model and backend of part 2, one decode step of ``--streams`` sequences at part 2's mid-run
-   contexts, in the bench process: ms per step and per operator (attention, cache writes, rotary,
-   RMSNorm, SiLU-and-mul, all layers), and the K/V bytes attention reads per layer. It says what
-   part 2's ratio is made of.
+   contexts, in the bench process, the two models' steps alternating: ms per step and per operator
+   (attention, cache writes, rotary, RMSNorm, SiLU-and-mul, all layers), the K/V bytes attention reads
+   per layer, and the median of the per-turn step ratios. It says what
+   part 2's ratio is made of. Beside it, the memory roofline (:func:`memory_roofline`): per model the
+   K+V bytes a step's attention reads, the last-level cache, the time to stream those bytes at a
+   measured read bandwidth, and the bandwidth the kernel achieved. Runs without part 2 as well
+   (``--skip-stream``).
 
 The head_dim-32 copy computes the same function as the original: each head's 8 dims are placed at
 dims ``0..3`` and ``16..19`` of 32 (rotate-half pairs ``(i, i + D/2)`` stay pairs), the other dims
@@ -51,7 +55,8 @@ import torch
 
 from kernels import cpu_attention, reference
 
-__all__ = ["pad_head_dim", "decode_batch", "time_attention", "stream_throughput", "step_breakdown", "main"]
+__all__ = ["pad_head_dim", "decode_batch", "time_attention", "stream_throughput", "step_breakdown", "memory_roofline",
+           "main"]
 
 STORIES = Path(os.environ.get("SHIFTNODE_SHARED", Path(__file__).resolve().parents[2] / "shared")) / "models" / "stories260k"
 
@@ -253,14 +258,49 @@ def stream_throughput(model: Path, backend: str, streams: int, output_tokens: in
     return row
 
 
-def step_breakdown(folder: Path, backend: str, streams: int, output_tokens: int, seed: int = 0,
-                   steps: int = 100) -> dict:
-    """Part 3: where a decode step of ``streams`` sequences goes, in this process (no node): the model's
+def step_breakdown(folders: list[Path], backend: str, streams: int, output_tokens: int, seed: int = 0,
+                   steps: int = 100) -> list[dict]:
+    """Part 3: where a decode step of ``streams`` sequences goes, in this process (no node): each model's
     forward + logits + argmax, timed per operator of the backend (each summed over the layers), ms
-    per step, medians over ``steps``. Contexts are part 2's mid-run ones (prompt uniform in
-    ``[16, 192]`` plus up to ``output_tokens``), blocks scattered over a pool sized like part 2's
+    per step, medians over ``steps``. The models alternate (in turn, each runs an untimed step that
+    brings its K/V back into the caches, then the timed one), so a drift of the machine's speed hits
+    all of them alike; each row after the first also carries the median
+    of the per-turn step ratios ``first / this``. Contexts are part 2's mid-run ones (prompt uniform
+    in ``[16, 192]`` plus up to ``output_tokens``), blocks scattered over a pool sized like part 2's
     node's, on ``cores - 1`` torch threads as a one-device node's engine runs.
     """
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    names = ("paged_attention", "reshape_and_cache", "rotary_embedding", "rms_norm", "silu_and_mul")
+    runs = [_decode_step(f, backend, streams, output_tokens, seed, names) for f in folders]
+    per_step = [{"step": [], **{n: [] for n in names}} for _ in runs]
+    with torch.inference_mode():
+        for i in range(steps + 10):
+            for run, acc in zip(runs, per_step):
+                run["step"]()  # untimed: the other model's step has just flushed this one's K/V from the caches
+                total, spent = run["step"]()
+                if i >= 10:
+                    acc["step"].append(total)
+                    for n in names:
+                        acc[n].append(spent.get(n, 0.0))
+    rows = []
+    for f, run, acc in zip(folders, runs, per_step):
+        row = {"model": f.name, "backend": backend, "streams": streams, **run["info"],
+               **{f"{n}_ms": round(1e3 * statistics.median(v), 3) for n, v in acc.items()}}
+        if rows:
+            row["step_ratio_to_first"] = round(statistics.median(
+                a / b for a, b in zip(per_step[0]["step"], acc["step"])), 3)
+        print(f"step {f.name} backend={backend}: {row['step_ms']} ms per decode step of {streams} sequences, "
+              + ", ".join(f"{n} {row[n + '_ms']}" for n in names)
+              + f" (ms, all layers; {row['kv_bytes_per_layer_step'] / 2**20:.1f} MiB of K+V read per layer)"
+              + (f"; step ratio {folders[0].name} / this, median of alternating steps: {row['step_ratio_to_first']}"
+                 if rows else ""), flush=True)
+        rows.append(row)
+    return rows
+
+
+def _decode_step(folder: Path, backend: str, streams: int, output_tokens: int, seed: int, names: tuple) -> dict:
+    """``{"step": fn, "info": {...}}``: ``fn()`` runs one decode step of ``folder``'s model and returns
+    ``(seconds, {operator: seconds})``; ``info`` says the batch (mean context, layers, K+V bytes per layer)."""
     from dataclasses import replace
 
     from node.runtime.node import select_ops
@@ -268,7 +308,6 @@ def step_breakdown(folder: Path, backend: str, streams: int, output_tokens: int,
     from node.worker.model_config import ModelConfig
     from node.worker.weights import build_model
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     cfg = ModelConfig.from_folder(folder)
     spent: dict[str, float] = {}
 
@@ -281,7 +320,6 @@ def step_breakdown(folder: Path, backend: str, streams: int, output_tokens: int,
         return run
 
     base = select_ops(backend, "cpu")
-    names = ("paged_attention", "reshape_and_cache", "rotary_embedding", "rms_norm", "silu_and_mul")
     ops = replace(base, **{n: timed(n, getattr(base, n)) for n in names})
     model = build_model(cfg, folder=folder, load_format="safetensors", dtype=torch.float32, device=torch.device("cpu"),
                         max_positions=cfg.max_position_embeddings, ops=ops)
@@ -297,23 +335,60 @@ def step_breakdown(folder: Path, backend: str, streams: int, output_tokens: int,
                              seq_lens=torch.tensor(ctx, dtype=torch.int32),
                              cu_seqlens_q=torch.arange(streams + 1, dtype=torch.int32), max_seqlen_q=1)
     ids, pos = torch.randint(3, cfg.vocab_size, (streams,)), torch.tensor(ctx) - 1
-    per_step: dict[str, list[float]] = {"step": [], **{n: [] for n in names}}
-    with torch.inference_mode():
-        for i in range(steps + 10):
-            spent.clear()
-            t0 = time.perf_counter()
-            model.compute_logits(model(ids, pos, kv, meta)).argmax(-1).tolist()
-            if i >= 10:
-                per_step["step"].append(time.perf_counter() - t0)
-                for n in names:
-                    per_step[n].append(spent.get(n, 0.0))
-    row = {"model": folder.name, "backend": backend, "streams": streams, "mean_context": round(sum(ctx) / streams, 1),
-           "kv_bytes_per_layer_step": 2 * sum(ctx) * cfg.num_kv_heads * cfg.head_dim * 4,
-           **{f"{n}_ms": round(1e3 * statistics.median(v), 3) for n, v in per_step.items()}}
-    print(f"step {folder.name} backend={backend}: {row['step_ms']} ms per decode step of {streams} sequences, "
-          + ", ".join(f"{n} {row[n + '_ms']}" for n in names)
-          + f" (ms, all layers; {row['kv_bytes_per_layer_step'] / 2**20:.1f} MiB of K+V read per layer)", flush=True)
-    return row
+
+    def step() -> tuple[float, dict[str, float]]:
+        spent.clear()
+        t0 = time.perf_counter()
+        model.compute_logits(model(ids, pos, kv, meta)).argmax(-1).tolist()
+        return time.perf_counter() - t0, dict(spent)
+
+    return {"step": step, "info": {"mean_context": round(sum(ctx) / streams, 1), "layers": cfg.num_layers,
+                                   "kv_bytes_per_layer_step": 2 * sum(ctx) * cfg.num_kv_heads * cfg.head_dim * 4}}
+
+
+def read_bandwidth_gbs(mib: int = 512, reps: int = 5) -> float:
+    """Streaming read bandwidth in GB/s on the current torch threads: the best of ``reps`` sums of a
+    float32 buffer of ``mib`` MiB (far past the last-level cache, so it streams from memory)."""
+    buf = torch.ones(mib << 18)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() * 4 / best / 1e9
+
+
+def llc_mib() -> float | None:
+    """The last-level cache of CPU 0 in MiB, from Linux sysfs (None elsewhere)."""
+    try:
+        caches = sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"))
+        size = (caches[-1] / "size").read_text().strip()
+    except (OSError, IndexError):
+        return None
+    units = {"K": 1 / 1024, "M": 1.0, "G": 1024.0}
+    return float(size[:-1]) * units[size[-1]] if size and size[-1] in units else None
+
+
+def memory_roofline(rows: list[dict], bandwidth_gbs: float, cache_mib: float | None) -> list[dict]:
+    """Part 3's roofline, per row: the K+V bytes one decode step's attention reads (all layers), the
+    time streaming them from memory takes at ``bandwidth_gbs`` (the floor when they do not fit the
+    last-level cache of ``cache_mib``), and the bandwidth the measured attention achieved
+    (bytes / attention time): far under the measured bandwidth, the kernel is bound by its arithmetic."""
+    out = []
+    for r in rows:
+        kv = r["kv_bytes_per_layer_step"] * r["layers"]
+        row = {"model": r["model"], "backend": r["backend"], "kv_mib_per_step": round(kv / 2**20, 1),
+               "llc_mib": cache_mib, "read_gb_per_s": round(bandwidth_gbs, 2),
+               "memory_floor_ms": round(kv / (bandwidth_gbs * 1e9) * 1e3, 2),
+               "attention_ms": r["paged_attention_ms"],
+               "achieved_gb_per_s": round(kv / (r["paged_attention_ms"] * 1e-3) / 1e9, 2)}
+        fits = cache_mib is not None and kv / 2**20 <= cache_mib
+        print(f"roofline {r['model']} backend={r['backend']}: attention reads {row['kv_mib_per_step']} MiB of K+V per "
+              f"step ({'fits' if fits else 'exceeds'} the {cache_mib} MiB last-level cache); from memory at "
+              f"{bandwidth_gbs:.1f} GB/s (one thread, streaming) that is {row['memory_floor_ms']} ms, the kernel "
+              f"took {row['attention_ms']} ms ({row['achieved_gb_per_s']} GB/s)", flush=True)
+        out.append(row)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,13 +417,15 @@ def main(argv: list[str] | None = None) -> int:
     if not a.skip_attention:
         doc["attention"] = time_attention([int(x) for x in a.batches.split(",")], [int(x) for x in a.contexts.split(",")],
                                           [int(x) for x in a.head_dims.split(",")], a.repeats, a.cell_budget_s)
-    if not a.skip_stream:
+    if not (a.skip_stream and a.skip_breakdown):
         padded = pad_head_dim(a.model, a.work_dir / f"{a.model.name}-hd{a.padded_head_dim}", a.padded_head_dim)
         doc["greedy_check"] = greedy_check(a.model, padded, "cpu")
-        if not a.skip_breakdown:
-            doc["breakdown"] = [step_breakdown(m, b, a.streams, a.output_tokens)
-                                for m in (a.model, padded) for b in a.backends.split(",")]
         print(f"greedy check (original vs head_dim {a.padded_head_dim}): {doc['greedy_check']}", flush=True)
+    if not a.skip_breakdown:
+        doc["breakdown"] = [row for b in a.backends.split(",")
+                            for row in step_breakdown([a.model, padded], b, a.streams, a.output_tokens)]
+        doc["roofline"] = memory_roofline(doc["breakdown"], read_bandwidth_gbs(), llc_mib())
+    if not a.skip_stream:
         rows = [stream_throughput(m, b, a.streams, a.output_tokens, a.work_dir, seed=rep, kv_cache_memory=a.kv_cache_memory)
                 for rep in range(a.stream_repeats) for m in (a.model, padded) for b in a.backends.split(",")]
         doc["stream"] = rows

@@ -15,6 +15,7 @@ from typing import Callable
 import structlog
 import torch
 
+from kernels import cpu_sampling_numba
 from node.worker.cuda_graphs import DecodeGraphs
 from node.worker.model import AttentionMetadata, CausalLM
 from node.worker.model_config import ModelConfig
@@ -94,6 +95,8 @@ class ModelRunner:
         shape = (cfg.num_layers, 2, num_blocks, *(kv_payload or (block_size, kv_heads, cfg.head_dim)))
         self.kv_cache = kv_alloc(shape, kv_dtype, device) if kv_alloc else torch.zeros(shape, dtype=kv_dtype, device=device)
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        if device.type == "cpu":
+            cpu_sampling_numba.available()  # compile (or load) the sampling kernel now, not in a sampled step
         self._lock = threading.Lock()  # one step at a time, also against KV copies from transfers
         self.graphs: DecodeGraphs | None = None
         self.graphs_error: str | None = None  # why a capture failed (graphs were then turned off)
