@@ -14,7 +14,8 @@ Three parts, side by side in one run:
    (model, backend), fed ``--streams`` concurrent streaming requests by :func:`bench.replay.replay`
    (all sent at t=0, seeded prompt lengths uniform in ``[16, 192]``, ``--output-tokens`` each,
    ``ignore_eos``); the figure is output tokens per second (first send to last token), the best of
-   ``--stream-repeats`` runs (each run's figure is kept in the JSON). The models are stories260k and
+   ``--stream-repeats`` runs (each run's figure is kept in the JSON), and the ratio of the two models
+   both best against best and as the median of each repeat's back-to-back pair. The models are stories260k and
    its head_dim-32 copy (:func:`pad_head_dim`).
 3. **The decode step by operator** (:func:`step_breakdown`, skipped with ``--skip-breakdown``): for
    each model and backend of part 2, one decode step of ``--streams`` sequences at part 2's mid-run
@@ -438,8 +439,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"best {m} backend={b}: {v} tokens/s")
         for b in a.backends.split(","):
             ratio = by[(padded.name, b)] / by[(a.model.name, b)]
-            print(f"backend {b}: head_dim {a.padded_head_dim} / unpadded throughput = {ratio:.2f}")
+            # each repeat ran the two models back to back: their ratio is what the machine's drift spares
+            mine = [x for x in rows if x["backend"] == b]  # per repeat: the unpadded model, then the padded one
+            pairs = [mine[i + 1]["tokens_per_s"] / mine[i]["tokens_per_s"] for i in range(0, len(mine), 2)]
+            print(f"backend {b}: head_dim {a.padded_head_dim} / unpadded throughput = {ratio:.2f} (best of each), "
+                  f"{statistics.median(pairs):.2f} (median of the repeats' pairs: "
+                  f"{' '.join(f'{x:.2f}' for x in pairs)})")
             doc.setdefault("padded_ratio", {})[b] = round(ratio, 3)
+            doc.setdefault("padded_ratio_pairs", {})[b] = [round(x, 3) for x in pairs]
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(doc, indent=1))

@@ -64,11 +64,12 @@ ROUND_STRIDE = 0xD6E8FEB86659FD93
 _lock = threading.Lock()
 _kernel = None
 _import_error: str | None = None
-_splitmix = _bits_to_float = _proposal_mass = None  # compiled helpers of the kernel, module globals so the disk cache can key on them
+# The kernel's compiled helpers are module globals, not closure cells, so Numba's disk cache can key on them.
+_splitmix = _bits_to_float = _proposal_mass = _first_max = None
 
 
 def _build():
-    global _splitmix, _bits_to_float, _proposal_mass
+    global _splitmix, _bits_to_float, _proposal_mass, _first_max
     import math
 
     from llvmlite import ir
@@ -122,6 +123,16 @@ def _build():
                 g = w[i] * c
                 part += g if (g > pivot and g >= mp) else np.float32(0.0)
             bsum[b] = part
+
+    @njit(cache=True, boundscheck=False, nogil=True)
+    def _first_max(xr, bmax, m):  # pragma: no cover - compiled
+        # the first token whose logit is the row's maximum m (blocks found by their maxima bmax)
+        for b in range(bmax.shape[0]):
+            if bmax[b] == m:
+                for i in range(b * block, min(xr.shape[0], (b + 1) * block)):
+                    if xr[i] == m:
+                        return i
+        return 0
 
     @njit(fastmath=fast, cache=True, boundscheck=False, nogil=True)
     def kernel(x, rows, temp, top_p, min_p, u0, keys, out, bad):  # pragma: no cover - compiled
@@ -192,6 +203,9 @@ def _build():
                 total = 0.0
                 for b in range(nblocks):
                     total += bsum[b]
+                if not total > 0.0:  # an empty proposal set (min_p > 1, top_p <= 0 past the API's checks)
+                    j = _first_max(xr, bmax, m)
+                    break
                 target = min(u * total, np.nextafter(total, 0.0))
                 # the block whose cumulative mass first exceeds the target, then the token inside it
                 acc = 0.0

@@ -444,3 +444,14 @@ def test_compiled_draw_frequencies_across_blocks():
         want = ref_probs(row, p)
         tol = 4.5 * torch.sqrt(want * (1 - want) / n) + 1e-4
         assert torch.all((freq - want).abs() <= tol), (p, freq[top], want[top])
+
+
+def test_compiled_draw_with_an_empty_proposal_set_takes_the_maximum():
+    """min_p above 1 or top_p of 0 (both refused by the API, possible for a direct caller): no token is
+    eligible, and the kernel returns the row's maximum instead of failing or looping."""
+    v = 2100
+    logits = torch.randn(2, v)
+    logits[:, 1500] = 9.0
+    tok, bad = cpu_sampling_numba.draw(logits, [0, 1], [1.0, 1.0], [1.0, 0.0], [1.5, 0.0],
+                                       torch.full((2,), 0.7, dtype=torch.float64), [3, 4])
+    assert tok.tolist() == [1500, 1500] and bad.tolist() == [False, False]

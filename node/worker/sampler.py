@@ -44,9 +44,10 @@ row's ``u`` is a counter-based hash of ``(seed, output_index)`` (SplitMix64, Ste
 splitmix64.c), so its token depends only on its own logits, seed and output index, never on the
 batch, preemption or migration; the compiled kernel's later rounds hash the same key
 (:func:`seed_key`) with the round number. Unseeded rows take ``u`` from the node's generator (one
-``torch.rand`` call per step, and on the CPU one ``torch.randint`` for the round keys). Caveat: float reductions may round differently in the last ulp with
-the batch shape (thread splitting of a single-row sum, vector vs scalar tail of ``exp``); a seeded
-token can then flip only when ``u`` falls within ~1e-7 of a CDF or top-p boundary.
+``torch.rand`` call per step, and on the CPU one ``torch.randint`` for the round keys). Caveat:
+float reductions may round differently in the last ulp with the batch shape (thread splitting of a
+single-row sum, vector vs scalar tail of ``exp``); a seeded token can then flip only when ``u``
+falls within ~1e-7 of a CDF or top-p boundary.
 
 Degenerate rows (NaN/±inf logits, all masked, overflowing temperature) fall back to the argmax of
 the penalised logits; they never fail the batch. Logprobs are those of the model's raw distribution
@@ -134,9 +135,13 @@ def seed_key(seed: int, output_index: int) -> int:
     return _splitmix64(seed & _MASK64) ^ (output_index & _MASK64)
 
 
+def _uniform_of_key(key: int) -> float:
+    return (_splitmix64(key) >> 11) * 2.0**-53
+
+
 def seeded_uniform(seed: int, output_index: int) -> float:
     """Uniform in ``[0, 1)`` (53 bits) for token ``output_index`` of a sequence seeded with ``seed``."""
-    return (_splitmix64(seed_key(seed, output_index)) >> 11) * 2.0**-53
+    return _uniform_of_key(seed_key(seed, output_index))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -416,7 +421,7 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest],
         if seeded:
             for j in seeded:
                 keys[j] = seed_key(params[sampled[j]].seed, reqs[sampled[j]].output_index)
-            host = [(_splitmix64(keys[j]) >> 11) * 2.0**-53 for j in seeded]  # == seeded_uniform
+            host = [_uniform_of_key(keys[j]) for j in seeded]  # seeded_uniform, the key kept for later rounds
             u[torch.tensor(seeded, device=dev)] = torch.tensor(host, dtype=torch.float64).to(dev)
         if unseeded:
             gdev = generator.device
