@@ -36,8 +36,8 @@ every emulated device's worker thread share the same cores, and on this project'
 region waits for its slowest thread, and the other core is rarely free), while devices stepping in
 their own threads still run their kernels side by side (``nogil``).
 
-Numba is optional: :func:`available` is False when it cannot be imported, and the caller falls back.
-The kernel is compiled on first use (about 8 s, then cached on disk next to this file, so later
+Numba is optional: :func:`available` is False when it cannot be imported (or finds no writable cache
+folder), and the caller falls back. The kernel is compiled on first use (about 8 s, then cached on disk next to this file, so later
 processes load it in about a second).
 """
 
@@ -230,7 +230,7 @@ def available() -> bool:
         if _kernel is None and _import_error is None:
             try:
                 kernel = _build()
-            except ImportError as e:
+            except (ImportError, RuntimeError) as e:  # no Numba, or no writable cache folder
                 _import_error = str(e)
                 return False
             import numpy as np

@@ -255,7 +255,8 @@ def _build():
 
 
 def available() -> bool:
-    """True when the kernel can run (Numba imports); the first call compiles it or loads it from disk."""
+    """True when the kernel can run (Numba imports and has a writable cache folder); the first call
+    compiles it or loads it from disk."""
     global _kernel, _import_error
     if _kernel is not None:
         return True
@@ -265,7 +266,7 @@ def available() -> bool:
         if _kernel is None and _import_error is None:
             try:
                 kernel = _build()
-            except ImportError as e:
+            except (ImportError, RuntimeError) as e:  # no Numba, or no writable cache folder
                 _import_error = str(e)
                 return False
             one = np.ones(1, dtype=np.float32)

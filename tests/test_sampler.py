@@ -447,11 +447,14 @@ def test_compiled_draw_frequencies_across_blocks():
 
 
 def test_compiled_draw_with_an_empty_proposal_set_takes_the_maximum():
-    """min_p above 1 or top_p of 0 (both refused by the API, possible for a direct caller): no token is
-    eligible, and the kernel returns the row's maximum instead of failing or looping."""
+    """min_p above 1, or a top_p of 0 (refused by the API, but a top_p under ~1e-45 passes it and rounds
+    to 0 in float32): no token is eligible, and the kernel returns the row's maximum instead of looping."""
     v = 2100
     logits = torch.randn(2, v)
     logits[:, 1500] = 9.0
     tok, bad = cpu_sampling_numba.draw(logits, [0, 1], [1.0, 1.0], [1.0, 0.0], [1.5, 0.0],
                                        torch.full((2,), 0.7, dtype=torch.float64), [3, 4])
     assert tok.tolist() == [1500, 1500] and bad.tolist() == [False, False]
+    # through the sampler: a top_p the API accepts but float32 rounds to 0 (it hung the engine once)
+    reqs = [R(P(temperature=1.0, top_p=1e-50, seed=1)), R(P(temperature=1.0, top_p=1e-50))]
+    assert run(logits, reqs)[0] == [1500, 1500]
