@@ -37,8 +37,8 @@ region waits for its slowest thread, and the other core is rarely free), while d
 their own threads still run their kernels side by side (``nogil``).
 
 Numba is optional: :func:`available` is False when it cannot be imported (or finds no writable cache
-folder), and the caller falls back. The kernel is compiled on first use (about 8 s, then cached on disk next to this file, so later
-processes load it in about a second).
+folder), and the caller falls back. The kernel is compiled on first use (about 8 s, then cached on
+disk next to this file, so later processes load it in about a second).
 """
 
 from __future__ import annotations
