@@ -16,7 +16,7 @@ temperature 0.8 / top_p 0.95. Each ``--layouts`` entry is passed as ``--engine-l
 refuses it gives an error row).
 
 The full grid is every model x setup x concurrency 1, 64, 256 (and 512 = 256 per device on two
-devices) x sampling. ``--quick`` (about 3 minutes on 2 CPUs, both layouts): zero on 1 and 2 devices
+devices) x sampling. ``--quick`` (3–4 minutes on 2 CPUs, both layouts): zero on 1 and 2 devices
 colocated (c=1, 256 greedy and t0.8; 512), sleep:5 likewise at 256 per device, stories260k c=1,
 llama3-vocab at 256 greedy and t0.8.
 

@@ -6,15 +6,15 @@ from types import SimpleNamespace
 
 from node.config import NodeConfig
 
-from node.runtime.health import node_health
+from node.runtime.health import STALLED_STEP_S, node_health
 from node.runtime.peer_state import InboundRefusals, Peer
 from node.transport.protocol import StatusReply
 
 NOW = 100.0
 
 
-def engine(device_id: str, failure: str | None = None) -> SimpleNamespace:
-    return SimpleNamespace(device_id=device_id, failure=failure)
+def engine(device_id: str, failure: str | None = None, step_started_s: float | None = None) -> SimpleNamespace:
+    return SimpleNamespace(device_id=device_id, failure=failure, step_started_s=step_started_s)
 
 
 def ready_peer(addr: str = "10.0.0.2:9100", accepting: bool = True) -> Peer:
@@ -45,7 +45,7 @@ def test_engines_down_degrade_and_all_down_is_unavailable():
     h = node_health(node(engines=[engine("cpu:0", "step failed: boom"), engine("cpu:1")]), NOW)
     assert h.status == "degraded" and h.reasons == ["engine cpu:0 down: step failed: boom"]
     h = node_health(node(engines=[engine("cpu:0", "a"), engine("cpu:1", "b")]), NOW)
-    assert h.status == "unavailable" and h.http_status == 503 and h.reasons[0] == "every engine is down"
+    assert h.status == "unavailable" and h.http_status == 503 and h.reasons[0] == "every engine is down or stalled"
     assert node_health(node(engines=[SimpleNamespace(device_id="cpu:0")]), NOW).status == "ok"  # no failure attribute yet
 
 
@@ -83,3 +83,15 @@ def test_recent_inbound_refusals_degrade_and_old_ones_do_not():
     h = node_health(node(receiver=SimpleNamespace(refused=refused)), NOW)
     assert h.status == "degraded"
     assert h.reasons == ["refused peer prefill-a connecting to the KV port (weights): KV layout mismatch"]
+
+
+def test_a_step_that_never_returns_marks_its_device_stalled():
+    """An engine that lives but loops inside a step (a kernel bug once did) fails no request by itself:
+    health names it once its step has run for STALLED_STEP_S, and all devices stalled is unavailable."""
+    long_ago = NOW - STALLED_STEP_S - 5
+    h = node_health(node(engines=[engine("cpu:0", step_started_s=long_ago), engine("cpu:1", step_started_s=NOW - 1)]), NOW)
+    assert h.status == "degraded" and h.reasons == [f"engine cpu:0 stalled: a step has run for {STALLED_STEP_S + 5:.0f} s"]
+    h = node_health(node(engines=[engine("cpu:0", step_started_s=long_ago), engine("cpu:1", "gone")]), NOW)
+    assert h.status == "unavailable" and h.reasons[0] == "every engine is down or stalled"
+    # a busy device whose step is recent, and an idle one, are fine
+    assert node_health(node(engines=[engine("cpu:0", step_started_s=NOW - 2.0), engine("cpu:1")]), NOW).status == "ok"

@@ -1,6 +1,10 @@
 """The node's health for ``GET /health``: ``ok``, ``degraded`` (it serves, but something is wrong:
-a peer unreachable or refused, the node draining, a device down) or ``unavailable`` (it cannot serve
-a request at all: every device down, or a pooled node whose prefill or decode side is wholly gone).
+a peer unreachable or refused, the node draining, a device down or stalled) or ``unavailable`` (it
+cannot serve a request at all: every device down or stalled, or a pooled node whose prefill or decode
+side is wholly gone).
+
+A device is *stalled* when its oldest step in flight has run for :data:`STALLED_STEP_S`: its engine
+lives but does not answer (a kernel that never returns), so nothing else would mark it down.
 """
 
 from __future__ import annotations
@@ -15,6 +19,10 @@ if TYPE_CHECKING:
     from node.runtime.node import Node
 
 INBOUND_REFUSAL_WINDOW_S = 60.0  # an inbound refusal this recent makes the node degraded
+STALLED_STEP_S = 120.0
+"""A step in flight this long (s) marks its device stalled: far past any step of a serving batch (a CPU
+prefill of a full 8k-token prompt of an 8B model takes tens of seconds), and soon enough for a load
+balancer to stop routing to a node whose engines hang."""
 OK, DEGRADED, UNAVAILABLE = "ok", "degraded", "unavailable"
 
 
@@ -47,8 +55,13 @@ def node_health(node: "Node", now: float | None = None) -> Health:
     fatal: list[str] = []
     down = {e.device_id: f for e in node.engines if (f := _down(e))}
     reasons += [f"engine {d} down: {f}" for d, f in down.items()]
+    for e in node.engines:
+        started = getattr(e, "step_started_s", None)
+        if e.device_id not in down and started is not None and now - started >= STALLED_STEP_S:
+            down[e.device_id] = "stalled"
+            reasons.append(f"engine {e.device_id} stalled: a step has run for {now - started:.0f} s")
     if len(down) == len(node.engines):
-        fatal.append("every engine is down")
+        fatal.append("every engine is down or stalled")
     if node.draining:
         reasons.append("draining: the node takes no new requests")
     ready = 0
