@@ -43,15 +43,13 @@ disk next to this file, so later processes load it in about a second).
 
 from __future__ import annotations
 
-import threading
-
 import torch
+
+from kernels._cephes import float32_constants
+from kernels._numba_lazy import LazyKernel
 
 __all__ = ["available", "paged_decode", "PREFETCH_BYTES"]
 
-_lock = threading.Lock()  # one compile, whichever device thread asks first
-_kernel = None
-_import_error: str | None = None
 _prefetch = _next_block = None  # compiled helpers of the kernel, set by _build
 
 PREFETCH_BYTES = 16 << 10
@@ -91,14 +89,8 @@ def _build():
 
         return types.void(arr, idx), codegen
 
-    # Cephes expf (S. L. Moshier, Cephes Math Library, expf.c): exp(x) = 2**n * exp(r), n = round(x / ln 2),
-    # r = x - n ln 2 (ln 2 split in two for exactness), exp(r) by a degree-7 polynomial; relative error
-    # ~1e-7 on the range used here (x <= 0, clamped at -87 so 2**n stays a normal float).
-    log2e = np.float32(1.44269504088896341)
-    ln2_hi, ln2_lo = np.float32(0.693359375), np.float32(-2.12194440e-4)
-    p0, p1, p2 = np.float32(1.9875691500e-4), np.float32(1.3981999507e-3), np.float32(8.3334519073e-3)
-    p3, p4, p5 = np.float32(4.1665795894e-2), np.float32(1.6666665459e-1), np.float32(5.0000001201e-1)
-    x_min = np.float32(-87.0)
+    # Cephes expf (kernels/_cephes.py); the range used here is x <= 0, clamped at -87
+    log2e, ln2_hi, ln2_lo, p0, p1, p2, p3, p4, p5, x_min = float32_constants()
     prefetch_bytes = PREFETCH_BYTES
 
     @njit(cache=True, nogil=True)
@@ -217,29 +209,23 @@ def _build():
     return decode
 
 
-def available() -> bool:
-    """True when the Numba kernel can run (Numba imports). The first call compiles it (or loads it from
-    the disk cache) by running it once on a one-token batch, so a node pays that at start-up
-    (:func:`kernels.ops.get_ops` calls this for the ``cpu`` backend) rather than in its first step."""
-    global _kernel, _import_error
-    if _kernel is not None:
-        return True
-    if _import_error is not None:
-        return False
-    with _lock:
-        if _kernel is None and _import_error is None:
-            try:
-                kernel = _build()
-            except (ImportError, RuntimeError) as e:  # no Numba, or no writable cache folder
-                _import_error = str(e)
-                return False
-            import numpy as np
+def _warm(kernel) -> None:
+    import numpy as np
 
-            q = np.zeros((1, 1, 1, 2), dtype=np.float32)
-            kv = np.zeros((1, 1, 1, 2), dtype=np.float32)
-            kernel(q, kv, kv, np.zeros((1, 1), dtype=np.int32), np.ones(1, dtype=np.int32), 1.0, q.copy())
-            _kernel = kernel
-    return _kernel is not None
+    q = np.zeros((1, 1, 1, 2), dtype=np.float32)
+    kv = np.zeros((1, 1, 1, 2), dtype=np.float32)
+    kernel(q, kv, kv, np.zeros((1, 1), dtype=np.int32), np.ones(1, dtype=np.int32), 1.0, q.copy())
+
+
+_lazy = LazyKernel(_build, _warm)
+
+
+def available() -> bool:
+    """True when the Numba kernel can run (Numba imports and has a writable cache folder). The first
+    call compiles it (or loads it from the disk cache) by running it once on a one-token batch, so a
+    node pays that at start-up (:func:`kernels.ops.get_ops` calls this for the ``cpu`` backend) rather
+    than in its first step."""
+    return _lazy.get() is not None
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -264,6 +250,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     shape4 = (num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    _kernel(q.view(shape4).numpy(), k_cache.numpy(), v_cache.numpy(), block_tables.numpy(),
+    _lazy.kernel(q.view(shape4).numpy(), k_cache.numpy(), v_cache.numpy(), block_tables.numpy(),
             seq_lens.numpy(), float(scale), out.view(shape4).numpy())
     return True

@@ -48,10 +48,11 @@ index, never on the batch. The loop runs on the calling thread (nogil), for the 
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import torch
+
+from kernels._cephes import float32_constants
+from kernels._numba_lazy import LazyKernel
 
 __all__ = ["available", "draw", "BLOCK", "ROUND_STRIDE"]
 
@@ -61,9 +62,6 @@ BLOCK = 1024
 ROUND_STRIDE = 0xD6E8FEB86659FD93
 """Odd 64-bit multiplier separating a row's rounds: round ``k`` hashes ``key ^ (k * ROUND_STRIDE)``."""
 
-_lock = threading.Lock()
-_kernel = None
-_import_error: str | None = None
 # The kernel's compiled helpers are module globals, not closure cells, so Numba's disk cache can key on them.
 _splitmix = _bits_to_float = _proposal_mass = _first_max = None
 
@@ -88,11 +86,7 @@ def _build():
 
         return types.float32(bits), codegen
 
-    log2e = np.float32(1.44269504088896341)
-    ln2_hi, ln2_lo = np.float32(0.693359375), np.float32(-2.12194440e-4)
-    p0, p1, p2 = np.float32(1.9875691500e-4), np.float32(1.3981999507e-3), np.float32(8.3334519073e-3)
-    p3, p4, p5 = np.float32(4.1665795894e-2), np.float32(1.6666665459e-1), np.float32(5.0000001201e-1)
-    x_min = np.float32(-87.0)
+    log2e, ln2_hi, ln2_lo, p0, p1, p2, p3, p4, p5, x_min = float32_constants()  # Cephes expf
     block = BLOCK
     golden = np.uint64(0x9E3779B97F4A7C15)
     mix1, mix2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -254,26 +248,19 @@ def _build():
     return kernel
 
 
+def _warm(kernel) -> None:
+    one = np.ones(1, dtype=np.float32)
+    kernel(np.zeros((1, 2), dtype=np.float32), np.zeros(1, dtype=np.int64), one, one * 0.5, one * 0,
+           np.zeros(1), np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.bool_))
+
+
+_lazy = LazyKernel(_build, _warm)
+
+
 def available() -> bool:
     """True when the kernel can run (Numba imports and has a writable cache folder); the first call
     compiles it or loads it from disk."""
-    global _kernel, _import_error
-    if _kernel is not None:
-        return True
-    if _import_error is not None:
-        return False
-    with _lock:
-        if _kernel is None and _import_error is None:
-            try:
-                kernel = _build()
-            except (ImportError, RuntimeError) as e:  # no Numba, or no writable cache folder
-                _import_error = str(e)
-                return False
-            one = np.ones(1, dtype=np.float32)
-            kernel(np.zeros((1, 2), dtype=np.float32), np.zeros(1, dtype=np.int64), one, one * 0.5, one * 0,
-                   np.zeros(1), np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.bool_))
-            _kernel = kernel
-    return _kernel is not None
+    return _lazy.get() is not None
 
 
 def draw(logits: torch.Tensor, rows: list[int], temperature: list[float], top_p: list[float], min_p: list[float],
@@ -298,7 +285,7 @@ def draw(logits: torch.Tensor, rows: list[int], temperature: list[float], top_p:
     n = len(rows)
     out = np.empty(n, dtype=np.int64)
     bad = np.empty(n, dtype=np.bool_)
-    _kernel(logits.numpy(), np.asarray(rows, dtype=np.int64), np.asarray(temperature, dtype=np.float32),
+    _lazy.kernel(logits.numpy(), np.asarray(rows, dtype=np.int64), np.asarray(temperature, dtype=np.float32),
             np.asarray(top_p, dtype=np.float32), np.asarray(min_p, dtype=np.float32),
             u0.numpy().astype(np.float64, copy=False), np.asarray(keys, dtype=np.uint64), out, bad)
     return torch.from_numpy(out), torch.from_numpy(bad)
