@@ -134,7 +134,7 @@ def _build():
         # out [R] int64 (tokens); bad [R] bool (degenerate rows, out left unset)
         vocab = x.shape[1]
         nblocks = (vocab + block - 1) // block
-        w = np.empty(vocab, dtype=np.float32)  # w_i / c_b: weights relative to their block's maximum
+        w = np.empty(vocab, dtype=np.float32)  # g_i / c_b: each weight relative to its block's maximum
         bmax = np.empty(nblocks, dtype=np.float32)
         scale = np.empty(nblocks, dtype=np.float32)  # c_b = exp((max_b - max) / T), a block's largest weight
         bsum = np.empty(nblocks, dtype=np.float64)  # proposal mass per block
