@@ -413,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-dir", type=Path, default=Path("bench/out/cpu_attention"))
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     a = ap.parse_args(argv)
+    if not (a.model / "config.json").is_file():
+        print(f"model not found at {a.model} (set SHIFTNODE_SHARED, or pass --model)", file=sys.stderr)
+        return 2
     doc = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.processor() or platform.machine()}, "
            f"{torch.get_num_threads()} torch threads, torch {torch.__version__}", "command": " ".join(sys.argv)}
     if not a.skip_attention:

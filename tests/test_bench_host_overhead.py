@@ -1,12 +1,13 @@
 """bench.host_overhead's bookkeeping: CPU read from /proc, old-against-new rounds paired, the sampled
 against greedy ratio, the 128k-vocabulary model folder."""
 
+import json
 import os
 import subprocess
 import sys
 import time
 
-import json
+from support import require_shared
 
 from bench.host_overhead import LLAMA3_VOCAB, STORIES, Cell, _tree_cpu_s, against_baseline, llama3_vocab_model, \
     sampled_vs_greedy
@@ -59,6 +60,7 @@ def test_sampled_against_greedy_pairs_the_same_point_and_flags_the_target():
 
 
 def test_llama3_vocab_model_is_stories_with_llama3s_vocabulary(tmp_path):
+    require_shared()
     folder = llama3_vocab_model(tmp_path)
     cfg, base = json.loads((folder / "config.json").read_text()), json.loads((STORIES / "config.json").read_text())
     assert cfg == base | {"vocab_size": LLAMA3_VOCAB} and LLAMA3_VOCAB == 128256

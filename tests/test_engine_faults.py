@@ -9,9 +9,11 @@ anyway marks its device down. ``--request-timeout-s`` ends a request with an err
 from __future__ import annotations
 
 import asyncio
+import time
 
 from node.config import NodeConfig
 from node.core.sequence import SamplingParams
+from node.runtime.health import STALLED_STEP_S, node_health
 from node.runtime.node import Node
 from node.runtime.output import OutputState
 from support import STORIES, NodeProcess, reference_cases
@@ -242,5 +244,42 @@ def test_starting_a_node_twice_runs_one_step_loop_per_device():
         node.start()  # with_node started it already
         ids, errors = await collect(node, "twice")
         assert errors == [] and ids == expected
+
+    with_node(body)
+
+
+def test_a_step_that_never_returns_is_reported_stalled():
+    """The engine's ``step_started_s`` is None when idle and the send time of the oldest step in flight
+    otherwise; a step that never comes back (an engine looping inside a kernel) makes /health name the
+    device stalled once STALLED_STEP_S have passed, and unavailable when it is the only device."""
+
+    async def body(node: Node):
+        engine = node.engines[0]
+        ids, errors = await collect(node, "before")
+        assert ids == CASE["output_token_ids"][:40] and not errors
+        await idle(node)
+        assert engine.step_started_s is None and node_health(node).status == "ok"
+        real = engine.runner.async_submit
+        calls = {"n": 0}
+
+        def wedge(step):
+            calls["n"] += 1
+            return real(step) if calls["n"] < 3 else asyncio.get_running_loop().create_future()  # never answered
+
+        engine.runner.async_submit = wedge
+        task = asyncio.create_task(collect(node, "wedged"))
+        for _ in range(1000):  # the third step is sent and, overlapped, the fourth
+            if calls["n"] >= 4:
+                break
+            await asyncio.sleep(0.01)
+        assert calls["n"] >= 4
+        started = engine.step_started_s
+        assert started is not None and started <= time.monotonic()
+        assert node_health(node, started + 1.0).status == "ok"
+        h = node_health(node, started + STALLED_STEP_S + 1.0)
+        assert h.status == "unavailable" and h.http_status == 503
+        assert h.reasons == ["every engine is down or stalled",
+                             f"engine {engine.device_id} stalled: a step has run for {STALLED_STEP_S + 1.0:.0f} s"]
+        task.cancel()
 
     with_node(body)

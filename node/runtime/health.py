@@ -3,12 +3,15 @@ a peer unreachable or refused, the node draining, a device down or stalled) or `
 cannot serve a request at all: every device down or stalled, or a pooled node whose prefill or decode
 side is wholly gone).
 
-A device is *stalled* when its oldest step in flight has run for :data:`STALLED_STEP_S`: its engine
-lives but does not answer (a kernel that never returns), so nothing else would mark it down.
+A device is *stalled* when its oldest step in flight was sent :data:`STALLED_STEP_S` ago and has not
+come back: its engine lives but does not answer (a kernel that never returns), so nothing else would
+mark it down. With overlapped steps a step is sent while the one before it runs, so the age counts
+that wait too: the test is "the last two steps took that long together".
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -19,10 +22,12 @@ if TYPE_CHECKING:
     from node.runtime.node import Node
 
 INBOUND_REFUSAL_WINDOW_S = 60.0  # an inbound refusal this recent makes the node degraded
-STALLED_STEP_S = 120.0
-"""A step in flight this long (s) marks its device stalled: far past any step of a serving batch (a CPU
-prefill of a full 8k-token prompt of an 8B model takes tens of seconds), and soon enough for a load
-balancer to stop routing to a node whose engines hang."""
+STALLED_STEP_S = float(os.environ.get("SHIFTNODE_STALLED_STEP_S", "120"))
+"""A step in flight this long (s) marks its device stalled; ``$SHIFTNODE_STALLED_STEP_S``, read at
+import, sets it (as vLLM's ``VLLM_ENGINE_ITERATION_TIMEOUT_S`` does its engine's). 120 s is far past
+a GPU step and past the prefill steps of the models this node serves on a CPU, and soon enough for a
+load balancer to stop routing to a node whose engines hang; a CPU node running a large model with
+large prefill batches should raise it."""
 OK, DEGRADED, UNAVAILABLE = "ok", "degraded", "unavailable"
 
 
