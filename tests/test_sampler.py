@@ -10,6 +10,7 @@ import torch
 from node.core.sequence import SamplingParams
 from kernels import cpu_sampling_numba
 from node.worker import sampler as S
+from node.worker.penalties import apply_penalties
 from node.worker.sampler import SampleRequest, TokenLogprobs, logprobs_of, sample, seed_key, seeded_uniform
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -136,7 +137,7 @@ def test_penalties_exact_against_reference():
               P(repetition_penalty=1.2, presence_penalty=0.4, frequency_penalty=0.9)]
     reqs = [R(p, h, pl) for p, h, pl in zip(params, hist, [3, 1, 0, 2, 0, 4])]
     got = logits.clone()
-    S._apply_penalties(got, reqs)
+    apply_penalties(got, reqs)
     want = torch.stack([ref_penalise(logits[i], r) for i, r in enumerate(reqs)])
     assert torch.equal(got, want)
     # Greedy rows see the penalised logits.
@@ -158,7 +159,7 @@ def test_penalty_rows_do_not_touch_other_rows_and_history_not_read():
     logits = torch.randn(2, 50)
     reqs = [SampleRequest(P(), Trap([1, 2]), 1, 0), R(P(repetition_penalty=2.0), [3], 1)]
     got = logits.clone()
-    S._apply_penalties(got, reqs)
+    apply_penalties(got, reqs)
     assert torch.equal(got[0], logits[0])
     sample(logits.clone(), reqs, gen())
 
