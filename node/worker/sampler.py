@@ -254,19 +254,18 @@ def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 
 def _draw_compiled(logits: torch.Tensor, rows: list[int], ps: list[SamplingParams], u: torch.Tensor,
-                   keys: list[int], out: torch.Tensor) -> bool:
-    """CPU rows without top-k through :mod:`kernels.cpu_sampling_numba` (rejection top-p, no sort),
-    written into ``out [len(rows)]``; False (nothing done) when the kernel does not apply."""
+                   keys: list[int]) -> torch.Tensor | None:
+    """CPU rows without top-k through :mod:`kernels.cpu_sampling_numba` (rejection top-p, no sort):
+    tokens ``[len(rows)]`` int64, or None (nothing done) when the kernel does not apply."""
     res = cpu_sampling_numba.draw(logits, rows, [p.temperature for p in ps], [p.top_p for p in ps],
                                   [p.min_p for p in ps], u, keys)
     if res is None:
-        return False
+        return None
     tok, bad = res
     if bool(bad.any()):
         idx = bad.nonzero().flatten()
         tok[idx] = logits.index_select(0, torch.tensor(rows)[idx]).argmax(dim=-1)
-    out.copy_(tok)
-    return True
+    return tok
 
 
 def _draw(logits: torch.Tensor, reqs: list[SampleRequest], rows: list[int], u: torch.Tensor,
@@ -279,18 +278,16 @@ def _draw(logits: torch.Tensor, reqs: list[SampleRequest], rows: list[int], u: t
     vocab = logits.shape[1]
     out = torch.empty(len(rows), dtype=torch.int64, device=dev)
     ps = [reqs[i].params for i in rows]
-    has_k = [0 < p.top_k < vocab for p in ps]
-    no_k = [j for j, h in enumerate(has_k) if not h]
-    compiled = False
+    todo = list(range(len(rows)))  # rows the torch path below still has to draw
+    no_k = [j for j, p in enumerate(ps) if not (0 < p.top_k < vocab)]
     if dev.type == "cpu" and no_k and CPU_SAMPLER != "torch":
         sel = torch.tensor(no_k)
-        tok = torch.empty(len(no_k), dtype=torch.int64)
-        compiled = _draw_compiled(logits, [rows[j] for j in no_k], [ps[j] for j in no_k], u[sel],
-                                  [keys[j] for j in no_k], tok)
-        if compiled:
+        tok = _draw_compiled(logits, [rows[j] for j in no_k], [ps[j] for j in no_k], u[sel], [keys[j] for j in no_k])
+        if tok is not None:
             out[sel] = tok
-    full = [j for j, p in enumerate(ps) if not compiled and not has_k[j] and p.top_p >= 1.0]
-    srt = [j for j, p in enumerate(ps) if has_k[j] or (not compiled and p.top_p < 1.0)]
+            todo = [j for j, p in enumerate(ps) if 0 < p.top_k < vocab]
+    full = [j for j in todo if not (0 < ps[j].top_k < vocab) and ps[j].top_p >= 1.0]
+    srt = [j for j in todo if (0 < ps[j].top_k < vocab) or ps[j].top_p < 1.0]
     step = max(1, _CHUNK_ELEMS // vocab) if dev.type == "cpu" else len(rows)
     for kind in (full, srt):
         for a in range(0, len(kind), step):
