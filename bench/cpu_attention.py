@@ -4,8 +4,8 @@
 
 Three parts, side by side in one run:
 
-1. **Attention alone**: :func:`kernels.reference.paged_attention` and
-   :func:`kernels.cpu_attention.paged_attention` on the same decode batches (1/16/64/256 sequences,
+1. **Attention alone**: :func:`shiftnode_kernels.reference.paged_attention` and
+   :func:`shiftnode_kernels.cpu_attention.paged_attention` on the same decode batches (1/16/64/256 sequences,
    contexts uniform in ``[1, max]`` for max 512 and 4,096, blocks scattered over the pool, block size
    16) for the stories260k attention geometry (8 query heads, 4 KV heads) at head_dim 8 and 32. Each
    cell is the best of ``--repeats`` calls (ms; the best, because the machine is shared) and the
@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_attention, reference
+from shiftnode_kernels import cpu_attention, reference
 
 __all__ = ["pad_head_dim", "decode_batch", "time_attention", "stream_throughput", "step_breakdown", "memory_roofline",
            "main"]

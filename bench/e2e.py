@@ -240,7 +240,7 @@ def get_runner(p: Profile, state: dict):
 def _build_runner(p: Profile, state: dict):
     import torch
 
-    from kernels.ops import get_ops
+    from shiftnode_kernels.ops import get_ops
     from node.config import NodeConfig
     from node.worker.cuda_graphs import DecodeGraphs
     from node.worker.loader import LoadedModel, build_runner

@@ -2,7 +2,7 @@
 
     python -m bench.kernels [--markdown bench/RESULTS.md] [--json out.json] [--groups decode,prefill]
 
-Each kernel's output is compared with ``kernels.reference`` on the same device (norm-relative error
+Each kernel's output is compared with ``shiftnode_kernels.reference`` on the same device (norm-relative error
 ``||out - ref|| / ||ref||``: fp32 <= 1e-5, fp16/bf16 <= 1e-2, NaN fails; outputs are pre-filled with
 NaN and unused cache slots hold NaN). Then ``triton.testing.do_bench`` (median, L2 flushed) times the
 kernel and the reference, and the table shows achieved GB/s (memory-bound kernels) or TFLOP/s
@@ -145,15 +145,15 @@ def paged_inputs(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size
 
 
 class _Poison:
-    """Fill every kernel output with NaN before it is written (``kernels._common.POISON``)."""
+    """Fill every kernel output with NaN before it is written (``shiftnode_kernels._common.POISON``)."""
 
     def __enter__(self):
-        import kernels._common as c
+        import shiftnode_kernels._common as c
 
         c.POISON = float("nan")
 
     def __exit__(self, *exc):
-        import kernels._common as c
+        import shiftnode_kernels._common as c
 
         c.POISON = None
 
@@ -165,8 +165,8 @@ class _Poison:
 def attention_case(name, group, q_lens, ctx_lens, h, hkv, d, bs, dtype, device, num_splits=None,
                    timed=True, seed=0, shape=None, ref_cache=None) -> Case:
     def build() -> Env:
-        import kernels.attention as A
-        from kernels import reference as ref
+        import shiftnode_kernels.attention as A
+        from shiftnode_kernels import reference as ref
 
         key = (tuple(q_lens), tuple(ctx_lens), h, hkv, d, bs, dtype, seed)
         if ref_cache is not None and key in ref_cache:
@@ -207,7 +207,7 @@ def norm_case(name, group, rows, hidden, dtype, device, residual=True, timed=Tru
     def build() -> Env:
         import torch
 
-        from kernels import norm, reference as ref
+        from shiftnode_kernels import norm, reference as ref
 
         t = _torch_dtype(dtype)
         x = torch.randn(rows, hidden, device=device, dtype=t)
@@ -231,7 +231,7 @@ def rotary_case(name, group, tokens, h, hkv, d, dtype, device, rot_dim=None, tim
     def build() -> Env:
         import torch
 
-        from kernels import reference as ref, rotary
+        from shiftnode_kernels import reference as ref, rotary
 
         t = _torch_dtype(dtype)
         rd = rot_dim or d
@@ -258,7 +258,7 @@ def silu_case(name, group, rows, inter, dtype, device, timed=True) -> Case:
     def build() -> Env:
         import torch
 
-        from kernels import activation, reference as ref
+        from shiftnode_kernels import activation, reference as ref
 
         x = torch.randn(rows, 2 * inter, device=device, dtype=_torch_dtype(dtype))
 
@@ -276,7 +276,7 @@ def cache_case(name, group, tokens, hkv, d, bs, dtype, device, timed=True) -> Ca
     def build() -> Env:
         import torch
 
-        from kernels import cache, reference as ref
+        from shiftnode_kernels import cache, reference as ref
 
         t = _torch_dtype(dtype)
         num_blocks = -(-tokens // bs) * 2
@@ -304,7 +304,7 @@ def transfer_case(name, group, n, hkv, d, bs, dtype, device, scatter: bool, time
     def build() -> Env:
         import torch
 
-        from kernels import kv_transfer, reference as ref
+        from shiftnode_kernels import kv_transfer, reference as ref
 
         t = _torch_dtype(dtype)
         num_blocks = 2 * n + 3

@@ -10,7 +10,7 @@ for the candidate-set top-p). Penalty rows carry a 1024-token history (512 promp
 Prints ms per step (median of ``reps`` after one warm-up) and the ratio to greedy at the same batch:
 sampler only, and per node step, i.e. with a dummy LM-head matmul ``[B, 2048] x [2048, V]`` (the
 cost every step pays anyway) added to both sides. Each configuration runs twice, side by side: with
-the compiled CPU kernel for rows without top-k (:mod:`kernels.cpu_sampling_numba`, the default) and
+the compiled CPU kernel for rows without top-k (:mod:`shiftnode_kernels.cpu_sampling_numba`, the default) and
 on the torch path (``node.worker.sampler.CPU_SAMPLER = "torch"``, as without Numba). The old per-row
 loop (``_old_sample`` below, the implementation before both, abridged) runs at batch 64 for contrast.
 """

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_attention, cpu_decode_numba
-from kernels import reference as ref
-from kernels.ops import get_ops, resolve_backend
+from shiftnode_kernels import cpu_attention, cpu_decode_numba
+from shiftnode_kernels import reference as ref
+from shiftnode_kernels.ops import get_ops, resolve_backend
 
 KERNELS = ["auto", "torch"]  # numba is a dependency: the compiled decode path is tested, never skipped
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
@@ -199,7 +199,7 @@ def test_stories260k_greedy_equals_reference(decode_kernel):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cache_write_and_rotary_match_reference(dtype):
-    from kernels import cpu_ops
+    from shiftnode_kernels import cpu_ops
 
     g = torch.Generator().manual_seed(5)
     k_cache = torch.zeros(6, 16, 2, 32, dtype=dtype)

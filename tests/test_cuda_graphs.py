@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels.ops import get_ops
+from shiftnode_kernels.ops import get_ops
 from node.cli import config_from_args, serve_parser
 from node.config import NodeConfig
 from node.core.batcher import BatchConfig, Batcher

@@ -1,11 +1,11 @@
-"""Every Triton kernel against its torch reference (``kernels/reference.py``).
+"""Every Triton kernel against its torch reference (``kernels/shiftnode_kernels/reference.py``).
 
 By default the kernels run on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` is set
 below, before Triton is imported). On a GPU machine run them compiled with::
 
     TRITON_INTERPRET=0 SHIFTNODE_TEST_DEVICE=cuda python -m pytest tests/test_kernels.py -q
 
-Outputs are poisoned with NaN before each run (``kernels._common.POISON``), the paged caches hold NaN
+Outputs are poisoned with NaN before each run (``shiftnode_kernels._common.POISON``), the paged caches hold NaN
 in every slot that is not part of a context and block tables hold -1 past each sequence's blocks, so a
 kernel that skips an element or reads outside its context fails. Errors are norm-relative
 (``||out - ref|| / ||ref||``): fp32 <= 1e-5, fp16/bf16 <= 1e-2; NaN never passes.
@@ -25,7 +25,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels import reference as ref  # noqa: E402
+from shiftnode_kernels import reference as ref  # noqa: E402
 
 DEVICE = os.environ.get("SHIFTNODE_TEST_DEVICE", "cpu")
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -37,24 +37,24 @@ import triton  # noqa: E402,F401 - a hard dependency: a missing install must fai
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-_TRITON_MODULES = ["kernels.attention", "kernels.cache", "kernels.norm", "kernels.rotary",
-                   "kernels.activation", "kernels.kv_transfer", "kernels.triton_ops"]
+_TRITON_MODULES = ["shiftnode_kernels.attention", "shiftnode_kernels.cache", "shiftnode_kernels.norm", "shiftnode_kernels.rotary",
+                   "shiftnode_kernels.activation", "shiftnode_kernels.kv_transfer", "shiftnode_kernels.triton_ops"]
 
 
 def _load_triton():
     """The Triton kernel modules, reloaded if something imported them before TRITON_INTERPRET was set
     (Triton picks compile vs interpret when a kernel is defined)."""
-    if INTERPRET and "kernels.attention" in sys.modules:
+    if INTERPRET and "shiftnode_kernels.attention" in sys.modules:
         from triton.runtime.interpreter import InterpretedFunction
 
-        if not isinstance(sys.modules["kernels.attention"]._paged_decode_kernel, InterpretedFunction):
+        if not isinstance(sys.modules["shiftnode_kernels.attention"]._paged_decode_kernel, InterpretedFunction):
             for name in _TRITON_MODULES:
                 if name in sys.modules:
                     importlib.reload(sys.modules[name])
-    from kernels.ops import get_ops
+    from shiftnode_kernels.ops import get_ops
 
     ops = get_ops("triton")
-    return ops, importlib.import_module("kernels.attention")
+    return ops, importlib.import_module("shiftnode_kernels.attention")
 
 
 OPS, ATTN = _load_triton()
@@ -62,9 +62,9 @@ OPS, ATTN = _load_triton()
 
 @pytest.fixture(autouse=True)
 def _poison_outputs(monkeypatch):
-    import kernels._common
+    import shiftnode_kernels._common
 
-    monkeypatch.setattr(kernels._common, "POISON", float("nan"))
+    monkeypatch.setattr(shiftnode_kernels._common, "POISON", float("nan"))
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -364,7 +364,7 @@ def test_gather_scatter_kv_blocks(dtype, block_size):
 
 
 def test_get_ops_namespaces():
-    from kernels.ops import OP_NAMES, get_ops
+    from shiftnode_kernels.ops import OP_NAMES, get_ops
 
     torch_ops = get_ops("torch")
     for name in OP_NAMES:
@@ -377,10 +377,10 @@ def test_get_ops_namespaces():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error path")
 def test_get_ops_triton_without_gpu_or_interpreter_raises():
     code = (
-        "import sys, kernels.ops as o\n"
+        "import sys, shiftnode_kernels.ops as o\n"
         "assert 'triton' not in sys.modules\n"
         "try:\n    o.get_ops('triton')\nexcept RuntimeError as e:\n    print('RuntimeError', e)\n"
-        "import kernels.triton_ops\n"
+        "import shiftnode_kernels.triton_ops\n"
         "assert not any(m == 'node' or m.startswith('node.') for m in sys.modules)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -408,8 +408,8 @@ try:
     sys.modules["triton.runtime.driver"].driver.set_active(FakeDriver())
 except AttributeError as exc:
     print("SKIP: this Triton has no driver.set_active:", exc); sys.exit(0)
-import kernels.attention as A, kernels.cache as C, kernels.norm as N, kernels.rotary as R
-import kernels.activation as S, kernels.kv_transfer as K
+import shiftnode_kernels.attention as A, shiftnode_kernels.cache as C, shiftnode_kernels.norm as N, shiftnode_kernels.rotary as R
+import shiftnode_kernels.activation as S, shiftnode_kernels.kv_transfer as K
 names = []
 SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import kernels.reference as ops
+import shiftnode_kernels.reference as ops
 from node.config import NodeConfig
 from node.worker.loader import StartupError, build_runner, load_model_info
 from node.worker.model_config import ModelConfig, ModelConfigError

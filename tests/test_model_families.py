@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-import kernels.reference as ops
+import shiftnode_kernels.reference as ops
 from node.config import NodeConfig
 from node.core.sequence import SamplingParams
 from node.runtime.node import Node

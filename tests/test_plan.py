@@ -115,7 +115,7 @@ def test_degrees_per_device_match_the_loaded_shards():
     divides by the decode degree, and degrees the node refuses are refused with the numbers."""
     import torch
 
-    import kernels.reference as ref_ops
+    import shiftnode_kernels.reference as ref_ops
     from node.worker.model_config import ModelConfig
     from node.worker.runner import weight_bytes
     from node.worker.tensor_parallel import ShardLayout

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from node.core.sequence import SamplingParams
-from kernels import cpu_sampling_numba
+from shiftnode_kernels import cpu_sampling_numba
 from node.worker import sampler as S
 from node.worker.penalties import apply_penalties
 from node.worker.sampler import SampleRequest, TokenLogprobs, logprobs_of, sample, seed_key, seeded_uniform

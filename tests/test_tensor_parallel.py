@@ -33,7 +33,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
-import kernels.reference as ref_ops
+import shiftnode_kernels.reference as ref_ops
 from node.core.sequence import SamplingParams
 from node.worker.model import AttentionMetadata, CausalLM
 from node.worker.model_config import ModelConfig

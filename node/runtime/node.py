@@ -64,11 +64,11 @@ class EnginesDown(QueueFullError):
 
 def select_ops(backend: str, device_type: str) -> object:
     """The operator set for the model: under ``auto`` Triton kernels on CUDA, the CPU serving path
-    (``kernels.cpu_ops``) elsewhere (:func:`kernels.ops.resolve_backend`)."""
+    (``shiftnode_kernels.cpu_ops``) elsewhere (:func:`shiftnode_kernels.ops.resolve_backend`)."""
     try:
-        from kernels.ops import get_ops, resolve_backend
-    except ImportError:  # kernels.ops not present: references only
-        import kernels.reference as ref
+        from shiftnode_kernels.ops import get_ops, resolve_backend
+    except ImportError:  # shiftnode_kernels.ops not present: references only
+        import shiftnode_kernels.reference as ref
 
         return ref
     return get_ops(resolve_backend(backend, device_type))

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from kernels import reference
+from shiftnode_kernels import reference
 from node.transport.protocol import ChecksumMismatch, LayoutMismatch
 from node.transport.throttle import LinkThrottle, as_throttle
 

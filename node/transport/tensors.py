@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from kernels import reference
+from shiftnode_kernels import reference
 from node.transport.protocol import DTYPE_BYTES, Fingerprint, Layout
 
 

@@ -18,7 +18,7 @@ Padding rows: token 0 at position 0, slot -1 (``reshape_and_cache`` skips the wr
 and block 0 in the first column of the block table: attention of a padding row reads one key of
 block 0 (read-only, whatever it holds) and its output row is discarded.
 
-Graph safety: the Triton decode path of :mod:`kernels.attention` never syncs the host and sizes
+Graph safety: the Triton decode path of :mod:`shiftnode_kernels.attention` never syncs the host and sizes
 everything from shapes (its split-K count comes from ``num_seqs``, the block-table width and the SM
 count, never from tensor values), so its launches are fixed for a bucket. Because the static block
 table is ``max_model_len`` wide, the kernel's automatic split count would be planned for the longest
@@ -187,7 +187,7 @@ def graph_decode_splits(num_seqs: int, num_kv_heads: int, max_context: int, devi
     device), else ``min(max_context // DECODE_MIN_SPLIT_TOKENS, DECODE_MAX_SPLITS)`` (at least the
     automatic count): splits of ~512 keys, of which a short context runs only the first few (the others
     return at once), instead of a few splits sized for ``max_context``."""
-    from kernels.attention import DECODE_MAX_SPLITS, DECODE_MIN_SPLIT_TOKENS, decode_num_splits
+    from shiftnode_kernels.attention import DECODE_MAX_SPLITS, DECODE_MIN_SPLIT_TOKENS, decode_num_splits
 
     auto = decode_num_splits(num_seqs, num_kv_heads, max_context, device)
     if auto <= 1:
@@ -270,7 +270,7 @@ class DecodeGraphs:
         ops = self.model.ops
         if getattr(ops, "backend", None) != "triton":
             return ops
-        from kernels.attention import paged_attention_impl
+        from shiftnode_kernels.attention import paged_attention_impl
 
         num_kv_heads = self.kv_cache.shape[4]
         splits = graph_decode_splits(bucket, num_kv_heads, self.max_blocks_per_seq * self.block_size, self.device)

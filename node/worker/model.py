@@ -1,7 +1,7 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over paged KV memory.
 
 One forward pass takes a packed varlen batch (prefill chunks and decode tokens mixed), writes the new
-keys/values into their slots and attends through block tables; see ``kernels/reference.py`` for the
+keys/values into their slots and attends through block tables; see ``kernels/shiftnode_kernels/reference.py`` for the
 layout. Weights are fused at load time (q|k|v and gate|up) so each layer runs four matmuls.
 
 Tensor parallelism (Megatron-LM column/row parallel, Shoeybi et al. 2019): a model is built for a
@@ -26,7 +26,7 @@ from torch.nn import functional as F
 
 from node.worker.model_config import ModelConfig, rope_inv_freq
 from node.worker.tensor_parallel import LayerShard, ShardLayout, TPGroup, layer_shard, lm_head_rows, lm_head_shard
-from kernels.reference import rope_cos_sin_cache
+from shiftnode_kernels.reference import rope_cos_sin_cache
 
 
 @dataclass

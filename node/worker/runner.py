@@ -15,7 +15,7 @@ from typing import Callable
 import structlog
 import torch
 
-from kernels import cpu_sampling_numba
+from shiftnode_kernels import cpu_sampling_numba
 from node.worker.cuda_graphs import DecodeGraphs
 from node.worker.model import AttentionMetadata, CausalLM
 from node.worker.model_config import ModelConfig

@@ -13,7 +13,7 @@ together). On the CPU a few extra host reads are free and are used to skip work 
 degenerate, whether a nucleus fits in the candidate set); they are never done on other devices.
 
 **CPU rows without top-k** (plain temperature, top-p, min-p) go to the compiled kernel of
-:mod:`kernels.cpu_sampling_numba` when Numba is there: no sort, top-p by rejection (the
+:mod:`shiftnode_kernels.cpu_sampling_numba` when Numba is there: no sort, top-p by rejection (the
 sorting-free top-p of FlashInfer), about the cost of the greedy argmax at Llama-3's vocabulary. Its
 draw for a top-p row differs from the sorted inverse CDF below (same distribution, another mapping
 from uniforms to tokens: in vocabulary order, with further uniforms when a draw is rejected), so a
@@ -62,7 +62,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_sampling_numba
+from shiftnode_kernels import cpu_sampling_numba
 from node.core.sequence import SamplingParams
 from node.worker.penalties import apply_penalties
 
@@ -130,7 +130,7 @@ def _splitmix64(x: int) -> int:
 
 def seed_key(seed: int, output_index: int) -> int:
     """The 64-bit key of token ``output_index`` of a sequence seeded with ``seed``: its first uniform is
-    :func:`seeded_uniform`, its later rejection rounds (CPU top-p, :mod:`kernels.cpu_sampling_numba`)
+    :func:`seeded_uniform`, its later rejection rounds (CPU top-p, :mod:`shiftnode_kernels.cpu_sampling_numba`)
     hash the key with the round number."""
     return _splitmix64(seed & _MASK64) ^ (output_index & _MASK64)
 
@@ -255,7 +255,7 @@ def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 def _draw_compiled(logits: torch.Tensor, rows: list[int], ps: list[SamplingParams], u: torch.Tensor,
                    keys: list[int]) -> torch.Tensor | None:
-    """CPU rows without top-k through :mod:`kernels.cpu_sampling_numba` (rejection top-p, no sort):
+    """CPU rows without top-k through :mod:`shiftnode_kernels.cpu_sampling_numba` (rejection top-p, no sort):
     tokens ``[len(rows)]`` int64, or None (nothing done) when the kernel does not apply."""
     res = cpu_sampling_numba.draw(logits, rows, [p.temperature for p in ps], [p.top_p for p in ps],
                                   [p.min_p for p in ps], u, keys)

@@ -12,7 +12,7 @@ from safetensors import SafetensorError, safe_open
 from node.worker.model import CausalLM
 from node.worker.model_config import ModelConfig, ModelConfigError, rope_inv_freq
 from node.worker.tensor_parallel import ShardLayout, TPGroup, fused_part, held_columns, held_row_blocks, lm_head_rows
-from kernels.reference import rope_cos_sin_cache
+from shiftnode_kernels.reference import rope_cos_sin_cache
 
 
 class WeightLoadError(ValueError):

@@ -24,7 +24,7 @@ def same_blocks(a, a_blocks, b, b_blocks):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_cuda_local_copy(backend):
-    from kernels.ops import get_ops
+    from shiftnode_kernels.ops import get_ops
     if backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("Triton interpreter on 512 MiB would take minutes: run with TRITON_INTERPRET=0")
     ops = get_ops(backend)

@@ -1,9 +1,9 @@
 """The CPU serving implementations of the hot-path operators (backend ``cpu``), one name per function
-of :mod:`kernels.reference` (same signatures, same semantics; the references stay the test oracle).
+of :mod:`shiftnode_kernels.reference` (same signatures, same semantics; the references stay the test oracle).
 
 Only where the CPU profile showed a cheap win do they differ from the references:
 
-* ``paged_attention``: :mod:`kernels.cpu_attention` (most of a decode step under the reference).
+* ``paged_attention``: :mod:`shiftnode_kernels.cpu_attention` (most of a decode step under the reference).
 * ``reshape_and_cache``: one ``index_copy_`` per cache instead of boolean-mask indexing (half the
   time of the reference at 64 tokens); steps with padding slots (-1) keep the reference.
 * ``rotary_embedding``: float32 tensors rotate in place with ``addcmul`` (a quarter fewer ops and
@@ -15,9 +15,9 @@ a few microseconds of them per call.
 
 import torch
 
-from kernels.cpu_attention import paged_attention
-from kernels.reference import gather_kv_blocks, rms_norm, scatter_kv_blocks, silu_and_mul
-from kernels import reference
+from shiftnode_kernels.cpu_attention import paged_attention
+from shiftnode_kernels.reference import gather_kv_blocks, rms_norm, scatter_kv_blocks, silu_and_mul
+from shiftnode_kernels import reference
 
 __all__ = [
     "reshape_and_cache",
@@ -32,7 +32,7 @@ __all__ = [
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
-    """:func:`kernels.reference.reshape_and_cache`: ``key, value [T, Hkv, D]`` into the flat slots
+    """:func:`shiftnode_kernels.reference.reshape_and_cache`: ``key, value [T, Hkv, D]`` into the flat slots
     ``slot_mapping [T]`` int64 of ``k_cache, v_cache [num_blocks, block_size, Hkv, D]``, in place;
     negative slots are not written."""
     if slot_mapping.numel() == 0 or bool((slot_mapping < 0).any()):
@@ -45,7 +45,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
-    """:func:`kernels.reference.rotary_embedding` (rotate-half layout, in place): ``positions [T]``
+    """:func:`shiftnode_kernels.reference.rotary_embedding` (rotate-half layout, in place): ``positions [T]``
     int64, ``q [T, H, D]``, ``k [T, Hkv, D]``, ``cos_sin_cache [max_positions, D]`` float32."""
     if q.dtype != torch.float32 or k.dtype != torch.float32:
         reference.rotary_embedding(positions, q, k, cos_sin_cache)

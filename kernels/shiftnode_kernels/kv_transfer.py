@@ -1,5 +1,5 @@
 """Triton block gather/scatter for KV-cache transfer, same contract as
-:func:`kernels.reference.gather_kv_blocks` / :func:`kernels.reference.scatter_kv_blocks`.
+:func:`shiftnode_kernels.reference.gather_kv_blocks` / :func:`shiftnode_kernels.reference.scatter_kv_blocks`.
 
 A cache block ``[block_size, Hkv, D]`` must be contiguous (it is in the node's
 ``[layers, 2, num_blocks, block_size, Hkv, D]`` layout); the block stride is free. Grid
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import new_empty
+from shiftnode_kernels._common import new_empty
 
 _BLOCK = 2048
 

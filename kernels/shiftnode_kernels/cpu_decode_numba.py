@@ -1,6 +1,6 @@
 """Paged decode attention as one compiled CPU loop (Numba), reading K and V in place from the cache.
 
-The torch formulation of :mod:`kernels.cpu_attention` must gather each sequence's blocks into a
+The torch formulation of :mod:`shiftnode_kernels.cpu_attention` must gather each sequence's blocks into a
 contiguous buffer before its GEMMs, which copies every context byte once more than it reads it; on
 this project's 2-core machine that copy and the per-op overheads are most of a decode step. This
 kernel walks each sequence's block table and reads the K/V rows where they lie, with the block-wise
@@ -45,8 +45,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._cephes import float32_constants
-from kernels._numba_lazy import LazyKernel
+from shiftnode_kernels._cephes import float32_constants
+from shiftnode_kernels._numba_lazy import LazyKernel
 
 __all__ = ["available", "paged_decode", "PREFETCH_BYTES"]
 
@@ -89,7 +89,7 @@ def _build():
 
         return types.void(arr, idx), codegen
 
-    # Cephes expf (kernels/_cephes.py); the range used here is x <= 0, clamped at -87
+    # Cephes expf (kernels/shiftnode_kernels/_cephes.py); the range used here is x <= 0, clamped at -87
     log2e, ln2_hi, ln2_lo, p0, p1, p2, p3, p4, p5, x_min = float32_constants()
     prefetch_bytes = PREFETCH_BYTES
 
@@ -223,7 +223,7 @@ _lazy = LazyKernel(_build, _warm)
 def available() -> bool:
     """True when the Numba kernel can run (Numba imports and has a writable cache folder). The first
     call compiles it (or loads it from the disk cache) by running it once on a one-token batch, so a
-    node pays that at start-up (:func:`kernels.ops.get_ops` calls this for the ``cpu`` backend) rather
+    node pays that at start-up (:func:`shiftnode_kernels.ops.get_ops` calls this for the ``cpu`` backend) rather
     than in its first step."""
     return _lazy.get() is not None
 

@@ -1,5 +1,5 @@
 """One namespace for the hot-path operators: ``get_ops("torch")`` (the references, any device, the
-test oracle), ``get_ops("cpu")`` (the CPU serving path, :mod:`kernels.cpu_ops`) or ``get_ops("triton")``
+test oracle), ``get_ops("cpu")`` (the CPU serving path, :mod:`shiftnode_kernels.cpu_ops`) or ``get_ops("triton")``
 (the Triton kernels). :func:`resolve_backend` turns ``auto`` into one of them for a device type.
 
 Importing this module is cheap and safe everywhere: Triton is only imported by ``get_ops("triton")``,
@@ -28,7 +28,7 @@ OP_NAMES = (
 
 @dataclass(frozen=True)
 class KernelOps:
-    """The seven operators of one backend; see :mod:`kernels.reference` for their contracts."""
+    """The seven operators of one backend; see :mod:`shiftnode_kernels.reference` for their contracts."""
 
     backend: str
     reshape_and_cache: Callable
@@ -79,9 +79,9 @@ def get_ops(backend: str) -> KernelOps:
         ValueError: an unknown backend name. RuntimeError: the Triton kernels cannot run here.
     """
     if backend == "torch":
-        from kernels import reference as mod
+        from shiftnode_kernels import reference as mod
     elif backend == "cpu":
-        from kernels import cpu_decode_numba, cpu_ops as mod
+        from shiftnode_kernels import cpu_decode_numba, cpu_ops as mod
 
         cpu_decode_numba.available()  # compile (or load) the decode kernel now, not in the first step
     elif backend == "triton":
@@ -89,7 +89,7 @@ def get_ops(backend: str) -> KernelOps:
         if reason is not None:
             raise RuntimeError(reason)
         try:
-            from kernels import triton_ops as mod
+            from shiftnode_kernels import triton_ops as mod
         except ImportError as exc:  # e.g. a Triton build that does not match this torch
             raise RuntimeError(f"cannot import the Triton kernels: {exc}") from exc
     else:

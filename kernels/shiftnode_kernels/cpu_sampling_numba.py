@@ -43,7 +43,7 @@ Uniforms: round 0 uses the caller's ``u0`` (the sampler's documented per-row uni
 uses ``SplitMix64(key ^ k * C)`` (Steele, Lea & Flood 2014, OOPSLA; constants from Vigna's
 splitmix64.c) of the row's 64-bit ``key``, so a seeded row's rounds depend only on its seed and output
 index, never on the batch. The loop runs on the calling thread (nogil), for the reason given in
-:mod:`kernels.cpu_decode_numba`. Compiled on first use, then cached on disk next to this file.
+:mod:`shiftnode_kernels.cpu_decode_numba`. Compiled on first use, then cached on disk next to this file.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels._cephes import float32_constants
-from kernels._numba_lazy import LazyKernel
+from shiftnode_kernels._cephes import float32_constants
+from shiftnode_kernels._numba_lazy import LazyKernel
 
 __all__ = ["available", "draw", "BLOCK", "ROUND_STRIDE"]
 

@@ -1,5 +1,5 @@
 """Triton RMSNorm with fused residual add (Zhang & Sennrich 2019), same contract and rounding steps as
-:func:`kernels.reference.rms_norm`.
+:func:`shiftnode_kernels.reference.rms_norm`.
 
 One program per row holds the whole row (``hidden`` rounded up to a power of two) in registers:
 ``h = x + residual`` (rounded to ``h``'s dtype, as torch does), ``var = mean(h^2)`` in fp32,
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import new_empty, next_pow2
+from shiftnode_kernels._common import new_empty, next_pow2
 
 
 @triton.jit

@@ -1,5 +1,5 @@
 """Triton rotary position embedding (RoPE, Su et al. 2021), in place, GPT-NeoX / Hugging Face
-``rotate_half`` layout; same contract as :func:`kernels.reference.rotary_embedding`.
+``rotate_half`` layout; same contract as :func:`shiftnode_kernels.reference.rotary_embedding`.
 
 One program per token rotates all query and key heads: for ``i < rot_dim / 2``,
 ``x[i], x[i + rot_dim/2] = x1*cos - x2*sin, x2*cos + x1*sin`` with ``cos|sin`` read from the row
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import next_pow2
+from shiftnode_kernels._common import next_pow2
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""Paged causal attention in Triton, same contract as :func:`kernels.reference.paged_attention`.
+"""Paged causal attention in Triton, same contract as :func:`shiftnode_kernels.reference.paged_attention`.
 
 Two code paths, picked by :func:`paged_attention` from ``max_seqlen_q``:
 
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import interpreting, new_empty, next_pow2, sm_count
+from shiftnode_kernels._common import interpreting, new_empty, next_pow2, sm_count
 
 _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: avoids inf - inf = NaN
@@ -314,7 +314,7 @@ def paged_attention(
     max_seqlen_q: int,
     scale: float,
 ) -> torch.Tensor:
-    """Triton :func:`kernels.reference.paged_attention` (same arguments, same result).
+    """Triton :func:`shiftnode_kernels.reference.paged_attention` (same arguments, same result).
 
     ``q [T, H, D]``, caches ``[num_blocks, block_size, Hkv, D]`` (same dtype as ``q``; fp32/fp16/bf16),
     ``block_tables [S, max_blocks] int32``, ``seq_lens [S] int32``, ``cu_seqlens_q [S+1] int32``.

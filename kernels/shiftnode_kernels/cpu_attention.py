@@ -1,10 +1,10 @@
 """Paged attention for CPU serving: work proportional to each sequence's real context, no repeated heads.
 
-Same contract as :func:`kernels.reference.paged_attention` (the test oracle; see its docstring for the
+Same contract as :func:`shiftnode_kernels.reference.paged_attention` (the test oracle; see its docstring for the
 paged layout and the varlen batch), tuned for the CPU:
 
 * **Decode rows** (sequences with one new token) of the whole batch run in one call of the compiled
-  kernel of :mod:`kernels.cpu_decode_numba`, which reads K/V in place through the block tables
+  kernel of :mod:`shiftnode_kernels.cpu_decode_numba`, which reads K/V in place through the block tables
   (block-wise online softmax, one job per sequence and KV head). Without Numba, or for caches that are
   not float32, they run as a torch block-wise softmax over *chunks* (:func:`_decode_chunks`): a chunk
   is ``m`` consecutive logical blocks of one sequence (``C = m * block_size`` tokens), so each
@@ -39,7 +39,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_decode_numba
+from shiftnode_kernels import cpu_decode_numba
 
 __all__ = ["paged_attention", "DECODE_KERNEL", "MAX_CHUNK_TOKENS", "GATHER_BUDGET_BYTES"]
 

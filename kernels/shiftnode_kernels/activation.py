@@ -1,5 +1,5 @@
 """Triton SwiGLU activation (Shazeer 2020), same contract and rounding as
-:func:`kernels.reference.silu_and_mul`: ``out = silu(x[..., :I]).to(dtype) * x[..., I:]``."""
+:func:`shiftnode_kernels.reference.silu_and_mul`: ``out = silu(x[..., :I]).to(dtype) * x[..., I:]``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import new_empty
+from shiftnode_kernels._common import new_empty
 
 _BLOCK = 1024
 

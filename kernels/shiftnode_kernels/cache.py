@@ -1,6 +1,6 @@
 """Triton ``reshape_and_cache``: write new keys/values into their paged-cache slots.
 
-Same contract as :func:`kernels.reference.reshape_and_cache`. One program per token copies the
+Same contract as :func:`shiftnode_kernels.reference.reshape_and_cache`. One program per token copies the
 ``[num_kv_heads, head_dim]`` key and value tiles to slot ``slot_mapping[t]`` (block
 ``slot // block_size``, offset ``slot % block_size``); a negative slot skips the token.
 """
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import next_pow2
+from shiftnode_kernels._common import next_pow2
 
 
 @triton.jit
