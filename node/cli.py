@@ -95,6 +95,14 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--kv-host", default=None, help="address of the KV transfer listener (default --host)")
     k.add_argument("--kv-port", type=int, default=None, help="listen for KV transfers from peers on this port")
     k.add_argument("--peers", default=None, help="comma-separated host:kv-port of nodes this node may send KV to")
+    k.add_argument("--etcd", default=None, metavar="URL",
+                   help="find peers through etcd (client URL, e.g. http://127.0.0.1:2379): this node registers its KV "
+                        "endpoint under a lease of about --peer-stale-s and takes every other node under --etcd-prefix "
+                        "with a KV listener as a peer, as they join and leave")
+    k.add_argument("--etcd-prefix", default="/shiftnode/default", help="the deployment's key prefix in etcd")
+    k.add_argument("--advertise-host", default=None,
+                   help="the address other nodes reach this node's KV listener at, as registered in etcd "
+                        "(default --kv-host, else --host; the host name when that is a wildcard address)")
     k.add_argument("--peer-secret", default=os.environ.get("SHIFTNODE_PEER_SECRET"),
                    help="shared secret peers prove in the KV handshake (default $SHIFTNODE_PEER_SECRET)")
     k.add_argument("--kv-connect-timeout-s", type=float, default=5.0,
@@ -197,6 +205,7 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         prefill_devices=prefill, decode_devices=decode, max_unsent=a.max_unsent, link_gbps=a.link_gbps,
         node_id=a.node_id, kv_host=a.kv_host, kv_port=a.kv_port, peer_secret=a.peer_secret,
         peers=[p.strip() for p in (a.peers or "").split(",") if p.strip()],
+        etcd=a.etcd, etcd_prefix=a.etcd_prefix, advertise_host=a.advertise_host,
         max_retries=a.max_retries, imbalance_threshold=a.imbalance_threshold,
         kv_connect_timeout_s=a.kv_connect_timeout_s, kv_transfer_timeout_s=a.kv_transfer_timeout_s,
         peer_stale_s=a.peer_stale_s,

@@ -60,6 +60,9 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     kv_host: str | None = None  # KV transfer listener (default: --host)
     kv_port: int | None = None  # KV transfer listener port; None: this node accepts no KV from peers
     peers: list[str] = msgspec.field(default_factory=list)  # host:kv_port of nodes this node may send KV to
+    etcd: str | None = None  # etcd client URL: register under a lease and take the other nodes found there as peers
+    etcd_prefix: str = "/shiftnode/default"  # one deployment's key prefix in etcd
+    advertise_host: str | None = None  # the address peers reach this node's KV listener at (default: --kv-host/--host)
     peer_secret: str | None = None  # shared secret both ends of a KV connection prove (HMAC challenge)
     max_retries: int = 2  # recomputes of a request whose KV hand-off to a peer failed, before an error
     kv_connect_timeout_s: float = 5.0  # opening a KV connection, and its handshake (each)
@@ -104,12 +107,15 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (self.mode in ("time-shared", "colocated", "pooled"), f"--mode must be time-shared, colocated or pooled, got {self.mode!r}"),
             (self.mode != "pooled" or bool(self.prefill_devices or self.decode_devices),
              "--mode pooled needs --prefill-devices and/or --decode-devices"),
-            (self.mode != "pooled" or bool(self.decode_devices) or bool(self.peers),
-             "--mode pooled with only --prefill-devices needs --peers (the decode nodes)"),
+            (self.mode != "pooled" or bool(self.decode_devices) or bool(self.peers) or bool(self.etcd),
+             "--mode pooled with only --prefill-devices needs --peers or --etcd (to find the decode nodes)"),
             (self.mode != "pooled" or bool(self.prefill_devices) or self.kv_port is not None,
              "--mode pooled with only --decode-devices needs --kv-port (prefill nodes send KV to it)"),
-            (not (self.peers or self.kv_port is not None) or bool(self.peer_secret),
-             "--peers and --kv-port need --peer-secret (or SHIFTNODE_PEER_SECRET)"),
+            (not (self.peers or self.kv_port is not None or self.etcd) or bool(self.peer_secret),
+             "--peers, --kv-port and --etcd need --peer-secret (or SHIFTNODE_PEER_SECRET)"),
+            (not self.etcd or self.etcd.startswith(("http://", "https://")),
+             f"--etcd must be an http:// or https:// client URL, got {self.etcd!r}"),
+            (not self.etcd or self.mode != "colocated", "--etcd is for pooled and time-shared modes"),
             (self.kv_port is None or 0 <= self.kv_port <= 65535, f"--kv-port must be in [0, 65535], got {self.kv_port}"),
             (all(_is_host_port(p) for p in self.peers), f"--peers must be host:port entries, got {self.peers}"),
             (not self.peers or self.mode != "colocated", "--peers is for pooled and time-shared modes"),

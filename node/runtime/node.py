@@ -29,6 +29,7 @@ from node.core.roles import Role, RoleScheduler, RoleSchedulerConfig
 from node.core.pooled import PooledRouter
 from node.runtime.engine import DeviceEngine
 from node.runtime.moves import MigrationRecord
+from node.runtime.membership import Membership, join as join_etcd
 from node.runtime.peers import KVReceiver, PeerLinks
 from node.runtime.pooled_driver import PooledDriver
 from node.runtime.role_driver import RoleDriver
@@ -130,6 +131,7 @@ class Node:
         self.timed_out = 0  # requests ended by --request-timeout-s
         self.peers: PeerLinks | None = None
         self.receiver: KVReceiver | None = None
+        self.membership: Membership | None = None  # --etcd
         self.fingerprint: Fingerprint | None = None
         if self.networked(config):
             from node.transport.tensors import layout_of
@@ -246,7 +248,8 @@ class Node:
     def networked(config: NodeConfig) -> bool:
         """Whether the node talks to peers: ``--peers``, ``--kv-port``, or a ``--peer-secret`` (peers
         may then be added at run time)."""
-        return bool(config.peers) or config.kv_port is not None or bool(config.peer_secret and config.mode != "colocated")
+        return (bool(config.peers) or config.kv_port is not None or bool(config.etcd)
+                or bool(config.peer_secret and config.mode != "colocated"))
 
     def start(self) -> None:
         """Start every device's step loop and the driver. Idempotent."""
@@ -259,13 +262,19 @@ class Node:
             self.driver.start()
 
     async def start_network(self) -> None:
-        """Open the KV transfer listener (``--kv-port``) and start polling the ``--peers``."""
+        """Open the KV transfer listener (``--kv-port``), start polling the ``--peers`` and join ``--etcd``."""
         if self.receiver:
             await self.receiver.start()
         if self.peers:
             self.peers.start()
+            if self.config.etcd:
+                self.membership = join_etcd(
+                    self.config, self.peers, self.receiver.port if self.receiver else None,
+                    msgspec.structs.asdict(self.fingerprint), sum(e.batcher.ledger.num_blocks for e in self.engines))
 
     async def close(self) -> None:
+        if self.membership:  # first: the lease's revocation tells every peer at once
+            await self.membership.close()
         if self.receiver:
             await self.receiver.close()
         if self.peers:
@@ -553,6 +562,8 @@ class Node:
             out["refused_inbound"] = self.receiver.refused.as_list(now)
         if self.peers:
             out["peers"] = [p.as_dict(now, self.peers.stale_s) for p in list(self.peers.peers.values())]
+        if self.membership:
+            out["membership"] = self.membership.status()
         return out
 
 
