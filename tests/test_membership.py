@@ -7,14 +7,11 @@ a pooled prefill-only node that has no ``--peers`` and finds its decode nodes on
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import tempfile
 import time
 
-import httpx
 import pytest
 
+from bench.etcd_server import EtcdMissing, EtcdServer
 from support import STORIES, NodeProcess, free_port, reference_cases, up
 
 SECRET = "etcd-test-secret"
@@ -23,35 +20,14 @@ STALE_S = "2"  # --peer-stale-s: the lease's TTL, so a killed node leaves within
 
 @pytest.fixture(scope="module")
 def etcd():
-    """A single-member etcd on free loopback ports; yields its client URL."""
-    binary = shutil.which("etcd")
-    if binary is None:
-        assert not os.environ.get("CI"), "etcd is missing in CI: scripts/setup installs the etcd-server package"
-        pytest.skip("etcd is not installed (apt-get install etcd-server, or run scripts/setup as root)")
-    client, peer = free_port(), free_port()
-    url = f"http://127.0.0.1:{client}"
-    data = tempfile.mkdtemp(prefix="etcd-")
-    log = open(os.path.join(data, "log"), "w")
-    proc = subprocess.Popen(
-        [binary, "--name", "t", "--data-dir", os.path.join(data, "d"),
-         "--listen-client-urls", url, "--advertise-client-urls", url,
-         "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-cluster", f"t=http://127.0.0.1:{peer}"], stdout=log, stderr=subprocess.STDOUT)
+    """A single-member etcd on free loopback ports (:class:`bench.etcd_server.EtcdServer`); yields its URL."""
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).json().get("health") == "true":
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, open(log.name).read()
-            time.sleep(0.1)
-        yield url
-    finally:
-        proc.kill()
-        proc.wait()
-        shutil.rmtree(data, ignore_errors=True)
+        server = EtcdServer()
+    except EtcdMissing as e:
+        assert not os.environ.get("CI"), f"{e}: in CI, scripts/setup must install the etcd-server package"
+        pytest.skip(str(e))
+    with server:
+        yield server.url
 
 
 def decode_node(etcd: str, prefix: str, node_id: str, wait: bool = True) -> NodeProcess:
