@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from node.worker.sampler import SampleRequest
+    from node.worker.sample_request import SampleRequest
 
 
 def _flat_history(reqs: list[SampleRequest], rows: list[int], outputs_only: bool, vocab: int):

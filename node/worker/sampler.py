@@ -58,13 +58,13 @@ the penalised logits; they never fail the batch. Logprobs are those of the model
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
 from shiftnode_kernels import cpu_sampling_numba
 from node.core.sequence import SamplingParams
 from node.worker.penalties import apply_penalties
+from node.worker.sample_request import SampleRequest, TokenLogprobs
 
 CPU_SAMPLER = os.environ.get("SHIFTNODE_CPU_SAMPLER", "auto")
 """CPU rows without top-k: ``"auto"`` runs the compiled kernel where it applies (Numba installed, float32
@@ -75,33 +75,6 @@ _NUCLEUS_CANDIDATES = 1024  # first candidate-set size for top-p rows without to
 _GROW = 8  # candidate-set growth factor for rows whose nucleus did not fit
 _CHUNK_ELEMS = 1 << 20  # CPU: rows per chunk ≈ this / V (≈4 MiB float32 temporaries, reused by malloc)
 _MASK64 = (1 << 64) - 1
-
-
-@dataclass
-class SampleRequest:
-    """One row of logits to sample from.
-
-    Attributes:
-        params: the sequence's sampling parameters.
-        token_ids: the sequence's whole history, prompt then outputs (read only when the row has a
-            penalty; never copied otherwise).
-        prompt_len: ``token_ids[:prompt_len]`` is the prompt.
-        output_index: index of the token being drawn among the sequence's outputs (seeds use it).
-    """
-
-    params: SamplingParams
-    token_ids: list[int]
-    prompt_len: int
-    output_index: int
-
-
-@dataclass
-class TokenLogprobs:
-    """Logprob of a chosen token and the ``top`` most likely alternatives: ``[(token_id, logprob)]``."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
 
 
 def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[TokenLogprobs]:
