@@ -76,6 +76,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     min_window_ms: float = 20.0
     max_window_ms: float = 500.0
     stagger: str = "soft"  # hard | soft | off (see node.core.roles)
+    stream_interval: int = 1  # a stream's event carries at least this many new tokens (the first token and the end go at once)
     sse_keepalive_s: float = 10.0  # comment lines on a stream silent this long (e.g. through a role switch)
     body_timeout_s: float = 30.0  # a request body slower than this is answered 408
 
@@ -129,6 +130,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (self.link_gbps is None or self.link_gbps > 0, "--link-gbps must be positive"),
             (self.reconfig_pause_ms >= 0 and self.ttft_slo_ms > 0 and self.tpot_slo_ms > 0, "pause and SLO values must be positive"),
             (0 < self.min_window_ms <= self.max_window_ms, "need 0 < --min-window-ms <= --max-window-ms"),
+            (self.stream_interval >= 1, f"--stream-interval must be at least 1, got {self.stream_interval}"),
             (self.sse_keepalive_s > 0 and self.body_timeout_s > 0, "--sse-keepalive-s and --body-timeout-s must be positive"),
         ]
         for ok, message in checks:

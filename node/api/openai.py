@@ -136,8 +136,9 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
         def open_choices() -> bool:
             return any(None in r.reasons for r in reqs)
 
-        def fold(d: SeqDelta, now: float) -> dict | None:
-            node.account(reqs[d.index // n], d, now)
+        def fold(d: SeqDelta, now: float, accounted: bool = False) -> dict | None:
+            if not accounted:
+                node.account(reqs[d.index // n], d, now)
             if d.cached_tokens is not None and d.index % n == 0:
                 cached[d.index // n] = d.cached_tokens
             return on_delta(choices[d.index], d)
@@ -156,6 +157,21 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
         sse = SSEWriter(request)
         extra = {"usage": None} if include_usage else {}
         ended = asyncio.get_running_loop().create_future()  # done: every choice ended, or one failed
+        interval = node.config.stream_interval
+        held: dict[int, SeqDelta] = {}  # choice → tokens not yet sent (--stream-interval > 1)
+        sent_first: set[int] = set()  # choices whose first token went out (it is never held: TTFT)
+
+        def due(d: SeqDelta) -> SeqDelta | None:
+            """``d`` joined to what its choice holds; returned when an event is due, else held."""
+            if interval == 1:
+                return d
+            if d.index in held:
+                d = held.pop(d.index).then(d)
+            if d.finish_reason is not None or len(d.token_ids) >= interval or (d.token_ids and d.index not in sent_first):
+                sent_first.add(d.index)
+                return d
+            held[d.index] = d
+            return None
 
         def write_step(batch: list[SeqDelta]) -> None:  # a DeltaStream callback: must not raise
             try:
@@ -172,7 +188,11 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
                         failed = True
                         break
                     ending = ending or d.finish_reason is not None
-                    entry = fold(d, now)
+                    node.account(reqs[d.index // n], d, now)  # TTFT/ITL per step, whatever is sent
+                    d = due(d)
+                    if d is None:
+                        continue
+                    entry = fold(d, now, accounted=True)
                     if entry is not None:
                         chunks.append({**chunk_envelope, "choices": [entry], **extra})
                 sse.send_many(chunks)

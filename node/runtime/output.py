@@ -31,6 +31,16 @@ class SeqDelta:
     error_code: str | None = "internal_error"
     retry_after_s: float | None = None
 
+    def then(self, later: "SeqDelta") -> "SeqDelta":
+        """This delta followed by ``later`` of the same choice, as one (``--stream-interval``): text,
+        tokens and logprobs concatenated; the end, error and cache count of whichever has them."""
+        return SeqDelta(
+            self.index, self.text + later.text, self.token_ids + later.token_ids, self.logprobs + later.logprobs,
+            later.finish_reason or self.finish_reason, later.error or self.error,
+            self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
+            self.cached_tokens if self.cached_tokens is not None else later.cached_tokens,
+            later.error_status, later.error_code, later.retry_after_s)
+
 
 def _held_suffix(text: str, stops: tuple[str, ...]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
