@@ -7,7 +7,7 @@ Responses are plain dicts built in ``node.api.responses``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -56,7 +56,7 @@ class TextPart(msgspec.Struct, kw_only=True):
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
-    role: str
+    role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None
 
@@ -64,7 +64,7 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     """``POST /v1/chat/completions``. ``logprobs``: whether to return them; ``top_logprobs``: 0–20."""
 
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -72,6 +72,13 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None  # only {"type": "text"}: structured output is not supported
+
+
+class PeerChange(msgspec.Struct, forbid_unknown_fields=True):
+    """Body of ``POST /v1/node/peers``: ``host:port`` KV addresses to start and to stop using."""
+
+    add: list[str] = []
+    remove: list[str] = []
 
 
 def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import hmac
 import gc
+import hmac
+import importlib.metadata
 import time
 
 import msgspec
@@ -15,6 +16,8 @@ from aiohttp.web_protocol import RequestPayloadError
 from node.api.errors import APIError, bad_request, error_response, retry_after
 from node.api.openai import NODE_KEY, chat_completions, completions
 from node.config import NodeConfig
+from node.api.openapi import openapi_document
+from node.protocol import PeerChange
 from node.runtime.health import node_health
 from node.runtime.node import Node
 from node.runtime.peer_state import split_addr
@@ -99,13 +102,6 @@ async def drain(request: web.Request) -> web.Response:
     return web.json_response({"draining": True, "sequences_here": remaining})
 
 
-class PeerChange(msgspec.Struct, forbid_unknown_fields=True):
-    """Body of ``POST /v1/node/peers``: ``host:port`` KV addresses to start and to stop using."""
-
-    add: list[str] = []
-    remove: list[str] = []
-
-
 _PEER_CHANGE = msgspec.json.Decoder(PeerChange)
 
 
@@ -130,6 +126,13 @@ async def change_peers(request: web.Request) -> web.Response:
     removed = [a for a in body.remove if node.peers.remove(a)]
     added = [a for a in body.add if node.peers.add(a)]
     return web.json_response({"added": added, "removed": removed, "peers": node.status()["network"]["peers"]})
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("shiftnode")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -168,4 +171,10 @@ def create_app(config: NodeConfig, node: Node | None = None, prelaunched: dict |
     app.router.add_post("/v1/node/peers", change_peers)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    document = msgspec.json.encode(openapi_document(config.model_name, _version()))  # built once: it never changes
+
+    async def openapi(request: web.Request) -> web.Response:
+        return web.Response(body=document, content_type="application/json")
+
+    app.router.add_get("/openapi.json", openapi)
     return app
