@@ -170,6 +170,11 @@ def test_sampling_filters(stories_node):
     greedy = complete(stories_node, max_tokens=20)["choices"][0]["text"]
     assert complete(stories_node, max_tokens=20, temperature=1.0, top_k=1, seed=3)["choices"][0]["text"] == greedy
     assert complete(stories_node, max_tokens=20, temperature=0.8, min_p=1.0, seed=3)["choices"][0]["text"] == greedy
+    # a top_k at or past the vocabulary keeps every token: the same draw as none (found by the API fuzzer:
+    # 2**111 reached the engine and its step failed to serialize it, a 500)
+    free = complete(stories_node, max_tokens=20, temperature=0.8, seed=3)["choices"][0]["text"]
+    for k in (512, 2**111):
+        assert complete(stories_node, max_tokens=20, temperature=0.8, seed=3, top_k=k)["choices"][0]["text"] == free
     pen = complete(stories_node, max_tokens=60, repetition_penalty=1.5)["choices"][0]["text"]
     assert pen != CASE["output_text"][: len(pen)]
     fp = complete(stories_node, max_tokens=60, frequency_penalty=2.0, presence_penalty=2.0)["choices"][0]["text"]

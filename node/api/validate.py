@@ -145,7 +145,8 @@ def sampling_params(req: _SamplingFields, *, prompt_len: int, max_model_len: int
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k in (None, -1) else req.top_k,
+        # past the vocabulary a top-k keeps every token, as none does (and stays a 64-bit int for the engine)
+        top_k=0 if req.top_k in (None, -1) or req.top_k >= vocab_size else req.top_k,
         min_p=req.min_p or 0.0,
         repetition_penalty=req.repetition_penalty or 1.0,
         presence_penalty=req.presence_penalty or 0.0,
