@@ -11,9 +11,8 @@ handshake exactly as a ``--peers`` entry is, and shown as refused in ``/v1/node`
 
 Client: etcd's own v3 JSON gateway (``/v3/kv/*``, ``/v3/lease/*``, ``/v3/watch``, served by every
 etcd >= 3.4 on its client port) over aiohttp, which the node already runs on. The maintained asyncio
-gRPC client (aetcd) would add grpcio and protobuf to every install for the five calls used here,
-and its streams would need their own event-loop integration; the gateway is the same API, one HTTP
-request per call and a chunked response of JSON lines for the watch.
+gRPC client (aetcd) would add grpcio and protobuf to every install for the six calls used here; the
+gateway is the same API, one HTTP request per call and a chunked response of JSON lines for the watch.
 
 Failures: any error of etcd (unreachable, lease lost, watch cancelled or compacted) restarts the
 session after a back-off: a new lease, the record put again, the prefix read again and reconciled
@@ -193,14 +192,15 @@ class Membership:
     async def _run(self) -> None:
         failures = 0
         while True:
+            sessions = self.sessions
             try:
                 await self._session()
             except (aiohttp.ClientError, asyncio.TimeoutError, EtcdError, OSError, ValueError) as e:
                 self.state, self.reason = "unreachable", f"{type(e).__name__}: {e}"
                 log.warning("etcd_session_failed", etcd=self.url, error=self.reason)
             self._lease = None
+            failures = 0 if self.sessions > sessions else failures + 1  # a session that registered resets it
             await asyncio.sleep(BACKOFF_S[min(failures, len(BACKOFF_S) - 1)])
-            failures += 1
 
     async def _session(self) -> None:
         """One lease: register, read, reconcile, then keep alive and watch until either fails."""
