@@ -100,7 +100,9 @@ class ModelRunner:
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         if device.type == "cpu":
             cpu_sampling_numba.available()  # compile (or load) the sampling kernel now, not in a sampled step
-        self._lock = threading.Lock()  # one step at a time, and no step during a graph capture (KV copies do not take it)
+        # One step at a time, and none during a graph capture. The node's KV copies do not take it: they
+        # run in the node's process and keep off blocks of steps in flight (node.runtime.engine).
+        self._lock = threading.Lock()
         self.graphs: DecodeGraphs | None = None
         self.graphs_error: str | None = None  # why a capture failed (graphs were then turned off)
         self.pacer: StepPacer | None = None
