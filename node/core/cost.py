@@ -1,4 +1,4 @@
-"""Step-time cost model shared by the role scheduler, the virtual device model and the simulator.
+"""Step-time cost model shared by the role scheduler, the imbalance fallback and the simulator.
 
 Pure arithmetic (stdlib + msgspec). The node calibrates one from measured steps
 (:func:`fit_cost_model`); the simulator and the unit tests use the same Struct, so a policy sees the

@@ -1,9 +1,16 @@
-"""The step loop of one device: schedule → run (its engine, from the device's worker thread) → postprocess.
+"""The step loop of one device: schedule → send to its engine → postprocess, all on the node's event loop.
 
-The loop lives on the node's event loop; the worker thread only hands a step's diff
-(:class:`~node.runtime.step_encoder.StepEncoder`) to the device's engine and waits for its reply, so
-the API keeps answering while a step runs. Membership changes (new sequences, aborts) happen between
-steps only, so a step in flight never sees its blocks freed under it.
+The loop talks to the device's engine itself (``runner.async_submit``): it writes a step's diff
+(:class:`~node.runtime.step_encoder.StepEncoder`) and goes on, so the API keeps answering while a step
+runs, and it plans step N+1 while the engine computes step N (at most two steps in flight; the token
+each decoding sequence will sample in N is a placeholder in N+1 that the engine fills in itself). The
+device's one worker thread (``_executor``) runs only what blocks or touches the KV pool from the
+node's process: a role switch's reconfiguration (after the drain), ``in_worker`` jobs (a peer
+transfer's gather or scatter) and blocking moves (both once every step in flight has ended),
+overlapped moves (pooled hand-offs: beside later steps, on blocks of a sequence no step in flight
+includes) and the engine's stop. Membership changes (new sequences, aborts, detaches) are applied
+between sends, on the loop; a block freed while a step is in flight goes only to a later step, which
+the engine runs after it.
 """
 
 from __future__ import annotations

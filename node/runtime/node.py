@@ -1,10 +1,11 @@
 """The node: devices, their engines, and the request entry point used by the API.
 
 One asyncio event loop drives every device's step loop; each device's model runs in its own engine
-process (:mod:`node.worker.engine_process`; ``--engine-layout thread`` keeps it in this process), reached
-from a worker thread per device. Requests enter by ``open_request`` (or ``generate``, which wraps it) and
-leave by ``close_request``, which guarantees that a request which ends for any reason (finished, failed,
-client gone) leaves no sequence and no KV block behind.
+process (:mod:`node.worker.engine_process`; ``--engine-layout thread`` keeps it in a thread of this
+process), whose socket the loop itself writes and reads (no thread hand-off per step). Requests enter
+by ``open_request`` (or ``generate``, which wraps it) and leave by ``close_request``, which guarantees
+that a request which ends for any reason (finished, failed, client gone) leaves no sequence and no KV
+block behind.
 """
 
 from __future__ import annotations

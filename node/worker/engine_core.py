@@ -16,8 +16,8 @@ The engine appends every token it samples to its own copy of the sequence, so a 
 costs the node nothing beyond the item itself: the message is O(changes), not O(context).
 
 :class:`EngineCore` is the same object in both engine layouts (``--engine-layout``): called in the
-node's worker thread (``thread``) or inside the device's engine process
-(:mod:`node.worker.engine_process`).
+engine's own thread of the node's process (``thread``, :class:`~node.worker.engine_process.LocalEngine`)
+or inside the device's engine process (:mod:`node.worker.engine_process`).
 """
 
 from __future__ import annotations

@@ -22,8 +22,11 @@ nodes (:mod:`node.transport`), which run in the node process. On the CPU the eng
 an anonymous ``memfd`` (not bounded by ``/dev/shm``'s size) and hands the file descriptor to the
 node over the socket pair (``SCM_RIGHTS``); both map the same pages. On CUDA the engine allocates it
 on its device and the node maps it through CUDA IPC (``torch.multiprocessing``'s reductions). The
-node touches the pool only through the device's worker thread when no step is in flight, so a
-transfer never races a step.
+node writes the pool from the device's worker thread, never on blocks a step in flight uses: peer
+gathers and scatters and the imbalance fallback's moves wait until no step is in flight; overlapped
+moves (pooled hand-offs) run beside later steps, on blocks of a sequence no step in flight includes,
+after the destination's steps that were in flight when its blocks were taken
+(:mod:`node.runtime.moves`).
 
 Start. Engines for CPU devices are forked by ``shiftnode serve`` before the event loop starts
 (:func:`prelaunch`): the child shares the already imported modules, so it starts in milliseconds,

@@ -190,7 +190,9 @@ def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: obj
 def attach_decode_graphs(runner: ModelRunner, config: NodeConfig, max_model_len: int, ops: object,
                          device_id: str) -> None:
     """Give ``runner`` decode graphs where they are supported and not ``--enforce-eager``; capture
-    them now, before the node serves (a time-shared switch to the decode role then only installs them)."""
+    them now, before the node serves (a time-shared switch to the decode role then finds them captured:
+    its ``prepare_decode`` is a round trip that does nothing, and each pure decode step picks its
+    bucket's graph when it runs)."""
     reason = "--enforce-eager" if config.enforce_eager else decode_graphs_unsupported(runner.device, ops)
     if reason is not None:
         if runner.device.type == "cuda":

@@ -1,8 +1,11 @@
 """The model runner of one device: owns the weights and the KV tensor pool, runs one step at a time.
 
-It is called from the device's worker thread, never from the event loop. Its input is a plain-data
-:class:`StepInput` (built on the loop from a :class:`~node.core.batcher.StepPlan`), its output plain
-data too, so the loop and the thread share no mutable state.
+It is driven by :class:`~node.worker.engine_core.EngineCore`, in the device's engine process (or, with
+``--engine-layout thread``, in that engine's own thread of the node's process), never on the node's
+event loop. Its input is a plain-data :class:`StepInput` (built by the engine core from the node's
+step diff), its output plain data too, so the node and the engine share no mutable state but the KV
+pool, which the node writes only on blocks no step in flight uses
+(:class:`~node.runtime.engine.DeviceEngine`).
 """
 
 from __future__ import annotations
@@ -97,7 +100,9 @@ class ModelRunner:
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         if device.type == "cpu":
             cpu_sampling_numba.available()  # compile (or load) the sampling kernel now, not in a sampled step
-        self._lock = threading.Lock()  # one step at a time, also against KV copies from transfers
+        # One step at a time, and none during a graph capture. The node's KV copies do not take it: they
+        # run in the node's process and keep off blocks of steps in flight (node.runtime.engine).
+        self._lock = threading.Lock()
         self.graphs: DecodeGraphs | None = None
         self.graphs_error: str | None = None  # why a capture failed (graphs were then turned off)
         self.pacer: StepPacer | None = None
