@@ -1,5 +1,7 @@
 """Prometheus metrics of one node (prometheus-client, a registry per node).
 
+vLLM-compatible names (``vllm:*``) come beside these from :mod:`node.runtime.vllm_metrics`.
+
 Counters and histograms are updated as requests and steps happen; gauges that describe current state
 (queue depth, KV blocks, resident sequences, roles) are read from the node at scrape time, so they can
 never lag behind an abort.
@@ -14,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from node.runtime.peer_state import READY, REFUSED, UNREACHABLE
+from node.runtime.vllm_metrics import VllmCompatCollector
 
 if TYPE_CHECKING:
     from node.runtime.node import Node
@@ -68,6 +71,7 @@ class NodeMetrics:
                                         "(their KV freed)", registry=r)
         self.rejected = Counter("shiftnode_rejected_requests", "Requests refused for overload (503)", registry=r)
         r.register(_StateCollector(node))
+        r.register(VllmCompatCollector(node, self))  # vllm:* names for gateways and vLLM dashboards
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
