@@ -77,6 +77,8 @@ class NodeMetrics:
         return generate_latest(self.registry)
 
 
+DEVICE_ROLES = ("prefill", "decode", "mixed", "switching")  # the values of shiftnode_device_role's role label
+
 REQUEST_OUTCOME_ORDER = ("error", "abort", "length", "stop")  # the first present labels a request
 
 
@@ -138,19 +140,28 @@ class _StateCollector:
             queries.add_metric([e.device_id], e.batcher.prefix_query_tokens)
             hits.add_metric([e.device_id], e.batcher.prefix_hit_tokens)
         yield from (used, total, usage, running, cached, reclaimable, queries, hits)
+        role = GaugeMetricFamily("shiftnode_device_role", "1 for the role each device (or tensor-parallel group) "
+                                 "has now, 0 for the others: prefill, decode, mixed (colocated chunked prefill, a "
+                                 "pooled prefill device) or switching (a reconfiguration pause)", labels=["device", "role"])
+        decoders = n.config.decode_group_ids()
+        for e in n.engines:
+            now_role = n.role_of(e, decoders)
+            for r in DEVICE_ROLES:
+                role.add_metric([e.device_id, r], 1.0 if r == now_role else 0.0)
+        yield role
 
 
 def _peer_gauges(n: "Node") -> Iterable[GaugeMetricFamily]:
     """Peers by state, and requests waiting for remote KV by stage: ``unsent`` (prefilled here,
     waiting for a peer to take them), ``sending`` (a hand-off under way), ``receiving`` (a peer's
     transfer into this node)."""
-    if n.peers is not None:
-        peers = GaugeMetricFamily("shiftnode_peers", "Peer nodes by state", labels=["state"])
-        now = time.monotonic()
-        states = [p.state(now, n.peers.stale_s)[0] for p in list(n.peers.peers.values())]
-        for s in (READY, UNREACHABLE, REFUSED):
-            peers.add_metric([s], states.count(s))
-        yield peers
+    # Exported (as zeros) without peer links too, so one dashboard query fits every node.
+    peers = GaugeMetricFamily("shiftnode_peers", "Peer nodes by state", labels=["state"])
+    now = time.monotonic()
+    states = [p.state(now, n.peers.stale_s)[0] for p in list(n.peers.peers.values())] if n.peers is not None else []
+    for s in (READY, UNREACHABLE, REFUSED):
+        peers.add_metric([s], states.count(s))
+    yield peers
     waiting = GaugeMetricFamily("shiftnode_remote_kv_waiting_requests", "Sequences waiting for KV to or from a "
                                 "peer node, by stage", labels=["stage"])
     unsent = getattr(n.driver, "unsent_to_peers", None)

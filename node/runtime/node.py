@@ -466,6 +466,13 @@ class Node:
         return self.tokenizer.eos_token_ids or list(self.info.cfg.eos_token_ids)
 
     # --- introspection -----------------------------------------------------------------------
+    def role_of(self, e: DeviceEngine, decoders: list[str] | None = None) -> str:
+        """What device ``e`` does now: ``prefill``, ``decode`` or ``switching`` (time-shared), ``decode``
+        for a pooled decode group, else ``mixed`` (colocated chunked prefill, a pooled prefill device)."""
+        if e.role is not None:
+            return e.role.role.value
+        return "decode" if e.device_id in (decoders if decoders is not None else self.config.decode_group_ids()) else "mixed"
+
     def status(self, history: int = 200) -> dict:
         """The node's state for ``GET /v1/node``: mode, SLOs, queue, and per device its role, KV blocks,
         resident and queued sequences, switch count and pause total, and the last ``history`` switches
@@ -476,7 +483,7 @@ class Node:
         for e in self.engines:
             d = {
                 "device": e.device_id,
-                "role": e.role.role.value if e.role else ("decode" if e.device_id in decoders else "mixed"),
+                "role": self.role_of(e, decoders),
                 "engine": {"layout": self.config.engine_layout, "pid": e.runner.pid},  # pid: null in the thread layout; a group's rank 0
                 "engine_busy_s": round(e.busy_s, 6),  # the engine's own time in steps, summed (wall minus this: waiting)
                 "kv_blocks_total": e.batcher.ledger.num_blocks,
