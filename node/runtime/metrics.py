@@ -76,6 +76,21 @@ class NodeMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def latency_histograms(self) -> dict:
+        """TTFT, ITL, TPOT and E2E as cumulative histograms, ``{"ttft": {"le": [upper bounds, s],
+        "counts": [cumulative counts], "count": n, "sum": s}, ...}`` (``le`` ends with ``inf``, written
+        as null in JSON): a client takes two snapshots and reads quantiles of the window between them,
+        as PromQL's ``histogram_quantile`` over ``rate`` does."""
+        out = {}
+        for key in ("ttft", "itl", "tpot", "e2e"):
+            samples = getattr(self, key).collect()[0].samples
+            buckets = [s for s in samples if s.name.endswith("_bucket")]
+            out[key] = {"le": [None if s.labels["le"] == "+Inf" else float(s.labels["le"]) for s in buckets],
+                        "counts": [int(s.value) for s in buckets],
+                        "count": int(next(s.value for s in samples if s.name.endswith("_count"))),
+                        "sum": round(next(s.value for s in samples if s.name.endswith("_sum")), 6)}
+        return out
+
 
 DEVICE_ROLES = ("prefill", "decode", "mixed", "switching")  # the values of shiftnode_device_role's role label
 

@@ -473,11 +473,14 @@ class Node:
             return e.role.role.value
         return "decode" if e.device_id in (decoders if decoders is not None else self.config.decode_group_ids()) else "mixed"
 
-    def status(self, history: int = 200) -> dict:
+    def status(self, history: int = 200, since_s: float | None = None) -> dict:
         """The node's state for ``GET /v1/node``: mode, SLOs, queue, and per device its role, KV blocks,
         resident and queued sequences, switch count and pause total, and the last ``history`` switches
-        (the role timeline)."""
+        (the role timeline) and KV transfers; with ``since_s`` (node clock, s) instead those that ended
+        after it, all that are kept (a poller such as /dashboard asks only for what is new). ``latency``
+        holds the cumulative TTFT/ITL/TPOT/E2E histograms, for quantiles over any window."""
         now = time.monotonic()
+        recent = _since(history, since_s)
         devices = []
         decoders = self.config.decode_group_ids()
         for e in self.engines:
@@ -520,7 +523,7 @@ class Node:
                     "switching_to": r.switching_to.value if r.switching_to else None,
                     "switch_count": r.count,
                     "pause_total_ms": round(r.pause_total_s * 1e3, 3),
-                    "switches": [x.as_dict() for x in list(r.records)[-history:]],
+                    "switches": [x.as_dict() for x in recent(r.records)],
                 }
             devices.append(d)
         return {
@@ -540,8 +543,10 @@ class Node:
             "requests_timed_out": self.timed_out,
             "draining": self.draining,
             "clock_s": round(now, 6),
+            "started_wall_s": self.started_wall_s,  # changes when the node restarts
             "devices": devices,
-            "kv_transfers": [asdict(m) for m in list(self.migrations)[-history:]],
+            "kv_transfers": [asdict(m) for m in recent(self.migrations)],
+            "latency": self.metrics.latency_histograms(),
             "network": self._network_status(now),
         }
 
@@ -561,6 +566,16 @@ class Node:
         if self.peers:
             out["peers"] = [p.as_dict(now, self.peers.stale_s) for p in list(self.peers.peers.values())]
         return out
+
+
+def _since(history: int, since_s: float | None):
+    """A function giving a record history's last ``history`` entries, or with ``since_s`` all kept
+    entries whose ``end_s`` is later (a full scan: of at most 1000 records, and the append order is
+    not strictly the end order)."""
+    def pick(records) -> list:
+        items = list(records)
+        return items[-history:] if since_s is None else [x for x in items if x.end_s > since_s]
+    return pick
 
 
 def _pool_bytes(kv_cache) -> int | None:
