@@ -1,4 +1,15 @@
-"""GET /dashboard (issue 28): the page behind --api-key, and /v1/node's incremental history."""
+"""GET /dashboard (issue 28): the page behind --api-key, /v1/node's incremental history, and the page in
+a real headless Chromium (Debian's chromium + chromium-driver, driven by Selenium) against a
+time-shared node under load: every device shows, roles change, and it rides out a node restart.
+
+The browser comes from scripts/setup (apt-get, as root). Without it the browser test skips with the
+reason, except in CI (CI=true), where it fails.
+"""
+
+import os
+import shutil
+import threading
+import time
 
 import httpx
 import pytest
@@ -13,7 +24,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def node():
-    """A time-shared node on two CPU devices, behind an API key."""
+    """A time-shared node on two CPU devices, behind an API key (the browser test restarts it last)."""
     require_shared()
     n = NodeProcess(*ARGS, wait=False)
     yield n
@@ -50,3 +61,99 @@ def test_dashboard_page_is_behind_the_key_and_node_history_is_incremental(node):
     cut = min(s["end_s"] for s in switches)  # since the earliest end: all but that one
     some = c.get("/v1/node", params={"since": cut}).json()
     assert sum(len(d["switches"]) for d in some["devices"]) >= len(switches) - 1
+
+
+def browser():
+    """A headless Chromium under Selenium, or skip (fail in CI) saying what is missing."""
+    binary = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
+    missing = ([] if binary else ["chromium"]) + ([] if shutil.which("chromedriver") else ["chromedriver"])
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        missing.append("the selenium package (pip install -e .[test])")
+    if missing:
+        why = (f"no headless browser: {', '.join(missing)} missing (bash scripts/setup installs Debian's chromium "
+               "and chromium-driver when run as root with apt-get)")
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(why + "; CI must run this test")
+        pytest.skip(why)
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = binary
+    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--no-first-run",
+              "--window-size=1280,1000"):
+        opts.add_argument(a)
+    # the driver from the same Debian package as the browser (no Selenium Manager download)
+    d = webdriver.Chrome(options=opts, service=Service(shutil.which("chromedriver")))
+    d.set_page_load_timeout(30)
+    return d
+
+
+# The page redraws whole every poll, so the DOM is read in one script (no stale element handles).
+READ = """return {conn: document.getElementById('conn').dataset.state, search: location.search,
+  key: sessionStorage.getItem('shiftnode-key'), gaps: document.querySelectorAll('rect.gap').length,
+  rows: [...document.querySelectorAll('.device-row')].map(r => ({device: r.dataset.device, role: r.dataset.role,
+    bands: [...r.querySelectorAll('rect.band')].map(b => b.dataset.role)})),
+  table: [...document.querySelectorAll('#devices tr[data-device]')].map(r => r.dataset.device),
+  switches: +(document.querySelector('[data-tile=switches] b') || {}).textContent}"""
+
+
+def wait_page(d, cond, timeout_s: float, what: str) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        page = d.execute_script(READ)
+        if cond(page):
+            return page
+        if time.monotonic() > deadline:
+            raise AssertionError(f"dashboard: {what} not seen in {timeout_s} s; page: {page}")
+        time.sleep(0.1)
+
+
+def load(url: str, stop: threading.Event) -> None:
+    """Requests of mixed lengths back to back, so the devices keep trading prefill and decode."""
+    with httpx.Client(base_url=url, headers=AUTH, timeout=30) as c:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            try:
+                c.post("/v1/completions", json={"prompt": "Once upon a time " * (1 + i % 5), "max_tokens": 8 + i % 24})
+            except httpx.HTTPError:
+                time.sleep(0.1)  # the node is restarting
+
+
+def test_dashboard_in_headless_chromium(node):
+    d = browser()  # starts while the node may still be loading
+    stop = threading.Event()
+    workers = [threading.Thread(target=load, args=(node.url, stop), daemon=True) for _ in range(4)]
+    restarted = None
+    try:
+        node.wait_up()
+        for w in workers:
+            w.start()
+        d.get(f"{node.url}/dashboard?key={KEY}&poll=250&window=60")
+        page = wait_page(d, lambda p: p["conn"] == "live" and len(p["rows"]) == 2, 15, "both devices, live")
+        assert page["search"] == "?poll=250&window=60" and page["key"] == KEY  # the key left the address bar
+
+        def switched(p):  # some device shows both roles and the pause between them
+            return any({"prefill", "decode", "switching"} <= set(r["bands"]) for r in p["rows"])
+        page = wait_page(d, switched, 10, "a device changing role")
+        assert {r["device"] for r in page["rows"]} == {"cpu:0", "cpu:1"} == set(page["table"])
+        assert all(r["role"] in ("prefill", "decode", "switching") for r in page["rows"])
+        assert page["switches"] > 0
+
+        # a restart: the page says so, keeps polling, and comes back on its own
+        stop.set()
+        for w in workers:
+            w.join()  # in-flight requests end first: the node then stops at once
+        node.close()
+        wait_page(d, lambda p: p["conn"] == "disconnected" and p["gaps"] > 0, 10, "'disconnected'")
+        # back with one device (starts in about half the time of two): the page follows the new set
+        restarted = NodeProcess("--model", str(STORIES), "--api-key", KEY, port=node.port)
+        page = wait_page(d, lambda p: p["conn"] == "live" and len(p["rows"]) == 1 and p["gaps"] > 0, 15,
+                         "reconnection after the restart")
+        assert page["rows"][0]["device"] == "cpu:0"
+    finally:
+        stop.set()
+        d.quit()
+        if restarted is not None:
+            restarted.close()
