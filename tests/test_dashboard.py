@@ -53,7 +53,7 @@ def test_dashboard_page_is_behind_the_key_and_node_history_is_incremental(node):
     lat = full["latency"]
     assert lat["ttft"]["count"] >= 6 and lat["ttft"]["counts"][-1] == lat["ttft"]["count"] and lat["ttft"]["le"][-1] is None
     assert lat["itl"]["count"] >= 6 * 11
-    assert full["started_wall_s"] > 0
+    assert full["started_wall_s"] > 0 and full["uptime_s"] >= 0
     switches = [s for d in full["devices"] for s in d["switches"]]
     assert switches, "six requests on a time-shared node switched no role"
     later = c.get("/v1/node", params={"since": full["clock_s"]}).json()
@@ -61,6 +61,14 @@ def test_dashboard_page_is_behind_the_key_and_node_history_is_incremental(node):
     cut = min(s["end_s"] for s in switches)  # since the earliest end: all but that one
     some = c.get("/v1/node", params={"since": cut}).json()
     assert sum(len(d["switches"]) for d in some["devices"]) >= len(switches) - 1
+
+
+@pytest.fixture(scope="module")
+def chrome():
+    """One headless Chromium for the module's browser tests (see :func:`browser`)."""
+    d = browser()
+    yield d
+    d.quit()
 
 
 def browser():
@@ -95,7 +103,9 @@ READ = """return {conn: document.getElementById('conn').dataset.state, search: l
   rows: [...document.querySelectorAll('.device-row')].map(r => ({device: r.dataset.device, role: r.dataset.role,
     bands: [...r.querySelectorAll('rect.band')].map(b => b.dataset.role)})),
   table: [...document.querySelectorAll('#devices tr[data-device]')].map(r => r.dataset.device),
-  switches: +(document.querySelector('[data-tile=switches] b') || {}).textContent}"""
+  switches: +(document.querySelector('[data-tile=switches] b') || {}).textContent,
+  transfers: [...document.querySelectorAll('#transfers tr')].slice(1).map(r => r.cells).filter(c => c.length > 3)
+    .map(c => ({from: c[2].textContent, to: c[3].textContent}))}"""
 
 
 def wait_page(d, cond, timeout_s: float, what: str) -> dict:
@@ -121,8 +131,8 @@ def load(url: str, stop: threading.Event) -> None:
                 time.sleep(0.1)  # the node is restarting
 
 
-def test_dashboard_in_headless_chromium(node):
-    d = browser()  # starts while the node may still be loading
+def test_dashboard_in_headless_chromium(node, chrome):
+    d = chrome  # started while the node loads
     stop = threading.Event()
     workers = [threading.Thread(target=load, args=(node.url, stop), daemon=True) for _ in range(4)]
     restarted = None
@@ -154,6 +164,17 @@ def test_dashboard_in_headless_chromium(node):
         assert page["rows"][0]["device"] == "cpu:0"
     finally:
         stop.set()
-        d.quit()
         if restarted is not None:
             restarted.close()
+
+
+def test_dashboard_in_pooled_mode(pooled_node, chrome):
+    """Fixed roles (a prefill device, a decode device) and the transfers between them."""
+    r = pooled_node.client.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 4})
+    assert r.status_code == 200
+    chrome.get(f"{pooled_node.url}/dashboard?poll=250")
+    page = wait_page(chrome, lambda p: p["conn"] == "live" and len(p["rows"]) == 2 and p["transfers"], 10,
+                     "both pooled devices and a transfer")
+    assert {(r["device"], r["role"]) for r in page["rows"]} == {("cpu:0", "prefill"), ("cpu:1", "decode")}
+    assert all(set(r["bands"]) == {r["role"]} for r in page["rows"]), page  # fixed roles: one band each
+    assert any(t["from"] == "cpu:0" and t["to"] == "cpu:1" for t in page["transfers"])

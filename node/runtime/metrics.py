@@ -156,8 +156,8 @@ class _StateCollector:
             hits.add_metric([e.device_id], e.batcher.prefix_hit_tokens)
         yield from (used, total, usage, running, cached, reclaimable, queries, hits)
         role = GaugeMetricFamily("shiftnode_device_role", "1 for the role each device (or tensor-parallel group) "
-                                 "has now, 0 for the others: prefill, decode, mixed (colocated chunked prefill, a "
-                                 "pooled prefill device) or switching (a reconfiguration pause)", labels=["device", "role"])
+                                 "has now, 0 for the others: prefill, decode (time-shared roles; a pooled device's "
+                                 "fixed one), mixed (colocated chunked prefill) or switching (a reconfiguration pause)", labels=["device", "role"])
         decoders = n.config.decode_group_ids()
         for e in n.engines:
             now_role = n.role_of(e, decoders)

@@ -467,8 +467,9 @@ class Node:
 
     # --- introspection -----------------------------------------------------------------------
     def role_of(self, e: DeviceEngine, decoders: list[str] | None = None) -> str:
-        """What device ``e`` does now: ``prefill``, ``decode`` or ``switching`` (time-shared), ``decode``
-        for a pooled decode group, else ``mixed`` (colocated chunked prefill, a pooled prefill device)."""
+        """What device ``e`` does now: its role (``prefill``, ``decode``, or ``switching`` during a
+        time-shared switch; a pooled prefill device's is fixed), ``decode`` for a pooled decode group,
+        else ``mixed`` (colocated chunked prefill)."""
         if e.role is not None:
             return e.role.role.value
         return "decode" if e.device_id in (decoders if decoders is not None else self.config.decode_group_ids()) else "mixed"
@@ -544,6 +545,7 @@ class Node:
             "draining": self.draining,
             "clock_s": round(now, 6),
             "started_wall_s": self.started_wall_s,  # changes when the node restarts
+            "uptime_s": round(time.time() - self.started_wall_s, 3),
             "devices": devices,
             "kv_transfers": [asdict(m) for m in recent(self.migrations)],
             "latency": self.metrics.latency_histograms(),
