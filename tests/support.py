@@ -51,8 +51,8 @@ class NodeProcess:
     start in parallel instead of one after another.
     """
 
-    def __init__(self, *args: str, timeout_s: float = 120.0, wait: bool = True):
-        self.port = free_port()
+    def __init__(self, *args: str, timeout_s: float = 120.0, wait: bool = True, port: int | None = None):
+        self.port = port or free_port()  # a given port: a node restarted where clients expect it
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "node.cli", "serve", "--port", str(self.port), *args]

@@ -63,6 +63,10 @@ def test_b27_gauges_fall_to_idle_after_aborts():
         assert busy["shiftnode_running_sequences{device=cpu:0}"] == 4
         assert busy["shiftnode_queue_depth"] == 8
         assert busy["shiftnode_kv_blocks_used{device=cpu:0}"] > 0
+        # the vLLM names a gateway routes on (test_vllm_metrics) say the same
+        assert busy["vllm:num_requests_running{model_name=stories260k}"] == 4
+        assert busy["vllm:num_requests_waiting{model_name=stories260k}"] == 8
+        assert busy["vllm:kv_cache_usage_perc{model_name=stories260k}"] > 0
         for s in socks:
             s.close()
         node.wait_idle(5)
@@ -71,6 +75,8 @@ def test_b27_gauges_fall_to_idle_after_aborts():
         assert idle["shiftnode_queue_depth"] == 0
         assert idle["shiftnode_kv_blocks_used{device=cpu:0}"] == 0
         assert idle["shiftnode_requests_total{finish_reason=abort}"] == 12
+        assert idle["vllm:request_success_total{finished_reason=abort,model_name=stories260k}"] == 12
+        assert idle["vllm:num_requests_waiting{model_name=stories260k}"] == 0
         assert re.search(r"^# TYPE shiftnode_kv_usage_ratio gauge$", node.client.get("/metrics").text, re.M)
     finally:
         node.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import hmac
 import importlib.metadata
+import math
 import time
 
 import msgspec
@@ -13,6 +14,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
+from node.api.dashboard import dashboard_handler
 from node.api.errors import APIError, bad_request, error_response, retry_after
 from node.api.openai import NODE_KEY, chat_completions, completions
 from node.config import NodeConfig
@@ -88,8 +90,21 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def node_status(request: web.Request) -> web.Response:
+    """``GET /v1/node[?since=CLOCK_S]``: the node's state (:meth:`Node.status`); with ``since`` (a
+    ``clock_s`` of an earlier answer) the switches and KV transfers that ended after it instead of the
+    last 200, so a poller gets each record once."""
     node = request.app[NODE_KEY]
-    return web.json_response(node.status())
+    since = request.query.get("since")
+    since_s = None
+    if since is not None:
+        try:
+            since_s = float(since)
+        except ValueError:
+            since_s = math.nan
+        if not math.isfinite(since_s):
+            raise bad_request(f"since must be a number of seconds on the node's clock (clock_s), got {since!r}",
+                              param="since")
+    return web.json_response(node.status(since_s=since_s))
 
 
 async def drain(request: web.Request) -> web.Response:
@@ -167,6 +182,7 @@ def create_app(config: NodeConfig, node: Node | None = None, prelaunched: dict |
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/node", node_status)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/dashboard", dashboard_handler(config.api_key))  # its own key check: see node/api/dashboard.py
     app.router.add_post("/v1/node/drain", drain)
     app.router.add_post("/v1/node/peers", change_peers)
     app.router.add_post("/v1/completions", completions)

@@ -51,7 +51,11 @@ def openapi_document(model_name: str, version: str) -> dict:
     _, components = msgspec.json.schema_components([CompletionRequest, ChatCompletionRequest, PeerChange], ref_template=_REF)
     components["Error"] = ERROR
     node_get = {"get": {"summary": "the node's state: mode, devices and their roles, queue, KV, peers",
-                        "security": [{"bearer": []}, {}], "responses": {"200": _json("node status"), **_errors(401)}}}
+                        "security": [{"bearer": []}, {}],
+                        "parameters": [{"name": "since", "in": "query", "required": False, "schema": {"type": "number"},
+                                        "description": "a clock_s of an earlier answer: only the switch and transfer "
+                                                       "records that ended after it"}],
+                        "responses": {"200": _json("node status"), **_errors(400, 401)}}}
     return {
         "openapi": "3.1.0",
         "info": {"title": "shiftnode", "version": version,
@@ -79,6 +83,13 @@ def openapi_document(model_name: str, version: str) -> dict:
             "/metrics": {"get": {"summary": "Prometheus metrics",
                                  "responses": {"200": {"description": "text exposition format",
                                                        "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+            "/dashboard": {"get": {"summary": "the live role dashboard (HTML; the key as ?key= once, or a form)",
+                                   "parameters": [{"name": "key", "in": "query", "required": False,
+                                                   "schema": {"type": "string"}}],
+                                   "responses": {"200": {"description": "the page",
+                                                         "content": {"text/html": {"schema": {"type": "string"}}}},
+                                                 "401": {"description": "the key form (browsers) or the JSON error",
+                                                         "content": {"text/html": {"schema": {"type": "string"}}}}}}},
             "/openapi.json": {"get": {"summary": "this document", "responses": {"200": _json("OpenAPI 3.1")}}},
         },
     }

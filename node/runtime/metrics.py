@@ -1,5 +1,7 @@
 """Prometheus metrics of one node (prometheus-client, a registry per node).
 
+vLLM-compatible names (``vllm:*``) come beside these from :mod:`node.runtime.vllm_metrics`.
+
 Counters and histograms are updated as requests and steps happen; gauges that describe current state
 (queue depth, KV blocks, resident sequences, roles) are read from the node at scrape time, so they can
 never lag behind an abort.
@@ -14,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from node.runtime.peer_state import READY, REFUSED, UNREACHABLE
+from node.runtime.vllm_metrics import VllmCompatCollector
 
 if TYPE_CHECKING:
     from node.runtime.node import Node
@@ -68,10 +71,28 @@ class NodeMetrics:
                                         "(their KV freed)", registry=r)
         self.rejected = Counter("shiftnode_rejected_requests", "Requests refused for overload (503)", registry=r)
         r.register(_StateCollector(node))
+        r.register(VllmCompatCollector(node, self))  # vllm:* names for gateways and vLLM dashboards
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def latency_histograms(self) -> dict:
+        """TTFT, ITL, TPOT and E2E as cumulative histograms, ``{"ttft": {"le": [upper bounds, s],
+        "counts": [cumulative counts], "count": n, "sum": s}, ...}`` (``le`` ends with ``inf``, written
+        as null in JSON): a client takes two snapshots and reads quantiles of the window between them,
+        as PromQL's ``histogram_quantile`` over ``rate`` does."""
+        out = {}
+        for key in ("ttft", "itl", "tpot", "e2e"):
+            samples = getattr(self, key).collect()[0].samples
+            buckets = [s for s in samples if s.name.endswith("_bucket")]
+            out[key] = {"le": [None if s.labels["le"] == "+Inf" else float(s.labels["le"]) for s in buckets],
+                        "counts": [int(s.value) for s in buckets],
+                        "count": int(next(s.value for s in samples if s.name.endswith("_count"))),
+                        "sum": round(next(s.value for s in samples if s.name.endswith("_sum")), 6)}
+        return out
+
+
+DEVICE_ROLES = ("prefill", "decode", "mixed", "switching")  # the values of shiftnode_device_role's role label
 
 REQUEST_OUTCOME_ORDER = ("error", "abort", "length", "stop")  # the first present labels a request
 
@@ -134,19 +155,28 @@ class _StateCollector:
             queries.add_metric([e.device_id], e.batcher.prefix_query_tokens)
             hits.add_metric([e.device_id], e.batcher.prefix_hit_tokens)
         yield from (used, total, usage, running, cached, reclaimable, queries, hits)
+        role = GaugeMetricFamily("shiftnode_device_role", "1 for the role each device (or tensor-parallel group) "
+                                 "has now, 0 for the others: prefill, decode (time-shared roles; a pooled device's "
+                                 "fixed one), mixed (colocated chunked prefill) or switching (a reconfiguration pause)", labels=["device", "role"])
+        decoders = n.config.decode_group_ids()
+        for e in n.engines:
+            now_role = n.role_of(e, decoders)
+            for r in DEVICE_ROLES:
+                role.add_metric([e.device_id, r], 1.0 if r == now_role else 0.0)
+        yield role
 
 
 def _peer_gauges(n: "Node") -> Iterable[GaugeMetricFamily]:
     """Peers by state, and requests waiting for remote KV by stage: ``unsent`` (prefilled here,
     waiting for a peer to take them), ``sending`` (a hand-off under way), ``receiving`` (a peer's
     transfer into this node)."""
-    if n.peers is not None:
-        peers = GaugeMetricFamily("shiftnode_peers", "Peer nodes by state", labels=["state"])
-        now = time.monotonic()
-        states = [p.state(now, n.peers.stale_s)[0] for p in list(n.peers.peers.values())]
-        for s in (READY, UNREACHABLE, REFUSED):
-            peers.add_metric([s], states.count(s))
-        yield peers
+    # Exported (as zeros) without peer links too, so one dashboard query fits every node.
+    peers = GaugeMetricFamily("shiftnode_peers", "Peer nodes by state", labels=["state"])
+    now = time.monotonic()
+    states = [p.state(now, n.peers.stale_s)[0] for p in list(n.peers.peers.values())] if n.peers is not None else []
+    for s in (READY, UNREACHABLE, REFUSED):
+        peers.add_metric([s], states.count(s))
+    yield peers
     waiting = GaugeMetricFamily("shiftnode_remote_kv_waiting_requests", "Sequences waiting for KV to or from a "
                                 "peer node, by stage", labels=["stage"])
     unsent = getattr(n.driver, "unsent_to_peers", None)

@@ -476,17 +476,28 @@ class Node:
         return self.tokenizer.eos_token_ids or list(self.info.cfg.eos_token_ids)
 
     # --- introspection -----------------------------------------------------------------------
-    def status(self, history: int = 200) -> dict:
+    def role_of(self, e: DeviceEngine, decoders: list[str] | None = None) -> str:
+        """What device ``e`` does now: its role (``prefill``, ``decode``, or ``switching`` during a
+        time-shared switch; a pooled prefill device's is fixed), ``decode`` for a pooled decode group,
+        else ``mixed`` (colocated chunked prefill)."""
+        if e.role is not None:
+            return e.role.role.value
+        return "decode" if e.device_id in (decoders if decoders is not None else self.config.decode_group_ids()) else "mixed"
+
+    def status(self, history: int = 200, since_s: float | None = None) -> dict:
         """The node's state for ``GET /v1/node``: mode, SLOs, queue, and per device its role, KV blocks,
         resident and queued sequences, switch count and pause total, and the last ``history`` switches
-        (the role timeline)."""
+        (the role timeline) and KV transfers; with ``since_s`` (node clock, s) instead those that ended
+        after it, all that are kept (a poller such as /dashboard asks only for what is new). ``latency``
+        holds the cumulative TTFT/ITL/TPOT/E2E histograms, for quantiles over any window."""
         now = time.monotonic()
+        recent = _since(history, since_s)
         devices = []
         decoders = self.config.decode_group_ids()
         for e in self.engines:
             d = {
                 "device": e.device_id,
-                "role": e.role.role.value if e.role else ("decode" if e.device_id in decoders else "mixed"),
+                "role": self.role_of(e, decoders),
                 "engine": {"layout": self.config.engine_layout, "pid": e.runner.pid},  # pid: null in the thread layout; a group's rank 0
                 "engine_busy_s": round(e.busy_s, 6),  # the engine's own time in steps, summed (wall minus this: waiting)
                 "kv_blocks_total": e.batcher.ledger.num_blocks,
@@ -523,7 +534,7 @@ class Node:
                     "switching_to": r.switching_to.value if r.switching_to else None,
                     "switch_count": r.count,
                     "pause_total_ms": round(r.pause_total_s * 1e3, 3),
-                    "switches": [x.as_dict() for x in list(r.records)[-history:]],
+                    "switches": [x.as_dict() for x in recent(r.records)],
                 }
             devices.append(d)
         return {
@@ -543,8 +554,11 @@ class Node:
             "requests_timed_out": self.timed_out,
             "draining": self.draining,
             "clock_s": round(now, 6),
+            "started_wall_s": self.started_wall_s,  # changes when the node restarts
+            "uptime_s": round(time.time() - self.started_wall_s, 3),
             "devices": devices,
-            "kv_transfers": [asdict(m) for m in list(self.migrations)[-history:]],
+            "kv_transfers": [asdict(m) for m in recent(self.migrations)],
+            "latency": self.metrics.latency_histograms(),
             "network": self._network_status(now),
         }
 
@@ -566,6 +580,16 @@ class Node:
         if self.membership:
             out["membership"] = self.membership.status()
         return out
+
+
+def _since(history: int, since_s: float | None):
+    """A function giving a record history's last ``history`` entries, or with ``since_s`` all kept
+    entries whose ``end_s`` is later (a full scan: of at most 1000 records, and the append order is
+    not strictly the end order)."""
+    def pick(records) -> list:
+        items = list(records)
+        return items[-history:] if since_s is None else [x for x in items if x.end_s > since_s]
+    return pick
 
 
 def _pool_bytes(kv_cache) -> int | None:
