@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from node.config import NodeConfig
 from node.core.sequence import SamplingParams
 from node.runtime.health import STALLED_STEP_S, node_health
@@ -176,10 +178,30 @@ def test_request_timeout_over_http_is_503_with_retry_after():
         assert r.json()["error"]["code"] == "request_timeout" and "--request-timeout-s" in r.json()["error"]["message"]
         assert int(r.headers["Retry-After"]) >= 1
         assert node.status()["request_timeout_s"] == 0.2
+        assert "shiftnode_request_timeout_seconds 0.2" in node.client.get("/metrics").text
         node.wait_idle()
         assert "shiftnode_request_timeouts_total 1.0" in node.client.get("/metrics").text
     finally:
         node.close()
+
+
+def test_the_default_request_deadline_is_finite_shown_and_0_means_none(stories_node):
+    """Issue 32 item 4: with no flag every request has a 600 s deadline, read from /v1/node and the
+    ``shiftnode_request_timeout_seconds`` gauge; ``--request-timeout-s 0`` removes it; negative is refused."""
+    import argparse
+
+    from node.cli import config_from_args, serve_parser
+    from node.config import ConfigError
+
+    assert stories_node.status()["request_timeout_s"] == 600
+    assert "shiftnode_request_timeout_seconds 600.0" in stories_node.client.get("/metrics").text
+    parser = argparse.ArgumentParser()
+    serve_parser(parser.add_subparsers(dest="command"))
+    parse = lambda *a: config_from_args(parser.parse_args(["serve", *a]))  # noqa: E731
+    assert parse().request_timeout_s == 600 and parse("--request-timeout-s", "0").request_timeout_s is None
+    parse("--request-timeout-s", "0").validate()
+    with pytest.raises(ConfigError, match="--request-timeout-s must be positive"):
+        parse("--request-timeout-s", "-1").validate()
 
 
 def test_a_bug_after_a_streams_headers_ends_that_stream_with_an_error_event_and_done():

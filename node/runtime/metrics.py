@@ -88,6 +88,10 @@ class _StateCollector:
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         n = self.node
+        deadline = GaugeMetricFamily("shiftnode_request_timeout_seconds", "Deadline of every request "
+                                     "(--request-timeout-s); 0: no bound")
+        deadline.add_metric([], n.config.request_timeout_s or 0.0)
+        yield deadline
         queue = GaugeMetricFamily("shiftnode_queue_depth", "Requests waiting for a device")
         queue.add_metric([], n.num_waiting)
         yield queue
