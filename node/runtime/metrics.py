@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Iterable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from node.runtime.peer_state import READY, REFUSED, UNREACHABLE
+from node.runtime.peer_state import PEER_STATES
 
 if TYPE_CHECKING:
     from node.runtime.node import Node
@@ -148,7 +148,7 @@ def _peer_gauges(n: "Node") -> Iterable[GaugeMetricFamily]:
         peers = GaugeMetricFamily("shiftnode_peers", "Peer nodes by state", labels=["state"])
         now = time.monotonic()
         states = [p.state(now, n.peers.stale_s)[0] for p in list(n.peers.peers.values())]
-        for s in (READY, UNREACHABLE, REFUSED):
+        for s in PEER_STATES:
             peers.add_metric([s], states.count(s))
         yield peers
     waiting = GaugeMetricFamily("shiftnode_remote_kv_waiting_requests", "Sequences waiting for KV to or from a "

@@ -180,13 +180,15 @@ class PeerLinks:
             client = None
             pause = RECONNECT_S
             try:
+                peer.asking, peer.asked_s = "the connection and handshake", time.monotonic()
                 client = await self.connect(peer, heartbeat_interval_s=None)
                 if peer.refusal is not None or peer.error is not None:
                     log.info("peer_connected", peer=peer.addr, peer_node=client.peer_node_id)
-                peer.refusal, peer.error, peer.node_id = None, None, client.peer_node_id
+                peer.refusal, peer.error, peer.node_id, peer.timed_out = None, None, client.peer_node_id, False
                 while True:
+                    peer.asking, peer.asked_s = "a capacity query", time.monotonic()
                     peer.status = await client.query_status(timeout_s=self.stale_s)
-                    peer.status_s = time.monotonic()
+                    peer.status_s, peer.asking = time.monotonic(), None
                     self._kick()
                     await asyncio.sleep(STATUS_POLL_S)
             except asyncio.CancelledError:
@@ -196,11 +198,13 @@ class PeerLinks:
                 pause = REFUSED_RETRY_S
             except Exception as e:  # noqa: BLE001 - any failure (uvloop raises RuntimeError on a closed transport): reconnect
                 self.timed_out(e)
+                stalled = timeout_stage(e) is not None  # it took the connection but did not answer in time
                 if peer.error is None:
-                    log.warning("peer_unreachable", peer=peer.addr, error=why(e))
-                peer.status, peer.refusal, peer.error = None, None, why(e)
+                    log.warning("peer_stalled" if stalled else "peer_unreachable", peer=peer.addr, error=why(e))
+                peer.status, peer.refusal, peer.error, peer.timed_out = None, None, why(e), stalled
                 self._kick()
             finally:
+                peer.asking = None
                 if client is not None:
                     with suppress(Exception):
                         await client.close()
