@@ -305,3 +305,50 @@ def test_a_step_that_never_returns_is_reported_stalled():
         task.cancel()
 
     with_node(body)
+
+
+def test_a_device_dying_with_two_steps_in_flight_ends_every_wait_on_it_with_an_error():
+    """Issue 33 item 4: the engine dies while two steps are in flight. A role switch waiting for them,
+    a hand-off's detach queued behind them and the request end with errors within a bound (they waited
+    for ever: ``_idle`` was never set, detaches never resolved); a sequence adopted afterwards (a
+    peer's) fails at once instead of waiting on a device that will never step."""
+    from node.core.roles import Role
+    from node.runtime.request import RequestState
+    from node.runtime.switching import SwitchAbandoned
+    from node.worker.engine_process import EngineDied
+
+    async def body(node: Node):
+        e = node.engines[0]
+        held: list[asyncio.Future] = []
+
+        def submit(msg):  # steps are taken and never answered, until the engine "dies"
+            held.append(asyncio.get_running_loop().create_future())
+            return held[-1]
+
+        e.runner.async_submit = submit
+        run = asyncio.create_task(collect(node, "r", SamplingParams(max_tokens=8, temperature=0.0)))
+        for _ in range(500):
+            if len(held) >= 2:
+                break
+            await asyncio.sleep(0.01)
+        assert len(held) == 2 and len(e._inflight) == 2  # chunked prefill: the next chunk goes before the first returns
+        seq = node.live["r"].seqs[0]
+        detach = e.detach(seq)
+        to = Role.DECODE if e.role.role is not Role.DECODE else Role.PREFILL
+        switch = asyncio.create_task(e.switch_role(to, "test"))
+        await asyncio.sleep(0.05)
+        assert not switch.done() and not detach.done()  # both wait for the steps in flight
+        held[0].set_exception(EngineDied("engine process exited (test)"))
+        with pytest.raises(SwitchAbandoned, match="is down"):
+            await asyncio.wait_for(switch, 5)
+        assert await asyncio.wait_for(detach, 5) is None
+        _, errors = await asyncio.wait_for(run, 5)
+        assert [d.error_code for d in errors] == ["engine_down"]
+        assert e.failure and e.role.switching_to is None
+        peer_req = RequestState("peer/x", CASE["prompt_token_ids"], SamplingParams(max_tokens=4), 1, node.tokenizer,
+                                node._eos_ids(), node.max_model_len, time.monotonic())
+        e.adopt(peer_req, 0, peer_req.seqs[0])
+        [delta] = await asyncio.wait_for(peer_req.stream.take(), 1)
+        assert delta.error_code == "engine_down" and peer_req.finished[0]
+
+    with_node(body, engine_layout="thread", max_num_batched_tokens=4)
