@@ -10,7 +10,7 @@ import re
 import socket
 import sys
 
-from node.config import NodeConfig
+from node.config import DEFAULT_REQUEST_TIMEOUT_S, NodeConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
@@ -55,9 +55,9 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="new tokens per step (chunked-prefill budget)")
     p.add_argument("--max-queue", type=int, default=1024, help="queued requests before answering 503")
-    p.add_argument("--request-timeout-s", type=float, default=None,
-                   help="end a request still running after this many seconds with an error, freeing its KV "
-                        "(default: no bound)")
+    p.add_argument("--request-timeout-s", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
+                   help="end a request still running after this many seconds with an error (503 request_timeout), "
+                        f"freeing its KV (default: {DEFAULT_REQUEST_TIMEOUT_S:g}; 0: no bound)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"])
     p.add_argument("--engine-layout", default="process", choices=["process", "thread"],
@@ -195,7 +195,7 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         dtype=a.dtype, host=a.host, port=a.port, api_key=a.api_key, max_model_len=a.max_model_len,
         block_size=a.block_size, kv_cache_memory_bytes=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, max_queue=a.max_queue,
-        request_timeout_s=a.request_timeout_s,
+        request_timeout_s=a.request_timeout_s or None,  # 0: no bound
         seed=a.seed, attention_backend=a.attention_backend, log_format=a.log_format, mode=a.mode,
         enforce_eager=a.enforce_eager, engine_layout=a.engine_layout, prefix_caching=a.prefix_caching,
         tensor_parallel_size=a.tensor_parallel_size,

@@ -6,6 +6,7 @@ import msgspec
 
 
 RELAY_KEEPALIVE_S = 2.0  # a peer relaying tokens sends a keep-alive after this much silence
+DEFAULT_REQUEST_TIMEOUT_S = 600.0  # a finite default deadline: a wedged path cannot hold a request (and its KV) for good
 
 
 class ConfigError(ValueError):
@@ -40,7 +41,8 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_queue: int = 1024
-    request_timeout_s: float | None = None  # a request still running after this long ends with an error (None: no bound)
+    # a request still running after this long (s) ends with an error and frees its KV; None or 0: no bound
+    request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S
     max_body_bytes: int = 16 * 1024 * 1024
     seed: int = 0
     log_format: str = "console"
@@ -91,8 +93,8 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (self.max_num_seqs >= 1, f"--max-num-seqs must be at least 1, got {self.max_num_seqs}"),
             (self.max_num_batched_tokens >= 1, f"--max-num-batched-tokens must be at least 1, got {self.max_num_batched_tokens}"),
             (self.max_queue >= 1, f"--max-queue must be at least 1, got {self.max_queue}"),
-            (self.request_timeout_s is None or self.request_timeout_s > 0,
-             f"--request-timeout-s must be positive, got {self.request_timeout_s}"),
+            (self.request_timeout_s is None or self.request_timeout_s >= 0,
+             f"--request-timeout-s must be positive (0: no bound), got {self.request_timeout_s}"),
             (self.max_model_len is None or self.max_model_len >= 2, f"--max-model-len must be at least 2, got {self.max_model_len}"),
             (1 <= self.block_size <= 1024, f"--block-size must be in [1, 1024], got {self.block_size}"),
             (self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "--kv-cache-memory must be positive"),

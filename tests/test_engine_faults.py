@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from node.config import NodeConfig
 from node.core.sequence import SamplingParams
 from node.runtime.health import STALLED_STEP_S, node_health
@@ -176,10 +178,30 @@ def test_request_timeout_over_http_is_503_with_retry_after():
         assert r.json()["error"]["code"] == "request_timeout" and "--request-timeout-s" in r.json()["error"]["message"]
         assert int(r.headers["Retry-After"]) >= 1
         assert node.status()["request_timeout_s"] == 0.2
+        assert "shiftnode_request_timeout_seconds 0.2" in node.client.get("/metrics").text
         node.wait_idle()
         assert "shiftnode_request_timeouts_total 1.0" in node.client.get("/metrics").text
     finally:
         node.close()
+
+
+def test_the_default_request_deadline_is_finite_shown_and_0_means_none(stories_node):
+    """Issue 32 item 4: with no flag every request has a 600 s deadline, read from /v1/node and the
+    ``shiftnode_request_timeout_seconds`` gauge; ``--request-timeout-s 0`` removes it; negative is refused."""
+    import argparse
+
+    from node.cli import config_from_args, serve_parser
+    from node.config import ConfigError
+
+    assert stories_node.status()["request_timeout_s"] == 600
+    assert "shiftnode_request_timeout_seconds 600.0" in stories_node.client.get("/metrics").text
+    parser = argparse.ArgumentParser()
+    serve_parser(parser.add_subparsers(dest="command"))
+    parse = lambda *a: config_from_args(parser.parse_args(["serve", *a]))  # noqa: E731
+    assert parse().request_timeout_s == 600 and parse("--request-timeout-s", "0").request_timeout_s is None
+    parse("--request-timeout-s", "0").validate()
+    with pytest.raises(ConfigError, match="--request-timeout-s must be positive"):
+        parse("--request-timeout-s", "-1").validate()
 
 
 def test_a_bug_after_a_streams_headers_ends_that_stream_with_an_error_event_and_done():
@@ -283,3 +305,50 @@ def test_a_step_that_never_returns_is_reported_stalled():
         task.cancel()
 
     with_node(body)
+
+
+def test_a_device_dying_with_two_steps_in_flight_ends_every_wait_on_it_with_an_error():
+    """Issue 33 item 4: the engine dies while two steps are in flight. A role switch waiting for them,
+    a hand-off's detach queued behind them and the request end with errors within a bound (they waited
+    for ever: ``_idle`` was never set, detaches never resolved); a sequence adopted afterwards (a
+    peer's) fails at once instead of waiting on a device that will never step."""
+    from node.core.roles import Role
+    from node.runtime.request import RequestState
+    from node.runtime.switching import SwitchAbandoned
+    from node.worker.engine_process import EngineDied
+
+    async def body(node: Node):
+        e = node.engines[0]
+        held: list[asyncio.Future] = []
+
+        def submit(msg):  # steps are taken and never answered, until the engine "dies"
+            held.append(asyncio.get_running_loop().create_future())
+            return held[-1]
+
+        e.runner.async_submit = submit
+        run = asyncio.create_task(collect(node, "r", SamplingParams(max_tokens=8, temperature=0.0)))
+        for _ in range(500):
+            if len(held) >= 2:
+                break
+            await asyncio.sleep(0.01)
+        assert len(held) == 2 and len(e._inflight) == 2  # chunked prefill: the next chunk goes before the first returns
+        seq = node.live["r"].seqs[0]
+        detach = e.detach(seq)
+        to = Role.DECODE if e.role.role is not Role.DECODE else Role.PREFILL
+        switch = asyncio.create_task(e.switch_role(to, "test"))
+        await asyncio.sleep(0.05)
+        assert not switch.done() and not detach.done()  # both wait for the steps in flight
+        held[0].set_exception(EngineDied("engine process exited (test)"))
+        with pytest.raises(SwitchAbandoned, match="is down"):
+            await asyncio.wait_for(switch, 5)
+        assert await asyncio.wait_for(detach, 5) is None
+        _, errors = await asyncio.wait_for(run, 5)
+        assert [d.error_code for d in errors] == ["engine_down"]
+        assert e.failure and e.role.switching_to is None
+        peer_req = RequestState("peer/x", CASE["prompt_token_ids"], SamplingParams(max_tokens=4), 1, node.tokenizer,
+                                node._eos_ids(), node.max_model_len, time.monotonic())
+        e.adopt(peer_req, 0, peer_req.seqs[0])
+        [delta] = await asyncio.wait_for(peer_req.stream.take(), 1)
+        assert delta.error_code == "engine_down" and peer_req.finished[0]
+
+    with_node(body, engine_layout="thread", max_num_batched_tokens=4)

@@ -29,9 +29,10 @@ from node.core.batcher import BatchConfig, Batcher, ScheduledSeq, StepKind, Step
 from node.core.role_config import RoleConfig, assign_instances, scatter_bytes, shared_block_units
 from node.core.roles import Role
 from node.core.sequence import PENDING, Sequence
+from node.runtime.health import STALLED_STEP_S
 from node.runtime.moves import KVMoves, MigrationRecord, Move
 from node.runtime.request import RequestState
-from node.runtime.switching import DeviceRole, SwitchRecord
+from node.runtime.switching import DeviceRole, SwitchAbandoned, SwitchRecord
 from node.runtime.step_encoder import StepEncoder
 from node.worker.engine_core import StepMsg, StepReply
 from node.worker.engine_process import EngineDied, EngineProcess, LocalEngine
@@ -221,6 +222,9 @@ class DeviceEngine(KVMoves):
         if the transfer failed), or to ``None`` when the sequence is not decoding here.
         """
         fut = asyncio.get_running_loop().create_future()
+        if self.failure is not None:  # nothing would apply it: the sequence stays (its request failed here)
+            fut.set_result(None)
+            return fut
         self._detaches.append((seq, fut))
         self.wake()
         return fut
@@ -302,7 +306,16 @@ class DeviceEngine(KVMoves):
         return hits + new, len(hits)
 
     def adopt(self, req: RequestState, index: int, seq: Sequence) -> None:
-        """Take over a decoding sequence whose KV was just copied into this device's blocks."""
+        """Take over a decoding sequence whose KV was just copied into this device's blocks. On a down
+        device nothing would ever run it (and a peer's relay heartbeats would keep its origin waiting):
+        its blocks are freed and its choice ends at once (503 ``engine_down``)."""
+        if self.failure is not None:
+            self.batcher.ledger.free(seq.block_ids)
+            seq.block_ids = []
+            if not req.finished[index]:
+                req.fail_choice(index, f"device {self.device_id} is down: {self.failure}", status=503,
+                                code="engine_down", retry_after_s=1.0)
+            return
         seq.device_id = self.device_id
         self.requests[req.request_id] = req
         self._by_seq[seq.seq_id] = (req, index)
@@ -516,6 +529,15 @@ class DeviceEngine(KVMoves):
             except Exception as e:  # noqa: BLE001 - bookkeeping of a broken device: log and go on
                 log.error("engine_cleanup_failed", device=self.device_id, request=req.request_id, error=str(e))
         self._inflight.clear()
+        self._idle.set()  # a switch waiting for the steps in flight goes on, and fails (switch_role)
+        for _seq, fut in self._detaches:  # hand-offs waiting for a step boundary: the sequence stays here
+            if not fut.done():
+                fut.set_result(None)
+        for m in self._migrations:  # moves not begun: refused
+            if not m.fut.done():
+                m.fut.set_result(None)
+        self._detaches.clear()
+        self._migrations.clear()
         while self._jobs:  # a transfer waiting for this device's worker fails instead of hanging
             _fn, _args, fut = self._jobs.popleft()
             if not fut.done():
@@ -527,7 +549,15 @@ class DeviceEngine(KVMoves):
         assert self.role is not None, "role switches exist in time-shared mode only"
         start = self.clock()
         prev = self.role.begin(to_role, start)
-        await self._idle.wait()
+        try:  # bounded: a step that never returns marks the device stalled after as long (health.py)
+            async with asyncio.timeout(STALLED_STEP_S):
+                await self._idle.wait()
+        except TimeoutError:
+            pass  # the device may yet answer: /health reports it stalled, not down
+        if self.failure is not None or not self._idle.is_set():
+            self.role.role, self.role.switching_to, self.role.switch_started_s = prev, None, None
+            why = f"down: {self.failure}" if self.failure else f"stalled: a step has run for {STALLED_STEP_S:g} s"
+            raise SwitchAbandoned(f"switch of {self.device_id} to {to_role.value} abandoned: the device is {why}")
         drained = self.clock()
         try:
             await asyncio.get_running_loop().run_in_executor(self._executor, self.reconfigure, to_role)

@@ -1,5 +1,5 @@
 """The node's health for ``GET /health``: ``ok``, ``degraded`` (it serves, but something is wrong:
-a peer unreachable or refused, the node draining, a device down or stalled) or ``unavailable`` (it
+a peer unreachable, stalled or refused, the node draining, a device down or stalled) or ``unavailable`` (it
 cannot serve a request at all: every device down or stalled, or a pooled node whose prefill or decode
 side is wholly gone).
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Iterable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from node.runtime.peer_state import READY, REFUSED, UNREACHABLE
+from node.runtime.peer_state import PEER_STATES
 from node.runtime.vllm_metrics import VllmCompatCollector
 
 if TYPE_CHECKING:
@@ -109,6 +109,10 @@ class _StateCollector:
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         n = self.node
+        deadline = GaugeMetricFamily("shiftnode_request_timeout_seconds", "Deadline of every request "
+                                     "(--request-timeout-s); 0: no bound")
+        deadline.add_metric([], n.config.request_timeout_s or 0.0)
+        yield deadline
         queue = GaugeMetricFamily("shiftnode_queue_depth", "Requests waiting for a device")
         queue.add_metric([], n.num_waiting)
         yield queue
@@ -174,7 +178,7 @@ def _peer_gauges(n: "Node") -> Iterable[GaugeMetricFamily]:
     peers = GaugeMetricFamily("shiftnode_peers", "Peer nodes by state", labels=["state"])
     now = time.monotonic()
     states = [p.state(now, n.peers.stale_s)[0] for p in list(n.peers.peers.values())] if n.peers is not None else []
-    for s in (READY, UNREACHABLE, REFUSED):
+    for s in PEER_STATES:
         peers.add_metric([s], states.count(s))
     yield peers
     waiting = GaugeMetricFamily("shiftnode_remote_kv_waiting_requests", "Sequences waiting for KV to or from a "

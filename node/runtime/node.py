@@ -362,7 +362,7 @@ class Node:
                            self.max_model_len, time.monotonic(), stream=stream, index0=index0)
         m.prompt_tokens.inc(len(prompt_ids))
         self.live[request_id] = req
-        if self.config.request_timeout_s is not None:
+        if self.config.request_timeout_s:  # None or 0: no bound
             req.timer = asyncio.get_running_loop().call_later(self.config.request_timeout_s, self._expire, req)
         if self.driver:
             self.driver.submit(req)
@@ -548,7 +548,7 @@ class Node:
             "slo": {"ttft_ms": self.config.ttft_slo_ms, "tpot_ms": self.config.tpot_slo_ms},
             "reconfig_pause_ms": self.config.reconfig_pause_ms,
             "queue_depth": self.num_waiting,
-            "request_timeout_s": self.config.request_timeout_s,
+            "request_timeout_s": self.config.request_timeout_s or None,  # the deadline of every request (s); null: none
             "live_requests": len(self.live),
             "oldest_request_age_s": round(self.oldest_request_age_s(now), 4),
             "requests_timed_out": self.timed_out,

@@ -10,7 +10,13 @@ from dataclasses import dataclass
 from node.transport.protocol import StatusReply
 
 PEER_PREFIX = "peer:"
-READY, UNREACHABLE, REFUSED = "ready", "unreachable", "refused"
+READY, UNREACHABLE, REFUSED, STALLED = "ready", "unreachable", "refused", "stalled"
+PEER_STATES = (READY, STALLED, UNREACHABLE, REFUSED)
+PEER_STALL_S = 1.0
+"""A peer that has not answered a handshake or a capacity query (polled every 50 ms) for this long (s)
+is *stalled*: it accepted the connection but does not reply (a wedged process, a full accept queue,
+a middlebox that swallows the traffic). It is no hand-off target until it answers again; a short
+pause only holds placements back, as an unreachable peer does."""
 
 
 def peer_id(addr: str) -> str:
@@ -36,7 +42,9 @@ class Peer:
 
     ``status``/``status_s``: its last capacity report and when it came; ``refusal``: (code, reason)
     of the last handshake refused by either side, cleared by the next accepted one; ``error``: why
-    the control connection is down (None while it is up).
+    the control connection is down (None while it is up); ``asking``/``asked_s``: the handshake or
+    query the control connection waits on and since when (None when it waits on none); ``timed_out``:
+    the connection went down because the peer did not answer in time (it is stalled, not gone).
     """
 
     addr: str
@@ -51,22 +59,29 @@ class Peer:
     node_id: str = ""
     refusal: tuple[str, str] | None = None
     error: str | None = "not connected yet"
+    asking: str | None = None
+    asked_s: float = 0.0
+    timed_out: bool = False
 
     @property
     def id(self) -> str:
         return peer_id(self.addr)
 
     def state(self, now: float, stale_s: float) -> tuple[str, str | None]:
-        """(``ready`` | ``unreachable`` | ``refused``, reason or None when ready)."""
+        """(``ready`` | ``stalled`` | ``unreachable`` | ``refused``, reason or None when ready)."""
         if self.refusal is not None:
             code, reason = self.refusal
             return REFUSED, f"{code}: {reason}"
+        if self.asking is not None and now - self.asked_s >= PEER_STALL_S:
+            return STALLED, f"no answer to {self.asking} for {now - self.asked_s:.1f} s"
         if self.status is not None and now - self.status_s < stale_s:
             if self.status.accepting:
                 return READY, None
             return REFUSED, "not_accepting: the peer has no device that can decode a sequence from a peer"
         if self.status is not None:
             return UNREACHABLE, f"no capacity report for {now - self.status_s:.1f} s"
+        if self.timed_out:
+            return STALLED, self.error
         return UNREACHABLE, self.error or "not connected"
 
     def as_dict(self, now: float, stale_s: float) -> dict:

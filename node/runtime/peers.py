@@ -19,13 +19,14 @@ recomputes the prompt plus every token already streamed on a local device, count
 can never take the sequence (e.g. a shorter context) ends it at once (503 ``peer_refused``, with the
 peer's reason). The client leaving closes the connection, which makes the peer drop the sequence.
 Every wait is bounded by ``--kv-connect-timeout-s`` / ``--kv-transfer-timeout-s``; timeouts are
-counted by stage in ``shiftnode_kv_timeouts_total``.
+counted by stage in ``shiftnode_kv_timeouts_total``. One hand-off on the sending side, and who frees a
+detached sequence's pinned blocks on each path (a cancel at any point included), is
+:class:`~node.runtime.handoff.HandOff`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from contextlib import suppress
 from typing import TYPE_CHECKING, AsyncIterator, Callable
@@ -34,15 +35,15 @@ import msgspec
 import structlog
 
 from node.core.roles import Role, blocks_for
-from node.core.sequence import SamplingParams, Sequence, SeqStatus
+from node.core.sequence import SamplingParams, Sequence
 from node.runtime.engine import DeviceEngine
-from node.runtime.moves import MigrationRecord
+from node.runtime.handoff import RETRY_AFTER_S, HandOff, why  # noqa: F401 - RETRY_AFTER_S re-exported
 from node.config import RELAY_KEEPALIVE_S
 from node.runtime.request import RequestState
 from node.runtime.peer_state import (READY, REFUSED, InboundRefusals, Peer, is_peer, peer_id,  # noqa: F401 - re-exported
                                      split_addr)
 from node.transport import (KVClient, KVServer, Layout, PeerRefused, ReceiveReport, SeqState, TransferOffer,
-                            TransferRefused, TransportError, timeout_stage)
+                            timeout_stage)
 from node.transport.protocol import RelayEnd, StatusReply, TokenRelay
 from node.worker.sampler import TokenLogprobs
 
@@ -54,28 +55,10 @@ log = structlog.get_logger("shiftnode.peers")
 STATUS_POLL_S = 0.05  # how often each peer's capacity is asked for
 RECONNECT_S = 0.5  # pause before reconnecting a peer's control connection
 REFUSED_RETRY_S = 2.0  # pause before asking a refused peer again (it may restart with the right model)
-RETRY_AFTER_S = 2.0  # Retry-After of a request failed for want of a usable peer
 
 
 def lp_to_wire(lp: TokenLogprobs | None) -> list | None:
     return None if lp is None else [lp.token_id, lp.logprob, [list(t) for t in lp.top]]
-
-
-def lp_from_wire(x: list | None) -> TokenLogprobs | None:
-    return None if x is None else TokenLogprobs(int(x[0]), float(x[1]), [(int(a), float(b)) for a, b in x[2]])
-
-
-def seq_state(req: RequestState, seq: Sequence, now: float) -> SeqState:
-    """What the peer needs to continue ``seq`` (durations, not clock readings)."""
-    return SeqState(request_id=req.request_id, seq_id=seq.seq_id, index=seq.index, token_ids=list(seq.token_ids),
-                    prompt_len=seq.prompt_len, num_computed=seq.num_computed, max_len=seq.max_len,
-                    sampling=msgspec.structs.asdict(seq.params), age_s=max(0.0, now - seq.arrival_s),
-                    first_token_age_s=None if seq.first_token_s is None else max(0.0, now - seq.first_token_s),
-                    num_preemptions=seq.num_preemptions)
-
-
-def _why(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
 class PeerLinks:
@@ -106,7 +89,6 @@ class PeerLinks:
         self.tasks: dict[str, set[asyncio.Task]] = {}  # request id → its hand-off tasks
         self.retries: dict[str, int] = {}  # sequence id → recomputes after failed hand-offs
         self.sending: set[str] = set()  # sequence ids whose hand-off is not yet settled
-        self._ids = itertools.count()
 
     # --- the peer set ---------------------------------------------------------------------------
     def add(self, addr: str) -> bool:
@@ -176,7 +158,7 @@ class PeerLinks:
             accept_timeout_s=cfg.kv_transfer_timeout_s, stall_timeout_s=cfg.kv_transfer_timeout_s,
             commit_timeout_s=cfg.kv_transfer_timeout_s, **kw)
 
-    def _refused(self, peer: Peer, e: PeerRefused) -> None:
+    def refused(self, peer: Peer, e: PeerRefused) -> None:
         """A handshake with ``peer`` was refused (by it or by us): counted, logged when new, shown."""
         reason = str(e)
         peer.refusals += 1
@@ -187,7 +169,7 @@ class PeerLinks:
         peer.refusal = (e.code, reason)
         self._kick()
 
-    def _timed_out(self, e: BaseException, side: str = "sender") -> None:
+    def timed_out(self, e: BaseException, side: str = "sender") -> None:
         stage = timeout_stage(e)
         if stage is not None:
             self.node.metrics.kv_timeouts.labels(stage=stage, side=side).inc()
@@ -198,27 +180,31 @@ class PeerLinks:
             client = None
             pause = RECONNECT_S
             try:
+                peer.asking, peer.asked_s = "the connection and handshake", time.monotonic()
                 client = await self.connect(peer, heartbeat_interval_s=None)
                 if peer.refusal is not None or peer.error is not None:
                     log.info("peer_connected", peer=peer.addr, peer_node=client.peer_node_id)
-                peer.refusal, peer.error, peer.node_id = None, None, client.peer_node_id
+                peer.refusal, peer.error, peer.node_id, peer.timed_out = None, None, client.peer_node_id, False
                 while True:
+                    peer.asking, peer.asked_s = "a capacity query", time.monotonic()
                     peer.status = await client.query_status(timeout_s=self.stale_s)
-                    peer.status_s = time.monotonic()
+                    peer.status_s, peer.asking = time.monotonic(), None
                     self._kick()
                     await asyncio.sleep(STATUS_POLL_S)
             except asyncio.CancelledError:
                 raise
             except PeerRefused as e:
-                self._refused(peer, e)
+                self.refused(peer, e)
                 pause = REFUSED_RETRY_S
             except Exception as e:  # noqa: BLE001 - any failure (uvloop raises RuntimeError on a closed transport): reconnect
-                self._timed_out(e)
+                self.timed_out(e)
+                stalled = timeout_stage(e) is not None  # it took the connection but did not answer in time
                 if peer.error is None:
-                    log.warning("peer_unreachable", peer=peer.addr, error=_why(e))
-                peer.status, peer.refusal, peer.error = None, None, _why(e)
+                    log.warning("peer_stalled" if stalled else "peer_unreachable", peer=peer.addr, error=why(e))
+                peer.status, peer.refusal, peer.error, peer.timed_out = None, None, why(e), stalled
                 self._kick()
             finally:
+                peer.asking = None
                 if client is not None:
                     with suppress(Exception):
                         await client.close()
@@ -228,14 +214,27 @@ class PeerLinks:
         if self.node.driver is not None:
             self.node.driver.kick()
 
-    # --- hand-off -------------------------------------------------------------------------------
+    # --- hand-off (node.runtime.handoff) ---------------------------------------------------------
+    status_poll_s, reconnect_s = STATUS_POLL_S, RECONNECT_S  # how long a peer is held back after a refusal / failure
+
+    def seq_state(self, req: RequestState, seq: Sequence) -> SeqState:
+        """What the peer needs to continue ``seq`` (durations, not clock readings)."""
+        now = time.monotonic()
+        return SeqState(request_id=req.request_id, seq_id=seq.seq_id, index=seq.index, token_ids=list(seq.token_ids),
+                        prompt_len=seq.prompt_len, num_computed=seq.num_computed, max_len=seq.max_len,
+                        sampling=msgspec.structs.asdict(seq.params), age_s=max(0.0, now - seq.arrival_s),
+                        first_token_age_s=None if seq.first_token_s is None else max(0.0, now - seq.first_token_s),
+                        num_preemptions=seq.num_preemptions)
+
     def hand_off(self, engine: DeviceEngine, req: RequestState, seq: Sequence, peer: Peer, reason: str,
                  settled: Callable[[bool], None] | None = None) -> asyncio.Task:
-        """Start moving decoding ``seq`` from ``engine`` to ``peer`` (see the module docstring).
+        """Start moving decoding ``seq`` from ``engine`` to ``peer`` (see the module docstring and
+        :class:`~node.runtime.handoff.HandOff`, which owns the sequence's pinned blocks until they are
+        freed or given back on every path, a cancel included).
 
         ``settled(committed)`` is called once the transfer is decided: True when the peer committed
-        (the task then relays the tokens until the sequence ends), False when the sequence stayed here
-        (back on ``engine``, or dropped). The task returns whether the peer committed.
+        (the task then relays the tokens until the sequence ends), False when the sequence stayed
+        here (back on ``engine``, or dropped). The task returns whether the peer committed.
         """
         self.sending.add(seq.seq_id)
 
@@ -244,7 +243,7 @@ class PeerLinks:
             if settled is not None:
                 settled(committed)
 
-        task = asyncio.get_running_loop().create_task(self._hand_off(engine, req, seq, peer, reason, settle))
+        task = HandOff(self, engine, req, seq, peer, reason, settle).start()
         self.tasks.setdefault(req.request_id, set()).add(task)
         task.add_done_callback(lambda t, rid=req.request_id: self._forget(rid, t))
         return task
@@ -260,153 +259,6 @@ class PeerLinks:
         """The client left: stop its hand-offs and relays (the peers drop their copies)."""
         for t in list(self.tasks.get(request_id, ())):
             t.cancel()
-
-    async def _hand_off(self, engine: DeviceEngine, req: RequestState, seq: Sequence, peer: Peer, reason: str,
-                        settle: Callable[[bool], None]) -> bool:
-        try:
-            detached = await engine.detach(seq)
-        except asyncio.CancelledError:
-            settle(False)
-            raise
-        if detached is None:
-            settle(False)
-            return False
-        req, index, blocks = detached
-        seq.device_id = peer.id
-        start = time.monotonic()
-        tid = f"{self.node.config.name}/{seq.seq_id}/{next(self._ids)}"
-        client: KVClient | None = None
-        try:
-            client = await self.connect(peer, link_gbps=self.link_gbps, heartbeat_interval_s=None)
-            kv = engine.runner.kv_cache
-
-            def layer(i: int):
-                return engine.in_worker(_gather_host, kv, i, blocks)
-
-            report = await client.send_sequence(self.layout, seq_state(req, seq, time.monotonic()), layer,
-                                                len(blocks), transfer_id=tid, relay=True)
-        except asyncio.CancelledError:  # the client left during the transfer
-            _drop(engine, seq, blocks)
-            settle(False)
-            await _close(client)
-            raise
-        except Exception as e:  # noqa: BLE001 - whatever broke the transfer, the sequence must not be stranded
-            await _close(client)
-            self._settle_failed(e, engine, req, index, seq, blocks, peer)
-            settle(False)
-            return False
-        engine.free_pinned(blocks)
-        settle(True)
-        peer.sent += 1
-        rec = MigrationRecord(seq.seq_id, engine.device_id, peer.id, start, time.monotonic(), report.nbytes,
-                              len(blocks), reason)
-        self.node.record_migration(engine.device_id, peer.id, rec)
-        try:
-            await self._relay(client, tid, req, index, seq, peer)
-        finally:
-            await _close(client)
-        return True
-
-    def _settle_failed(self, e: Exception, engine: DeviceEngine, req: RequestState, index: int, seq: Sequence,
-                       blocks: list[int], peer: Peer) -> None:
-        """A transfer that did not commit: the sequence goes back to ``engine`` with its own blocks
-        (to be sent again, to this peer or another), or ends with an error when the peer can never
-        take it or the retries are spent. Nothing was adopted there, whatever happened."""
-        refused_offer = isinstance(e, TransferRefused)  # nothing was reserved there
-        if not isinstance(e, (TransportError, OSError)):
-            log.exception("handoff_error", seq=seq.seq_id, peer=peer.addr)
-        self._timed_out(e)
-        peer.hold_until = time.monotonic() + (STATUS_POLL_S if refused_offer else RECONNECT_S)
-        if isinstance(e, PeerRefused):  # the handshake (or the layout in the offer): not this peer for now
-            self._refused(peer, e)
-        elif refused_offer:
-            log.info("handoff_refused", seq=seq.seq_id, peer=peer.addr, reason=str(e))
-        else:  # the peer freed whatever it had reserved; our copy is intact
-            peer.failures += 1
-            log.warning("handoff_failed", seq=seq.seq_id, peer=peer.addr, error=str(e) or type(e).__name__)
-        if refused_offer and e.code == "invalid":  # it never will take this sequence
-            peer.failures += 1
-            if not req.finished[index]:
-                req.fail_choice(index, f"peer {peer.addr} cannot take this sequence: {e.reason}", status=503,
-                                code="peer_refused", retry_after_s=RETRY_AFTER_S)
-            _drop(engine, seq, blocks)
-        elif req.cancelled or not (refused_offer or isinstance(e, PeerRefused)
-                                   or self._count_retry(req, index, f"KV hand-off to {peer.addr} failed: {e}")):
-            _drop(engine, seq, blocks)
-        else:
-            engine.readopt(req, index, seq, blocks)
-
-    async def _relay(self, client: KVClient, tid: str, req: RequestState, index: int, seq: Sequence,
-                     peer: Peer) -> None:
-        """Feed the peer's tokens for ``seq`` through the choice's output state until it finishes."""
-        out = req.outputs[index]
-        relay = client.relay(tid, self.node.config.kv_transfer_timeout_s)
-        error = None
-        try:
-            async for msg in relay:
-                if isinstance(msg, RelayEnd):
-                    if out.finish_reason is None and not req.finished[index]:
-                        error = msg.error or f"the peer ended the sequence ({msg.finish_reason}) before this node did"
-                    break
-                now = time.monotonic()
-                lps = msg.logprobs or [None] * len(msg.token_ids)
-                for t, lp in zip(msg.token_ids, lps):
-                    seq.token_ids.append(t)
-                    seq.last_token_s = now
-                    delta = out.on_token(t, lp_from_wire(lp))
-                    req.emit(delta)
-                    if delta.finish_reason is not None:
-                        seq.status = SeqStatus.FINISHED
-                        return  # closing the relay ends the peer's copy if it has not ended yet
-        except Exception as e:  # noqa: BLE001 - a broken relay is retried, never left hanging
-            if not isinstance(e, (TransportError, OSError)):
-                log.exception("relay_error", seq=seq.seq_id, peer=peer.addr)
-            self._timed_out(e)
-            error = _why(e)
-        finally:
-            with suppress(Exception):
-                await relay.aclose()
-        if error is not None and not req.cancelled:
-            peer.failures += 1
-            log.warning("relay_failed", seq=seq.seq_id, peer=peer.addr, error=error)
-            if self._count_retry(req, index, f"decode on peer {peer.addr} failed: {error}"):
-                seq.num_computed, seq.block_ids, seq.status = 0, [], SeqStatus.WAITING
-                seq.num_preemptions += 1
-                self.node.metrics.kv_recomputes.inc()
-                self.node.driver.recompute(req, index)
-
-    def _count_retry(self, req: RequestState, index: int, why: str) -> bool:
-        """Count a failed hand-off against ``--max-retries``: True while within it; past it, end the
-        choice with an error (503 ``peer_unavailable``; the stream never looks finished)."""
-        seq_id = req.seqs[index].seq_id
-        n = self.retries[seq_id] = self.retries.get(seq_id, 0) + 1
-        self.node.metrics.kv_handoff_failures.inc()
-        if n <= self.node.config.max_retries:
-            return True
-        if not req.finished[index]:
-            req.fail_choice(index, f"{why} (gave up after {n - 1} retries, --max-retries {self.node.config.max_retries})",
-                            status=503, code="peer_unavailable", retry_after_s=RETRY_AFTER_S)
-        return False
-
-
-async def _close(client: KVClient | None) -> None:
-    if client is not None:
-        with suppress(Exception):
-            await client.close()
-
-
-def _drop(engine: DeviceEngine, seq: Sequence, blocks: list[int]) -> None:
-    """A detached sequence that will not continue: its pinned blocks go back to the device."""
-    engine.free_pinned(blocks)
-    seq.block_ids = []
-    seq.status = SeqStatus.FINISHED
-
-
-def _gather_host(kv, layer: int, blocks: list[int]):
-    """One layer's blocks ``[2, n, block_size, Hkv, D]``, copied to host memory (worker thread)."""
-    from node.transport.tensors import gather_layer
-
-    return gather_layer(kv, layer, blocks).cpu()
 
 
 class KVReceiver:
@@ -541,7 +393,7 @@ class KVReceiver:
         node.metrics.kv_received.inc()
         log.info("sequence_adopted_from_peer", seq=st.seq_id, peer_node=report.peer_node_id, device=e.device_id,
                  blocks=len(blocks), output_tokens=len(st.token_ids) - st.prompt_len, layers_s=[round(x, 6) for x in report.layer_arrival_s])
-        return self._relay(tid, req, e)
+        return _AdoptedRelay(self._relay(tid, req, e), lambda: _drop_adopted(req, e))
 
     async def _relay(self, tid: str, req: RequestState, e: DeviceEngine) -> AsyncIterator[TokenRelay | RelayEnd]:
         """The adopted sequence's tokens, batched per wake-up, until it ends; closing early drops it."""
@@ -557,6 +409,31 @@ class KVReceiver:
                     yield RelayEnd(transfer_id=tid, finish_reason=end.finish_reason, error=end.error)
                     return
         finally:
-            if not req.done:
-                req.cancelled = True
-                e.abort(req.request_id)
+            _drop_adopted(req, e)
+
+
+def _drop_adopted(req: RequestState, e: DeviceEngine) -> None:
+    """A sequence adopted from a peer whose origin is gone: stop it and free its blocks (idempotent)."""
+    if not req.done:
+        req.cancelled = True
+        e.abort(req.request_id)
+
+
+class _AdoptedRelay:
+    """The relay iterator handed to the KV server: closing it drops the adopted sequence even before
+    its first item (when the commit could not be sent), which an async generator's ``finally`` would not."""
+
+    def __init__(self, gen: AsyncIterator, drop: Callable[[], None]):
+        self._gen, self._drop = gen, drop
+
+    def __aiter__(self) -> "_AdoptedRelay":
+        return self
+
+    def __anext__(self):
+        return self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            await self._gen.aclose()
+        finally:
+            self._drop()

@@ -34,7 +34,7 @@ from node.core.roles import (DeviceState, NodeSnapshot, Place, Reject, ResidentS
 from node.runtime.driver import SAMPLES, Driver
 from node.runtime.engine import DeviceEngine
 from node.runtime.peers import is_peer
-from node.runtime.switching import SwitchRecord
+from node.runtime.switching import SwitchAbandoned, SwitchRecord
 
 if TYPE_CHECKING:
     from node.runtime.node import Node
@@ -63,6 +63,7 @@ class RoleDriver(Driver):
             reconfig_pause_ms=rc.reconfig_pause_ms, prefill_token_budget=rc.prefill_token_budget,
             transfer_s_per_token=copy_s_per_token, local_transfer_s_per_token=copy_s_per_token,
             ttft_slo_ms=rc.ttft_slo_ms), scheduler.cost)
+        self._switch_tasks: set[asyncio.Task] = set()  # role switches under way
         self._moving: dict[str, str] = {}  # sequence id → destination device, while its move is queued or copying
         self._moving_ctx: dict[str, int] = {}  # sequence id → its context tokens, for moves to peers
         self._to_peer: dict[str, list[tuple[float, int]]] = {}  # peer → (commit time, context) of recent moves
@@ -99,7 +100,9 @@ class RoleDriver(Driver):
             if isinstance(d, SwitchRole):
                 if d.device_id not in self._switching:
                     self._switching.add(d.device_id)
-                    asyncio.get_running_loop().create_task(self._switch(d))
+                    task = asyncio.get_running_loop().create_task(self._switch(d))
+                    self._switch_tasks.add(task)  # kept: a bare task may be collected mid-switch
+                    task.add_done_callback(self._switch_tasks.discard)
             elif isinstance(d, Place):
                 req = by_id.pop(d.request_id, None)
                 if req is not None:
@@ -172,9 +175,18 @@ class RoleDriver(Driver):
         for s in req.seqs:
             self._moved_s.pop(s.seq_id, None)
 
+    async def stop(self) -> None:
+        tasks = list(self._switch_tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await super().stop()
+
     async def _switch(self, d: SwitchRole) -> None:
         try:
             await self.node.engine(d.device_id).switch_role(d.to_role, d.reason)
+        except SwitchAbandoned as e:  # the device is down or stalled: /health says so; no retry here
+            log.warning("role_switch_abandoned", device=d.device_id, to_role=d.to_role.value, reason=str(e))
         finally:
             self._switching.discard(d.device_id)
             self.kick()

@@ -37,6 +37,11 @@ class SwitchRecord:
         return asdict(self)
 
 
+class SwitchAbandoned(RuntimeError):
+    """A role switch that cannot finish: its device went down, or a step in flight never came back
+    within ``STALLED_STEP_S``. The device keeps its previous role."""
+
+
 class DeviceRole:
     """Role state of one device (``role`` is SWITCHING while a switch is under way)."""
 

@@ -76,7 +76,8 @@ class KVServer:
         a ``RelayEnd``: they are sent after ``TransferCommitted`` on the same connection (``Heartbeat``
         frames fill silences longer than ``relay_keepalive_s``), and the connection closes after the
         ``RelayEnd``. The sender hanging up or aborting first closes the iterator (``aclose``), which is
-        where the caller drops the sequence;
+        where the caller drops the sequence; so does a ``TransferCommitted`` that cannot be sent (the
+        iterator is then closed before its first item: an async generator's ``finally`` would not run);
       * ``on_abort(transfer_id, reason)``: free the reservation;
       * ``status(n) -> StatusReply`` (optional): the answer to a peer's ``StatusQuery``;
       * ``check(offer) -> list[str]`` (optional): reasons this receiver cannot take the sequence at all
@@ -248,7 +249,7 @@ class KVServer:
 
         report = ReceiveReport(tid, offer, list(block_ids), peer_node_id, cached_blocks=cached)
         self.in_flight[tid] = report
-        adopted = False
+        adopted, relay = False, None
         try:
             if len(block_ids) != offer.num_blocks:
                 raise TransferAborted(f"reserve returned {len(block_ids)} blocks, the offer needs {offer.num_blocks}")
@@ -286,6 +287,11 @@ class KVServer:
                 log.warning("kv_commit_not_delivered", reason=str(exc) or type(exc).__name__)
                 raise
         except BaseException as exc:
+            if adopted and relay is not None:  # the sender never heard of the commit: drop the adopted copy
+                aclose = getattr(relay, "aclose", None)
+                if aclose is not None:
+                    with contextlib.suppress(Exception):
+                        await aclose()
             if not adopted:
                 reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                 log.warning("kv_transfer_aborted", reason=reason, layers=len(report.layer_arrival_s))

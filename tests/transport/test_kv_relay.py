@@ -110,3 +110,41 @@ def test_a_silent_relay_times_out_on_the_sender():
             async with asyncio.timeout(5):
                 await rx.closed_early.wait()
     run(main())
+
+
+def test_a_commit_that_cannot_be_sent_closes_the_unstarted_relay(monkeypatch):
+    """The receiver adopted the sequence but the sender never hears of the commit: the server closes
+    the relay it got (not yet started), which is where the receiver drops its copy (issue 32 item 1)."""
+    import node.transport.server as server_mod
+
+    class Relay:
+        closed = False
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            raise StopAsyncIteration
+
+        async def aclose(self):
+            Relay.closed = True
+
+    real_send = server_mod.send
+
+    async def send(writer, msg, timeout_s):
+        if isinstance(msg, p.TransferCommitted):
+            raise TransportError("connection lost (test)")
+        return await real_send(writer, msg, timeout_s)
+
+    monkeypatch.setattr(server_mod, "send", send)
+
+    async def main():
+        rx = RelayingReceiver(random_cache())
+        rx.on_done = lambda tid, report: (FakeReceiver.on_done(rx, tid, report), Relay())[1]
+        async with rx.server() as server, await KVClient.connect(HOST, server.port, SECRET) as c:
+            seq, nb = make_seq(num_cached=20, prompt_len=20, block_size=16)
+            with pytest.raises(TransportError):
+                await c.send_sequence(rx.layout, seq, layer_source(random_cache(seed=1), [0, 1]), nb,
+                                      transfer_id="t9", relay=True)
+        assert Relay.closed
+    run(main())
