@@ -16,7 +16,8 @@ At the end, after the load stops and the nodes settle, it prints and checks:
 * **leaked blocks**: KV blocks still held (``kv_blocks_used``) on every live device of A and B;
 * **hung**: requests whose client saw no end within the deadline (``--request-timeout-s``
   plus 30 s), and requests the nodes still hold (``live_requests``);
-* **RSS growth**: node A's resident memory at the end against after the warm-up (10 % of the run);
+* **RSS growth**: node A's private resident memory (``RssAnon``) at the end against after the warm-up
+  (10 % of the run); its resident share of the shared KV pools (``RssShmem``) is printed beside it;
 * **5xx**: responses with a server error status other than 503 (503 is the honest answer while a
   device or the peer is down), and error events inside streams, by code.
 
@@ -58,8 +59,10 @@ class Report:
     stream_errors: collections.Counter = field(default_factory=collections.Counter)
     leaked_blocks: int = 0
     live_requests: int = 0
-    rss_warm_kib: int = 0
+    rss_warm_kib: int = 0  # node A's private resident memory (RssAnon) after the warm-up
     rss_end_kib: int = 0
+    shmem_warm_kib: int = 0  # node A's resident pages of the shared KV pools (RssShmem), for the record
+    shmem_end_kib: int = 0
     events: list[str] = field(default_factory=list)
 
     @property
@@ -79,13 +82,19 @@ class Report:
                 f"requests {self.requests}: completed {self.completed}, aborted by the client {self.aborted}, hung {self.hung}",
                 f"HTTP statuses {dict(sorted(self.statuses.items()))}; error events in streams {dict(self.stream_errors)}",
                 f"leaked KV blocks {self.leaked_blocks}; requests still held {self.live_requests}",
-                f"node A RSS {self.rss_warm_kib} KiB after warm-up -> {self.rss_end_kib} KiB ({self.rss_growth:+.1%})",
+                f"node A private RSS {self.rss_warm_kib} KiB after warm-up -> {self.rss_end_kib} KiB ({self.rss_growth:+.1%}); "
+                f"resident shared KV pool pages {self.shmem_warm_kib} -> {self.shmem_end_kib} KiB",
                 "PASS" if self.ok() else "FAIL"]
 
 
-def rss_kib(pid: int) -> int:
+def rss_kib(pid: int) -> tuple[int, int]:
+    """(private resident memory, resident pages of shared mappings) of ``pid`` in KiB: ``RssAnon`` and
+    ``RssShmem`` of ``/proc/PID/status``. The KV pools are shared memory the engines allocate in full at
+    start; the node's resident share of them grows as it touches blocks (KV moves and hand-offs) up to
+    the pools' size, which is not a leak, so growth is judged on the private part."""
     with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        fields = dict(line.split(":", 1) for line in f if ":" in line)
+    return int(fields["RssAnon"].split()[0]), int(fields["RssShmem"].split()[0])
 
 
 async def client(session: aiohttp.ClientSession, url: str, rng: random.Random, abort: float, deadline_s: float,
@@ -154,7 +163,7 @@ def soak(duration_s: float, concurrency: int = 16, abort: float = 0.3, model: st
         async def chaos() -> None:
             nonlocal b
             await asyncio.sleep(0.1 * duration_s)
-            rep.rss_warm_kib = rss_kib(a.proc.pid)
+            rep.rss_warm_kib, rep.shmem_warm_kib = rss_kib(a.proc.pid)
             await asyncio.sleep(0.2 * duration_s)
             pid = a.get_json("/v1/node")["devices"][1]["engine"]["pid"]
             os.kill(pid, signal.SIGKILL)
@@ -178,7 +187,7 @@ def soak(duration_s: float, concurrency: int = 16, abort: float = 0.3, model: st
                 break
             time.sleep(0.2)
         rep.leaked_blocks, rep.live_requests = held_a + held_b, live_a + live_b
-        rep.rss_end_kib = rss_kib(a.proc.pid)
+        rep.rss_end_kib, rep.shmem_end_kib = rss_kib(a.proc.pid)
         b.stop()
     return rep
 
