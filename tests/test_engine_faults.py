@@ -315,7 +315,7 @@ def test_a_device_dying_with_two_steps_in_flight_ends_every_wait_on_it_with_an_e
     from node.core.roles import Role
     from node.runtime.request import RequestState
     from node.runtime.switching import SwitchAbandoned
-    from node.worker.engine_process import EngineDied
+    from node.worker.engine_messages import EngineDied
 
     async def body(node: Node):
         e = node.engines[0]

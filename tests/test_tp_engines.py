@@ -245,7 +245,7 @@ def _fake_group(monkeypatch, tmp_path):
 
 def test_the_group_answers_rank_0s_reply_and_goes_down_when_ranks_disagree(monkeypatch, tmp_path):
     from node.worker.engine_core import StepMsg, StepReply
-    from node.worker.engine_process import EngineDied, EngineError, StepAck
+    from node.worker.engine_messages import EngineDied, EngineError, StepAck
     from node.worker.runner import SeqOutput
 
     async def go():
@@ -279,7 +279,7 @@ def test_the_group_answers_rank_0s_reply_and_goes_down_when_ranks_disagree(monke
 
 def test_a_rank_failing_alone_downs_the_group(monkeypatch, tmp_path):
     from node.worker.engine_core import StepMsg, StepReply
-    from node.worker.engine_process import EngineDied, EngineError
+    from node.worker.engine_messages import EngineDied, EngineError
 
     async def go():
         group = _fake_group(monkeypatch, tmp_path)

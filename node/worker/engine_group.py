@@ -18,8 +18,8 @@ from node.config import NodeConfig
 from node.core.role_config import column_ranks
 from node.transport.protocol import Fingerprint
 from node.worker.engine_core import StepMsg, StepReply
-from node.worker.engine_process import (EngineDied, EngineError, EngineProcess, Prepare, Reconfigure, StepAck, TPRank,
-                                        submit_from_thread)
+from node.worker.engine_messages import EngineDied, EngineError, Prepare, Reconfigure, StepAck, TPRank
+from node.worker.engine_process import EngineProcess, submit_from_thread
 
 log = structlog.get_logger("shiftnode.engine_group")
 

@@ -1,5 +1,9 @@
 """One engine process per device: the model runs outside the node's process, the node keeps the loop.
 
+This module is the node's side (:class:`EngineProcess`, the handle, and :class:`LocalEngine`, the
+same engine in a thread); the process's own side is :mod:`node.worker.engine_main`, and the messages
+they exchange besides steps are :mod:`node.worker.engine_messages`.
+
 Layout. The node process runs the asyncio event loop (API, pure policies, drivers, detokenization);
 each device's engine process owns the weights and runs :class:`~node.worker.engine_core.EngineCore`.
 A step is one request/reply pair: the node's event loop writes a
@@ -48,16 +52,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ctypes
 import mmap
 import multiprocessing
 import os
-import signal
-import sys
 import threading
-import traceback
 from collections import deque
-from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
 from typing import Any
 
@@ -67,251 +66,16 @@ import torch
 
 from node.config import NodeConfig
 from node.transport.protocol import Fingerprint
-from node.worker.engine_core import EngineCore, StepMsg, StepReply
+from node.worker.engine_core import EngineCore, StepMsg
+from node.worker.engine_main import engine_main
+from node.worker.engine_messages import (
+    EngineDied, EngineError, Failed, GetFingerprint, PeerPools, Prepare, Ready, Reply, Shutdown, TPRank,
+)
 from node.worker.loop_channel import LoopChannel
 
 log = structlog.get_logger("shiftnode.engine_process")
 
-
-class EngineDied(RuntimeError):
-    """The device's engine process is gone (crashed, killed, or its pipe closed)."""
-
-
-class EngineError(RuntimeError):
-    """An exception inside the engine process while it served one request; the engine goes on.
-    ``kind`` is the engine-side exception's type name."""
-
-    def __init__(self, message: str, kind: str = ""):
-        super().__init__(message)
-        self.kind = kind
-
-
-# --- messages besides steps -------------------------------------------------------------------------
-class Prepare(msgspec.Struct, tag="prepare"):
-    """Run the decode role's reconfiguration (capture graphs where they exist)."""
-
-
-class GetFingerprint(msgspec.Struct, tag="fingerprint"):
-    """Compute the node's handshake fingerprint from this engine's weights."""
-
-
-class Shutdown(msgspec.Struct, tag="shutdown"):
-    pass
-
-
-class Ready(msgspec.Struct, tag="ready"):
-    """Sent once after loading: the KV pool's geometry (its memory follows as a handle)."""
-
-    num_blocks: int
-    kv_shape: list[int]
-    kv_dtype: str
-    kv_cuda: bool
-    threads: int
-
-
-class Value(msgspec.Struct, tag="value"):
-    value: float
-
-
-class FingerprintReply(msgspec.Struct, tag="fp"):
-    fingerprint: Fingerprint
-
-
-class Failed(msgspec.Struct, tag="failed"):
-    """An exception in the engine: its type name, message and traceback (for the node's log)."""
-
-    kind: str
-    message: str
-    trace: str
-
-
-class StepAck(msgspec.Struct, tag="ack"):
-    """A step's reply from a tensor-parallel rank other than 0: the token ids it sampled, one per
-    item in item order (-1: the item did not sample), so the node can check the ranks agree; the
-    outputs (logprobs) are rank 0's alone."""
-
-    tokens: list[int]
-    busy_s: float = 0.0
-
-
-class TPRank(msgspec.Struct, frozen=True):
-    """An engine's place in a tensor-parallel group: ``rank`` of ``degree``, joining the group's own
-    ``torch.distributed`` world through ``init_method`` (``file://...``). ``prefill_degree``: a
-    time-shared group (``--prefill-tp``; :mod:`node.worker.role_layouts`), 0 otherwise."""
-
-    rank: int
-    degree: int
-    init_method: str
-    group: str  # the group's device id (cpu:0+cpu:1), for logs
-    prefill_degree: int = 0
-
-
-class PeerPools(msgspec.Struct, tag="pools"):
-    """Map the KV pools of ``ranks`` (this rank's column of a time-shared group) into the engine: one
-    handle per rank other than the engine's own follows on the pipe, in order (the pool's memfd over
-    ``SCM_RIGHTS`` on the CPU, its CUDA IPC handle on GPUs)."""
-
-    ranks: list[int]
-
-
-class Reconfigure(msgspec.Struct, tag="reconfigure"):
-    """Make ``role``'s layout active (a time-shared group's switch; :meth:`GroupLayouts.activate`)."""
-
-    role: str
-
-
-Request = StepMsg | Prepare | GetFingerprint | Shutdown | PeerPools | Reconfigure
-Reply = StepReply | StepAck | Ready | Value | FingerprintReply | Failed
-
-TP_TIMEOUT_S = 300.0  # a collective of a tensor-parallel group waits this long for a rank that never joins
-
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)}
-
-
-# --- the engine process ---------------------------------------------------------------------------------
-def _die_with_parent(parent_pid: int, device_id: str) -> None:
-    """SIGKILL this process when the parent dies (Linux), and name it for ``ps``/``top``
-    (``shiftnode-cpu:0``); exit now if the parent is already gone."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        libc.prctl(15, f"shiftnode-{device_id}".encode()[:15])  # PR_SET_NAME
-    if os.getppid() != parent_pid:
-        os._exit(0)
-
-
-def _memfd_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, holder: dict) -> torch.Tensor:
-    """A CPU KV pool in an anonymous memfd (zero pages, filled lazily); keeps the fd in ``holder``."""
-    nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-    fd = os.memfd_create("shiftnode-kv", 0)
-    os.ftruncate(fd, max(nbytes, 1))
-    buf = mmap.mmap(fd, max(nbytes, 1))
-    holder.update(fd=fd, mmap=buf, nbytes=nbytes)
-    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
-
-
-def _exit_rank(tp: TPRank | None) -> None:
-    """A tensor-parallel rank leaves at once: the interpreter's teardown of a process group whose
-    peers are gone or leaving can take seconds (nothing is left to flush: replies are sent)."""
-    if tp is not None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-
-
-def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid: int, threads: int,
-                tp: TPRank | None = None) -> None:
-    """Entry point of an engine process: load, report :class:`Ready`, then serve requests until told
-    to stop or until the node's end of ``conn`` closes.
-
-    ``tp``: this engine is one rank of a tensor-parallel group. It joins the group's process group
-    (gloo on the CPU, NCCL on CUDA) before loading, loads its shard, and serves the same requests in
-    the same order as the other ranks (the node sends each to all); a rank other than 0 answers a
-    step with a :class:`StepAck`."""
-    _die_with_parent(parent_pid, device_id)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    enc = msgspec.msgpack.Encoder()
-    dec = msgspec.msgpack.Decoder(Request)
-    try:
-        from node.log import configure_logging
-        from node.runtime.node import select_ops
-        from node.worker.loader import build_runner, load_model_info
-
-        configure_logging(config.log_format)
-        if device_id.startswith("cpu"):
-            torch.set_num_threads(threads)
-        info = load_model_info(config)
-        ops = select_ops(config.attention_backend, device_id.partition(":")[0])
-        holder: dict = {}
-        kv_alloc = (lambda shape, dtype, device: _memfd_kv(shape, dtype, device, holder)) \
-            if device_id.startswith("cpu") else None
-        group = layouts = None
-        if tp is not None:
-            from node.worker.loader import torch_device
-            from node.worker.role_layouts import GroupLayouts, new_instance_groups
-            from node.worker.tensor_parallel import init_distributed, new_tp_group
-
-            init_distributed(tp.rank, tp.degree, tp.init_method, torch_device(device_id), timeout_s=TP_TIMEOUT_S)
-            group = new_tp_group(tp.degree)
-            if tp.prefill_degree:  # a time-shared group: its prefill instances' groups too, made once, here
-                p = tp.prefill_degree
-                prefill = group if p == tp.degree else new_instance_groups(tp.degree, p, tp.rank)
-                layouts = GroupLayouts(tp.rank, tp.degree, p, group, prefill)
-            log.info("tp_rank_joined", group=tp.group, rank=tp.rank, degree=tp.degree, device=device_id,
-                     backend=torch.distributed.get_backend(), prefill_degree=tp.prefill_degree or None)
-        runner = build_runner(config, info, device_id, ops, kv_alloc=kv_alloc, tp=group,
-                              held_degree=(tp.prefill_degree or None) if tp is not None else None)
-        core = EngineCore(runner, layouts)
-        core.warm_up()
-        kv = runner.kv_cache
-        conn.send_bytes(enc.encode(Ready(runner.num_blocks, list(kv.shape), str(kv.dtype).removeprefix("torch."),
-                                         kv.is_cuda, torch.get_num_threads())))
-        if kv.is_cuda:
-            from torch.multiprocessing.reductions import reduce_tensor
-
-            conn.send(reduce_tensor(kv))  # (rebuild function, args): a CUDA IPC handle
-        else:
-            send_handle(conn, holder["fd"], parent_pid)
-    except BaseException as e:  # noqa: BLE001 - report any start-up failure, then exit
-        conn.send_bytes(enc.encode(Failed(type(e).__name__, str(e), traceback.format_exc())))
-        _exit_rank(tp)
-        return
-    pool_maps: list = []  # mmaps of other ranks' pools (PeerPools), kept open while they are used
-    while True:
-        try:
-            data = conn.recv_bytes()
-        except (EOFError, OSError):
-            _exit_rank(tp)
-            return  # the node is gone
-        msg = dec.decode(data)
-        if isinstance(msg, Shutdown):
-            _exit_rank(tp)
-            return
-        try:
-            if isinstance(msg, StepMsg):
-                reply: Any = core.step(msg)
-                # rank 0 answers with the outputs; in a step of several instances, each instance's first rank
-                if tp is not None and tp.rank and not (msg.instances and tp.rank < layouts.instances):
-                    reply = StepAck([-1 if o.token_id is None else o.token_id for o in reply.outputs], reply.busy_s)
-            elif isinstance(msg, Prepare):
-                reply = Value(core.prepare_decode())
-            elif isinstance(msg, Reconfigure):
-                reply = Value(layouts.activate(msg.role, runner))
-            elif isinstance(msg, PeerPools):
-                reply = Value(_map_pools(conn, msg, tp.rank, runner, layouts, pool_maps))
-            else:
-                from node.transport.fingerprint import node_fingerprint
-
-                reply = FingerprintReply(node_fingerprint(config, info, runner.model))
-        except Exception as e:  # noqa: BLE001 - one failed request is the node's to handle
-            reply = Failed(type(e).__name__, str(e), traceback.format_exc())
-        try:
-            conn.send_bytes(enc.encode(reply))
-        except (BrokenPipeError, OSError):
-            return
-
-
-def _map_pools(conn: Connection, msg: PeerPools, rank: int, runner: Any, layouts: Any, keep: list) -> float:
-    """Receive the handles of ``msg.ranks``' KV pools (see :class:`PeerPools`) and map them into
-    ``layouts.pools`` (same shape and dtype as this rank's pool); the milliseconds it took."""
-    import time
-
-    t0 = time.perf_counter()
-    own = runner.kv_cache
-    nbytes = own.numel() * own.element_size()
-    for q in msg.ranks:
-        if q == rank:
-            layouts.pools[q] = own
-        elif own.is_cuda:
-            rebuild, args = conn.recv()
-            layouts.pools[q] = rebuild(*args)
-        else:
-            fd = recv_handle(conn)
-            buf = mmap.mmap(fd, max(nbytes, 1))
-            os.close(fd)
-            keep.append(buf)
-            layouts.pools[q] = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(own.dtype).view(own.shape)
-    return (time.perf_counter() - t0) * 1e3
 
 
 # --- the node's handle ----------------------------------------------------------------------------------
