@@ -113,7 +113,7 @@ def measure(args: argparse.Namespace) -> tuple[list[tuple[int, float]], list[tup
     from node.config import NodeConfig
     from node.core.ledger import BlockLedger
     from node.core.sequence import SamplingParams
-    from node.runtime.node import select_ops
+    from node.worker.loader import select_ops
     from node.worker.loader import build_runner, load_model_info
     from node.worker.runner import SeqInput, StepInput
     from node.worker.sampler import SampleRequest

@@ -194,7 +194,7 @@ def greedy_check(original: Path, padded: Path, backend: str) -> dict:
     """Greedy tokens of both folders on the reference prompts (through :class:`ModelRunner`, no node):
     how many cases agree on every token."""
     from node.config import NodeConfig
-    from node.runtime.node import select_ops
+    from node.worker.loader import select_ops
     from node.worker.loader import build_runner, load_model_info
     from node.worker.runner import SeqInput, StepInput
     from node.worker.sampler import SampleRequest
@@ -304,7 +304,7 @@ def _decode_step(folder: Path, backend: str, streams: int, output_tokens: int, s
     ``(seconds, {operator: seconds})``; ``info`` says the batch (mean context, layers, K+V bytes per layer)."""
     from dataclasses import replace
 
-    from node.runtime.node import select_ops
+    from node.worker.loader import select_ops
     from node.worker.model import AttentionMetadata
     from node.worker.model_config import ModelConfig
     from node.worker.weights import build_model

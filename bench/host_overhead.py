@@ -235,7 +235,7 @@ def runner_step_ms(folder: Path, context: int, runs: int = 200) -> float:
     process on the CPU: forward + logits + argmax (what a batch-1 runner step computes)."""
     import torch
 
-    from node.runtime.node import select_ops
+    from node.worker.loader import select_ops
     from node.worker.model import AttentionMetadata
     from node.worker.model_config import ModelConfig
     from node.worker.weights import build_model

@@ -43,7 +43,7 @@ from node.transport.protocol import Fingerprint
 from node.worker.engine_core import EngineCore
 from node.worker.engine_group import TPEngineGroup, launch_engine
 from node.worker.engine_process import EngineProcess, LocalEngine
-from node.worker.loader import LoadedModel, StartupError, build_runner, load_model_info
+from node.worker.loader import LoadedModel, StartupError, build_runner, load_model_info, select_ops
 
 log = structlog.get_logger("shiftnode.node")
 
@@ -62,18 +62,6 @@ class NodeDraining(QueueFullError):
 
 class EnginesDown(QueueFullError):
     """Every device's engine is down: nothing can serve (the API answers 503 ``engine_down``)."""
-
-
-def select_ops(backend: str, device_type: str) -> object:
-    """The operator set for the model: under ``auto`` Triton kernels on CUDA, the CPU serving path
-    (``shiftnode_kernels.cpu_ops``) elsewhere (:func:`shiftnode_kernels.ops.resolve_backend`)."""
-    try:
-        from shiftnode_kernels.ops import get_ops, resolve_backend
-    except ImportError:  # shiftnode_kernels.ops not present: references only
-        import shiftnode_kernels.reference as ref
-
-        return ref
-    return get_ops(resolve_backend(backend, device_type))
 
 
 def check_tensor_parallel(config: NodeConfig, info: LoadedModel) -> None:

@@ -74,8 +74,7 @@ def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid
     dec = msgspec.msgpack.Decoder(Request)
     try:
         from node.log import configure_logging
-        from node.runtime.node import select_ops
-        from node.worker.loader import build_runner, load_model_info
+        from node.worker.loader import build_runner, load_model_info, select_ops
 
         configure_logging(config.log_format)
         if device_id.startswith("cpu"):

@@ -83,6 +83,18 @@ def torch_device(device_id: str) -> torch.device:
     raise StartupError(f"unknown device {device_id!r} (cpu:N or cuda:N)")
 
 
+def select_ops(backend: str, device_type: str) -> object:
+    """The operator set for the model: under ``auto`` Triton kernels on CUDA, the CPU serving path
+    (``shiftnode_kernels.cpu_ops``) elsewhere (:func:`shiftnode_kernels.ops.resolve_backend`)."""
+    try:
+        from shiftnode_kernels.ops import get_ops, resolve_backend
+    except ImportError:  # shiftnode_kernels.ops not present: references only
+        import shiftnode_kernels.reference as ref
+
+        return ref
+    return get_ops(resolve_backend(backend, device_type))
+
+
 def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: object,
                  kv_alloc: KVAlloc | None = None, tp: TPGroup | None = None,
                  held_degree: int | None = None) -> ModelRunner:
