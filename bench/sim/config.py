@@ -14,7 +14,8 @@ from node.plan import DTYPE_BYTES, Geometry, kv_bytes_per_token, kv_token_capaci
 
 __all__ = ["MODES", "SimAborted", "SimConfig", "kv_geometry", "count_late"]
 
-MODES = ("time-shared", "colocated", "pooled")
+MODES = ("time-shared", "colocated", "pooled", "adaptive")
+ROLE_MODES = ("time-shared", "adaptive")  # a role policy over time-shared groups (the node's role driver)
 
 
 class SimAborted(RuntimeError):
@@ -37,7 +38,8 @@ class SimConfig:
     """One simulated deployment (per node; ``nodes`` identical nodes share the requests round-robin).
 
     Attributes:
-        mode: time-shared | colocated | pooled.
+        mode: time-shared | colocated | pooled | adaptive (the adaptive role policy,
+            :mod:`node.core.adaptive`, on the time-shared devices; its knobs are the time-shared ones).
         devices: devices per node; pooled splits them into ``prefill_devices`` and the rest decode.
         kv_blocks, block_size: KV pool per device (blocks of ``block_size`` tokens).
         kv_bytes_per_token: KV of one token over all layers (bytes), for pooled transfers.
@@ -146,7 +148,7 @@ class SimConfig:
             raise ValueError("imbalance_threshold must be at least 0 (0 turns the fallback off)")
         if self.decode_tp < 1 or self.prefill_tp < 1:
             raise ValueError("decode_tp and prefill_tp must be at least 1")
-        if self.mode == "time-shared" and (self.decode_tp % self.prefill_tp or self.devices % self.decode_tp):
+        if self.mode in ROLE_MODES and (self.decode_tp % self.prefill_tp or self.devices % self.decode_tp):
             raise ValueError(f"time-shared: prefill_tp {self.prefill_tp} must divide decode_tp {self.decode_tp}, "
                              f"and decode_tp the {self.devices} devices")
         if self.mode == "colocated" and (self.prefill_tp != 1 or self.devices % self.decode_tp):
