@@ -375,9 +375,9 @@ def simulate_time_shared(requests: list[TraceRequest], cfg: SimConfig, cost: Cos
     scheduler = (AdaptiveScheduler(policy, cost, max_step_tokens=cfg.max_num_batched_tokens) if adaptive
                  else RoleScheduler(policy, cost))
     imbalance = None
-    if cfg.imbalance_threshold > 0:
+    if cfg.fallback_threshold > 0:
         imbalance = ImbalancePolicy(ImbalanceConfig(
-            threshold=cfg.imbalance_threshold, tpot_slo_ms=policy.tpot_slo_ms, slo_margin=policy.slo_margin,
+            threshold=cfg.fallback_threshold, tpot_slo_ms=policy.tpot_slo_ms, slo_margin=policy.slo_margin,
             reconfig_pause_ms=policy.reconfig_pause_ms, prefill_token_budget=policy.prefill_token_budget,
             local_transfer_s_per_token=cfg.kv_bytes_per_token * 8 / (cfg.link_gbps * 1e9),
             ttft_slo_ms=policy.ttft_slo_ms), cost)
