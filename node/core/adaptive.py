@@ -23,9 +23,7 @@ Each decision round, for every device in the decode configuration (switch reason
   where they fit KV and sequence slots, least ``finish + expected decode`` first, as the two-role
   placement; a device takes more only while its queue's chunked prefill ends within the TTFT target),
   and the device runs **MIXED** with chunk budget ``c`` when it has queued prompt work and ``c > 0`` —
-  "chunks_fit" (while prompts are left waiting for sequence slots or KV, the chunk is cut to a step of
-  at most ``2d``: throughput is then set by how long residents hold their slots, which grows with the
-  step time) — else **DECODE**: "nothing_waits" (no queued prompt work) or "no_headroom" (``c = 0``: a
+  "chunks_fit" — else **DECODE**: "nothing_waits" (no queued prompt work) or "no_headroom" (``c = 0``: a
   resident is at its deadline; it catches up in pure decode steps, then chunks fit again).
 
 A window ends as in the two-role policy (queue drained, budget spent, or blocked on KV), and an idle
@@ -144,19 +142,8 @@ class AdaptiveScheduler(RoleScheduler):
                 reason = "chunks_fit" if want is Role.MIXED else ("no_headroom" if queued else "nothing_waits")
                 out.append(SwitchRole(dv.st.device_id, want, reason))
             if want is Role.MIXED:
-                chunk = self._slot_bound_chunk(mix) if remaining else mix.chunk
-                out.append(ChunkBudget(dv.st.device_id, chunk, mix.limit_s))
+                out.append(ChunkBudget(dv.st.device_id, mix.chunk, mix.limit_s))
         return out + places
-
-    def _slot_bound_chunk(self, mix: _Mix) -> int:
-        """The chunk while admission waits on sequence slots or KV (prompts left unplaced): the largest
-        whose mixed step is at most twice the decode step ``2d`` (and within the TPOT bound; one token at least, and the TPOT bound with nothing resident). Then
-        throughput is set by how long residents hold their slots — each gets one token per step, so its
-        residence grows with the step time (Little's law) — and shorter steps serve more requests."""
-        if mix.s == 0:  # nothing resident: no step time to protect
-            return mix.chunk
-        m = self._m(mix)
-        return max(1, min(mix.chunk, chunk_budget(m, 2 * m(0), mix.chunk)))
 
     def _work_tokens(self, dv: _Dev, remaining: list[WaitingPrompt]) -> tuple[int, int, float | None]:
         """The device's own queued tokens plus the waiting prompts that fit its KV (up to ``Wmax`` of

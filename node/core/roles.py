@@ -217,7 +217,9 @@ class SwitchRole(msgspec.Struct, frozen=True, tag="switch"):
     """Start a switch of ``device_id`` to ``to_role`` (it pauses, then takes the role).
 
     ``window_s``/``window_tokens``: planned prefill window (s, prompt tokens); 0 for DECODE.
-    ``reason``: queue | recompute | ttft | idle | park | drained | window | blocked.
+    ``reason``: queue | recompute | ttft | idle | park | drained | window | blocked; the adaptive policy
+    (:mod:`node.core.adaptive`) adds cheaper | no_chunk_fits (to PREFILL), chunks_fit (to MIXED),
+    nothing_waits | no_headroom (to DECODE from MIXED).
     """
 
     device_id: str

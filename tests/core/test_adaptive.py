@@ -148,21 +148,3 @@ def test_step_limit_formulas():
     assert chunk_budget(step, 0.0100999, 1000) == 0
     assert chunk_budget(step, 1.0, 64) == 64
 
-
-def test_slot_bound_admission_keeps_steps_short():
-    """Prompts left waiting for sequence slots: the chunk is cut to a mixed step of at most twice the
-    decode step (residence, hence slots, follows the step time); with a slot free, the TPOT bound."""
-    pol = AdaptiveScheduler(CFG, COST)
-    now = 1.0
-    res = on_pace(4, now, 2.0)  # seconds of headroom: the TPOT bound alone would allow the whole cap
-    queued = dict(prefill_queue_tokens=3000, prefill_queue_seqs=1, prefill_queue_oldest_s=now)
-    waiting = (WaitingPrompt("p", 100, now, 10),)
-    full = dev(Role.MIXED, res, seq_slots_free=0, **queued)
-    out = pol.decide(now, NodeSnapshot((full,), waiting))
-    budget = next(d for d in out if isinstance(d, ChunkBudget)).tokens
-    d = COST.decode_step_s(4, 2000)
-    assert not any(isinstance(x, Place) for x in out)
-    assert COST.mixed_step_s(budget, 4, 2000) <= 2 * d < COST.mixed_step_s(budget + 1, 4, 2000)
-    roomy = dev(Role.MIXED, res, seq_slots_free=8, **queued)
-    out = pol.decide(now, NodeSnapshot((roomy,), waiting))
-    assert next(x for x in out if isinstance(x, ChunkBudget)).tokens == pol.chunk_budget_of(roomy, now)[0] > budget
