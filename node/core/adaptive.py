@@ -23,8 +23,9 @@ Each decision round, for every device in the decode configuration (switch reason
   where they fit KV and sequence slots, least ``finish + expected decode`` first, as the two-role
   placement; a device takes more only while its queue's chunked prefill ends within the TTFT target),
   and the device runs **MIXED** with chunk budget ``c`` when it has queued prompt work and ``c > 0`` —
-  "chunks_fit" — else **DECODE**: "nothing_waits" (no queued prompt work) or "no_headroom" (``c = 0``: a
-  resident is at its deadline; it catches up in pure decode steps, then chunks fit again).
+  "chunks_fit" — else **DECODE**: "nothing_waits" (no queued prompt work) or "no_headroom" (``c = 0``:
+  even one prompt token would stretch the step past ``L``, e.g. a mixed step that runs eagerly where
+  decode replays graphs).
 
 A window ends as in the two-role policy (queue drained, budget spent, or blocked on KV), and an idle
 window (no resident, nothing queued) also ends ("drained"): an empty device waits in the decode
@@ -32,10 +33,9 @@ configuration, where a prompt costs no pause. A :class:`ChunkBudget` decision ac
 in (or entering) MIXED each round.
 
 **Liveness.** A MIXED step runs every resident's decode token and at most ``c`` prompt tokens, so
-residents progress exactly as in DECODE. ``c = 0`` lasts only while a resident is behind its deadline
-with ``d < T``: each pure decode step wins back ``T - d``, so ``c`` becomes positive; with ``d >= T``
-``L = 2d`` and ``c > 0`` (unless a single token's step exceeds it, when the urgent-prompt forced window
-of the two-role policy takes the queue). Queued prompt work on a device is therefore computed (chunks,
+residents progress exactly as in DECODE. Where ``c = 0`` (one token's step exceeds ``L``) the queue's
+head becomes urgent with age and the two-role policy's forced window takes it (or, cheaper, a window
+of its own: ``E_chunks`` is infinite). Queued prompt work on a device is therefore computed (chunks,
 a window, or a forced window), and outputs are bounded, so every sequence ends. The property test in
 ``tests/core/test_liveness.py`` drives this policy as it drives the two-role one.
 """
@@ -95,7 +95,7 @@ class AdaptiveScheduler(RoleScheduler):
         k = sum(r.context_tokens for r in st.resident)
         t0 = max(now_s, st.busy_until_s)
         d = self.cost.decode_step_s(s, k)
-        limit = step_limit_s((r.first_token_s + r.output_tokens * self.T for r in st.resident), t0, d, self.T)
+        limit = step_limit_s(s, d, self.T)
         cap = max(0, self.max_step_tokens - s)
         return _Mix(chunk_budget(lambda c: self.cost.mixed_step_s(c, s, k), limit, cap), limit, t0, s, k)
 

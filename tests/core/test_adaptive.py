@@ -65,7 +65,7 @@ def test_mixed_when_chunks_fit_the_residents_deadlines():
     assert switches(out) == [("d0", Role.MIXED, "chunks_fit")]
     budget = next(d for d in out if isinstance(d, ChunkBudget))
     assert any(isinstance(d, Place) and d.device_id == "d0" for d in out)
-    # the budget is the largest chunk whose mixed step ends by the nearest deadline (T from now)
+    # the budget is the largest chunk whose mixed step lasts at most the per-token target T
     k = sum(r.context_tokens for r in res)
     assert math.isclose(budget.step_limit_s, T)
     L = budget.step_limit_s
@@ -79,23 +79,32 @@ def test_mixed_when_chunks_fit_the_residents_deadlines():
 def test_chunk_budget_is_capped_by_max_num_batched_tokens():
     pol = AdaptiveScheduler(CFG, COST, max_step_tokens=512)
     now = 1.0
-    # residents far ahead of their pace (seconds of headroom): the cap binds, decode tokens counted
-    c, limit = pol.chunk_budget_of(dev(Role.DECODE, on_pace(4, now, 5.0)), now)
-    assert limit > 4.9 and c == 512 - 4
+    # a T-long step could carry ~1,800 prompt tokens: the cap binds, decode tokens counted
+    c, limit = pol.chunk_budget_of(dev(Role.DECODE, on_pace(4, now, T)), now)
+    assert math.isclose(limit, T) and c == 512 - 4
     # no resident: no deadline, the whole cap
     c, limit = pol.chunk_budget_of(dev(Role.DECODE), now)
     assert limit == math.inf and c == 512
 
 
-def test_no_headroom_decodes_until_the_residents_catch_up():
-    """A resident at its deadline leaves no room for a chunk: DECODE ("no_headroom"), the queue waits."""
-    pol = AdaptiveScheduler(CFG, COST)
+class EagerMixed(CostModel, frozen=True, kw_only=True):
+    """Decode steps replay graphs; a step with any prompt token runs eagerly, 10 ms more."""
+
+    def mixed_step_s(self, prompt_tokens: int, decode_seqs: int, context_tokens: int) -> float:
+        base = CostModel.mixed_step_s(self, prompt_tokens, decode_seqs, context_tokens)
+        return base + (0.010 if prompt_tokens > 0 and decode_seqs > 0 else 0.0)
+
+
+def test_no_headroom_when_one_prompt_token_stretches_the_step_past_the_target():
+    """A 40 ms decode step whose mixed form costs 10 ms more exceeds T = 45 ms with any chunk: DECODE
+    ("no_headroom"), the queue waits for a window."""
+    cost = EagerMixed(**{f: getattr(COST, f) for f in COST.__struct_fields__} | {"decode_fixed_s": 0.0394})
+    pol = AdaptiveScheduler(CFG, cost)
     now = 1.0
-    behind = on_pace(4, now, 0.008)  # next deadline 8 ms away, their decode step takes 8.6 ms
-    st = dev(Role.MIXED, behind, prefill_queue_tokens=500, prefill_queue_seqs=1, prefill_queue_oldest_s=now)
+    st = dev(Role.MIXED, on_pace(4, now, T), prefill_queue_tokens=500, prefill_queue_seqs=1, prefill_queue_oldest_s=now)
+    assert pol.chunk_budget_of(st, now)[0] == 0
     out = pol.decide(now, NodeSnapshot((st,)))
     assert switches(out) == [("d0", Role.DECODE, "no_headroom")]
-    assert pol.chunk_budget_of(st, now)[0] == 0
 
 
 def test_window_when_a_burst_is_cheaper_as_a_window():
@@ -118,13 +127,13 @@ def test_window_when_a_burst_is_cheaper_as_a_window():
 
 
 def test_window_when_ttft_is_at_risk_as_chunks():
-    """Residents due in 12 ms leave ~100-token chunks: a 2,000-token prompt 60 ms old would take ~20
-    steps (~240 ms) as chunks, past half its 200 ms TTFT SLO; a forced window serves it in ~47 ms."""
+    """A 2,000-token prompt 60 ms old would take two mixed steps (~57 ms) as chunks, past half its 200 ms
+    TTFT SLO; a window (residents due in 12 ms: a forced one) serves it in ~47 ms."""
     pol = AdaptiveScheduler(CFG, COST)
     now = 1.0
     st = dev(Role.MIXED, on_pace(4, now, 0.012))
     c, _ = pol.chunk_budget_of(st, now)
-    assert 0 < c < 200
+    assert 0 < c < 2000
     out = pol.decide(now, NodeSnapshot((st,), (WaitingPrompt("p", 2000, now - 0.060, 100),)))
     assert switches(out) == [("d0", Role.PREFILL, "ttft")]
     assert [d.request_id for d in out if isinstance(d, Place)] == ["p"]
@@ -140,9 +149,9 @@ def test_an_idle_window_returns_to_the_decode_configuration():
 
 
 def test_step_limit_formulas():
-    assert step_limit_s([], 0.0, 0.01, T) == math.inf
-    assert step_limit_s([1.05, 1.02], 1.0, 0.01, T) == 1.02 - 1.0
-    assert step_limit_s([1.05], 1.0, 0.06, 0.05) == 0.12  # decode alone misses T: share the device evenly
+    assert step_limit_s(0, 0.0, T) == math.inf
+    assert step_limit_s(3, 0.01, T) == T
+    assert step_limit_s(3, 0.06, 0.05) == 0.12  # decode alone misses T: share the device evenly
     step = lambda c: 0.01 + 1e-4 * c  # noqa: E731
     assert chunk_budget(step, 0.02, 1000) == 100
     assert chunk_budget(step, 0.0100999, 1000) == 0
