@@ -11,10 +11,10 @@ def test_adaptive_default_matches_one_device_and_reports_mixed_phases(stories_no
     node = NodeProcess("--model", str(STORIES), "--devices", "cpu:0,cpu:1", "--tpot-slo-ms", "200",
                        "--ttft-slo-ms", "2000", wait=False)  # no --mode: the default; starts while REF is computed
     try:
-        reqs = bodies(40)
+        reqs = bodies(20)
         ref = [r.json()["choices"][0]["token_ids"] for r in run(stories_node, reqs, 1)]
         node.wait_up()
-        got = run(node, reqs, 40)
+        got = run(node, reqs, 20)
         assert all(r.status_code == 200 for r in got)
         assert [r.json()["choices"][0]["token_ids"] for r in got] == ref
         st = node.wait_idle()
