@@ -289,7 +289,8 @@ class Node:
             ValueError: the node has no peers or is not in time-shared mode.
         """
         if self.peers is None or not self.peers.peers or not self.config.role_policy:
-            raise ValueError("drain needs adaptive or time-shared mode and --peers to move the sequences to")
+            raise ValueError("drain needs time-shared mode and --peers to move the sequences to (adaptive mode is "
+                             "time-shared too)")
         if not self.draining:
             log.info("node_draining", peers=[p.addr for p in self.peers.peers.values()])
         self.draining = True
