@@ -335,7 +335,7 @@ def best_by_cell(a: argparse.Namespace, results: list[dict]) -> dict:
 def format_grid(a: argparse.Namespace, results: list[dict]) -> str:
     """Per transfer model: rows (model, lengths), columns links; cell = winner and capacities."""
     idx = best_by_cell(a, results)
-    short = {"time-shared": "TS", "colocated": "CO", "pooled": "PD"}
+    short = {"time-shared": "TS", "colocated": "CO", "pooled": "PD", "adaptive": "AD"}
     out = []
     for t in a.transfer_list:
         out.append(f"Transfers: {t}. Capacity = highest rate with >= {a.target:.0%} SLO attainment "

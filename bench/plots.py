@@ -99,8 +99,9 @@ def role_timeline(status: dict, t0: float, t1: float, path: Path, *, title: str 
     plt.close(fig)
 
 
-MODE_COLORS = {"time-shared": "#2ca02c", "colocated": "#9467bd", "pooled": "#1f77b4", "tie": "#bbbbbb"}
-MODE_SHORT = {"time-shared": "TS", "colocated": "CO", "pooled": "PD"}
+MODE_COLORS = {"time-shared": "#2ca02c", "colocated": "#9467bd", "pooled": "#1f77b4", "adaptive": "#d62728",
+               "tie": "#bbbbbb"}
+MODE_SHORT = {"time-shared": "TS", "colocated": "CO", "pooled": "PD", "adaptive": "AD"}
 
 
 def crossover_heatmap(grid: dict[tuple[str, str], dict[float, dict[str, float]]], links: list[float], path: Path,

@@ -53,7 +53,9 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV cache bytes per device, e.g. 2GiB")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory for weights + KV")
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="new tokens per step (chunked-prefill budget)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="new tokens per step (the chunked-prefill budget; in adaptive mode an upper bound: MIXED steps "
+                        "take the chunk the residents' TPOT deadlines allow)")
     p.add_argument("--max-queue", type=int, default=1024, help="queued requests before answering 503")
     p.add_argument("--request-timeout-s", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
                    help="end a request still running after this many seconds with an error (503 request_timeout), "
@@ -77,20 +79,24 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
                         "and less work per token for clients that do not need each token (SGLang's and vLLM's flag)")
     p.add_argument("--sse-keepalive-s", type=float, default=10.0, help="SSE comment line after this much silence")
     p.add_argument("--body-timeout-s", type=float, default=30.0, help="answer 408 to a request body slower than this")
-    g = p.add_argument_group("time-shared mode")
-    g.add_argument("--mode", default="time-shared", choices=["time-shared", "colocated", "pooled"],
-                   help="time-shared: devices switch between prefill and decode roles; colocated: mixed chunked-prefill "
-                        "batches; pooled: fixed prefill and decode devices, KV handed over after prefill")
+    g = p.add_argument_group("adaptive and time-shared modes")
+    g.add_argument("--mode", default="adaptive", choices=["adaptive", "time-shared", "colocated", "pooled"],
+                   help="adaptive (default): per device, decode, decode plus prompt chunks sized online from the TPOT "
+                        "SLO, or a prefill window, whichever the cost model finds cheaper (docs/adaptive.md); "
+                        "time-shared: devices switch between prefill and decode roles only; colocated: mixed "
+                        "chunked-prefill batches under a fixed token budget; pooled: fixed prefill and decode devices, "
+                        "KV handed over after prefill")
     g.add_argument("--prefill-devices", default=None, help="pooled mode: comma-separated prefill devices")
     g.add_argument("--decode-devices", default=None, help="pooled mode: comma-separated decode devices")
     g.add_argument("--link-gbps", type=float, default=None,
                    help="throttle KV moved between devices to this many Gb/s (emulates an interconnect)")
     g.add_argument("--max-retries", type=int, default=2,
                    help="recompute a request whose KV hand-off to a peer failed up to this many times, then fail it")
-    g.add_argument("--imbalance-threshold", type=float, default=1.0,
+    g.add_argument("--imbalance-threshold", type=float, default=None,
                    help="time-shared fallback: move decoding sequences to another device when a prefill window would "
                         "make them miss --tpot-slo-ms, or when the slowest decoding device's estimated step exceeds "
-                        "(1 + this) times the fastest's (0: off)")
+                        "(1 + this) times the fastest's (0: off; default 1 in time-shared mode, 0 in adaptive mode, "
+                        "where decode keeps flowing in MIXED steps and the moves cost more than they save)")
     g.add_argument("--max-unsent", type=int, default=64,
                    help="pooled mode: prompts in flight plus prefilled-but-unsent caches per prefill device")
     k = p.add_argument_group("KV transfer between nodes")
@@ -209,7 +215,8 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         node_id=a.node_id, kv_host=a.kv_host, kv_port=a.kv_port, peer_secret=a.peer_secret,
         peers=[p.strip() for p in (a.peers or "").split(",") if p.strip()],
         etcd=a.etcd, etcd_prefix=a.etcd_prefix, advertise_host=a.advertise_host,
-        max_retries=a.max_retries, imbalance_threshold=a.imbalance_threshold,
+        max_retries=a.max_retries,
+        imbalance_threshold=a.imbalance_threshold if a.imbalance_threshold is not None else (0.0 if a.mode == "adaptive" else 1.0),
         kv_connect_timeout_s=a.kv_connect_timeout_s, kv_transfer_timeout_s=a.kv_transfer_timeout_s,
         peer_stale_s=a.peer_stale_s,
     )

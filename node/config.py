@@ -7,6 +7,8 @@ import msgspec
 
 RELAY_KEEPALIVE_S = 2.0  # a peer relaying tokens sends a keep-alive after this much silence
 DEFAULT_REQUEST_TIMEOUT_S = 600.0  # a finite default deadline: a wedged path cannot hold a request (and its KV) for good
+MODES = ("adaptive", "time-shared", "colocated", "pooled")
+ROLE_MODES = ("adaptive", "time-shared")  # devices switch roles under a pure role policy
 
 
 class ConfigError(ValueError):
@@ -53,7 +55,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     prefill_tp: int = 1  # time-shared: devices per instance in the prefill role (divides decode_tp); pooled: the prefill pool's
     engine_layout: str = "process"  # process: one engine process per device | thread: in the node's process (debugging, bench baseline)
     benchmark_model: str | None = None  # bench tool, not for serving: "zero" (fixed logits, no compute) | "sleep:MS" (each step sleeps MS ms) | "timed:PATH" (a cost model's step times)
-    mode: str = "time-shared"  # time-shared | colocated | pooled
+    mode: str = "time-shared"  # adaptive (shiftnode serve's default) | time-shared | colocated | pooled
     prefill_devices: list[str] = msgspec.field(default_factory=list)  # pooled mode
     decode_devices: list[str] = msgspec.field(default_factory=list)  # pooled mode
     max_unsent: int = 64  # pooled: prompts in flight plus prefilled-but-unsent caches per prefill device
@@ -103,11 +105,11 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (self.engine_layout in ("process", "thread"), f"--engine-layout must be process or thread, got {self.engine_layout!r}"),
             (_benchmark_model_error(self.benchmark_model) is None, _benchmark_model_error(self.benchmark_model)),
             (_cost_file_error("--cost-model", self.cost_model) is None, _cost_file_error("--cost-model", self.cost_model)),
-            (self.cost_model is None or self.mode == "time-shared",
-             f"--cost-model seeds the time-shared role policy: not with --mode {self.mode}"),
+            (self.cost_model is None or self.role_policy,
+             f"--cost-model seeds the role policy (adaptive and time-shared modes): not with --mode {self.mode}"),
             (self.timed_error() is None, self.timed_error()),
             (self.tensor_parallel_error() is None, self.tensor_parallel_error()),
-            (self.mode in ("time-shared", "colocated", "pooled"), f"--mode must be time-shared, colocated or pooled, got {self.mode!r}"),
+            (self.mode in MODES, f"--mode must be adaptive, time-shared, colocated or pooled, got {self.mode!r}"),
             (self.mode != "pooled" or bool(self.prefill_devices or self.decode_devices),
              "--mode pooled needs --prefill-devices and/or --decode-devices"),
             (self.mode != "pooled" or bool(self.decode_devices) or bool(self.peers) or bool(self.etcd),
@@ -118,7 +120,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
              "--peers, --kv-port and --etcd need --peer-secret (or SHIFTNODE_PEER_SECRET)"),
             (not self.etcd or self.etcd.startswith(("http://", "https://")),
              f"--etcd must be an http:// or https:// client URL, got {self.etcd!r}"),
-            (not self.etcd or self.mode != "colocated", "--etcd is for pooled and time-shared modes"),
+            (not self.etcd or self.mode != "colocated", "--etcd is for the adaptive, time-shared and pooled modes"),
             (self.kv_port is None or 0 <= self.kv_port <= 65535, f"--kv-port must be in [0, 65535], got {self.kv_port}"),
             (all(_is_host_port(p) for p in self.peers), f"--peers must be host:port entries, got {self.peers}"),
             (not self.peers or self.mode != "colocated", "--peers is for pooled and time-shared modes"),
@@ -140,10 +142,16 @@ class NodeConfig(msgspec.Struct, kw_only=True):
                 raise ConfigError(message)
 
     @property
+    def role_policy(self) -> bool:
+        """Devices switch roles under a pure role policy: adaptive (:mod:`node.core.adaptive`) or
+        time-shared (:mod:`node.core.roles`) mode; both run time-shared groups and their role configurations."""
+        return self.mode in ROLE_MODES
+
+    @property
     def group_size(self) -> int:
-        """Devices per engine group: ``--decode-tp`` in time-shared mode, ``--tensor-parallel-size``
-        otherwise (1: every device is its own engine)."""
-        return self.decode_tp if self.mode == "time-shared" else self.tensor_parallel_size
+        """Devices per engine group: ``--decode-tp`` in adaptive and time-shared modes,
+        ``--tensor-parallel-size`` otherwise (1: every device is its own engine)."""
+        return self.decode_tp if self.role_policy else self.tensor_parallel_size
 
     def role_configs(self) -> dict:
         """Each role's execution configuration (:class:`node.core.role_config.RoleConfig`) by role name:
@@ -153,9 +161,13 @@ class NodeConfig(msgspec.Struct, kw_only=True):
         # decode graphs: CUDA devices, the triton backend, no --enforce-eager, no benchmark model (loader)
         graphs = (not self.enforce_eager and not self.benchmark_model and self.attention_backend in ("auto", "triton")
                   and all(d.startswith("cuda") for d in self.devices))
-        if self.mode == "time-shared":
-            return time_shared_roles(self.decode_tp, self.prefill_tp, self.max_num_batched_tokens, self.max_num_seqs,
-                                     cuda_graphs=graphs)
+        if self.role_policy:
+            roles = time_shared_roles(self.decode_tp, self.prefill_tp, self.max_num_batched_tokens, self.max_num_seqs,
+                                      cuda_graphs=graphs)
+            if self.mode == "adaptive":  # MIXED: the decode configuration, its steps carrying prompt chunks
+                roles["mixed"] = RoleConfig("mixed", self.decode_tp, 1, self.max_num_batched_tokens,
+                                            cuda_graphs=roles["decode"].cuda_graphs)
+            return roles
         return {"mixed": RoleConfig("mixed", self.group_size, 1, self.max_num_batched_tokens,
                                     cuda_graphs=graphs and self.group_size == 1)}
 
@@ -181,14 +193,14 @@ class NodeConfig(msgspec.Struct, kw_only=True):
         if (self.decode_tp > 1 or self.prefill_tp > 1) and self.mode == "colocated":
             return ("--decode-tp and --prefill-tp are the per-role degrees of time-shared and pooled modes (the mode "
                     "is colocated): colocated mode takes --tensor-parallel-size")
-        if self.mode == "time-shared" and self.decode_tp % self.prefill_tp:
+        if self.role_policy and self.decode_tp % self.prefill_tp:
             return (f"--prefill-tp {self.prefill_tp} must divide --decode-tp {self.decode_tp} (a group of "
                     f"{self.decode_tp} devices prefills as --decode-tp / --prefill-tp instances)")
         if self.mode == "pooled":
             runs = [("--prefill-tp", self.prefill_tp, "--prefill-devices", self.prefill_devices),
                     ("--decode-tp", self.decode_tp, "--decode-devices", self.decode_devices)]
         else:
-            flag = "--decode-tp" if self.mode == "time-shared" else "--tensor-parallel-size"
+            flag = "--decode-tp" if self.role_policy else "--tensor-parallel-size"
             runs = [(flag, self.group_size, "--devices", self.devices)]
         if all(d == 1 for _, d, _, _ in runs):
             return None

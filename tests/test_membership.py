@@ -106,7 +106,7 @@ def test_etcd_flags_are_checked_before_loading():
         NodeConfig(**base, etcd="http://127.0.0.1:2379").validate()
     with pytest.raises(ConfigError, match="http:// or https://"):
         NodeConfig(**base, etcd="127.0.0.1:2379", peer_secret="s").validate()
-    with pytest.raises(ConfigError, match="--etcd is for pooled and time-shared"):
+    with pytest.raises(ConfigError, match="--etcd is for the adaptive, time-shared and pooled"):
         NodeConfig(**base, etcd="http://127.0.0.1:2379", peer_secret="s", mode="colocated").validate()
     NodeConfig(**base, mode="pooled", prefill_devices=["cpu:0"], etcd="http://127.0.0.1:2379", peer_secret="s").validate()
 

@@ -96,8 +96,9 @@ def fallback_node():
     """The pause back to DECODE (200 ms) exceeds the TPOT target (90 ms): a sequence prefilled on a
     PREFILL-role device while another device decodes is late where it is, so the fallback ("tpot")
     moves it to the decoding device instead of switching its own device back."""
-    node = NodeProcess("--model", str(STORIES), "--devices", "cpu:0,cpu:1", "--reconfig-pause-ms", "200",
-                       "--tpot-slo-ms", "100", "--ttft-slo-ms", "10000", "--imbalance-threshold", "1")
+    node = NodeProcess("--model", str(STORIES), "--mode", "time-shared", "--devices", "cpu:0,cpu:1",
+                       "--reconfig-pause-ms", "200", "--tpot-slo-ms", "100", "--ttft-slo-ms", "10000",
+                       "--imbalance-threshold", "1")
     yield node
     node.close()
 

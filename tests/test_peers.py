@@ -474,8 +474,8 @@ def test_time_shared_fallback_moves_a_decoding_sequence_to_a_peer_node(stories_n
     REF with no gap or duplicate; the node keeps prefilling."""
     port = free_port()
     nodes = [NodeProcess("--model", str(STORIES), "--kv-port", str(port), "--peer-secret", SECRET, wait=False),
-             NodeProcess("--model", str(STORIES), "--peers", f"127.0.0.1:{port}", "--peer-secret", SECRET,
-                         "--reconfig-pause-ms", "200", "--tpot-slo-ms", "100", "--ttft-slo-ms", "400", wait=False)]
+             NodeProcess("--model", str(STORIES), "--mode", "time-shared", "--peers", f"127.0.0.1:{port}", "--peer-secret",
+                         SECRET, "--reconfig-pause-ms", "200", "--tpot-slo-ms", "100", "--ttft-slo-ms", "400", wait=False)]
     try:
         body = {"prompt": "Once upon a time", "max_tokens": 150, "ignore_eos": True, "temperature": 0}
         ref, _ = stream_tokens(stories_node, body)

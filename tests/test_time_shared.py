@@ -27,8 +27,8 @@ def run(node: NodeProcess, reqs: list[dict], workers: int) -> list[httpx.Respons
 @pytest.fixture
 def two_device_node():
     """Launched, not yet up: the test computes REF while it starts, then waits for it."""
-    node = NodeProcess("--model", str(STORIES), "--devices", "cpu:0,cpu:1", "--reconfig-pause-ms", str(FLOOR_MS),
-                       "--tpot-slo-ms", "200", "--ttft-slo-ms", "2000", wait=False)
+    node = NodeProcess("--model", str(STORIES), "--mode", "time-shared", "--devices", "cpu:0,cpu:1",
+                       "--reconfig-pause-ms", str(FLOOR_MS), "--tpot-slo-ms", "200", "--ttft-slo-ms", "2000", wait=False)
     yield node
     node.close()
 
@@ -115,7 +115,8 @@ def test_b30_burst_of_500_and_one_request_filling_the_pool():
 
 
 def test_stream_gets_keepalive_comments_through_a_pause():
-    node = NodeProcess("--model", str(STORIES), "--reconfig-pause-ms", "1200", "--sse-keepalive-s", "0.2")
+    node = NodeProcess("--model", str(STORIES), "--mode", "time-shared", "--reconfig-pause-ms", "1200",
+                       "--sse-keepalive-s", "0.2")
     try:
         with node.client.stream("POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 4,
                                                                   "temperature": 0, "stream": True}) as r:

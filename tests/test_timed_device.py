@@ -199,7 +199,7 @@ def test_time_shared_fallback_migration_takes_the_geometry_sized_transfer_time(t
     geometry's 2 MiB per block."""
     fast = tmp_path / "fast.json"
     fast.write_text(json.dumps({**COST, "decode_fixed_s": 0.005}))
-    node = _timed_node(fast, "--devices", "cpu:0,cpu:1", "--reconfig-pause-ms", "200", "--tpot-slo-ms", "100",
+    node = _timed_node(fast, "--mode", "time-shared", "--devices", "cpu:0,cpu:1", "--reconfig-pause-ms", "200", "--tpot-slo-ms", "100",
                        "--ttft-slo-ms", "10000", "--imbalance-threshold", "1", "--link-gbps", "1")
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:

@@ -80,8 +80,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--min-window-ms", type=float, default=20.0)
     ap.add_argument("--max-window-ms", type=float, default=500.0)
     ap.add_argument("--stagger", default="soft", choices=["hard", "soft", "off"])
-    ap.add_argument("--imbalance-threshold", type=float, default=1.0,
-                    help="time-shared: the node's fallback that moves decoding sequences (0: off)")
+    ap.add_argument("--imbalance-threshold", type=float, default=None,
+                    help="time-shared and adaptive: the node's fallback that moves decoding sequences (0: off; "
+                         "default the node's: 1 in time-shared mode, 0 in adaptive mode)")
     ap.add_argument("--expected-output", default="node", choices=["node", "oracle"],
                     help="time-shared: output length the policy is told (node: min(max_tokens, 128))")
     ap.add_argument("--max-sim-s", type=float, default=3600.0, help="simulated seconds before unfinished requests fail")
@@ -120,7 +121,7 @@ def config_for(args: argparse.Namespace, mode: str, model_cfg: dict, prefill_dev
         ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms, reconfig_pause_ms=args.reconfig_pause_ms,
         min_window_ms=args.min_window_ms, max_window_ms=args.max_window_ms, stagger=args.stagger,
         expected_output=args.expected_output, max_sim_s=args.max_sim_s,
-        imbalance_threshold=getattr(args, "imbalance_threshold", 1.0),
+        imbalance_threshold=getattr(args, "imbalance_threshold", None),
         prefix_caching=getattr(args, "prefix_caching", "off") == "on")
 
 

@@ -74,6 +74,7 @@ class SimDevice:
         self.busy_s = 0.0
         self.sending = False
         self.version = 0  # bumped on every change of its queues or blocks (views of it may be cached)
+        self.chunk_tokens: int | None = None  # adaptive MIXED steps: prompt tokens per step (None: the budget's rest)
 
     @property
     def plan(self) -> StepPlan | None:
@@ -99,7 +100,7 @@ class SimDevice:
         (none while ``sending``); returns the steps sent."""
         sent = []
         while len(self.inflight) < self.depth and not self.sending and self.batcher.has_work(self.kind):
-            plan = self.batcher.schedule(self.kind)
+            plan = self.batcher.schedule(self.kind, self.chunk_tokens if self.kind is StepKind.MIXED else None)
             if not plan:
                 break
             dur = plan_step_s(cost, plan)  # before commit: it reads the sequences' context

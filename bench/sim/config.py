@@ -14,7 +14,8 @@ from node.plan import DTYPE_BYTES, Geometry, kv_bytes_per_token, kv_token_capaci
 
 __all__ = ["MODES", "SimAborted", "SimConfig", "kv_geometry", "count_late"]
 
-MODES = ("time-shared", "colocated", "pooled")
+MODES = ("time-shared", "colocated", "pooled", "adaptive")
+ROLE_MODES = ("time-shared", "adaptive")  # a role policy over time-shared groups (the node's role driver)
 
 
 class SimAborted(RuntimeError):
@@ -37,7 +38,8 @@ class SimConfig:
     """One simulated deployment (per node; ``nodes`` identical nodes share the requests round-robin).
 
     Attributes:
-        mode: time-shared | colocated | pooled.
+        mode: time-shared | colocated | pooled | adaptive (the adaptive role policy,
+            :mod:`node.core.adaptive`, on the time-shared devices; its knobs are the time-shared ones).
         devices: devices per node; pooled splits them into ``prefill_devices`` and the rest decode.
         kv_blocks, block_size: KV pool per device (blocks of ``block_size`` tokens).
         kv_bytes_per_token: KV of one token over all layers (bytes), for pooled transfers.
@@ -71,8 +73,9 @@ class SimConfig:
             that follows it); prompts get token ids from their hash ids (Mooncake traces, see
             :func:`bench.sim.batched.prompt_token_ids`), others unique ones, so only the trace's own
             reuse hits. Off (the default), every prompt is computed from scratch, as before.
-        imbalance_threshold: time-shared: the node's ``--imbalance-threshold`` (the fallback that moves
-            decoding sequences between devices; 0: off; on by default, as on the node).
+        imbalance_threshold: time-shared and adaptive: the node's ``--imbalance-threshold`` (the fallback that
+            moves decoding sequences between devices; 0: off; None: the node's default for the mode, 1 in
+            time-shared mode and 0 in adaptive mode, :attr:`fallback_threshold`).
         decode_tp, prefill_tp: tensor-parallel degrees (:mod:`bench.sim.parallel`; both 1: one device
             per instance, as before). Time-shared: groups of ``decode_tp`` devices decode as one
             instance at that degree and prefill as ``decode_tp / prefill_tp`` instances at
@@ -119,11 +122,19 @@ class SimConfig:
     max_sim_s: float = 3600.0
     abort_late: int | None = None
     prefix_caching: bool = False
-    imbalance_threshold: float = 1.0
+    imbalance_threshold: float | None = None
     decode_tp: int = 1
     prefill_tp: int = 1
     max_item_tokens: int | None = None
     step_pipeline: int = 2
+
+    @property
+    def fallback_threshold(self) -> float:
+        """The imbalance fallback's threshold this deployment runs with (0: off): ``imbalance_threshold``,
+        else the node's default for the mode (``shiftnode serve``: 0 in adaptive mode, 1 otherwise)."""
+        if self.imbalance_threshold is not None:
+            return self.imbalance_threshold
+        return 0.0 if self.mode == "adaptive" else 1.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -142,11 +153,11 @@ class SimConfig:
             raise ValueError(f"unknown transfer model {self.transfer!r} (blocking, overlap)")
         if not (self.link_gbps > 0 and self.internode_gbps > 0):
             raise ValueError("link rates must be positive")
-        if self.imbalance_threshold < 0:
+        if self.imbalance_threshold is not None and self.imbalance_threshold < 0:
             raise ValueError("imbalance_threshold must be at least 0 (0 turns the fallback off)")
         if self.decode_tp < 1 or self.prefill_tp < 1:
             raise ValueError("decode_tp and prefill_tp must be at least 1")
-        if self.mode == "time-shared" and (self.decode_tp % self.prefill_tp or self.devices % self.decode_tp):
+        if self.mode in ROLE_MODES and (self.decode_tp % self.prefill_tp or self.devices % self.decode_tp):
             raise ValueError(f"time-shared: prefill_tp {self.prefill_tp} must divide decode_tp {self.decode_tp}, "
                              f"and decode_tp the {self.devices} devices")
         if self.mode == "colocated" and (self.prefill_tp != 1 or self.devices % self.decode_tp):

@@ -142,7 +142,7 @@ class ParallelModel:
         if cfg.mode == "colocated":
             blocks = self.instance_blocks(d, d, bs, budget, rows)
             return dataclasses.replace(cfg, devices=cfg.devices // d, kv_blocks=blocks, **plain), self.cost(d), None
-        if cfg.mode == "time-shared":
+        if cfg.mode in ("time-shared", "adaptive"):
             inst = d // p
             blocks = self.instance_blocks(d, p, bs, budget, rows)
             out = dataclasses.replace(cfg, devices=cfg.devices // d, kv_blocks=blocks, link_gbps=cfg.link_gbps * d,

@@ -54,6 +54,10 @@ def _merge(total: dict, part: dict, node: int | None) -> None:
     for k, v in part.items():
         if k == "busy_s":
             total.setdefault(k, {}).update({(dev if node is None else f"n{node}/{dev}"): s for dev, s in v.items()})
+        elif isinstance(v, dict):  # counts by key (switch reasons): summed per key
+            sub = total.setdefault(k, {})
+            for key, n in v.items():
+                sub[key] = sub.get(key, 0) + n
         else:
             total[k] = total.get(k, 0) + v
 
@@ -92,7 +96,7 @@ def simulate(requests: list[TraceRequest], cfg: SimConfig, cost) -> SimResult:
         traces, st = simulate_pooled(requests, cfg, cost, prefix="r", nodes=cfg.nodes)
         _merge(stats, st, None)
     else:
-        run = {"time-shared": simulate_time_shared, "colocated": simulate_colocated,
+        run = {"time-shared": simulate_time_shared, "adaptive": simulate_time_shared, "colocated": simulate_colocated,
                "pooled": simulate_pooled}[cfg.mode]
         order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
         shares = [order[n::cfg.nodes] for n in range(cfg.nodes)]

@@ -45,6 +45,7 @@ from bench.traces import TraceRequest
 from node.core.batcher import StepKind
 from node.core.cost import CostModel
 from node.core.roofline import RooflineCost
+from node.core.adaptive import AdaptiveScheduler, ChunkBudget
 from node.core.imbalance import ImbalanceConfig, ImbalancePolicy, Migrate
 from node.core.roles import (DeviceState, NodeSnapshot, Place, Reject, ResidentSeq, Role, RoleScheduler,
                              RoleSchedulerConfig, SwitchRole, WaitingPrompt)
@@ -58,7 +59,8 @@ __all__ = ["NODE_EXPECTED_OUTPUT_TOKENS", "TICK_S", "TimeSharedSim", "simulate_t
 NODE_EXPECTED_OUTPUT_TOKENS = 128
 TICK_S = 0.005  # the live driver's timer while work exists (node/runtime/driver.py TICK_S)
 CACHE_LOOKUPS = 64  # waiting prompts (oldest first) whose cached prefix the snapshot shows (as the driver)
-_KIND = {Role.PREFILL: StepKind.PREFILL, Role.DECODE: StepKind.DECODE}
+_KIND = {Role.PREFILL: StepKind.PREFILL, Role.DECODE: StepKind.DECODE, Role.MIXED: StepKind.MIXED}
+_FREE = frozenset({Role.DECODE, Role.MIXED})  # one configuration: switches between them are free and at once
 
 
 class _Move:
@@ -117,6 +119,7 @@ class TimeSharedSim:
         self._moves: dict[str, _Move] = {}  # seq id → its move, queued or copying
         self._moved_s: dict[str, float] = {}  # seq id → end of its last move or refusal (the cooldown)
         self.num_moves = self.refused_moves = self.transfer_bytes = 0
+        self.free_switches = 0  # switches between DECODE and MIXED (adaptive), no pause
         self.moves_by_reason: dict[str, int] = {}  # completed moves per trigger (tpot, imbalance)
 
     # --- the policy's view -------------------------------------------------------------------
@@ -231,12 +234,25 @@ class TimeSharedSim:
         decisions = self.scheduler.decide(now, snap)
         if on_decide is not None:
             on_decide(now, snap, decisions)
+        adaptive = isinstance(self.scheduler, AdaptiveScheduler)
         for dec in decisions:
-            if isinstance(dec, SwitchRole):
-                self._switch(now, dec)
+            if isinstance(dec, ChunkBudget):
+                d = self._by_id[dec.device_id]
+                d.chunk_tokens = dec.tokens
+                d.version += 1
+            elif isinstance(dec, SwitchRole):
+                d = self._by_id[dec.device_id]
+                if d.role in _FREE and dec.to_role in _FREE:  # DECODE <-> MIXED: no drain, no pause
+                    if d.role is not dec.to_role:
+                        d.role, d.kind = dec.to_role, _KIND[dec.to_role]
+                        d.version += 1
+                        self.free_switches += 1
+                        self.switches.append((now, d.device_id, dec.to_role, dec.reason))
+                else:
+                    self._switch(now, dec)
             elif isinstance(dec, Place):
                 d = self._by_id[dec.device_id]
-                if not (d.role is Role.PREFILL or d.switching_to is Role.PREFILL):
+                if not (d.role is Role.PREFILL or d.switching_to is Role.PREFILL or (adaptive and d.role in _FREE)):
                     raise RuntimeError(f"{dec.request_id} placed on {d.device_id}, not in a prefill role")
                 i = next(i for i, (r, _) in enumerate(self.waiting) if r.request_id == dec.request_id)
                 _, seq = self.waiting.pop(i)
@@ -355,15 +371,18 @@ def simulate_time_shared(requests: list[TraceRequest], cfg: SimConfig, cost: Cos
         min_window_ms=cfg.min_window_ms, max_window_ms=cfg.max_window_ms,
         prefill_token_budget=cfg.max_num_batched_tokens, stagger=cfg.stagger)
     cost = msgspec.structs.replace(cost, pause_s=max(cost.pause_s, cfg.pause_ms / 1e3) + cfg.reconfig_pause_ms / 1e3)
-    scheduler = RoleScheduler(policy, cost)
+    adaptive = cfg.mode == "adaptive"
+    scheduler = (AdaptiveScheduler(policy, cost, max_step_tokens=cfg.max_num_batched_tokens) if adaptive
+                 else RoleScheduler(policy, cost))
     imbalance = None
-    if cfg.imbalance_threshold > 0:
+    if cfg.fallback_threshold > 0:
         imbalance = ImbalancePolicy(ImbalanceConfig(
-            threshold=cfg.imbalance_threshold, tpot_slo_ms=policy.tpot_slo_ms, slo_margin=policy.slo_margin,
+            threshold=cfg.fallback_threshold, tpot_slo_ms=policy.tpot_slo_ms, slo_margin=policy.slo_margin,
             reconfig_pause_ms=policy.reconfig_pause_ms, prefill_token_budget=policy.prefill_token_budget,
             local_transfer_s_per_token=cfg.kv_bytes_per_token * 8 / (cfg.link_gbps * 1e9),
             ttft_slo_ms=policy.ttft_slo_ms), cost)
-    sim = TimeSharedSim(scheduler, cost, cfg, imbalance=imbalance)
+    # the node starts adaptive devices in the decode configuration, time-shared ones parked in PREFILL
+    sim = TimeSharedSim(scheduler, cost, cfg, imbalance=imbalance, initial_role=Role.DECODE if adaptive else Role.PREFILL)
     sreqs = []
     for i, r in enumerate(requests):
         expected = r.output_tokens if cfg.expected_output == "oracle" else min(r.output_tokens, NODE_EXPECTED_OUTPUT_TOKENS)
@@ -379,7 +398,8 @@ def simulate_time_shared(requests: list[TraceRequest], cfg: SimConfig, cost: Cos
 
     traces = sim.run(sreqs, until_s=t_end, on_decide=abort_when_late if limit is not None else None)
     pauses = sum(s.end_s - s.start_s for s in sim.steps if s.kind == "pause")
-    stats = {"switches": len(sim.switches), "pause_s": pauses,
+    stats = {"switches": len(sim.switches), "free_switches": sim.free_switches, "pause_s": pauses,
+             "switch_reasons": {r: sum(1 for sw in sim.switches if sw[3] == r) for r in sorted({sw[3] for sw in sim.switches})},
              "busy_s": {d.device_id: d.busy_s for d in sim.devices},
              "transfers": sim.num_moves, "transfer_bytes": sim.transfer_bytes,
              **{f"moves_{k}": v for k, v in sorted(sim.moves_by_reason.items())},

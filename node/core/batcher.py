@@ -195,14 +195,24 @@ class Batcher:
         return bool(self.waiting or self.running)
 
     # --- scheduling -------------------------------------------------------------------------
-    def schedule(self, kind: StepKind) -> StepPlan:
-        """Form the next step of ``kind``. Mutates block tables (allocation) and queues (preemption)."""
+    def schedule(self, kind: StepKind, chunk_tokens: int | None = None) -> StepPlan:
+        """Form the next step of ``kind``. Mutates block tables (allocation) and queues (preemption).
+
+        ``chunk_tokens`` (MIXED steps): prompt tokens the step may compute at most, on top of one token
+        per decoding sequence (the adaptive policy's online chunk budget; stall-free batching: decodes
+        are planned first, so a prompt chunk never takes a decoding sequence's place). None: prompt
+        work takes what the token budget leaves, in arrival order (colocated mode).
+        """
         plan = StepPlan(kind)
         budget = self.config.max_batched_tokens
+        if chunk_tokens is not None:
+            budget = self._schedule_decodes(plan, budget)
+            budget = min(budget, max(0, chunk_tokens))
         i = 0
         while i < len(self.running) and budget > 0 and len(plan.items) < self.config.max_num_seqs:
             seq = self.running[i]
             if (kind is StepKind.DECODE and not seq.is_decoding) or (kind is StepKind.PREFILL and seq.is_decoding) \
+                    or (chunk_tokens is not None and seq.is_decoding) \
                     or (seq.is_decoding and len(seq.token_ids) >= seq.max_len):  # its last token needs no KV: it ends
                 i += 1
                 continue
@@ -216,6 +226,23 @@ class Batcher:
         if kind is not StepKind.DECODE and not plan.preempted:
             self._admit(plan, budget)
         return plan
+
+    def _schedule_decodes(self, plan: StepPlan, budget: int) -> int:
+        """Plan one token for every decoding sequence (arrival order, within the step's limits); the
+        budget left."""
+        i = 0
+        while i < len(self.running) and budget > 0 and len(plan.items) < self.config.max_num_seqs:
+            seq = self.running[i]
+            if not seq.is_decoding or len(seq.token_ids) >= seq.max_len:
+                i += 1
+                continue
+            if not self._grow(seq, 1, plan):
+                continue  # seq itself was preempted; running[i] is now the next one
+            plan.items.append(ScheduledSeq(seq, 1))
+            self._register(seq, seq.num_computed + 1, plan)
+            budget -= 1
+            i += 1
+        return budget
 
     def _grow(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
         """Ensure blocks for ``seq.num_computed + n`` tokens, preempting the newest others if needed."""

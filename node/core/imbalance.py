@@ -92,6 +92,8 @@ INF = math.inf
 EPS = 1e-9  # s; float slack in time comparisons
 
 
+_DECODING = (Role.DECODE, Role.MIXED)  # roles whose steps decode every resident
+
 class Migrate(msgspec.Struct, frozen=True, tag="migrate"):
     """Move decoding sequence ``seq_id`` (the ``ResidentSeq`` id) from ``src_device`` to ``dst_device``.
 
@@ -145,7 +147,8 @@ class _Dev:
     @property
     def decode_side(self) -> bool:
         st = self.st
-        return st.role is Role.DECODE or (st.role is Role.SWITCHING and st.switching_to is Role.DECODE)
+        # MIXED (the adaptive policy) decodes every step, as DECODE does
+        return st.role in _DECODING or (st.role is Role.SWITCHING and st.switching_to in _DECODING)
 
 
 class ImbalancePolicy:
@@ -194,7 +197,7 @@ class ImbalancePolicy:
         return self.window_end_s(st, now_s) + self.pause_s + self.load_s(n, k)
 
     def _decode_start_s(self, st: DeviceState, now_s: float) -> float:
-        if st.role is Role.DECODE:
+        if st.role in _DECODING:
             return max(now_s, st.busy_until_s)
         return max(now_s, st.switch_done_s if st.switch_done_s is not None else now_s + self.pause_s)
 
@@ -300,7 +303,7 @@ class ImbalancePolicy:
         """Local DECODE devices first; then, while the node's most loaded one still exceeds the least
         loaded peer past the threshold, towards peers (an idle peer counts with its fixed step)."""
         def local_pool() -> list[_Dev]:
-            return [dv for dv in devs if dv.st.role is Role.DECODE and dv.n > 0]
+            return [dv for dv in devs if dv.st.role in _DECODING and dv.n > 0]
 
         while len(out) < self.config.max_moves:
             pool = local_pool()

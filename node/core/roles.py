@@ -120,9 +120,13 @@ EPS = 1e-9  # s; float slack in time comparisons
 
 
 class Role(enum.Enum):
+    """A device's role. ``MIXED`` (the adaptive policy, :mod:`node.core.adaptive`) runs the resident
+    decode batch plus prompt chunks in the decode configuration; the two-role policy never uses it."""
+
     PREFILL = "prefill"
     DECODE = "decode"
     SWITCHING = "switching"
+    MIXED = "mixed"
 
 
 class WaitingPrompt(msgspec.Struct, frozen=True):
@@ -213,7 +217,9 @@ class SwitchRole(msgspec.Struct, frozen=True, tag="switch"):
     """Start a switch of ``device_id`` to ``to_role`` (it pauses, then takes the role).
 
     ``window_s``/``window_tokens``: planned prefill window (s, prompt tokens); 0 for DECODE.
-    ``reason``: queue | recompute | ttft | idle | park | drained | window | blocked.
+    ``reason``: queue | recompute | ttft | idle | park | drained | window | blocked; the adaptive policy
+    (:mod:`node.core.adaptive`) adds cheaper | no_chunk_fits (to PREFILL), chunks_fit (to MIXED),
+    nothing_waits | no_headroom (to DECODE from MIXED).
     """
 
     device_id: str
@@ -294,7 +300,9 @@ class _Dev:
         self.idx = idx
         self.holder = bool(st.resident)
         self.target = st.role is Role.PREFILL or (st.role is Role.SWITCHING and st.switching_to is Role.PREFILL)
-        self.decodeish = st.role is Role.DECODE or (st.role is Role.SWITCHING and st.switching_to is Role.DECODE)
+        # the decode configuration: DECODE, or MIXED (decode plus prompt chunks, the adaptive policy)
+        self.decodeish = st.role in (Role.DECODE, Role.MIXED) or (st.role is Role.SWITCHING
+                                                                  and st.switching_to in (Role.DECODE, Role.MIXED))
         self.t0 = 0.0
         self.ws = 0.0
         self.q = st.prefill_queue_tokens
@@ -371,6 +379,23 @@ class RoleScheduler:
     # --- the decision ---------------------------------------------------------------------------
     def decide(self, now_s: float, snapshot: NodeSnapshot) -> list[Decision]:
         """Decisions for this instant: rejections, placements, role switches (apply in order)."""
+        devs = self._prepare(now_s, snapshot)
+        out: list[Decision] = []
+        remaining = self._reject(snapshot, devs, out)
+        remaining = self._place(now_s, remaining, [dv for dv in devs if dv.target], out)
+        self._end_windows(devs, out)
+        order = sorted((dv for dv in devs if dv.st.role is Role.DECODE),
+                       key=lambda dv: (dv.holder, -self._afford_s(dv, now_s), dv.idx))
+        for dv in order:
+            if not remaining and dv.holder and not self._own_work(dv):
+                continue
+            remaining = self._maybe_switch(now_s, dv, devs, remaining, out)
+        return out
+
+    # --- the decision's parts (the adaptive policy, node.core.adaptive, reuses them) ----------------
+    def _prepare(self, now_s: float, snapshot: NodeSnapshot) -> list[_Dev]:
+        """Per-device working state; a prefill-role device's window start ``ws``, work start ``t0`` and
+        its per-window bounds (policy state dropped for devices that left PREFILL)."""
         devs = [_Dev(st, i) for i, st in enumerate(snapshot.devices)]
         for dv in devs:
             if not dv.target or (not dv.holder and dv.q == 0):
@@ -387,29 +412,30 @@ class RoleScheduler:
             dv.forced_until = self._forced_until.get(st.device_id, -INF)
             dv.end_by = self._end_by.get(st.device_id, INF)
             dv.res = _Residents(st, dv.ws, self.T)
-        out: list[Decision] = []
-        waiting = sorted(snapshot.waiting, key=lambda w: (w.arrival_s, w.request_id))
+        return devs
+
+    @staticmethod
+    def _reject(snapshot: NodeSnapshot, devs: list[_Dev], out: list[Decision]) -> list[WaitingPrompt]:
+        """Reject prompts no empty device could hold; the others in (arrival, request id) order."""
         remaining: list[WaitingPrompt] = []
-        for w in waiting:
+        for w in sorted(snapshot.waiting, key=lambda w: (w.arrival_s, w.request_id)):
             if not any(blocks_for(w.prompt_tokens + 1, dv.st.block_size) <= dv.st.kv_total_blocks for dv in devs):
                 out.append(Reject(w.request_id, "prompt does not fit the KV memory of any device"))
             else:
                 remaining.append(w)
-        remaining = self._place(now_s, remaining, [dv for dv in devs if dv.target], out)
-        for dv in devs:  # end drained windows, and windows whose queued work waits on the residents' KV
-            if dv.st.role is Role.PREFILL and dv.holder and dv.placed == 0 and (dv.q == 0 or self._blocked(dv)):
+        return remaining
+
+    def _end_windows(self, devs: list[_Dev], out: list[Decision], idle_too: bool = False) -> None:
+        """End drained windows, and windows whose queued work waits on the residents' KV (devices
+        holding sequences; with ``idle_too`` also an idle one whose queue is empty)."""
+        for dv in devs:
+            if (dv.st.role is Role.PREFILL and (dv.holder or (idle_too and dv.q == 0)) and dv.placed == 0
+                    and (dv.q == 0 or self._blocked(dv))):
                 reason = "blocked" if dv.q else "window" if self._limit_s(dv) <= 0 else "drained"
                 out.append(SwitchRole(dv.st.device_id, Role.DECODE, reason))
                 dv.target, dv.decodeish = False, True
                 self._forced_until.pop(dv.st.device_id, None)
                 self._end_by.pop(dv.st.device_id, None)
-        order = sorted((dv for dv in devs if dv.st.role is Role.DECODE),
-                       key=lambda dv: (dv.holder, -self._afford_s(dv, now_s), dv.idx))
-        for dv in order:
-            if not remaining and dv.holder and not self._own_work(dv):
-                continue
-            remaining = self._maybe_switch(now_s, dv, devs, remaining, out)
-        return out
 
     # --- helpers --------------------------------------------------------------------------------
     def _afford_s(self, dv: _Dev, now_s: float) -> float:

@@ -112,6 +112,7 @@ class DeviceEngine(KVMoves):
         self._kv_bytes_per_token = 0
         self._rng = random.Random(0)  # seeds of composite steps (StepMsg.rng_seed)
         self.kv_scatter_bytes = 0  # KV written into other devices' pools by prefill instances (role_layouts)
+        self.chunk_tokens = 0  # adaptive mode: prompt tokens a MIXED step may take (the policy's chunk budget)
 
     def configure_roles(self, configs: dict[Role, RoleConfig], base: BatchConfig, kv_bytes_per_token: int,
                         seed: int = 0) -> None:
@@ -378,7 +379,8 @@ class DeviceEngine(KVMoves):
             await self._run_jobs()
             return
         kind = StepKind.MIXED if self.role is None else self.role.step_kind
-        plan = self.batcher.schedule(kind) if kind is not None and self.batcher.has_work(kind) else None
+        chunk = self.chunk_tokens if self.role is not None and kind is StepKind.MIXED else None  # adaptive's MIXED role
+        plan = self.batcher.schedule(kind, chunk) if kind is not None and self.batcher.has_work(kind) else None
         if plan:
             await self._send(plan)
         if self._inflight and (not plan or len(self._inflight) > 1):
@@ -543,6 +545,29 @@ class DeviceEngine(KVMoves):
             if not fut.done():
                 fut.set_exception(RuntimeError(f"device {self.device_id} is down: {self.failure}"))
         self._notify(self.down_listeners)
+
+    def set_chunk_budget(self, tokens: int) -> None:
+        """Prompt tokens each MIXED step may take from now on (the adaptive policy's online budget)."""
+        if tokens != self.chunk_tokens:
+            self.chunk_tokens = tokens
+            self.wake()
+
+    def switch_free(self, to_role: Role, reason: str) -> SwitchRecord:
+        """Switch between DECODE and MIXED (one configuration) at once, between steps: no drain, no
+        pause (:meth:`DeviceRole.switch_free <node.runtime.switching.DeviceRole.switch_free>`); the next
+        step planned is of the new kind. Logged and reported like any switch.
+
+        Raises:
+            ValueError: not a switch between DECODE and MIXED.
+        """
+        assert self.role is not None, "role switches exist in adaptive and time-shared modes only"
+        record = self.role.switch_free(to_role, self.clock(), reason)
+        if to_role in self._role_batch:
+            self.batcher.config = self._role_batch[to_role]
+        log.info("role_switch", **record.as_dict())
+        self._notify(self.switch_listeners, record)
+        self.wake()
+        return record
 
     async def switch_role(self, to_role: Role, reason: str) -> SwitchRecord:
         """Drain the step in flight, reconfigure for ``to_role`` and pay the pause; then take the role."""

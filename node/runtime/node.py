@@ -26,6 +26,7 @@ from node.core.batcher import BatchConfig, Batcher
 from node.core.ledger import BlockLedger
 from node.core.sequence import SamplingParams
 from node.core.cost import CostModel
+from node.core.adaptive import AdaptiveScheduler
 from node.core.roles import Role, RoleScheduler, RoleSchedulerConfig
 from node.core.pooled import PooledRouter
 from node.runtime.engine import DeviceEngine
@@ -131,7 +132,7 @@ class Node:
             self.peers = PeerLinks(self, layout) if config.peers or config.mode != "colocated" else None
             self.receiver = KVReceiver(self, layout) if config.kv_port is not None else None
         timed = benchmark_cost_path(config.benchmark_model) is not None
-        if config.mode == "time-shared":
+        if config.role_policy:
             policy = RoleSchedulerConfig(
                 ttft_slo_ms=config.ttft_slo_ms, tpot_slo_ms=config.tpot_slo_ms, reconfig_pause_ms=config.reconfig_pause_ms,
                 min_window_ms=config.min_window_ms, max_window_ms=config.max_window_ms,
@@ -143,12 +144,14 @@ class Node:
                 start = load_step_cost(config.policy_cost_model)
                 cost = msgspec.structs.replace(start, pause_s=start.pause_s + config.reconfig_pause_ms / 1e3)
             # timed devices take their cost model's time by construction: the policy plans with it unrefitted
-            self.driver = RoleDriver(self, RoleScheduler(policy, cost), time.monotonic, refit=not timed)
+            scheduler = (AdaptiveScheduler(policy, cost, max_step_tokens=config.max_num_batched_tokens)
+                         if config.mode == "adaptive" else RoleScheduler(policy, cost))
+            self.driver = RoleDriver(self, scheduler, time.monotonic, refit=not timed)
         elif config.mode == "pooled":
             self.driver = PooledDriver(self, PooledRouter(config.max_unsent), config.prefill_group_ids(),
                                        config.decode_group_ids(), time.monotonic)
         elif config.mode != "colocated":
-            raise StartupError(f"unknown mode {config.mode!r} (time-shared, colocated, pooled)")
+            raise StartupError(f"unknown mode {config.mode!r} (adaptive, time-shared, colocated, pooled)")
         block_layer_bytes = None  # timed devices' transfers are paced and counted at the geometry's KV size
         if timed:
             block_layer_bytes = info.cfg.kv_bytes_per_token(info.dtype) // info.cfg.num_layers * config.block_size
@@ -204,7 +207,7 @@ class Node:
         for h in prelaunched.values():  # forked for devices this config does not use (not expected)
             h.stop()
         engines = []
-        roles = {Role(name): rc for name, rc in config.role_configs().items()} if config.mode == "time-shared" else {}
+        roles = {Role(name): rc for name, rc in config.role_configs().items()} if config.role_policy else {}
         prefillers = config.prefill_group_ids()
         for device_id, runner in zip(ids, handles):
             ledger = BlockLedger(runner.num_blocks, config.block_size, prefix_caching=config.prefix_caching)
@@ -215,6 +218,8 @@ class Node:
             role = None
             if config.mode == "time-shared":  # devices start parked in PREFILL (nothing resident yet)
                 role = DeviceRole(device_id, Role.PREFILL, time.monotonic(), config.reconfig_pause_ms / 1e3)
+            elif config.mode == "adaptive":  # in the decode configuration, where a prompt costs no pause
+                role = DeviceRole(device_id, Role.DECODE, time.monotonic(), config.reconfig_pause_ms / 1e3)
             elif config.mode == "pooled" and device_id in prefillers:  # prompt-only steps, always
                 role = DeviceRole(device_id, Role.PREFILL, time.monotonic(), 0.0)
             # Pooled decode devices get no role: they decode, and recompute a sequence that an
@@ -281,8 +286,9 @@ class Node:
         Raises:
             ValueError: the node has no peers or is not in time-shared mode.
         """
-        if self.peers is None or not self.peers.peers or self.config.mode != "time-shared":
-            raise ValueError("drain needs time-shared mode and --peers to move the sequences to")
+        if self.peers is None or not self.peers.peers or not self.config.role_policy:
+            raise ValueError("drain needs time-shared mode and --peers to move the sequences to (adaptive mode is "
+                             "time-shared too)")
         if not self.draining:
             log.info("node_draining", peers=[p.addr for p in self.peers.peers.values()])
         self.draining = True
@@ -524,6 +530,8 @@ class Node:
                     "pause_total_ms": round(r.pause_total_s * 1e3, 3),
                     "switches": [x.as_dict() for x in recent(r.records)],
                 }
+                if self.config.mode == "adaptive":  # prompt tokens each MIXED step may take now
+                    d["chunk_budget"] = e.chunk_tokens
             devices.append(d)
         return {
             "model": self.config.model_name,

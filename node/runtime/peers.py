@@ -302,11 +302,11 @@ class KVReceiver:
 
     def _decode_engines(self) -> list[DeviceEngine]:
         """Devices that may decode a sequence from a peer: pooled mode's decode devices; in time-shared
-        mode every device, those in the decode role first."""
+        and adaptive modes every device, those in the decode configuration (DECODE, MIXED) first."""
         cfg = self.node.config
         if cfg.mode == "pooled":
             return [self.node.engine(d) for d in cfg.decode_group_ids()]
-        return sorted(self.node.engines, key=lambda e: e.role is None or e.role.role is not Role.DECODE)
+        return sorted(self.node.engines, key=lambda e: e.role is None or e.role.role not in (Role.DECODE, Role.MIXED))
 
     def _room(self, e: DeviceEngine) -> tuple[int, int]:
         """(free blocks after this node's own reservations, free sequence slots) of a device."""

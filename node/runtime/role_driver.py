@@ -1,9 +1,11 @@
-"""The shell around the pure role scheduler in time-shared mode.
+"""The shell around the pure role scheduler in adaptive and time-shared modes.
 
 It keeps the prompts not yet placed, turns the node's live state into a :class:`NodeSnapshot`, asks
 :meth:`RoleScheduler.decide` what to do, and carries the decisions out: role switches (as tasks on the
-event loop) and placements (handing a request to a device's engine). It runs on every arrival, step
-end and switch end, and on a short timer while work exists (urgency grows with age alone).
+event loop; a switch between DECODE and MIXED, one configuration, at once), chunk budgets (adaptive
+mode: what each MIXED step may take) and placements (handing a request to a device's engine). It runs
+on every arrival, step end and switch end, and on a short timer while work exists (urgency grows with
+age alone).
 
 With ``--imbalance-threshold`` above 0 each round first asks the fallback policy
 (:class:`ImbalancePolicy`) which decoding sequences to move to another device and starts those moves
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING, Callable
 import msgspec
 import structlog
 
+from node.core.adaptive import ChunkBudget
 from node.core.batcher import StepKind, StepPlan
 from node.core.cost import CostModel, fit_cost_model
 from node.core.imbalance import ImbalanceConfig, ImbalancePolicy, Migrate
@@ -34,7 +37,7 @@ from node.core.roles import (DeviceState, NodeSnapshot, Place, Reject, ResidentS
 from node.runtime.driver import SAMPLES, Driver
 from node.runtime.engine import DeviceEngine
 from node.runtime.peers import is_peer
-from node.runtime.switching import SwitchAbandoned, SwitchRecord
+from node.runtime.switching import FREE, SwitchAbandoned, SwitchRecord
 
 if TYPE_CHECKING:
     from node.runtime.node import Node
@@ -97,8 +100,14 @@ class RoleDriver(Driver):
         decisions = self.scheduler.decide(now, snap)
         by_id = {r.request_id: r for r in self.pending}
         for d in decisions:
-            if isinstance(d, SwitchRole):
-                if d.device_id not in self._switching:
+            if isinstance(d, ChunkBudget):
+                self.node.engine(d.device_id).set_chunk_budget(d.tokens)
+            elif isinstance(d, SwitchRole):
+                e = self.node.engine(d.device_id)
+                if d.device_id not in self._switching and e.role.role in FREE and d.to_role in FREE:
+                    if e.role.role is not d.to_role:  # DECODE <-> MIXED: one configuration, at once
+                        e.switch_free(d.to_role, d.reason)
+                elif d.device_id not in self._switching:
                     self._switching.add(d.device_id)
                     task = asyncio.get_running_loop().create_task(self._switch(d))
                     self._switch_tasks.add(task)  # kept: a bare task may be collected mid-switch
@@ -253,6 +262,18 @@ class RoleDriver(Driver):
                 self.node.metrics.decode_stall.labels(device=engine.device_id, cause="prefill_window").inc(resident * seconds)
         elif plan.kind is StepKind.DECODE:
             self._decode.append((len(plan.items), sum(it.seq.num_computed for it in plan.items), seconds))
+        elif plan.kind is StepKind.MIXED and engine.role is not None:  # adaptive: decode plus prompt chunks
+            decodes = [it for it in plan.items if it.num_tokens == 1 and it.seq.num_output > 0]
+            prompt = plan.num_tokens - len(decodes)
+            ctx = sum(it.seq.num_computed for it in decodes)
+            if not prompt:
+                self._decode.append((len(decodes), ctx, seconds))
+            else:  # the chunk's share: the step less the decode part's variable cost (CostModel.mixed_step_s)
+                cost = self.scheduler.cost
+                share = seconds - (cost.decode_step_s(len(decodes), ctx) - getattr(cost, "decode_fixed_s", 0.0)
+                                   if decodes else 0.0)
+                if share > 0:
+                    self._prefill.append((prompt, share))
         self._steps += 1
         if self.refits and self._steps % REFIT_EVERY == 0:
             self.refit()
@@ -266,7 +287,8 @@ class RoleDriver(Driver):
         resident = sum(1 for s in engine.batcher.running if s.is_decoding)
         if resident:
             m.decode_stall.labels(device=engine.device_id, cause="role_switch").inc(resident * (rec.end_s - rec.start_s))
-        self._pauses.append(rec.pause_ms / 1e3)
+        if not (rec.from_role in ("decode", "mixed") and rec.to_role in ("decode", "mixed")):
+            self._pauses.append(rec.pause_ms / 1e3)  # a free switch (DECODE <-> MIXED) is no pause sample
 
     def refit(self) -> None:
         """Refit the policy's cost model from the recent measured steps (keeps parts with few samples).

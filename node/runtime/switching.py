@@ -16,7 +16,9 @@ from dataclasses import asdict, dataclass
 from node.core.batcher import StepKind
 from node.core.roles import Role
 
-_KIND = {Role.PREFILL: StepKind.PREFILL, Role.DECODE: StepKind.DECODE, Role.SWITCHING: None}
+_KIND = {Role.PREFILL: StepKind.PREFILL, Role.DECODE: StepKind.DECODE, Role.MIXED: StepKind.MIXED,
+         Role.SWITCHING: None}
+FREE = frozenset({Role.DECODE, Role.MIXED})  # one execution configuration: a switch between them costs nothing
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,22 @@ class DeviceRole:
         prev = self.role
         self.role, self.switching_to, self.switch_started_s = Role.SWITCHING, to_role, now_s
         return prev
+
+    def switch_free(self, to_role: Role, now_s: float, reason: str) -> SwitchRecord:
+        """Take ``to_role`` at once, between roles of the same configuration (DECODE and MIXED: :data:`FREE`):
+        no drain, no swap, no pause. Recorded like any switch (zero durations), but ``since_s`` keeps the
+        start of the decode configuration, which the policy's dwell counts from.
+
+        Raises:
+            ValueError: the device is switching, or the roles are not both in :data:`FREE`.
+        """
+        if self.role not in FREE or to_role not in FREE:
+            raise ValueError(f"{self.device_id}: {self.role.value} -> {to_role.value} is not a free switch")
+        record = SwitchRecord(self.device_id, now_s, now_s, self.role.value, to_role.value, 0.0, 0.0, 0.0, reason)
+        self.role = to_role
+        self.records.append(record)
+        self.count += 1
+        return record
 
     def finish(self, record: SwitchRecord) -> None:
         self.role = self.switching_to or self.role

@@ -78,7 +78,7 @@ class TPEngineGroup:
         self.device_id = group_id(devices)
         self.degree = len(devices)
         # a time-shared group: decode at the group's degree, prefill as instances of --prefill-tp
-        self.prefill_degree = config.prefill_tp if config.mode == "time-shared" else 0
+        self.prefill_degree = config.prefill_tp if config.role_policy else 0
         self.instances = self.degree // self.prefill_degree if self.prefill_degree else 1
         self.active_role: str | None = None  # the layout the ranks run (time-shared groups)
         self._dir = tempfile.mkdtemp(prefix="shiftnode-tp-")

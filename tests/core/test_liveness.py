@@ -1,5 +1,6 @@
-"""Liveness of time-shared mode: the role scheduler over the live Batcher and BlockLedger always makes
-progress, whatever the load, down to KV pools that hold a single sequence.
+"""Liveness of time-shared and adaptive modes: the role scheduler (two-role, and the adaptive policy
+with its MIXED role) over the live Batcher and BlockLedger always makes progress, whatever the load,
+down to KV pools that hold a single sequence.
 
 A small discrete-event loop on a virtual clock plays the shell (the node's RoleDriver and engines):
 it builds the policy's snapshot from the batchers, applies its decisions, and runs each device's
@@ -15,6 +16,7 @@ import random
 
 import pytest
 
+from node.core.adaptive import AdaptiveScheduler, ChunkBudget
 from node.core.batcher import BatchConfig, Batcher, StepKind, StepPlan
 from node.core.cost import CostModel
 from node.core.ledger import BlockLedger
@@ -25,13 +27,15 @@ from node.core.sequence import SamplingParams, Sequence
 MAX_IDLE_ROUNDS = 40  # decision rounds without a step or switch starting, while work exists
 TICK_S = 0.005  # the shell re-decides at least this often (node.runtime.driver.TICK_S)
 PREFILL_PER_TOKEN_S, DECODE_STEP_S = 2e-5, 1e-3
+_KIND = {Role.PREFILL: StepKind.PREFILL, Role.DECODE: StepKind.DECODE, Role.MIXED: StepKind.MIXED}
 
 
 class _Dev:
-    def __init__(self, device_id: str, blocks: int, block_size: int, max_seqs: int, budget: int):
+    def __init__(self, device_id: str, blocks: int, block_size: int, max_seqs: int, budget: int, role: Role):
         self.id = device_id
         self.batcher = Batcher(BlockLedger(blocks, block_size), BatchConfig(max_num_seqs=max_seqs, max_batched_tokens=budget))
-        self.role, self.since_s = Role.PREFILL, 0.0
+        self.role, self.since_s = role, 0.0
+        self.chunk = 0  # the adaptive policy's chunk budget for MIXED steps
         self.to_role: Role | None = None
         self.switch_start_s = 0.0
         self.switch_done_s: float | None = None
@@ -44,20 +48,24 @@ class _Shell:
     """The node's role of applying decisions and running steps, on a virtual clock."""
 
     def __init__(self, rng: random.Random, n_devices: int, blocks: int, block_size: int, max_seqs: int,
-                 budget: int, pause_ms: float, stagger: str, max_len: int):
-        self.devs = [_Dev(f"d{i}", blocks, block_size, max_seqs, budget) for i in range(n_devices)]
+                 budget: int, pause_ms: float, stagger: str, max_len: int, adaptive: bool = False):
+        first = Role.DECODE if adaptive else Role.PREFILL  # as the node starts its devices
+        self.devs = [_Dev(f"d{i}", blocks, block_size, max_seqs, budget, first) for i in range(n_devices)]
         self.pause_s = pause_ms / 1e3
         cost = CostModel(prefill_fixed_s=0.0, prefill_per_token_s=PREFILL_PER_TOKEN_S, decode_fixed_s=DECODE_STEP_S,
                          decode_per_seq_s=0.0, pause_s=self.pause_s)
-        self.policy = RoleScheduler(RoleSchedulerConfig(
+        config = RoleSchedulerConfig(
             ttft_slo_ms=rng.choice([50, 500, 5000]), tpot_slo_ms=rng.choice([5, 50, 200]), reconfig_pause_ms=pause_ms,
             min_window_ms=rng.choice([1, 20]), max_window_ms=rng.choice([20, 200]), prefill_token_budget=budget,
-            stagger=stagger), cost)
+            stagger=stagger)
+        self.policy = (AdaptiveScheduler(config, cost, max_step_tokens=budget) if adaptive
+                       else RoleScheduler(config, cost))
         self.max_len = max_len
         self.now = 0.0
         self.pending: list[tuple[Sequence, int]] = []  # (sequence, expected output told to the policy)
         self.finished: list[Sequence] = []
         self.progress = False
+        self.roles_seen: set[Role] = set()  # roles some step ran in
 
     # --- the policy's view ------------------------------------------------------------------------
     def snapshot(self) -> NodeSnapshot:
@@ -83,9 +91,14 @@ class _Shell:
     def apply(self, decisions) -> None:
         by_id = {s.seq_id: (s, exp) for s, exp in self.pending}
         for dec in decisions:
-            if isinstance(dec, SwitchRole):
+            if isinstance(dec, ChunkBudget):
+                next(x for x in self.devs if x.id == dec.device_id).chunk = dec.tokens
+            elif isinstance(dec, SwitchRole):
                 d = next(x for x in self.devs if x.id == dec.device_id)
                 if d.role is Role.SWITCHING or d.role is dec.to_role:
+                    continue
+                if {d.role, dec.to_role} <= {Role.DECODE, Role.MIXED}:  # the same configuration: free, at once
+                    d.role = dec.to_role
                     continue
                 d.role, d.to_role, d.switch_start_s = Role.SWITCHING, dec.to_role, self.now
                 d.switch_done_s = max(self.now, d.busy_until_s if d.plan else self.now) + self.pause_s
@@ -108,14 +121,16 @@ class _Shell:
                 self._finish_step(d)
             if d.role is Role.SWITCHING and d.plan is None and d.switch_done_s <= self.now + 1e-12:
                 d.role, d.since_s, d.to_role, d.switch_done_s = d.to_role, self.now, None, None
-            if d.plan is None and d.role in (Role.PREFILL, Role.DECODE):
-                kind = StepKind.PREFILL if d.role is Role.PREFILL else StepKind.DECODE
+            if d.plan is None and d.role in _KIND:
+                kind = _KIND[d.role]
                 if d.batcher.has_work(kind):
-                    plan = d.batcher.schedule(kind)
+                    plan = d.batcher.schedule(kind, d.chunk if kind is StepKind.MIXED else None)
                     if plan:
                         d.plan = plan
-                        d.busy_until_s = self.now + (DECODE_STEP_S if kind is StepKind.DECODE
-                                                     else plan.num_tokens * PREFILL_PER_TOKEN_S)
+                        self.roles_seen.add(d.role)
+                        decodes = sum(1 for it in plan.items if it.seq.is_decoding)
+                        d.busy_until_s = self.now + (DECODE_STEP_S if decodes else 0.0) + \
+                            (plan.num_tokens - decodes) * PREFILL_PER_TOKEN_S
                         self.progress = True
 
     def _finish_step(self, d: _Dev) -> None:
@@ -158,14 +173,15 @@ def _workload(rng: random.Random, n: int, max_len: int) -> list[tuple[float, Seq
     return out
 
 
-def run_case(seed: int) -> _Shell:
+def run_case(seed: int, adaptive: bool = False) -> _Shell:
     rng = random.Random(seed)
     block_size = rng.choice([4, 8, 16])
     max_len = rng.choice([16, 32, 64, 128])
     one_seq = -(-max_len // block_size)
     blocks = rng.choice([one_seq, one_seq + 1, 2 * one_seq, 4 * one_seq])
     shell = _Shell(rng, rng.choice([1, 1, 2, 3]), blocks, block_size, rng.choice([1, 2, 4, 16]),
-                   rng.choice([8, 32, 256]), rng.choice([0.0, 2.0, 20.0]), rng.choice(["hard", "soft", "off"]), max_len)
+                   rng.choice([8, 32, 256]), rng.choice([0.0, 2.0, 20.0]), rng.choice(["hard", "soft", "off"]), max_len,
+                   adaptive)
     arrivals = _workload(rng, rng.randint(1, 24), max_len)
     total = len(arrivals)
     idle_rounds = 0
@@ -179,11 +195,11 @@ def run_case(seed: int) -> _Shell:
         shell.advance()
         if shell.has_work():
             idle_rounds = 0 if shell.progress or any(d.plan or d.role is Role.SWITCHING for d in shell.devs) else idle_rounds + 1
-            assert idle_rounds <= MAX_IDLE_ROUNDS, f"seed {seed}: no progress at t={shell.now:.3f}: {shell.snapshot()}"
+            assert idle_rounds <= MAX_IDLE_ROUNDS, f"seed {seed} (adaptive {adaptive}): no progress at t={shell.now:.3f}: {shell.snapshot()}"
         elif not arrivals:
             break
         shell.now = shell.next_time(arrivals)
-    assert len(shell.finished) == total, f"seed {seed}: {len(shell.finished)}/{total} finished by t={shell.now:.2f}"
+    assert len(shell.finished) == total, f"seed {seed} (adaptive {adaptive}): {len(shell.finished)}/{total} finished by t={shell.now:.2f}"
     for d in shell.devs:
         d.batcher.ledger.check()
         assert d.batcher.ledger.num_free == d.batcher.ledger.num_blocks, f"seed {seed}: {d.id} leaked blocks"
@@ -194,6 +210,23 @@ def run_case(seed: int) -> _Shell:
 def test_every_workload_finishes_with_progress_at_every_round(chunk):
     for seed in range(chunk * 40, (chunk + 1) * 40):
         run_case(seed)
+
+
+@pytest.mark.parametrize("chunk", range(4))
+def test_adaptive_every_workload_finishes_with_progress_at_every_round(chunk):
+    """The same random workloads under the adaptive policy (DECODE, MIXED with its online chunk
+    budget, PREFILL windows)."""
+    for seed in range(chunk * 40, (chunk + 1) * 40):
+        run_case(seed, adaptive=True)
+
+
+def test_adaptive_cases_use_every_role():
+    """The adaptive cases do exercise MIXED steps and PREFILL windows, not only one of them."""
+    kinds = set()
+    for seed in range(40):
+        shell = run_case(seed, adaptive=True)
+        kinds |= shell.roles_seen
+    assert {Role.MIXED, Role.PREFILL, Role.DECODE} <= kinds
 
 
 def test_preemption_under_kv_pressure_is_exercised():

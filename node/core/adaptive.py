@@ -1,0 +1,219 @@
+"""The adaptive role policy: per device DECODE, MIXED (decode plus prompt chunks) or a PREFILL window,
+chosen from the queue, the residents' TPOT headroom and the cost model (pure; the default of
+``shiftnode serve``, ``--mode adaptive``).
+
+A device is in the *decode configuration* (DECODE or MIXED: the same execution configuration, so a
+switch between them is free and takes effect at once) or in a PREFILL window (its own configuration:
+the prefill degree, the prefill token budget, no decode graphs), reached and left through a measured
+pause as in the two-role policy (:mod:`node.core.roles`, whose symbols, windows, placement and liveness
+rules this policy reuses). The formulas are in :mod:`node.core.chunk_budget`: the step limit ``L``, the
+chunk budget ``c``, and the device time of a queue as chunks (``E_chunks``) or as a window
+(``E_window``).
+
+Each decision round, for every device in the decode configuration (switch reasons in quotes):
+
+* **PREFILL window** when its queue (its own queued prompt work plus the waiting prompts that fit its
+  KV, up to ``Wmax`` of prefill) is cheaper as a window than as chunks, ``E_window < E_chunks``, and the
+  residents' deadlines afford the window (the two-role policy's window budget, dwell and stagger
+  rules) — "cheaper" (a burst or a long prompt: the prefill configuration is faster per token, or
+  ``c = 0``); or when the oldest of that work is *at risk* — as chunks its TTFT would reach
+  ``ttft_urgency`` of the SLO and a window would serve it sooner — and a window may open (affordable,
+  or the two-role policy's *forced* window for an urgent prompt) — "ttft".
+* Otherwise prompts are placed on decode-configuration devices whose chunk budget is positive (FIFO;
+  where they fit KV and sequence slots, least ``finish + expected decode`` first, as the two-role
+  placement; a device takes more only while its queue's chunked prefill ends within the TTFT target),
+  and the device runs **MIXED** with chunk budget ``c`` when it has queued prompt work and ``c > 0`` —
+  "chunks_fit" — else **DECODE**: "nothing_waits" (no queued prompt work) or "no_headroom" (``c = 0``:
+  even one prompt token would stretch the step past ``L``, e.g. a mixed step that runs eagerly where
+  decode replays graphs).
+
+A window ends as in the two-role policy (queue drained, budget spent, or blocked on KV), and an idle
+window (no resident, nothing queued) also ends ("drained"): an empty device waits in the decode
+configuration, where a prompt costs no pause. A :class:`ChunkBudget` decision accompanies every device
+in (or entering) MIXED each round.
+
+**Liveness.** A MIXED step runs every resident's decode token and at most ``c`` prompt tokens, so
+residents progress exactly as in DECODE. Where ``c = 0`` (one token's step exceeds ``L``) the queue's
+head becomes urgent with age and the two-role policy's forced window takes it (or, cheaper, a window
+of its own: ``E_chunks`` is infinite). Queued prompt work on a device is therefore computed (chunks,
+a window, or a forced window), and outputs are bounded, so every sequence ends. The property test in
+``tests/core/test_liveness.py`` drives this policy as it drives the two-role one.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from node.core.chunk_budget import chunk_budget, chunks_extra_s, chunks_s, step_limit_s, window_extra_s
+from node.core.cost import CostModel
+from node.core.roles import (EPS, DECODE_LOAD_WEIGHT, Decision, NodeSnapshot, Place, Role, RoleScheduler,
+                             RoleSchedulerConfig, SwitchRole, WaitingPrompt, _Dev)
+from node.core.roofline import RooflineCost
+
+__all__ = ["AdaptiveScheduler", "ChunkBudget", "AdaptiveDecision"]
+
+
+class ChunkBudget(msgspec.Struct, frozen=True, tag="chunk"):
+    """Run ``device_id``'s MIXED steps with at most ``tokens`` prompt tokens each (the online chunk
+    budget); ``step_limit_s``: the step-time limit ``L`` it came from (s; inf: no resident)."""
+
+    device_id: str
+    tokens: int
+    step_limit_s: float
+
+
+AdaptiveDecision = Decision | ChunkBudget
+
+
+class _Mix:
+    """A decode-configuration device's chunk budget for this round."""
+
+    __slots__ = ("chunk", "limit_s", "t0", "s", "k")
+
+    def __init__(self, chunk: int, limit_s: float, t0: float, s: int, k: int):
+        self.chunk, self.limit_s, self.t0, self.s, self.k = chunk, limit_s, t0, s, k
+
+
+class AdaptiveScheduler(RoleScheduler):
+    """The adaptive policy (module docstring). ``max_step_tokens``: ``--max-num-batched-tokens``, the
+    upper bound of a MIXED step's tokens (decode tokens included).
+
+    Raises:
+        ValueError: ``max_step_tokens < 1``, or a config the two-role policy refuses.
+    """
+
+    def __init__(self, config: RoleSchedulerConfig, cost: CostModel | RooflineCost, *, max_step_tokens: int = 2048):
+        super().__init__(config, cost)
+        if max_step_tokens < 1:
+            raise ValueError("max_step_tokens must be >= 1")
+        self.max_step_tokens = max_step_tokens
+
+    # --- the formulas, on a device ---------------------------------------------------------------
+    def _mix(self, dv: _Dev, now_s: float) -> _Mix:
+        st = dv.st
+        s = len(st.resident)
+        k = sum(r.context_tokens for r in st.resident)
+        t0 = max(now_s, st.busy_until_s)
+        d = self.cost.decode_step_s(s, k)
+        limit = step_limit_s(s, d, self.T)
+        cap = max(0, self.max_step_tokens - s)
+        return _Mix(chunk_budget(lambda c: self.cost.mixed_step_s(c, s, k), limit, cap), limit, t0, s, k)
+
+    def chunk_budget_of(self, st, now_s: float) -> tuple[int, float]:
+        """``(c, L)`` of a device state (:mod:`node.core.chunk_budget`): its chunk budget (prompt tokens)
+        and step limit (s)."""
+        m = self._mix(_Dev(st, 0), now_s)
+        return m.chunk, m.limit_s
+
+    def _m(self, mix: _Mix):
+        return lambda c: self.cost.mixed_step_s(c, mix.s, mix.k)
+
+    # --- the decision ----------------------------------------------------------------------------
+    def decide(self, now_s: float, snapshot: NodeSnapshot) -> list[AdaptiveDecision]:
+        """Decisions for this instant (apply in order): rejections, placements, role switches (free ones
+        between DECODE and MIXED), chunk budgets."""
+        devs = self._prepare(now_s, snapshot)
+        out: list[AdaptiveDecision] = []
+        remaining = self._reject(snapshot, devs, out)
+        remaining = self._place(now_s, remaining, [dv for dv in devs if dv.target], out)
+        self._end_windows(devs, out, idle_too=True)
+        dec = [dv for dv in devs if dv.st.role in (Role.DECODE, Role.MIXED)]
+        mixes = {dv.st.device_id: self._mix(dv, now_s) for dv in dec}
+        # windows first: a device whose work is cheaper (or only in time) as a window takes it
+        for dv in sorted(dec, key=lambda dv: (dv.holder, -self._afford_s(dv, now_s), dv.idx)):
+            if not (remaining or self._own_work(dv)):
+                continue
+            reason = self._window_reason(now_s, dv, mixes[dv.st.device_id], remaining)
+            if reason is None:
+                continue
+            n = len(out)
+            remaining = self._maybe_switch(now_s, dv, devs, remaining, out)
+            if len(out) > n and isinstance(out[n], SwitchRole):
+                out[n] = msgspec.structs.replace(out[n], reason=reason)
+                del mixes[dv.st.device_id]
+        mixing = [dv for dv in dec if dv.st.device_id in mixes]
+        places: list[Place] = []
+        remaining = self._place_mixed(now_s, remaining, mixing, mixes, places)
+        for dv in mixing:
+            mix = mixes[dv.st.device_id]
+            queued = dv.q > 0
+            want = Role.MIXED if queued and mix.chunk > 0 else Role.DECODE
+            if dv.st.role is not want:
+                reason = "chunks_fit" if want is Role.MIXED else ("no_headroom" if queued else "nothing_waits")
+                out.append(SwitchRole(dv.st.device_id, want, reason))
+            if want is Role.MIXED:
+                out.append(ChunkBudget(dv.st.device_id, mix.chunk, mix.limit_s))
+        return out + places
+
+    def _work_tokens(self, dv: _Dev, remaining: list[WaitingPrompt]) -> tuple[int, int, float | None]:
+        """The device's own queued tokens plus the waiting prompts that fit its KV (up to ``Wmax`` of
+        prefill); the tokens of its head (its own queue, else the first fitting prompt); the head's
+        arrival (s; None: no work)."""
+        tokens = head = dv.q
+        oldest = dv.st.prefill_queue_oldest_s if dv.q else None
+        kv, slots = dv.kv, dv.slots
+        for w in remaining:
+            if kv <= 0 or slots <= 0 or self.prefill_s(tokens) > self.wmax:
+                break
+            need = self._need_blocks(dv.st, w)
+            if 0 <= need <= kv and w.seqs <= slots:
+                kv, slots = kv - need, slots - w.seqs
+                tokens += w.new_tokens(dv.st.device_id)
+                if oldest is None:
+                    head, oldest = tokens, w.arrival_s
+        return tokens, head, oldest
+
+    def _window_reason(self, now_s: float, dv: _Dev, mix: _Mix, remaining: list[WaitingPrompt]) -> str | None:
+        """Why the device should take its work as a PREFILL window ("cheaper", "no_chunk_fits", "ttft"),
+        or None (see the module docstring)."""
+        tokens, head, oldest = self._work_tokens(dv, remaining)
+        if tokens <= 0:
+            return None
+        m = self._m(mix)
+        if window_extra_s(self.prefill_s(tokens), self.pause_s) + EPS < chunks_extra_s(m, tokens, mix.chunk):
+            return "cheaper" if mix.chunk > 0 else "no_chunk_fits"
+        wait = now_s - (oldest if oldest is not None else now_s) + max(0.0, mix.t0 - now_s)
+        as_chunks = wait + chunks_s(m, head, mix.chunk)
+        as_window = wait + self.pause_s + self.prefill_s(head)
+        if as_chunks >= self.config.ttft_urgency * self.config.ttft_slo_ms / 1e3 and as_window + EPS < as_chunks:
+            return "ttft"
+        return None
+
+    def _place_mixed(self, now_s: float, waiting: list[WaitingPrompt], devs: list[_Dev], mixes: dict[str, _Mix],
+                     out: list[Place]) -> list[WaitingPrompt]:
+        """Place prompts FIFO on decode-configuration devices with a positive chunk budget: where they
+        fit KV and slots and their chunked prefill ends within the TTFT target (one prompt at least on
+        an empty queue), least finish plus expected decode first; return those left waiting."""
+        left: list[WaitingPrompt] = []
+        target_s = self.config.ttft_urgency * self.config.ttft_slo_ms / 1e3
+        blocked = False
+        for w in waiting:
+            best: tuple[float, int, _Dev, int] | None = None
+            if not blocked:
+                for dv in devs:
+                    mix = mixes[dv.st.device_id]
+                    need = self._fits_kv(dv, w)
+                    if need < 0 or mix.chunk <= 0:
+                        continue
+                    new = w.new_tokens(dv.st.device_id)
+                    finish = mix.t0 + chunks_s(self._m(mix), dv.q + new, mix.chunk)
+                    if dv.q > 0 and finish - w.arrival_s > target_s + EPS:
+                        continue
+                    n = mix.s + dv.qn + w.seqs
+                    decode = self.cost.decode_step_s(n, mix.k + dv.q + w.prompt_tokens + n)
+                    cost = finish + DECODE_LOAD_WEIGHT * max(1, w.expected_output_tokens // max(1, w.seqs)) * decode
+                    if best is None or (cost, dv.idx) < best[:2]:
+                        best = (cost, dv.idx, dv, need)
+            if best is None:
+                left.append(w)
+                blocked = blocked or self.urgent(w, now_s)
+                continue
+            _, _, dv, need = best
+            out.append(Place(w.request_id, dv.st.device_id, need))
+            dv.q += w.new_tokens(dv.st.device_id)
+            dv.qn += 1
+            dv.kv -= need
+            dv.slots -= w.seqs
+            dv.placed += 1
+        return left
+
