@@ -17,7 +17,10 @@ import pytest
 from support import STORIES, NodeProcess, require_shared
 
 KEY = "dash-key"
-ARGS = ("--model", str(STORIES), "--devices", "cpu:0,cpu:1", "--reconfig-pause-ms", "10", "--api-key", KEY,
+# The two-role mode, whose PREFILL/DECODE bands and the pauses between them the test looks for; the
+# restarted node runs the default (adaptive) mode, whose MIXED bands it looks for then.
+ARGS = ("--model", str(STORIES), "--mode", "time-shared", "--devices", "cpu:0,cpu:1", "--reconfig-pause-ms", "10",
+        "--api-key", KEY,
         "--tpot-slo-ms", "200", "--ttft-slo-ms", "2000")
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -163,6 +166,13 @@ def test_dashboard_in_headless_chromium(node, chrome):
         page = wait_page(d, lambda p: p["conn"] == "live" and len(p["rows"]) == 1 and p["gaps"] > 0, 15,
                          "reconnection after the restart")
         assert page["rows"][0]["device"] == "cpu:0"
+        again = threading.Event()  # load on the adaptive node: decode and MIXED bands, free switches
+        stop = again
+        workers = [threading.Thread(target=load, args=(restarted.url, again), daemon=True) for _ in range(2)]
+        for w in workers:
+            w.start()
+        wait_page(d, lambda p: any({"mixed", "decode"} <= set(r["bands"]) for r in p["rows"]), 10,
+                  "MIXED phases of the adaptive node")
     finally:
         stop.set()
         if restarted is not None:
