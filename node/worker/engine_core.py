@@ -218,11 +218,13 @@ class EngineCore:
         return StepReply(ordered, time.perf_counter() - t0)
 
     def warm_up(self) -> None:
-        """Run a 2-token prefill and a decode step on block 0 once, before serving, so the first
-        request does not pay kernel compilation (numba, triton) or first-call allocations. The block
-        holds nothing of anyone's: every sequence writes its positions before it reads them."""
+        """Run a 2-token prefill and a decode step on the first blocks once, before serving, so the
+        first request does not pay kernel compilation (numba, triton) or first-call allocations. The
+        blocks (as many as 3 tokens need: one, unless ``--block-size`` is below 3) hold nothing of
+        anyone's: every sequence writes its positions before it reads them."""
         params = SamplingParams(max_tokens=2, temperature=0.0)
-        seqs = {"warm-up": _SeqState(NewSeq("warm-up", [1, 2], 2, params, [0]))}
+        blocks = list(range(-(-3 // self.runner.block_size)))
+        seqs = {"warm-up": _SeqState(NewSeq("warm-up", [1, 2], 2, params, blocks))}
         saved, self.seqs = self.seqs, seqs
         try:
             self.step(StepMsg([StepItem("warm-up", 0, 2, True)]))
