@@ -88,6 +88,8 @@ def test_overload_gets_503_with_retry_after_and_nothing_leaks():
                 assert r.headers["Retry-After"] and r.json()["error"]["type"] == "service_unavailable"
             else:
                 assert r.json()["usage"]["completion_tokens"] == 80
+        # every 503 for overload is counted (the API's own queue check counted none before)
+        assert scrape(node)["shiftnode_rejected_requests_total"] == codes.count(503)
         node.wait_idle()
         assert node.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
         # More choices than one device's batch can hold could never be placed: a 400, not a hang.

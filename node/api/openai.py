@@ -123,10 +123,7 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
     reqs: list[RequestState] = []
     try:
         try:  # admission first, so overload is a proper 503 before a stream's 200 goes out
-            if node.draining:
-                raise NodeDraining("the node is draining to its peers and takes no new requests")
-            if node.num_waiting + len(jobs) > node.config.max_queue:
-                raise QueueFullError(f"{node.num_waiting} sequences are queued (limit {node.config.max_queue})")
+            node.check_admission(len(jobs))  # all the prompts, or none of them
             for p, job in enumerate(jobs):
                 reqs.append(node.open_request(f"{request_id}-p{p}", job.prompt_ids, job.params, n,
                                               stream=deltas, index0=job.index0))

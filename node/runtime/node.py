@@ -333,6 +333,24 @@ class Node:
                 req.fail(f"every device is down ({engine.device_id}: {engine.failure})", status=503,
                          code="engine_down", retry_after_s=1.0)
 
+    def check_admission(self, new: int) -> None:
+        """Whether ``new`` more requests may be queued now; every refusal is counted
+        (``shiftnode_rejected_requests_total``).
+
+        Raises:
+            NodeDraining, EnginesDown, QueueFullError: the node takes no request now (the API's 503).
+        """
+        refusal: QueueFullError | None = None
+        if self.draining:
+            refusal = NodeDraining("the node is draining to its peers and takes no new requests")
+        elif all(e.failure for e in self.engines):
+            refusal = EnginesDown("; ".join(f"{e.device_id} is down: {e.failure}" for e in self.engines))
+        elif self.num_waiting + new > self.config.max_queue:
+            refusal = QueueFullError(f"{self.num_waiting} sequences are queued (limit {self.config.max_queue})")
+        if refusal is not None:
+            self.metrics.rejected.inc()
+            raise refusal
+
     def open_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int = 1, *,
                      stream: DeltaStream | None = None, index0: int = 0) -> RequestState:
         """Admit one request and hand it to a device or the driver; its deltas go to ``stream`` (a new
@@ -343,15 +361,7 @@ class Node:
             NodeDraining, EnginesDown, QueueFullError: the node takes no request now (the API's 503).
         """
         m = self.metrics
-        if self.draining:
-            m.rejected.inc()
-            raise NodeDraining("the node is draining to its peers and takes no new requests")
-        if all(e.failure for e in self.engines):
-            m.rejected.inc()
-            raise EnginesDown("; ".join(f"{e.device_id} is down: {e.failure}" for e in self.engines))
-        if self.num_waiting >= self.config.max_queue:
-            m.rejected.inc()
-            raise QueueFullError(f"{self.num_waiting} sequences are queued (limit {self.config.max_queue})")
+        self.check_admission(1)
         req = RequestState(request_id, prompt_ids, params, n, self.tokenizer, self._eos_ids(),
                            self.max_model_len, time.monotonic(), stream=stream, index0=index0)
         m.prompt_tokens.inc(len(prompt_ids))
