@@ -29,9 +29,12 @@ def is_peer(device_id: str | None) -> bool:
 
 
 def split_addr(addr: str) -> tuple[str, int]:
-    """``host:port`` → (host, port). Raises ValueError for anything else (port 1..65535)."""
+    """``host:port`` or ``[ipv6]:port`` → (host, port), the brackets dropped so the host resolves.
+    Raises ValueError for anything else (port 1..65535)."""
     host, sep, port = addr.strip().rpartition(":")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535 or "[" in host or "]" in host:
         raise ValueError(f"peer address must be host:port, got {addr!r}")
     return host, int(port)
 
