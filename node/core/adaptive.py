@@ -209,11 +209,6 @@ class AdaptiveScheduler(RoleScheduler):
                 blocked = blocked or self.urgent(w, now_s)
                 continue
             _, _, dv, need = best
-            out.append(Place(w.request_id, dv.st.device_id, need))
-            dv.q += w.new_tokens(dv.st.device_id)
-            dv.qn += 1
-            dv.kv -= need
-            dv.slots -= w.seqs
-            dv.placed += 1
+            out.append(dv.take(w, need))
         return left
 

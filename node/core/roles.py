@@ -314,6 +314,16 @@ class _Dev:
         self.end_by = INF
         self.res: _Residents | None = None  # for the window start ws, once known
 
+    def take(self, w: WaitingPrompt, need: int) -> Place:
+        """Place ``w`` here: its prompt tokens, a sequence, ``need`` KV blocks and its slots leave this
+        device's room for the rest of the decision."""
+        self.q += w.new_tokens(self.st.device_id)
+        self.qn += 1
+        self.kv -= need
+        self.slots -= w.seqs
+        self.placed += 1
+        return Place(w.request_id, self.st.device_id, need)
+
 
 class RoleScheduler:
     """The time-shared role policy. State per device in PREFILL: the end of a forced window and the
@@ -485,12 +495,7 @@ class RoleScheduler:
                 blocked = blocked or self.urgent(w, now_s)
                 continue
             _, _, dv, need = best
-            out.append(Place(w.request_id, dv.st.device_id, need))
-            dv.q += w.new_tokens(dv.st.device_id)
-            dv.qn += 1
-            dv.kv -= need
-            dv.slots -= w.seqs
-            dv.placed += 1
+            out.append(dv.take(w, need))
             if w.expected_output_tokens >= 2:  # its first gap may overrun by what its later gaps win back
                 d = self.cost.decode_step_s(dv.res.n + dv.qn, dv.res.ctx + dv.q + dv.qn)
                 budget = self.T - self.pause_s - d + (w.expected_output_tokens - 2) * (self.T - d)
