@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import math
 
+from node.core.cost import tokens_within
+
 __all__ = ["step_limit_s", "chunk_budget", "chunks_s", "chunks_extra_s", "window_extra_s"]
 
 INF = math.inf
@@ -60,21 +62,9 @@ def chunk_budget(mixed_step_s, limit_s: float, cap: int) -> int:
     """Largest chunk ``c`` in ``[0, cap]`` with ``mixed_step_s(c) <= limit_s`` (prompt tokens).
 
     ``mixed_step_s(c)``: seconds of the resident batch plus ``c`` prompt tokens, non-decreasing in ``c``.
-    Returns ``cap`` when the whole cap fits, 0 when one token does not; bisection otherwise
-    (``log2 cap`` evaluations).
+    Returns ``cap`` when the whole cap fits, 0 when one token does not (:func:`node.core.cost.tokens_within`).
     """
-    if cap <= 0 or mixed_step_s(1) > limit_s:
-        return 0
-    if mixed_step_s(cap) <= limit_s:
-        return cap
-    lo, hi = 1, cap  # mixed_step_s(lo) fits, mixed_step_s(hi) does not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if mixed_step_s(mid) <= limit_s:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return tokens_within(mixed_step_s, limit_s, cap)
 
 
 def chunks_s(mixed_step_s, tokens: int, chunk: int) -> float:

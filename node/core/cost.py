@@ -92,18 +92,21 @@ def chunked_s(step_s, tokens: int, token_budget: int) -> float:
 
 
 def tokens_within(cost_s, seconds: float, cap: int = 1 << 40) -> int:
-    """Largest ``n`` with ``cost_s(n) <= seconds``, for ``cost_s`` monotone non-decreasing in ``n``.
+    """Largest ``n`` in ``[0, cap]`` with ``cost_s(n) <= seconds``, for ``cost_s`` monotone
+    non-decreasing in ``n``.
 
-    Doubling then binary search (about ``2 log2 n`` evaluations); 0 for ``seconds <= 0``; ``cap``
-    (2**40) when time costs nothing.
+    Doubling then binary search (about ``2 log2 n`` evaluations); 0 for ``seconds <= 0`` or
+    ``cap <= 0``; ``cap`` (default 2**40) when time costs nothing.
     """
-    if seconds <= 0:
+    if seconds <= 0 or cap <= 0:
         return 0
     hi = 1
     while hi < cap and cost_s(hi) <= seconds:
         hi *= 2
     if hi >= cap:
-        return cap
+        if cost_s(cap) <= seconds:
+            return cap
+        hi = cap  # cost_s(hi // 2) <= seconds held above (or hi // 2 == 0)
     lo = hi // 2  # cost_s(lo) <= seconds (or lo == 0)
     while hi - lo > 1:
         mid = (lo + hi) // 2
