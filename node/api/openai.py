@@ -133,9 +133,7 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
         def open_choices() -> bool:
             return any(None in r.reasons for r in reqs)
 
-        def fold(d: SeqDelta, now: float, accounted: bool = False) -> dict | None:
-            if not accounted:
-                node.account(reqs[d.index // n], d, now)
+        def fold(d: SeqDelta) -> dict | None:  # the caller accounted each delta it joins (node.account)
             if d.cached_tokens is not None and d.index % n == 0:
                 cached[d.index // n] = d.cached_tokens
             return on_delta(choices[d.index], d)
@@ -145,10 +143,10 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
                 batch = await deltas.take()
                 now = time.monotonic()
                 for d in batch:
+                    node.account(reqs[d.index // n], d, now)
                     if d.error:
-                        node.account(reqs[d.index // n], d, now)
                         raise delta_error(d)
-                    fold(d, now)
+                    fold(d)
             completion = sum(len(c.token_ids) for c in choices)
             return web.json_response(final_body(choices, usage(prompt_tokens, completion, sum(cached))))
         sse = SSEWriter(request)
@@ -179,17 +177,16 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
                 chunks = []
                 failed = ending = False
                 for d in batch:
+                    node.account(reqs[d.index // n], d, now)  # TTFT/ITL per step, whatever is sent
                     if d.error:
-                        node.account(reqs[d.index // n], d, now)
                         chunks.append(delta_error(d).body())
                         failed = True
                         break
                     ending = ending or d.finish_reason is not None
-                    node.account(reqs[d.index // n], d, now)  # TTFT/ITL per step, whatever is sent
                     d = due(d)
                     if d is None:
                         continue
-                    entry = fold(d, now, accounted=True)
+                    entry = fold(d)
                     if entry is not None:
                         chunks.append({**chunk_envelope, "choices": [entry], **extra})
                 sse.send_many(chunks)
