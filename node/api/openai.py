@@ -262,13 +262,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
     def on_delta(c: ChoiceState, d: SeqDelta) -> dict | None:
         text, ids, lps = d.text, list(d.token_ids), list(d.logprobs)
-        if req.echo and not c.token_ids and not c.text:
+        if req.echo and not c.token_ids and not c.parts:
             e = echo_for(c)
             text = e.text + text
             if req.logprobs is not None:
                 ids = e.prompt_ids + ids
                 lps = [None, *(d.prompt_logprobs or [])] + lps
-        c.text += text
+        c.add_text(text)
         c.token_ids += d.token_ids
         c.finish_reason = d.finish_reason
         lp_body = None
@@ -334,7 +334,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     env = envelope("chat.completion.chunk", request_id, node.config.model_name)
 
     def on_delta(c: ChoiceState, d: SeqDelta) -> dict | None:
-        c.text += d.text
+        c.add_text(d.text)
         c.token_ids += d.token_ids
         c.logprobs += d.logprobs
         c.finish_reason = d.finish_reason

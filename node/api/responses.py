@@ -11,15 +11,32 @@ from node.worker.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 @dataclass
 class ChoiceState:
-    """Text, tokens and logprobs of one choice as they accumulate."""
+    """Text, tokens and logprobs of one choice as they accumulate.
+
+    The text is kept as a list of the deltas' pieces (:meth:`add_text`) and joined when read
+    (:attr:`text`): ``text += piece`` on an attribute copies the whole text each time (the string has
+    a second reference, so CPython cannot grow it in place), which is quadratic in the output length.
+    """
 
     index: int
-    text: str = ""
+    parts: list[str] = field(default_factory=list)  # the text's pieces, in order (read it as ``text``)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     finish_reason: str | None = None
     text_offset: int = 0  # characters before the next token (completions logprobs)
     detok: IncrementalDetokenizer | None = None  # token strings for completions logprobs
+
+    def add_text(self, piece: str) -> None:
+        """Append ``piece`` to the choice's text (amortized O(len(piece)))."""
+        if piece:
+            self.parts.append(piece)
+
+    @property
+    def text(self) -> str:
+        """The text so far: the pieces joined once, then kept as one piece (O(total length))."""
+        if len(self.parts) > 1:
+            self.parts[:] = ["".join(self.parts)]
+        return self.parts[0] if self.parts else ""
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
