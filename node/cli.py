@@ -265,7 +265,7 @@ def run_serve(config: NodeConfig) -> int:
         return 2
 
     import uvloop
-    from aiohttp import web
+    from node.api import serving
 
     from node.api.app import create_app
     from node.log import configure_logging
@@ -294,9 +294,9 @@ def run_serve(config: NodeConfig) -> int:
     loop = uvloop.new_event_loop()
     asyncio.set_event_loop(loop)
     try:
-        web.run_app(create_app(config, prelaunched=prelaunched), host=config.host, port=config.port, loop=loop, handler_cancellation=True,
-                    print=lambda msg: print(f"shiftnode: serving on http://{config.host}:{config.port}", file=sys.stderr),
-                    access_log=None, shutdown_timeout=5)
+        serving.run(create_app(config, prelaunched=prelaunched), host=config.host, port=config.port, loop=loop,
+                    shutdown_timeout=5,
+                    on_ready=lambda: print(f"shiftnode: serving on http://{config.host}:{config.port}", file=sys.stderr))
     except (StartupError, ModelConfigError, WeightLoadError, TokenizerError, OSError) as e:
         print(f"shiftnode: cannot start: {e}", file=sys.stderr)
         return 1
