@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from collections import deque
 from contextlib import suppress
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from node.core.roles import Role
 from node.core.sequence import PENDING, Sequence
 from node.runtime.engine_residents import Residents
 from node.runtime.engine_roles import RoleSwitching
-from node.runtime.moves import KVMoves, MigrationRecord, Move
+from node.runtime.moves import COPY_GRACE_S, KVMoves, MigrationRecord, Move
 from node.runtime.request import RequestState
 from node.runtime.switching import DeviceRole, SwitchRecord
 from node.runtime.step_encoder import StepEncoder
@@ -85,6 +86,7 @@ class DeviceEngine(Residents, RoleSwitching, KVMoves):
         self._copies: deque[Move] = deque()  # overlapped moves begun, copied by _copy_loop in order
         self._copier: asyncio.Task | None = None
         self._copying: Move | None = None  # the overlapped move being copied now
+        self._abort_copies = threading.Event()  # set by stop(): a copy in flight ends at its next layer
         self._detaches: list[tuple[Sequence, asyncio.Future]] = []
         self.link_gbps: float | None = None  # emulated interconnect for KV leaving this device
         self.block_layer_bytes: int | None = None  # a timed device: KV bytes one block of one layer emulates
@@ -145,7 +147,10 @@ class DeviceEngine(Residents, RoleSwitching, KVMoves):
             self._dead = self.runner.death_reason(process)
             self.wake()
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: float = COPY_GRACE_S) -> None:
+        """Stop the loop and the engine. A KV copy in flight gets ``grace_s`` seconds to end, then is
+        aborted (:meth:`KVMoves.abort_copies`): a stop never waits on a slow link without bound."""
+        await self.abort_copies(grace_s)
         if self._copier and not self._copier.done():
             self._copier.cancel()
             with suppress(asyncio.CancelledError):

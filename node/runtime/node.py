@@ -172,8 +172,7 @@ class Node:
             await self.peers.close()
         if self.driver:
             await self.driver.stop()
-        for e in self.engines:
-            await e.stop()
+        await asyncio.gather(*(e.stop() for e in self.engines))  # each bounded (a copy in flight: COPY_GRACE_S)
 
     def drain(self) -> int:
         """Stop taking requests and move every decoding sequence to the ``--peers`` (time-shared mode),
