@@ -352,3 +352,36 @@ def test_a_device_dying_with_two_steps_in_flight_ends_every_wait_on_it_with_an_e
         assert delta.error_code == "engine_down" and peer_req.finished[0]
 
     with_node(body, engine_layout="thread", max_num_batched_tokens=4)
+
+
+def test_kill_9_of_an_engine_logs_no_unretrieved_future():
+    """Issue 32: kill -9 of an engine process with two steps in flight logged "Future exception was never
+    retrieved" (the second step's reply got EngineDied and nobody awaited it). The loop's exception
+    handler must see nothing once the replies are settled and collected."""
+    import gc
+    import os
+    import signal
+
+    async def body(node: Node):
+        loop = asyncio.get_running_loop()
+        seen: list[dict] = []
+        loop.set_exception_handler(lambda _loop, context: seen.append(context))
+        e = node.engines[0]
+        run = asyncio.create_task(collect(node, "r", SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)))
+        for _ in range(1000):
+            if len(e._inflight) == 2:
+                break
+            await asyncio.sleep(0.005)
+        replies = [r.reply for r in e._inflight]
+        assert len(replies) == 2  # async scheduling: a step is planned while the one before it computes
+        os.kill(e.runner.process.pid, signal.SIGKILL)
+        _, errors = await asyncio.wait_for(run, 20)
+        assert [d.error_code for d in errors] == ["engine_down"]
+        await asyncio.wait(replies, timeout=10)  # the dead engine's replies all get their error
+        assert all(f.done() for f in replies)
+        del replies
+        gc.collect()  # an unread exception is reported when its future is collected
+        await asyncio.sleep(0)
+        assert not [c for c in seen if "never retrieved" in c.get("message", "")], seen
+
+    with_node(body)

@@ -41,6 +41,7 @@ from node.runtime.request import RequestState
 from node.runtime.switching import DeviceRole, SwitchRecord
 from node.runtime.step_encoder import StepEncoder
 from node.worker.engine_core import StepMsg, StepReply
+from node.worker.engine_messages import retrieved
 from node.worker.engine_process import EngineDied, EngineProcess, LocalEngine
 from node.worker.runner import SeqOutput
 
@@ -369,6 +370,8 @@ class DeviceEngine(Residents, RoleSwitching, KVMoves):
                 self._finish_request(req)
             except Exception as e:  # noqa: BLE001 - bookkeeping of a broken device: log and go on
                 log.error("engine_cleanup_failed", device=self.device_id, request=req.request_id, error=str(e))
+        for rec in self._inflight:  # the steps behind the one the loop ended at: nobody awaits their replies
+            rec.reply.add_done_callback(retrieved)
         self._inflight.clear()
         self._idle.set()  # a switch waiting for the steps in flight goes on, and fails (switch_role)
         for _seq, fut in self._detaches:  # hand-offs waiting for a step boundary: the sequence stays here
