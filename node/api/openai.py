@@ -22,7 +22,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from node.api.errors import APIError, bad_request, delta_error, error_body
 from node.api.responses import ChoiceState, chat_logprobs, completion_logprobs, envelope, usage
 from node.api.sse import SSEWriter
-from node.api.validate import chat_prompt, check_model, completion_prompts, sampling_params
+from node.api.validate import chat_prompt, check_model, completion_prompts, reject_unsupported, sampling_params
 from node.core.sequence import SamplingParams
 from node.protocol import ChatCompletionRequest, CompletionRequest, decode_request
 from node.runtime.delta_stream import DeltaStream
@@ -233,6 +233,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     node = request.app[NODE_KEY]
     req: CompletionRequest = await read_json(request, CompletionRequest)  # type: ignore[assignment]
     check_model(req, node.config.model_name)
+    reject_unsupported(req)
     if req.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -317,6 +318,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     node = request.app[NODE_KEY]
     req: ChatCompletionRequest = await read_json(request, ChatCompletionRequest)  # type: ignore[assignment]
     check_model(req, node.config.model_name)
+    reject_unsupported(req)
     if req.tools:
         raise bad_request("tools are not supported by this server", param="tools")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from node.worker.sampler import TokenLogprobs
+from node.worker.token_bytes import logprob_token, token_bytes
 from node.worker.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 
@@ -64,15 +65,14 @@ def completion_logprobs(tok: TextTokenizer, entries: list[TokenLogprobs | None],
         offsets.append(off)
         off += len(text)
         lps.append(None if e is None else e.logprob)
-        tops.append(None if e is None else {tok.token_text(t): lp for t, lp in e.top})
+        tops.append(None if e is None else {logprob_token(tok, t): lp for t, lp in e.top})  # distinct keys
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, off
 
 
 def chat_logprobs(tok: TextTokenizer, entries: list[TokenLogprobs]) -> dict:
     """Chat logprobs ``{"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}``."""
-    def item(t: int, lp: float) -> dict:
-        s = tok.token_text(t)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+    def item(t: int, lp: float) -> dict:  # bytes: the token's own (part of a character's), not U+FFFD's
+        return {"token": logprob_token(tok, t), "logprob": lp, "bytes": list(token_bytes(tok, t))}
 
     return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
 

@@ -21,6 +21,7 @@ from node.transport.protocol import (
     TransferRefuse, TransferRefused, TransportError, TransportTimeout, checksum, check_compatible,
     secret_bytes,
 )
+from node.transport.errors import not_kv_peer
 from node.transport.layers import Layers, LayerSource, payload_view, skip_blocks
 from node.transport.throttle import LinkThrottle, as_throttle
 from node.transport.wire import (
@@ -109,6 +110,11 @@ class KVClient:
         try:
             reply = await client_handshake(reader, writer, secret_b, node_id, layout, handshake_timeout_s,
                                            max_header_bytes)
+        except ProtocolError as exc:  # it answered, but not as a KV port
+            wrong = not_kv_peer(f"{host}:{port}", exc)
+            _log.warning("kv_connect_failed", peer=f"{host}:{port}", reason=str(wrong))
+            writer.close()
+            raise wrong from exc
         except BaseException as exc:
             _log.warning("kv_connect_failed", peer=f"{host}:{port}", reason=str(exc) or type(exc).__name__)
             say_goodbye(writer, f"handshake failed: {exc}", refusal_code(exc))
