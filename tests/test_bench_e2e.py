@@ -1,4 +1,4 @@
-"""``bench.e2e`` on the CPU (``--device cpu --quick``: a tiny model, no CUDA graphs but the same static
+"""``bench.device.e2e`` on the CPU (``--device cpu --quick``: a tiny model, no CUDA graphs but the same static
 buffers): every section runs, a child that dies is replaced, and the report's arithmetic is right."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.e2e import compare_greedy, table_rows
+from bench.device.e2e import compare_greedy, table_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -18,7 +18,7 @@ def test_quick_run_survives_a_crashed_child(tmp_path):
     out, md = tmp_path / "e2e.json", tmp_path / "RESULTS.md"
     md.write_text("# Benchmark results\n\nearlier section\n")
     env = {**os.environ, "BENCH_E2E_CRASH_IN": "switch"}
-    proc = subprocess.run([sys.executable, "-m", "bench.e2e", "--device", "cpu", "--quick", "--deadline", "150",
+    proc = subprocess.run([sys.executable, "-m", "bench.device.e2e", "--device", "cpu", "--quick", "--deadline", "150",
                            "--json", str(out), "--markdown", str(md)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=200)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # the crash is a failure
