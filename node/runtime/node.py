@@ -122,6 +122,7 @@ class Node:
         self.peers: PeerLinks | None = None
         self.receiver: KVReceiver | None = None
         self.membership: Membership | None = None  # --etcd
+        self.nixl = None  # --kv-transport nixl: the NixlPlane (node.runtime.kv_plane), from start_network
         self.fingerprint: Fingerprint | None = None
         if self.networked(config):
             from node.transport.tensors import layout_of
@@ -256,7 +257,15 @@ class Node:
             self.driver.start()
 
     async def start_network(self) -> None:
-        """Open the KV transfer listener (``--kv-port``), start polling the ``--peers`` and join ``--etcd``."""
+        """Open the KV transfer listener (``--kv-port``), start polling the ``--peers`` and join ``--etcd``
+        (with ``--kv-transport nixl``, first start the NIXL agent and register the KV pools)."""
+        if self.config.kv_transport == "nixl" and (self.receiver or self.peers):
+            from node.runtime.kv_plane import NixlPlane
+
+            self.nixl = await NixlPlane.start(self)
+            for side in (self.receiver, self.peers):
+                if side is not None:
+                    side.nixl = self.nixl
         if self.receiver:
             await self.receiver.start()
         if self.peers:
@@ -273,6 +282,8 @@ class Node:
             await self.receiver.close()
         if self.peers:
             await self.peers.close()
+        if self.nixl:
+            await self.nixl.close()
         if self.driver:
             await self.driver.stop()
         for e in self.engines:
@@ -576,7 +587,10 @@ class Node:
                      "fingerprint": msgspec.structs.asdict(self.fingerprint) if self.fingerprint else None,
                      "config": {"kv_connect_timeout_s": cfg.kv_connect_timeout_s,
                                 "kv_transfer_timeout_s": cfg.kv_transfer_timeout_s, "peer_stale_s": cfg.peer_stale_s,
-                                "max_retries": cfg.max_retries, "link_gbps": cfg.link_gbps}}
+                                "max_retries": cfg.max_retries, "link_gbps": cfg.link_gbps,
+                                "kv_transport": cfg.kv_transport}}
+        if self.nixl:
+            out["nixl"] = self.nixl.status()
         if self.receiver:
             out["received_sequences"] = self.receiver.relayed
             out["receiving"] = len(self.receiver.incoming)
