@@ -25,7 +25,7 @@ from node.transport.protocol import NixlInfo
 
 if TYPE_CHECKING:
     from node.runtime.engine import DeviceEngine
-    from node.runtime.node import Node
+    from node.runtime.interfaces import PeerHost
 
 log = structlog.get_logger("shiftnode.peers")
 
@@ -39,7 +39,7 @@ class NixlPlane:
         self.info = info  # the answer to a peer's NixlQuery
 
     @classmethod
-    async def start(cls, node: "Node") -> "NixlPlane":
+    async def start(cls, node: "PeerHost") -> "NixlPlane":
         """Create the agent and register every single-device engine's pool (a tensor-parallel group's
         pool is sharded across ranks and takes no peer KV). Raises ``NixlUnavailable``."""
         agent = await NixlAgent.create(node.config.name)
