@@ -44,7 +44,8 @@ from typing import Any, Callable
 import numpy as np
 import structlog
 
-from node.transport.protocol import Layout, NixlPool, TransferAborted, TransportError, TransportTimeout
+from node.transport.errors import TransferAborted, TransportError, TransportTimeout
+from node.transport.protocol import Layout, NixlPool
 
 _log = structlog.get_logger("node.transport")
 

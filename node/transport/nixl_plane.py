@@ -37,10 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from node.transport.protocol import (
-    Layout, NixlInfo, NixlPool, NixlQuery, ProtocolError, TransferAborted, TransferAccept, TransferDone,
-    TransportError, TransportTimeout,
-)
+from node.transport.errors import ProtocolError, TransferAborted, TransportError, TransportTimeout
+from node.transport.protocol import Layout, NixlInfo, NixlPool, NixlQuery, TransferAccept, TransferDone
 from node.transport.wire import read_msg, send
 
 if TYPE_CHECKING:

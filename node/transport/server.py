@@ -67,7 +67,9 @@ class KVServer:
     Callbacks may be plain functions or coroutines:
       * ``reserve(offer) -> list[int] | (list[int], int) | None``: block ids in logical order, ``None``
         to refuse; with a count ``c``, the first ``c`` blocks already hold the sequence's KV (the
-        receiver's prefix cache, ``0 <= c < num_blocks``) and are not sent;
+        receiver's prefix cache, ``0 <= c < num_blocks``) and are not sent; with a third item, a pool
+        index of the server's ``nixl`` agent, an offer with ``nixl=True`` has its layers written there
+        by the sender over NIXL (``on_layer`` is then not called; see :mod:`node.transport.nixl_plane`);
       * ``on_layer(transfer_id, layer, payload: bytearray)``: layer ``layer`` landed and passed its
         checksum; ``payload`` is the ``[2, n - c, block_size, Hkv, D]`` buffer of the blocks after the
         cached ones (see
