@@ -129,7 +129,7 @@ class NixlAgent:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._xfers: list[tuple[Any, asyncio.Future, float, str]] = []  # (handle, future, deadline, what): thread only
         self._expect: dict[str, _Expect] = {}  # transfer id → its awaited notifications (thread reads, loop writes)
-        self._remotes: dict[str, str] = {}  # peer key (its node id) → the agent name loaded for it
+        self._remotes: dict[str, tuple[str, bytes]] = {}  # peer key (node id) → (agent name, metadata) loaded
         self._closed = False
         self.layers_written = 0  # layer WRITEs completed by us
         self.layers_received = 0  # layer notifications received for transfers we awaited
@@ -275,25 +275,20 @@ class NixlAgent:
 
     async def add_remote(self, peer: str, metadata: bytes) -> str:
         """Load a peer agent's metadata (parsed by NIXL: call this only for a peer that proved the shared
-        secret). ``peer`` keys it (the peer's node id): a peer that restarted with a new agent replaces
+        secret). ``peer`` keys it (the peer's node id): the same metadata again is not parsed again (a
+        hand-off opens a connection each time), and a peer that restarted with a new agent replaces
         its old one. Returns the agent name to write to."""
         def load() -> str:
+            known = self._remotes.get(peer)
+            if known is not None and known[1] == metadata:
+                return known[0]
             name = self._agent.add_remote_agent(metadata)
             name = name.decode() if isinstance(name, bytes) else str(name)
-            old = self._remotes.get(peer)
-            if old is not None and old != name:
-                self._forget(old)
-            self._remotes[peer] = name
+            if known is not None and known[0] != name:
+                self._forget(known[0])
+            self._remotes[peer] = (name, metadata)
             return name
         return await self._call(load)
-
-    async def drop_remote(self, peer: str) -> None:
-        """Forget a peer's agent (after a failed transfer: its next connection loads it afresh)."""
-        def drop() -> None:
-            name = self._remotes.pop(peer, None)
-            if name is not None:
-                self._forget(name)
-        await self._call(drop)
 
     def _forget(self, name: str) -> None:
         try:
