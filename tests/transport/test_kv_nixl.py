@@ -6,22 +6,24 @@ mid-transfer making the receiver free its reservation. Real NIXL agents, two in 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
 
-from node.transport import KVClient, TransportError
-from node.transport.nixl_agent import NixlAgent, block_runs, nixl_available
+from node.transport import AuthError, KVClient, TransportError
+from node.transport import protocol as p
+from node.transport.wire import client_handshake, encode, read_msg
+from node.transport.nixl_agent import NixlAgent, block_runs
 from node.transport.nixl_plane import info_of
 from node.transport.tensors import gather_layer
+from support import require_nixl
 from transport_fakes import HOST, SECRET, FakeReceiver, layer_source, make_seq, random_cache, run
-
-pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu12) is not installed: pip install -e .[nixl]")
-
 
 @pytest.fixture(scope="module")
 def agents():
     """A sender's and a receiver's agent (about 0.5 s each to start), shared by the module's tests."""
+    require_nixl()
     a, b = asyncio.run(_two())
     yield a, b
     asyncio.run(a.close())
@@ -130,4 +132,56 @@ def test_a_sender_that_stops_mid_transfer_makes_the_receiver_free_its_blocks(age
             await client.close()
         assert list(rx.aborted) == ["t3"] and not rx.adopted and rx.num_free == 64
         assert b._expect == {}  # the receiver stopped awaiting its notifications
+    run(main())
+
+
+def test_metadata_is_only_taken_from_a_server_that_proved_the_secret(agents):
+    """A server with another secret: the handshake fails before any NIXL message, so nothing of it is
+    loaded into our agent; a client that never proved the secret gets no NixlInfo either."""
+    a, b = agents
+
+    async def main():
+        rx = NixlReceiver(torch.zeros_like(random_cache()), None)
+        server = rx.server(secret="another-secret", nixl=b, nixl_info=info_of(b, await b.metadata()))
+        loaded = dict(a._remotes)
+        async with server:
+            with pytest.raises(AuthError):
+                await KVClient.connect(HOST, server.port, SECRET, node_id="sender", layout=rx.layout, nixl=a)
+            reader, writer = await asyncio.open_connection(HOST, server.port)  # asks before any handshake
+            writer.write(encode(p.NixlQuery(agent="mallory")))
+            bye = await read_msg(reader, 1 << 16, 2.0)
+            assert isinstance(bye, p.Goodbye) and not isinstance(bye, p.NixlInfo)
+            writer.close()
+        assert a._remotes == loaded
+    run(main())
+
+
+def test_a_sender_that_never_writes_is_given_up_on_and_the_blocks_freed(agents):
+    """An offer accepted for NIXL whose layers never come (a raw client sends TransferDone at once):
+    the receiver waits twice the stall timeout for the notifications, then aborts and frees."""
+    a, b = agents
+
+    async def main():
+        dst = torch.zeros_like(random_cache())
+        dst_pool = len(b.pools)
+        await b.register(dst)
+        rx = NixlReceiver(dst, dst_pool)
+        seq, nblocks = make_seq(num_cached=20, prompt_len=20, block_size=16)
+        async with rx.server(nixl=b, nixl_info=info_of(b, await b.metadata()), stall_timeout_s=0.2) as server:
+            reader, writer = await asyncio.open_connection(HOST, server.port)
+            await client_handshake(reader, writer, SECRET.encode(), "raw", None, 2.0)
+            writer.write(encode(p.TransferOffer(transfer_id="t4", layout=rx.layout, seq=seq, num_blocks=nblocks,
+                                                nbytes_per_layer=rx.layout.layer_bytes(nblocks), nixl=True)))
+            accept = await read_msg(reader, 1 << 16, 2.0)
+            assert isinstance(accept, p.TransferAccept) and accept.nixl_pool == dst_pool
+            assert accept.block_ids == rx.reserved["t4"]
+            t0 = time.monotonic()
+            writer.write(encode(p.TransferDone(transfer_id="t4")))
+            await rx.wait()
+            assert 0.3 < time.monotonic() - t0 < 2.0
+            abort = await read_msg(reader, 1 << 16, 2.0)
+            assert isinstance(abort, p.TransferAbort) and "NIXL notification" in abort.reason
+            writer.close()
+        assert list(rx.aborted) == ["t4"] and not rx.adopted and rx.num_free == dst.shape[2]
+        assert "t4" not in b._expect
     run(main())
