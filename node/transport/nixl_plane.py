@@ -14,7 +14,10 @@ With ``--kv-transport nixl`` only the layer payloads leave it:
   C → S  TransferDone                              after every write completed at the sender
   S → C  TransferCommitted                         after every notification and TransferDone
 
-The server's metadata is loaded (parsed by NIXL's C++ code) only by a client that has checked the
+WRITE by the sender rather than READ by the receiver (vLLM's NIXL connector has the decode side
+READ): the push flow of the TCP path stays as it is (the node that holds the sequence decides when its
+layers go, and paces them under ``--link-gbps``), and only the sender has to load the other's
+metadata. The server's metadata is loaded (parsed by NIXL's C++ code) only by a client that has checked the
 server's HMAC proof, and the server loads nothing: a receiver needs no metadata of a sender to get
 its notifications. Nothing is pickled (NIXL's descriptor serialization is): pools travel as plain
 numbers in :class:`~node.transport.protocol.NixlPool`.
@@ -23,8 +26,9 @@ Failures keep the TCP path's rule: after an accept, exactly one of ``on_done`` /
 the receiver. A NIXL write that errors or does not finish within the stall timeout fails the
 sender's transfer (it aborts and closes, the receiver frees its blocks); the receiver waits for each
 layer's notification up to twice the stall timeout, so that a live sender gives up (and cancels its
-writes) before the receiver frees blocks a late write could still reach. UCX checks integrity on the
-wire, so layers carry no CRC-32 here.
+writes) before the receiver frees blocks a late write could still reach. Layers carry no CRC-32
+here: the bytes never pass through the node's code, and UCX's transports (TCP, RDMA) checksum their
+packets on the wire.
 """
 
 from __future__ import annotations
