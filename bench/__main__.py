@@ -71,7 +71,7 @@ GROUPS: tuple[Group, ...] = (
         Tool("load.fuzz", "Does any generated API request get a 5xx or hang? (the long run of the API fuzzer)"),
         Tool("load.membership", "How fast do peer sets follow a join, a kill -9 and a clean stop through etcd?"),
     ), ("load.node_process", "load.etcd_server"), frozenset({"traffic"})),
-    Group("device", "one device or tensor-parallel group below the serving loop: kernels, steps, switches", (
+    Group("device", "one device, group or link below the serving loop: kernels, steps, switches, KV transfer", (
         Tool("device.kernels", "Is every Triton kernel right on this GPU, and how close to the copy and "
                                "matmul ceilings does it run?"),
         Tool("device.e2e", "How fast is the model runner on one GPU: load, role switch, decode and prefill "
@@ -81,6 +81,8 @@ GROUPS: tuple[Group, ...] = (
         Tool("device.sampler", "What does a sampler step cost on the CPU, greedy against sampled settings?"),
         Tool("device.tp_switch", "What does a group's role switch cost against a decode step at tensor-parallel "
                                  "degree 1 and 2?"),
+        Tool("device.transfer", "How fast does KV move between two processes, NIXL against TCP, and how busy "
+                                "does it keep the event loop?"),
     ), (), frozenset({"traffic", "load"})),
     Group("cost", "where the step cost models of bench/cost_models/ come from", (
         Tool("cost.calibrate", "What are a model's step times on this machine, fitted as a cost model?"),

@@ -12,13 +12,13 @@ RESULTS = Path(__file__).resolve().parents[1] / "bench" / "RESULTS.md"
 
 
 def entries(text: str) -> list[tuple[str, str]]:
-    """(heading, first non-blank line after it) of every ``###`` entry outside code fences."""
+    """(heading, first paragraph after it, its lines joined) of every ``###`` entry outside code fences."""
     lines = re.sub(r"^```.*?^```\s*$", "", text, flags=re.S | re.M).splitlines()
     found = []
     for i, line in enumerate(lines):
         if line.startswith("### "):
-            first = next((n for n in lines[i + 1:] if n.strip()), "")
-            found.append((line[4:].strip(), first))
+            rest = "\n".join(lines[i + 1:]).strip()
+            found.append((line[4:].strip(), " ".join(rest.split("\n\n", 1)[0].split())))
     return found
 
 
