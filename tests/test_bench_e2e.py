@@ -68,3 +68,18 @@ def test_table_floors_use_the_measured_ceilings():
     assert rows["prefill"][3] == f"{ideal:.2f} ms" and rows["prefill"][4] == f"{100 * ideal / 100:.0f}%"
     assert rows["greedy"][5] == "FAIL" and "tokens differ" in rows["greedy"][6]
     assert table_rows(recs[2:3], {})[0][3:5] == ["—", "—"]  # no ceiling measured: no floor
+
+
+def test_switch_section_switches_through_the_engine():
+    """The ``switch`` section's three switches run through a :class:`DeviceEngine` (which drives an engine
+    handle, not a bare runner) and the second decode switch reuses the graphs the first one captured."""
+    from test_cuda_graphs import attach, make_runner
+
+    from bench.device.e2e import _switches
+
+    runner = make_runner(max_model_len=64, num_blocks=8)
+    graphs = attach(runner, max_model_len=64, max_num_seqs=1)  # one bucket: a fast capture
+    (first, cap1), (back, _), (again, cap3) = _switches(runner, "cpu:0")
+    assert [(r.from_role, r.to_role) for r in (first, back, again)] == [("prefill", "decode"), ("decode", "prefill"),
+                                                                        ("prefill", "decode")]
+    assert graphs.captured and cap1 == cap3  # captured once, by the first switch

@@ -302,11 +302,14 @@ def _switches(runner, device_id: str):
     from node.core.roles import Role
     from node.runtime.engine import DeviceEngine
     from node.runtime.switching import DeviceRole
+    from node.worker.engine_core import EngineCore
+    from node.worker.engine_process import LocalEngine
 
     async def go():
         role = DeviceRole(device_id, Role.PREFILL, time.monotonic(), 0.0)
         batcher = Batcher(BlockLedger(runner.num_blocks, runner.block_size), BatchConfig())
-        engine = DeviceEngine(device_id, runner, batcher, time.monotonic, role)
+        # the engine drives an engine handle (the thread layout here), which runs the runner on its thread
+        engine = DeviceEngine(device_id, LocalEngine(EngineCore(runner)), batcher, time.monotonic, role)
         captured = lambda: runner.graphs.capture_ms if runner.graphs is not None else None  # noqa: E731
         out = []
         try:
