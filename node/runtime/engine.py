@@ -26,6 +26,7 @@ from typing import Callable
 import structlog
 
 from node.core.batcher import BatchConfig, Batcher, ScheduledSeq, StepKind, StepPlan
+from node.core.ledger import BlockLedger
 from node.core.role_config import RoleConfig, assign_instances, scatter_bytes, shared_block_units
 from node.core.roles import Role
 from node.core.sequence import PENDING, Sequence
@@ -107,6 +108,9 @@ class DeviceEngine(KVMoves):
         self.failure: str | None = None  # why the device is down (its step loop ended), else None
         self._encoder = StepEncoder()  # what the engine holds of each sequence; steps are diffs
         self._dead: str | None = None  # the engine process exited (seen between steps)
+        self.engine_died = False  # the device went down because its engine process died (restartable)
+        # called for each sequence held here when the engine process dies (node.runtime.resume); None: they fail
+        self.orphan_listener: Callable[[DeviceEngine, RequestState, int], None] | None = None
         self.role_configs: dict[Role, RoleConfig] = {}  # time-shared: each role's configuration (configure_roles)
         self._role_batch: dict[Role, BatchConfig] = {}
         self._kv_bytes_per_token = 0
@@ -172,6 +176,11 @@ class DeviceEngine(KVMoves):
             self._task.cancel()
             with suppress(asyncio.CancelledError):
                 await self._task
+        await self.stop_runner()
+        self._executor.shutdown(wait=True)
+
+    async def stop_runner(self) -> None:
+        """Stop the engine (its processes, and the loop's reading of their sockets); idempotent."""
         processes = self._processes()
         if processes:
             self.runner.stopping = True
@@ -179,7 +188,31 @@ class DeviceEngine(KVMoves):
                 asyncio.get_running_loop().remove_reader(process.sentinel)
             self.runner.detach()
         await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.stop)
-        self._executor.shutdown(wait=True)
+
+    async def revive(self, runner: EngineProcess) -> None:
+        """Serve again on ``runner``, a fresh engine of this device, loaded and attached (the old one
+        died and was stopped: :mod:`node.runtime.engine_supervisor`). Its KV pool is new, so the block
+        ledger is too (the old prefix cache pointed into the dead pool); the step diff starts over; the
+        engine takes the layout of the device's role; then the step loop runs again. Call once the
+        down device holds nothing (its sequences were resumed elsewhere or failed).
+
+        Raises:
+            EngineDied, EngineError: the new engine failed while taking the role's layout.
+        """
+        old = self.batcher.ledger
+        ledger = BlockLedger(runner.num_blocks, old.block_size, prefix_caching=old.prefix_caching)
+        ledger.num_evictions = old.num_evictions
+        self.runner = runner
+        self.batcher.ledger = ledger
+        self._encoder.reset()
+        self._inflight.clear()
+        self._aborts.clear()
+        self._dead = None
+        self.step_started_s = None
+        if self.role is not None:  # e.g. a group's decode layout, or CUDA graphs for the decode role
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.reconfigure, self.role.role)
+        self.failure, self.engine_died = None, False
+        self.start()
 
     def wake(self) -> None:
         self._wake.set()
@@ -523,6 +556,9 @@ class DeviceEngine(KVMoves):
         else:
             self.failure = f"step loop ended: {type(error).__name__}: {error}" if error else "step loop ended"
         log.error("engine_down", device=self.device_id, reason=self.failure)
+        self.engine_died = isinstance(error, EngineDied)
+        if self.engine_died and self.orphan_listener is not None:
+            self._orphan_all()
         for req in list(self.requests.values()):
             req.fail(f"device {self.device_id} is down: {self.failure}", status=503, code="engine_down",
                      retry_after_s=1.0)
@@ -545,6 +581,30 @@ class DeviceEngine(KVMoves):
             if not fut.done():
                 fut.set_exception(RuntimeError(f"device {self.device_id} is down: {self.failure}"))
         self._notify(self.down_listeners)
+
+    def _orphan_all(self) -> None:
+        """The engine died: take every sequence off this device (blocks freed, the placeholders of the
+        steps in flight dropped: those tokens were never streamed) and hand each to ``orphan_listener``."""
+        for req in list(self.requests.values()):
+            held = [i for i, s in enumerate(req.seqs) if s.seq_id in self._by_seq]
+            try:
+                self._finish_request(req)
+            except Exception as e:  # noqa: BLE001 - bookkeeping of a broken device: fail it as before
+                log.error("engine_cleanup_failed", device=self.device_id, request=req.request_id, error=str(e))
+                continue
+            for i in held:
+                seq = req.seqs[i]
+                while seq.token_ids and seq.token_ids[-1] == PENDING:
+                    seq.token_ids.pop()
+                seq.num_pending = 0
+                try:
+                    self.orphan_listener(self, req, i)
+                except Exception as e:  # noqa: BLE001 - a choice nobody took over ends with an error
+                    log.error("resume_failed", device=self.device_id, seq=seq.seq_id, error=f"{type(e).__name__}: {e}",
+                              exc_info=e)
+                    if not req.finished[i]:
+                        req.fail_choice(i, f"device {self.device_id} is down: {self.failure}", status=503,
+                                        code="engine_down", retry_after_s=1.0)
 
     def set_chunk_budget(self, tokens: int) -> None:
         """Prompt tokens each MIXED step may take from now on (the adaptive policy's online budget)."""

@@ -59,7 +59,9 @@ def node_health(node: "Node", now: float | None = None) -> Health:
     reasons: list[str] = []
     fatal: list[str] = []
     down = {e.device_id: f for e in node.engines if (f := _down(e))}
-    reasons += [f"engine {d} down: {f}" for d, f in down.items()]
+    supervisor = getattr(node, "supervisor", None)  # what happens next: since when, next restart, or left down
+    plans = {d: supervisor.describe(d, now) if supervisor is not None else None for d in down}
+    reasons += [f"engine {d} down: {f}" + (f" ({plans[d]})" if plans[d] else "") for d, f in down.items()]
     for e in node.engines:
         started = getattr(e, "step_started_s", None)
         if e.device_id not in down and started is not None and now - started >= STALLED_STEP_S:

@@ -142,12 +142,16 @@ class _StateCollector:
                                  "nothing; see /health)", labels=["device"])
         preempt = CounterMetricFamily("shiftnode_preemptions", "Sequences preempted for KV (recomputed later)",
                                       labels=["device"])
+        restarts = CounterMetricFamily("shiftnode_engine_restarts", "Restarts of the device's engine after its "
+                                       "process died (each attempt; see --engine-restart-max)", labels=["device"])
+        supervisor = getattr(n, "supervisor", None)
         for e in n.engines:
             for stage, count in e.errors.items():
                 errors.add_metric([e.device_id, stage], count)
             down.add_metric([e.device_id], 1.0 if e.failure else 0.0)
             preempt.add_metric([e.device_id], e.batcher.num_preemptions)
-        yield from (oldest, live, errors, down, preempt)
+            restarts.add_metric([e.device_id], supervisor.total.get(e.device_id, 0) if supervisor else 0)
+        yield from (oldest, live, errors, down, preempt, restarts)
         for e in n.engines:
             led = e.batcher.ledger
             used.add_metric([e.device_id], led.num_used)

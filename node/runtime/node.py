@@ -30,6 +30,7 @@ from node.core.adaptive import AdaptiveScheduler
 from node.core.roles import Role, RoleScheduler, RoleSchedulerConfig
 from node.core.pooled import PooledRouter
 from node.runtime.engine import DeviceEngine
+from node.runtime.engine_supervisor import EngineSupervisor
 from node.runtime.moves import MigrationRecord
 from node.runtime.membership import Membership, join as join_etcd
 from node.runtime.peers import KVReceiver, PeerLinks
@@ -40,6 +41,7 @@ from node.runtime.metrics import NodeMetrics, request_outcome
 from node.runtime.delta_stream import DeltaStream
 from node.runtime.output import SeqDelta
 from node.runtime.request import RequestState
+from node.runtime.resume import Resumer
 from node.transport.protocol import Fingerprint
 from node.worker.engine_core import EngineCore
 from node.worker.engine_group import TPEngineGroup, launch_engine
@@ -160,6 +162,13 @@ class Node:
             e.migration_listeners.append(self._on_migration)
             e.link_gbps = config.link_gbps
             e.block_layer_bytes = block_layer_bytes
+        # a dead engine's sequences are resumed on a live device (or wait for its restart), and it restarts
+        self.resumer = Resumer(self)
+        self.supervisor = EngineSupervisor(self)  # (its down listener runs after the node's)
+        self.supervisor.restart_listeners.append(self._on_engine_restarted)
+        self.supervisor.left_down_listeners.append(self._on_engine_left_down)
+        for e in engines:
+            e.orphan_listener = self.resumer.orphaned
 
     @classmethod
     async def create(cls, config: NodeConfig, prelaunched: dict[str, EngineProcess] | None = None) -> "Node":
@@ -267,6 +276,7 @@ class Node:
                     msgspec.structs.asdict(self.fingerprint), sum(e.batcher.ledger.num_blocks for e in self.engines))
 
     async def close(self) -> None:
+        await self.supervisor.close()  # first: no engine is restarted while the node stops them
         if self.membership:  # first: the lease's revocation tells every peer at once
             await self.membership.close()
         if self.receiver:
@@ -326,12 +336,25 @@ class Node:
         return min(up, key=lambda e: (len(e.batcher.waiting), len(e.batcher.running)))
 
     def _on_engine_down(self, engine: DeviceEngine) -> None:
-        """A device went down; once none is left, requests waiting for placement fail (503)."""
-        if all(e.failure for e in self.engines) and self.driver is not None:
+        """A device went down; once none is left and none will be restarted, requests waiting for
+        placement fail (503); while a restart is planned they wait for it."""
+        if (all(e.failure for e in self.engines) and self.driver is not None
+                and not any(self.supervisor.will_restart(e) for e in self.engines)):
             for req in list(self.driver.pending):
                 self.driver.withdraw(req)
                 req.fail(f"every device is down ({engine.device_id}: {engine.failure})", status=503,
                          code="engine_down", retry_after_s=1.0)
+
+    def _on_engine_restarted(self, engine: DeviceEngine) -> None:
+        """A device serves again on a new engine: the sequences waiting for it go there; drivers re-plan."""
+        self.resumer.restarted(engine)
+        if self.driver:
+            self.driver.kick()
+
+    def _on_engine_left_down(self, engine: DeviceEngine) -> None:
+        """A device will not be restarted: what waited for it fails, or goes to a live device."""
+        self.resumer.left_down(engine)
+        self._on_engine_down(engine)
 
     def check_admission(self, new: int) -> None:
         """Whether ``new`` more requests may be queued now; every refusal is counted
@@ -411,6 +434,7 @@ class Node:
         if self.peers:
             for seq in req.seqs:
                 self.peers.retries.pop(seq.seq_id, None)
+        self.resumer.forget(req)
         if self.driver:
             self.driver.finished(req, reasons, sum(req.tokens))
         s = req.stats
@@ -522,6 +546,7 @@ class Node:
                 "preemptions": e.batcher.num_preemptions,
                 "errors": dict(e.errors),  # contained failures by stage; the device kept serving
                 "failure": e.failure,  # why the device is down, or null
+                "restart": self.supervisor.status(e.device_id, now),  # restarts, limits, the outage (null while up)
             }
             if isinstance(e.runner, TPEngineGroup):  # a group of devices as one (--tensor-parallel-size, --decode-tp)
                 d["tensor_parallel"] = {"size": e.runner.degree, "devices": e.runner.devices, "pids": e.runner.pids,
