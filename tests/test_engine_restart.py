@@ -152,8 +152,8 @@ def test_resume_targets_a_live_device_parks_for_a_restart_and_respects_max_retri
     a, b = (Dev(device_id=d, failure=None, taken=[], batcher=SimpleNamespace(waiting=[], running=[])) for d in ("cpu:0", "cpu:1"))
     will = {"restart": True}
     node = SimpleNamespace(config=NodeConfig(max_retries=1), engines=[a, b], metrics=SimpleNamespace(
-        kv_recomputes=SimpleNamespace(inc=lambda: None)), supervisor=SimpleNamespace(will_restart=lambda e: will["restart"]),
-        least_loaded=lambda ids: [e for e in (a, b) if e.device_id in ids][0])
+        kv_recomputes=SimpleNamespace(inc=lambda: None)), least_loaded=lambda ids: [e for e in (a, b) if e.device_id in ids][0])
+    supervisor = SimpleNamespace(will_restart=lambda e: will["restart"], restart_listeners=[], left_down_listeners=[])
     tok = TextTokenizer.from_folder(STORIES)
     case = CASES[0]
 
@@ -167,7 +167,8 @@ def test_resume_targets_a_live_device_parks_for_a_restart_and_respects_max_retri
     def errors(req):  # (status, code) of the error deltas pushed to the request's stream
         return [(d.error_status, d.error_code) for d in req.stream._items if d.error]
 
-    r = Resumer(node)
+    r = Resumer(node, supervisor)
+    assert a.orphan_listener == r.orphaned and supervisor.restart_listeners == [r.restarted]
     a.failure = "engine process of cpu:0 was killed by signal 9"
     req = request("r1")
     r.orphaned(a, req, 0)  # cpu:1 is up: it takes the sequence, to recompute from the start

@@ -35,16 +35,13 @@ import time
 from collections import deque
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import structlog
 
-from node.config import group_id
+from node.config import NodeConfig, group_id
+from node.runtime.engine import DeviceEngine
 from node.worker.engine_group import launch_engine
-
-if TYPE_CHECKING:
-    from node.runtime.engine import DeviceEngine
-    from node.runtime.node import Node
 
 log = structlog.get_logger("shiftnode.engine_supervisor")
 
@@ -68,24 +65,25 @@ class EngineSupervisor:
     """Restarts the node's dead engines (see the module docstring).
 
     Args:
-        node: the node; its config gives ``engine_restart_max`` (K) and ``engine_restart_window_s`` (W).
+        config: the node's; gives ``engine_restart_max`` (K) and ``engine_restart_window_s`` (W).
+        engines: the node's devices (one per group of ``config.device_groups()``).
         clock: monotonic seconds.
     """
 
-    def __init__(self, node: "Node", clock: Callable[[], float] = time.monotonic):
-        self.node = node
+    def __init__(self, config: NodeConfig, engines: list[DeviceEngine], clock: Callable[[], float] = time.monotonic):
+        self.config = config
         self.clock = clock
-        self.max = node.config.engine_restart_max
-        self.window_s = node.config.engine_restart_window_s
-        self.devices = {group_id(g): g for g in node.config.device_groups()}
+        self.max = config.engine_restart_max
+        self.window_s = config.engine_restart_window_s
+        self.devices = {group_id(g): g for g in config.device_groups()}
         self.outages: dict[str, Outage] = {}  # device id → its current outage (none while it is up)
         self.total: dict[str, int] = {}  # device id → restarts attempted since the node started
         self._recent: dict[str, deque[float]] = {}  # device id → start times of its restarts within the window
         self._tasks: dict[str, asyncio.Task] = {}
-        self.restart_listeners: list[Callable[["DeviceEngine"], None]] = []  # called once a device serves again
-        self.left_down_listeners: list[Callable[["DeviceEngine"], None]] = []  # called when a device is given up
+        self.restart_listeners: list[Callable[[DeviceEngine], None]] = []  # called once a device serves again
+        self.left_down_listeners: list[Callable[[DeviceEngine], None]] = []  # called when a device is given up
         self.closed = False
-        for e in node.engines:
+        for e in engines:
             e.down_listeners.append(self._on_down)
 
     # --- decisions --------------------------------------------------------------------------------
@@ -96,9 +94,9 @@ class EngineSupervisor:
             q.popleft()
         return q
 
-    def why_not(self, engine: "DeviceEngine") -> str | None:
+    def why_not(self, engine: DeviceEngine) -> str | None:
         """Why ``engine``'s device, now down, would not be restarted; None when it will be."""
-        cfg = self.node.config
+        cfg = self.config
         if self.closed:
             return "the node is stopping"
         if cfg.engine_layout == "thread":
@@ -113,12 +111,12 @@ class EngineSupervisor:
                     f"(--engine-restart-max {self.max}, --engine-restart-window-s {self.window_s:g})")
         return None
 
-    def will_restart(self, engine: "DeviceEngine") -> bool:
+    def will_restart(self, engine: DeviceEngine) -> bool:
         """Whether ``engine``'s device, now down, is to be started again (sequences may wait for it)."""
         return self.why_not(engine) is None
 
     # --- restarts ---------------------------------------------------------------------------------
-    def _on_down(self, engine: "DeviceEngine") -> None:
+    def _on_down(self, engine: DeviceEngine) -> None:
         """A device went down: plan its restart after the backoff, or leave it down and say why."""
         d = engine.device_id
         now = self.clock()
@@ -137,7 +135,7 @@ class EngineSupervisor:
                     attempt=len(self.recent(d)) + 1, of=self.max)
         self._tasks[d] = asyncio.get_running_loop().create_task(self._restart(engine, delay), name=f"restart-{d}")
 
-    async def _restart(self, engine: "DeviceEngine", delay_s: float) -> None:
+    async def _restart(self, engine: DeviceEngine, delay_s: float) -> None:
         d = engine.device_id
         loop = asyncio.get_running_loop()
         await asyncio.sleep(delay_s)
@@ -149,7 +147,7 @@ class EngineSupervisor:
         runner = None
         try:
             await engine.stop_runner()  # the dead processes reaped, their sockets closed
-            runner = await loop.run_in_executor(None, launch_engine, self.node.config, self.devices[d], "spawn")
+            runner = await loop.run_in_executor(None, launch_engine, self.config, self.devices[d], "spawn")
             await loop.run_in_executor(None, runner.wait_ready)
             runner.attach(loop)
             await engine.revive(runner)
@@ -171,7 +169,7 @@ class EngineSupervisor:
         log.warning("engine_restarted", device=d, pid=engine.runner.pid, down_s=round(self.clock() - out.since_s, 3))
         self._notify(self.restart_listeners, engine)
 
-    def _notify(self, listeners: list[Callable], engine: "DeviceEngine") -> None:
+    def _notify(self, listeners: list[Callable], engine: DeviceEngine) -> None:
         for listener in listeners:
             try:
                 listener(engine)

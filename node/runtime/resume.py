@@ -23,15 +23,12 @@ generator state died with it), as after a preemption.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import structlog
 
+from node.runtime.engine import DeviceEngine
+from node.runtime.engine_supervisor import EngineSupervisor
+from node.runtime.interfaces import DriverHost
 from node.runtime.request import RequestState
-
-if TYPE_CHECKING:
-    from node.runtime.engine import DeviceEngine
-    from node.runtime.node import Node
 
 log = structlog.get_logger("shiftnode.resume")
 
@@ -41,17 +38,26 @@ RETRY_AFTER_S = 1.0
 class Resumer:
     """Resumes the sequences of dead devices (see the module docstring); one per node.
 
-    Install :meth:`orphaned` as each engine's ``orphan_listener`` and :meth:`restarted` /
-    :meth:`left_down` as the supervisor's listeners (the node does).
+    Args:
+        node: the node's engines, config and metrics (``kv_recomputes`` counts each resume).
+        supervisor: says whether a dead device will be restarted, and when it serves again.
+
+    It installs :meth:`orphaned` as each engine's ``orphan_listener`` and :meth:`restarted` and
+    :meth:`left_down` as the supervisor's listeners.
     """
 
-    def __init__(self, node: "Node"):
+    def __init__(self, node: DriverHost, supervisor: EngineSupervisor):
         self.node = node
+        self.supervisor = supervisor
         self.retries: dict[str, int] = {}  # sequence id → resumes so far
         self.parked: dict[str, list[tuple[RequestState, int]]] = {}  # device id → sequences waiting for its restart
         self.resumed = 0  # sequences resumed (queued on another device, or parked)
+        for e in node.engines:
+            e.orphan_listener = self.orphaned
+        supervisor.restart_listeners.append(self.restarted)
+        supervisor.left_down_listeners.append(self.left_down)
 
-    def orphaned(self, engine: "DeviceEngine", req: RequestState, index: int) -> None:
+    def orphaned(self, engine: DeviceEngine, req: RequestState, index: int) -> None:
         """Choice ``index`` of ``req`` was on ``engine``, whose engine process died; it holds nothing
         there any more (its blocks were freed, its in-flight placeholders dropped). Resume it on a
         live device, park it for the restart, or end it with 503 ``engine_down``."""
@@ -65,8 +71,7 @@ class Resumer:
             self._fail(req, index, f"{reason} (gave up after {n - 1} resumes, --max-retries {max_retries})")
             return
         target = self._live_target(engine)
-        supervisor = getattr(self.node, "supervisor", None)
-        if target is None and not (supervisor is not None and supervisor.will_restart(engine)):
+        if target is None and not self.supervisor.will_restart(engine):
             self._fail(req, index, f"{reason} (no other device is up, and it will not be restarted)")
             return
         seq.num_computed, seq.num_registered, seq.block_ids = 0, 0, []
@@ -80,7 +85,7 @@ class Resumer:
         else:
             self.parked.setdefault(engine.device_id, []).append((req, index))
 
-    def _live_target(self, dead: "DeviceEngine") -> "DeviceEngine | None":
+    def _live_target(self, dead: DeviceEngine) -> DeviceEngine | None:
         """Where a sequence of ``dead`` is prefilled again: pooled, the live prefill device with the least
         queued prompt work, else a live decode device; other modes, the least loaded live device."""
         node = self.node
@@ -93,14 +98,14 @@ class Resumer:
             return min(live, key=lambda e: sum(s.num_uncomputed for s in e.batcher.waiting))
         return node.least_loaded([e.device_id for e in live])
 
-    def restarted(self, engine: "DeviceEngine") -> None:
+    def restarted(self, engine: DeviceEngine) -> None:
         """``engine``'s device serves again: queue the sequences parked for it (those still wanted)."""
         for req, index in self.parked.pop(engine.device_id, []):
             if not (req.cancelled or req.finished[index]):
                 engine.add_seq(req, index)
         engine.wake()
 
-    def left_down(self, engine: "DeviceEngine") -> None:
+    def left_down(self, engine: DeviceEngine) -> None:
         """``engine``'s device will not come back: the sequences parked for it go to a live device if
         one is up now, else end with 503 ``engine_down``."""
         for req, index in self.parked.pop(engine.device_id, []):
