@@ -97,7 +97,8 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--link-gbps", type=float, default=None,
                    help="throttle KV moved between devices to this many Gb/s (emulates an interconnect)")
     g.add_argument("--max-retries", type=int, default=2,
-                   help="recompute a request whose KV hand-off to a peer failed up to this many times, then fail it")
+                   help="recompute a sequence whose KV hand-off to a peer failed, or whose device's engine died, up "
+                        "to this many times each, then fail it")
     g.add_argument("--imbalance-threshold", type=float, default=None,
                    help="time-shared fallback: move decoding sequences to another device when a prefill window would "
                         "make them miss --tpot-slo-ms, or when the slowest decoding device's estimated step exceeds "

@@ -198,3 +198,52 @@ def test_resume_targets_a_live_device_parks_for_a_restart_and_respects_max_retri
     assert errors(nowhere) == [(503, "engine_down")] and "will not be restarted" in nowhere.stream._items[0].error
     r.forget(req)
     assert "r1-0" not in r.retries
+
+
+def test_restart_backoff_doubles_a_crash_loop_is_left_down_and_the_window_forgets():
+    """The supervisor's plan on a stand-in device and clock: restarts 1 s, 2 s, 4 s after each death
+    within the window; the death after --engine-restart-max restarts is left down (and said so); once
+    the window has passed the old restarts no longer count; what /health says at each point."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from node.config import NodeConfig
+    from node.runtime.engine_supervisor import EngineSupervisor
+
+    now = [1000.0]
+    dev = SimpleNamespace(device_id="cpu:0", failure=None, engine_died=True, down_listeners=[])
+    sup = EngineSupervisor(NodeConfig(engine_restart_max=3, engine_restart_window_s=100), [dev], clock=lambda: now[0])
+    planned = []
+
+    async def restart(engine, delay_s):  # instead of launching an engine: restarted at once, on the stand-in clock
+        planned.append(delay_s)
+        sup.recent(engine.device_id).append(now[0])
+        sup.outages.pop(engine.device_id)
+
+    sup._restart = restart
+    left = []
+    sup.left_down_listeners.append(left.append)
+
+    async def die(reason="killed"):
+        dev.failure = reason
+        [listener(dev) for listener in dev.down_listeners]
+        described = sup.describe("cpu:0", now[0])
+        await asyncio.sleep(0)  # the planned restart runs
+        return described
+
+    async def go():
+        said = [await die() for _ in range(3)]
+        assert planned == [1.0, 2.0, 4.0] and left == []
+        assert said == ["down for 0.0 s; restart 1 of 3 in 1.0 s", "down for 0.0 s; restart 2 of 3 in 2.0 s",
+                        "down for 0.0 s; restart 3 of 3 in 4.0 s"]
+        now[0] += 10
+        assert (await die("again")).endswith("left down: crash loop, restarted 3 times within 100 s "
+                                             "(--engine-restart-max 3, --engine-restart-window-s 100)")
+        assert left == [dev] and sup.status("cpu:0", now[0])["outage"]["state"] == "left_down"
+        now[0] += 100  # the three restarts are out of the window: the next death is restarted again
+        sup.outages.clear()
+        assert (await die()) == "down for 0.0 s; restart 1 of 3 in 1.0 s" and planned[-1] == 1.0
+        dev.engine_died = False  # a step loop that ended in the node's own code is not restarted
+        assert "not restarted: its step loop ended in the node's own code" in await die()
+
+    asyncio.run(go())

@@ -11,8 +11,9 @@ when it died were never streamed and are computed again.
 A live device is one whose engine is up: in pooled mode a prefill device (the pooled driver then
 hands the sequence to a decode device as after any prefill), else a decode device; in the other
 modes the least loaded device. With none up and the dead device's restart planned
-(:mod:`node.runtime.engine_supervisor`), the sequence waits for it (*parked*) and is queued there once
-it serves again; if it is left down instead, the sequence ends with an error. Each resume counts
+(:mod:`node.runtime.engine_supervisor`), the sequence waits for it (*parked*) and is queued on the
+first device that serves again; if it is left down instead, the sequence goes to a device up by then,
+or ends with an error. Each resume counts
 against ``--max-retries`` (per sequence, apart from the count of failed peer hand-offs); past it the
 choice ends with 503 ``engine_down``. A request whose client left, or that ended meanwhile (its
 deadline), is not resumed.
@@ -99,10 +100,13 @@ class Resumer:
         return node.least_loaded([e.device_id for e in live])
 
     def restarted(self, engine: DeviceEngine) -> None:
-        """``engine``'s device serves again: queue the sequences parked for it (those still wanted)."""
-        for req, index in self.parked.pop(engine.device_id, []):
-            if not (req.cancelled or req.finished[index]):
-                engine.add_seq(req, index)
+        """``engine``'s device serves again: queue there the sequences still wanted that were parked,
+        for it or for any other device (the first device back takes them all)."""
+        parked, self.parked = self.parked, {}
+        for entries in parked.values():
+            for req, index in entries:
+                if not (req.cancelled or req.finished[index]):
+                    engine.add_seq(req, index)
         engine.wake()
 
     def left_down(self, engine: DeviceEngine) -> None:
