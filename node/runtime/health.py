@@ -7,6 +7,10 @@ A device is *stalled* when its oldest step in flight was sent :data:`STALLED_STE
 come back: its engine lives but does not answer (a kernel that never returns), so nothing else would
 mark it down. With overlapped steps a step is sent while the one before it runs, so the age counts
 that wait too: the test is "the last two steps took that long together".
+
+A down device's reason says what happens next when the node has a restart supervisor
+(:meth:`EngineSupervisor.describe <node.runtime.engine_supervisor.EngineSupervisor.describe>`): how long
+it has been down, and when its restart comes, that it is restarting now, or why it is left down.
 """
 
 from __future__ import annotations

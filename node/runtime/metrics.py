@@ -62,7 +62,7 @@ class NodeMetrics:
                                      "layout, config, weights, tokenizer, fingerprint) and direction (outbound: "
                                      "to a peer of ours; inbound: to our KV port)", ["reason", "direction"], registry=r)
         self.kv_recomputes = Counter("shiftnode_kv_recomputes", "Sequences recomputed here after their KV was lost "
-                                     "on a peer (relay broken after the commit)", registry=r)
+                                     "on a peer (relay broken after the commit) or with a dead engine (resumed)", registry=r)
         self.kv_timeouts = Counter("shiftnode_kv_timeouts", "KV transfer waits that timed out, by stage (connect, "
                                    "handshake, accept, stall, commit, relay, status, idle) and side", ["stage", "side"],
                                    registry=r)
