@@ -247,3 +247,26 @@ def test_restart_backoff_doubles_a_crash_loop_is_left_down_and_the_window_forget
         assert "not restarted: its step loop ended in the node's own code" in await die()
 
     asyncio.run(go())
+
+
+def test_pooled_streams_wait_for_their_only_decode_device_to_restart(pooled_node):
+    """The shared pooled node (prefill cpu:0, decode cpu:1): the decode engine is killed under four
+    streams. Their sequences are prefilled again on cpu:0 and wait there for cpu:1's restart (it was
+    the only decode device: they failed with 503 before), then decode there: every stream ends with
+    its exact reference. The node is left as found: both devices up, no block held."""
+    node = pooled_node
+    pid = _pids(node)["cpu:1"]
+    before = _metric(node, 'shiftnode_engine_restarts_total{device="cpu:1"}')
+
+    def kill():
+        _wait(lambda: node.status()["devices"][1]["running"] > 0)  # some stream decodes on cpu:1 now
+        os.kill(pid, signal.SIGKILL)
+        code, body = _wait(lambda: (h := node.health())[1]["status"] != "ok" and h)
+        assert code == 503 and "no decode device is up and no decode peer is ready" in body["reasons"], body
+
+    _under_streams(node, kill)
+    d = _wait(lambda: (d := node.status()["devices"][1])["failure"] is None and d)
+    assert d["engine"]["pid"] != pid and d["restart"]["outage"] is None
+    assert _metric(node, 'shiftnode_engine_restarts_total{device="cpu:1"}') == before + 1
+    node.wait_idle()
+    assert node.health() == (200, {"status": "ok"})

@@ -115,6 +115,11 @@ class EngineSupervisor:
         """Whether ``engine``'s device, now down, is to be started again (sequences may wait for it)."""
         return self.why_not(engine) is None
 
+    def coming_back(self, device_id: str) -> bool:
+        """Whether ``device_id`` is down and its restart is planned or under way (work may wait for it)."""
+        out = self.outages.get(device_id)
+        return out is not None and out.left_down is None
+
     # --- restarts ---------------------------------------------------------------------------------
     def _on_down(self, engine: DeviceEngine) -> None:
         """A device went down: plan its restart after the backoff, or leave it down and say why."""

@@ -131,6 +131,7 @@ class DriverHost(EngineSet, Protocol):
     metrics: Any  # node.runtime.metrics.NodeMetrics
     peers: PeerTable | None
     draining: bool
+    supervisor: Any  # node.runtime.engine_supervisor.EngineSupervisor: coming_back(device_id)
 
 
 class StateSource(EngineSet, Protocol):
