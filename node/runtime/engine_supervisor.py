@@ -31,6 +31,7 @@ by a bug in the node's own code leaves the device down, since a new engine would
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections import deque
 from contextlib import suppress
@@ -47,6 +48,15 @@ log = structlog.get_logger("shiftnode.engine_supervisor")
 
 BACKOFF_S = 1.0  # wait before a device's first restart within the window (s); doubles with each further one
 BACKOFF_MAX_S = 60.0  # the longest wait between restarts (s)
+
+
+def _drop_pool(runner) -> None:
+    """Drop this process's mapping of a dead engine's KV pool (each rank's, for a group) before a new
+    engine allocates its own: a GPU frees the dead process's memory only once no process maps it."""
+    for handle in getattr(runner, "ranks", None) or [runner]:
+        if getattr(handle, "kv_cache", None) is not None:
+            handle.kv_cache = None
+    gc.collect()
 
 
 @dataclass
@@ -152,6 +162,7 @@ class EngineSupervisor:
         runner = None
         try:
             await engine.stop_runner()  # the dead processes reaped, their sockets closed
+            _drop_pool(engine.runner)
             runner = await loop.run_in_executor(None, launch_engine, self.config, self.devices[d], "spawn")
             await loop.run_in_executor(None, runner.wait_ready)
             runner.attach(loop)
