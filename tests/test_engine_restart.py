@@ -270,3 +270,23 @@ def test_pooled_streams_wait_for_their_only_decode_device_to_restart(pooled_node
     assert _metric(node, 'shiftnode_engine_restarts_total{device="cpu:1"}') == before + 1
     node.wait_idle()
     assert node.health() == (200, {"status": "ok"})
+
+
+def test_the_restart_flags_default_to_5_in_600_s_and_bad_values_are_refused():
+    import argparse
+
+    import pytest
+
+    from node.cli import config_from_args, serve_parser
+    from node.config import ConfigError
+
+    parser = argparse.ArgumentParser()
+    serve_parser(parser.add_subparsers(dest="command"))
+    parse = lambda *a: config_from_args(parser.parse_args(["serve", *a]))  # noqa: E731
+    c = parse()
+    assert (c.engine_restart_max, c.engine_restart_window_s) == (5, 600.0)
+    parse("--engine-restart-max", "0").validate()  # 0: never restart
+    with pytest.raises(ConfigError, match="--engine-restart-max must be at least 0"):
+        parse("--engine-restart-max", "-1").validate()
+    with pytest.raises(ConfigError, match="--engine-restart-window-s must be positive"):
+        parse("--engine-restart-window-s", "0").validate()
