@@ -236,6 +236,11 @@ def test_restart_backoff_doubles_a_crash_loop_is_left_down_and_the_window_forget
         assert planned == [1.0, 2.0, 4.0] and left == []
         assert said == ["down for 0.0 s; restart 1 of 3 in 1.0 s", "down for 0.0 s; restart 2 of 3 in 2.0 s",
                         "down for 0.0 s; restart 3 of 3 in 4.0 s"]
+        # the third restart under way: the window is full, yet the device is coming back (work waits for it)
+        from node.runtime.engine_supervisor import Outage
+        sup.outages["cpu:0"] = Outage("killed", now[0], 0.0, starting=True)
+        assert sup.will_restart(dev) and sup.coming_back("cpu:0") and "crash loop" in sup.why_not(dev)
+        sup.outages.clear()
         now[0] += 10
         assert (await die("again")).endswith("left down: crash loop, restarted 3 times within 100 s "
                                              "(--engine-restart-max 3, --engine-restart-window-s 100)")

@@ -122,8 +122,10 @@ class EngineSupervisor:
         return None
 
     def will_restart(self, engine: DeviceEngine) -> bool:
-        """Whether ``engine``'s device, now down, is to be started again (sequences may wait for it)."""
-        return self.why_not(engine) is None
+        """Whether ``engine``'s device, now down, is to be started again (work may wait for it): its
+        restart is planned or under way, or (just died, not yet planned) it is to be planned."""
+        out = self.outages.get(engine.device_id)
+        return out.left_down is None if out is not None else self.why_not(engine) is None
 
     def coming_back(self, device_id: str) -> bool:
         """Whether ``device_id`` is down and its restart is planned or under way (work may wait for it)."""
