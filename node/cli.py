@@ -70,7 +70,7 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"])
     p.add_argument("--engine-layout", default="process", choices=["process", "thread"],
                    help="process: one engine process per device (default); thread: models run in the node's process "
-                        "(debugging, and the baseline of bench/host_overhead.py)")
+                        "(debugging, and the baseline of bench/load/host_overhead.py)")
     p.add_argument("--benchmark-model", default=None, metavar="zero|sleep:MS|timed:PATH",
                    help="BENCHMARK TOOL, outputs are meaningless: replace the model by one with no weights and fixed "
                         "logits (zero: no compute; sleep:MS: each step sleeps MS ms; timed:PATH: each step takes the "

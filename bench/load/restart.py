@@ -1,6 +1,6 @@
 """Engine restart: the pause a stream sees when the engine under it is killed, and the time to restart.
 
-    python -m bench.restart [--devices 2] [--streams 4] [--model PATH]
+    python -m bench.load.restart [--devices 2] [--streams 4] [--model PATH]
 
 Starts a node on ``--devices`` CPU devices (``cpu:0,...``), streams the stories260k greedy reference
 prompts (``--streams`` of them, cycling), and once every stream has had two events sends SIGKILL to
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.node_process import NodeServer
+from bench.load.node_process import NodeServer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STORIES = REPO.parent / "shared" / "models" / "stories260k"
 
 
@@ -83,7 +83,7 @@ async def run(node: NodeServer, cases: list[dict], streams: int) -> tuple[list[d
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.restart", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.load.restart", description=__doc__.split("\n\n")[0])
     ap.add_argument("--devices", type=int, default=2, help="CPU devices of the node; cpu:0's engine is killed")
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--model", default=str(STORIES))
