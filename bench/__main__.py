@@ -69,6 +69,8 @@ GROUPS: tuple[Group, ...] = (
         Tool("load.soak", "Does a long mixed run with client aborts, a killed engine and a restarted peer leak "
                           "KV blocks, hang requests, grow memory or answer 5xx?"),
         Tool("load.fuzz", "Does any generated API request get a 5xx or hang? (the long run of the API fuzzer)"),
+        Tool("load.restart", "When an engine is killed under greedy streams, how long do they pause, do they "
+                             "end exactly, and how soon does the device serve again?"),
         Tool("load.membership", "How fast do peer sets follow a join, a kill -9 and a clean stop through etcd?"),
     ), ("load.node_process", "load.etcd_server"), frozenset({"traffic"})),
     Group("device", "one device, group or link below the serving loop: kernels, steps, switches, KV transfer", (
