@@ -66,7 +66,13 @@ class BlockLedger:
         self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced, cached: oldest release first
         self._refs = [0] * num_blocks
         self._key: list[bytes | None] = [None] * num_blocks
-        self._entries: dict[bytes, tuple[int, bytes | None, tuple[int, ...]]] = {}  # key → (block, parent, tokens)
+        self._entries: dict[bytes, int] = {}  # key → block
+        # A cached block's parent key (a reference to that block's key object) and token ids, which
+        # confirm a hit: kept per block in storage allocated once, because a tuple of token-id ints
+        # per cached block (~0.7 KB with the dict entry) grew the process by tens of MB as a large
+        # pool's cache filled up (the soak's RSS growth, issue 32).
+        self._parent: list[bytes | None] = [None] * num_blocks
+        self._tokens = array("q", bytes(8 * num_blocks * block_size)) if prefix_caching else array("q")
         self.num_evictions = 0
 
     # --- counts ---------------------------------------------------------------------------------
@@ -116,7 +122,7 @@ class BlockLedger:
             else:
                 b, _ = self._lru.popitem(last=False)
                 del self._entries[self._key[b]]
-                self._key[b] = None
+                self._key[b] = self._parent[b] = None
                 self.num_evictions += 1
             self._refs[b] = 1
             out.append(b)
@@ -183,10 +189,11 @@ class BlockLedger:
         parent = None
         for i in range(max(0, max_tokens) // bs):
             key = self.keys(token_ids, i + 1, memo)[i]
-            entry = self._entries.get(key)
-            if entry is None or entry[1] != parent or entry[2] != tuple(token_ids[i * bs : (i + 1) * bs]):
+            b = self._entries.get(key)
+            if b is None or self._parent[b] != parent or \
+                    self._tokens[b * bs : (b + 1) * bs] != array("q", token_ids[i * bs : (i + 1) * bs]):
                 break
-            out.append(entry[0])
+            out.append(b)
             parent = key
         return out
 
@@ -204,8 +211,9 @@ class BlockLedger:
             raise LedgerError(f"block {block} registered with {len(tokens)} tokens, not {self.block_size}")
         if not self.prefix_caching or self._key[block] is not None or key in self._entries:
             return False
-        self._entries[key] = (block, parent, tuple(tokens))
-        self._key[block] = key
+        self._entries[key] = block
+        self._key[block], self._parent[block] = key, parent
+        self._tokens[block * self.block_size : (block + 1) * self.block_size] = array("q", tokens)
         return True
 
     def forget(self, blocks: Seq[int]) -> None:
@@ -216,7 +224,7 @@ class BlockLedger:
             if key is None:
                 continue
             del self._entries[key]
-            self._key[b] = None
+            self._key[b] = self._parent[b] = None
             if self._refs[b] == 0:
                 del self._lru[b]
                 self._free.append(b)
@@ -243,7 +251,7 @@ class BlockLedger:
                 raise LedgerError(f"block {b} is clean but cached")
             if in_lru and key is None:
                 raise LedgerError(f"block {b} is reclaimable but not cached")
-            if key is not None and self._entries.get(key, (None,))[0] != b:
+            if key is not None and self._entries.get(key) != b:
                 raise LedgerError(f"block {b} has a key the cache index does not map to it")
         if len(self._entries) != sum(k is not None for k in self._key):
             raise LedgerError("the cache index names a block that does not carry its key")
