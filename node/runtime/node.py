@@ -37,6 +37,7 @@ from node.runtime.pooled_driver import PooledDriver
 from node.runtime.role_driver import RoleDriver
 from node.runtime.switching import DeviceRole
 from node.runtime.metrics import NodeMetrics, request_outcome
+from node.runtime.accounting import account
 from node.runtime.delta_stream import DeltaStream
 from node.runtime.output import SeqDelta
 from node.runtime.request import RequestState
@@ -119,6 +120,7 @@ class Node:
         self._started = False  # start() ran: a second call must not add a second step loop per device
         self.live: dict[str, RequestState] = {}  # request id → state, from admission until its last delta
         self.timed_out = 0  # requests ended by --request-timeout-s
+        self.api_pids: list[int] = []  # --api-processes > 1: the front ends' pids, as they become ready
         self.peers: PeerLinks | None = None
         self.receiver: KVReceiver | None = None
         self.membership: Membership | None = None  # --etcd
@@ -352,10 +354,11 @@ class Node:
             raise refusal
 
     def open_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int = 1, *,
-                     stream: DeltaStream | None = None, index0: int = 0) -> RequestState:
+                     stream: DeltaStream | None = None, index0: int = 0, detokenize: bool = True) -> RequestState:
         """Admit one request and hand it to a device or the driver; its deltas go to ``stream`` (a new
         one by default) with choice indexes from ``index0``. The caller takes them, passes each to
-        :meth:`account`, and calls :meth:`close_request` in all cases (``finally``).
+        :meth:`account`, and calls :meth:`close_request` in all cases (``finally``). ``detokenize=False``:
+        the deltas carry token ids only (an API front end makes the text: :mod:`node.api.frontend`).
 
         Raises:
             NodeDraining, EnginesDown, QueueFullError: the node takes no request now (the API's 503).
@@ -363,7 +366,7 @@ class Node:
         m = self.metrics
         self.check_admission(1)
         req = RequestState(request_id, prompt_ids, params, n, self.tokenizer, self._eos_ids(),
-                           self.max_model_len, time.monotonic(), stream=stream, index0=index0)
+                           self.max_model_len, time.monotonic(), stream=stream, index0=index0, detokenize=detokenize)
         m.prompt_tokens.inc(len(prompt_ids))
         self.live[request_id] = req
         if self.config.request_timeout_s:  # None or 0: no bound
@@ -376,25 +379,8 @@ class Node:
 
     def account(self, req: RequestState, delta: SeqDelta, now: float) -> None:
         """Count a delta of ``req`` the consumer took at ``now`` (s, monotonic): TTFT, ITL, TPOT,
-        tokens, and the choice's end."""
-        m = self.metrics
-        i = delta.index - req.index0
-        if delta.token_ids:
-            k = len(delta.token_ids)
-            if req.first_s[i] is None:
-                req.first_s[i] = now
-                if i == 0:
-                    m.ttft.observe(now - req.stats.arrival_s)
-            else:
-                m.itl.observe(now - req.last_s[i])
-            req.last_s[i] = now
-            req.tokens[i] += k
-            req.stats.output_tokens += k
-            m.generation_tokens.inc(k)
-        if delta.finish_reason or delta.error:
-            req.reasons[i] = delta.finish_reason or "error"
-            if req.tokens[i] > 1:
-                m.tpot.observe((req.last_s[i] - req.first_s[i]) / (req.tokens[i] - 1))
+        tokens, and the choice's end (:func:`~node.runtime.accounting.account`)."""
+        account(self.metrics, req, delta, now)
 
     def close_request(self, req: RequestState) -> None:
         """The consumer is done with ``req`` (every choice ended, or it gave up): cancel what still
@@ -556,6 +542,8 @@ class Node:
             "queue_depth": self.num_waiting,
             "request_timeout_s": self.config.request_timeout_s or None,  # the deadline of every request (s); null: none
             "live_requests": len(self.live),
+            # --api-processes: the front ends' pids (empty: the API runs in this process)
+            "api_processes": list(self.api_pids),
             "oldest_request_age_s": round(self.oldest_request_age_s(now), 4),
             "requests_timed_out": self.timed_out,
             "draining": self.draining,

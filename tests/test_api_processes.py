@@ -1,0 +1,160 @@
+"""``--api-processes 2``: two HTTP front ends on one port in front of the control process give the
+single-process node's answers, free a gone client's KV, merge their metrics, and end streams with an
+error when the engine dies. One node serves every check (the engine kill last)."""
+
+import os
+import re
+import signal
+import socket
+import time
+
+import httpx
+import pytest
+
+from support import STORIES, NodeProcess, reference_cases, require_shared, sse_events, stream
+
+KEY = "api-processes-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def launched():
+    """The front-end node, launched (not yet waited for: the single-process node starts meanwhile)."""
+    require_shared()
+    node = NodeProcess("--model", str(STORIES), "--api-processes", "2", "--api-key", KEY, wait=False)
+    yield node
+    node.close()
+
+
+@pytest.fixture
+def fe(launched):
+    launched.wait_up()
+    launched.client.headers.update(AUTH)
+    return launched
+
+
+def _strip(body):
+    """A response without what differs between two nodes: ids, timestamps, prefix-cache hits."""
+    if isinstance(body, dict):
+        return {k: _strip(v) for k, v in body.items() if k not in ("id", "created", "prompt_tokens_details")}
+    if isinstance(body, list):
+        return [_strip(x) for x in body]
+    return body
+
+
+def test_outputs_equal_the_single_process_nodes(launched, stories_node):
+    fe = launched.wait_up()
+    fe.client.headers.update(AUTH)
+    for case in reference_cases():  # greedy references, whole and streamed
+        body = {"prompt": case["prompt"], "max_tokens": case["max_new_tokens"], "temperature": 0, "return_token_ids": True}
+        r = fe.client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert (choice["token_ids"], choice["text"], choice["finish_reason"]) == (
+            case["output_token_ids"], case["output_text"], "length")
+        events = stream(fe.client, "/v1/completions", body)
+        assert [t for e in events[:-1] for t in e["choices"][0]["token_ids"]] == case["output_token_ids"]
+        assert "".join(e["choices"][0]["text"] for e in events[:-1]) == case["output_text"]
+    prompt = reference_cases()[1]["prompt"]
+    bodies = [  # each against the one-process node, whole and streamed, every event compared
+        ("/v1/completions", {"prompt": prompt, "max_tokens": 40, "temperature": 0, "stop": [" park"], "logprobs": 2,
+                             "echo": True, "return_token_ids": True}),
+        ("/v1/completions", {"prompt": [prompt, "The little dog"], "max_tokens": 12, "temperature": 0, "n": 2,
+                             "stop": ["dog", "."], "stream_options": {"include_usage": True}}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}], "max_tokens": 24, "temperature": 0,
+                                  "n": 2, "logprobs": True, "top_logprobs": 2, "stop": ["\n"]}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell a story"}], "max_tokens": 30,
+                                  "temperature": 0.9, "seed": 7, "min_tokens": 3, "stop": ["."]}),
+    ]
+    ends = []
+    for path, body in bodies:
+        mine, ref = fe.client.post(path, json=body), stories_node.client.post(path, json=body)
+        assert mine.status_code == ref.status_code == 200, (mine.text, ref.text)
+        assert _strip(mine.json()) == _strip(ref.json()), path
+        assert _strip(stream(fe.client, path, body)) == _strip(stream(stories_node.client, path, body)), path
+        ends += [c["finish_reason"] for c in mine.json()["choices"]]
+    assert ends.count("stop") >= 3 and "length" in ends, ends  # stop strings ended choices (the front end's ends)
+    fe.wait_idle()  # the stop-string ends (the front end's) freed their KV in the control process
+    ids = set()
+    for _ in range(40):  # new connections: the kernel spreads them over both front ends (ids name the front end)
+        r = httpx.post(fe.url + "/v1/completions", json={"prompt": "Once", "max_tokens": 1}, headers=AUTH)
+        ids.add(re.match(r"cmpl-(a\d+)-", r.json()["id"]).group(1))
+        if len(ids) == 2:
+            break
+    assert ids == {"a0", "a1"}
+    assert len(fe.status()["api_processes"]) == 2
+
+
+def _metric(text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_metrics_of_both_front_ends_are_merged_and_health_answers(fe):
+    names = ("shiftnode_generation_tokens_total", "shiftnode_time_to_first_token_seconds_count",
+             "shiftnode_inter_token_latency_seconds_count", "shiftnode_time_per_output_token_seconds_count",
+             'shiftnode_requests_total{finish_reason="length"}', 'vllm:generation_tokens_total{model_name="stories260k"}')
+    before = fe.client.get("/metrics").text
+    for k in range(4):  # on new connections, so both front ends serve some
+        body = {"prompt": "Once", "max_tokens": 7, "ignore_eos": True, "stream": k % 2 == 1}
+        r = httpx.post(fe.url + "/v1/completions", json=body, headers=AUTH)
+        assert r.status_code == 200
+    want = [28, 4, 24, 4, 4, 28]
+    deadline = time.monotonic() + 5
+    while True:  # a stream's last report may trail its [DONE] by a moment
+        after = fe.client.get("/metrics").text
+        got = [_metric(after, n) - _metric(before, n) for n in names]
+        if got == want or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert got == want, dict(zip(names, got))
+    assert fe.client.get("/v1/node").json()["latency"]["itl"]["count"] == _metric(after, names[2])
+    code, body = fe.health()
+    assert code == 200 and body["status"] == "ok"
+
+
+def test_auth_validation_and_unknown_routes_answer_as_one_process_does(fe):
+    for path in ("/v1/completions", "/v1/node"):  # handled here / forwarded to the control process
+        r = httpx.post(fe.url + path, json={"prompt": "x"}) if path.endswith("s") else httpx.get(fe.url + path)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+    r = fe.client.post("/v1/completions", json={"prompt": "x", "temperature": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
+    r = fe.client.post("/v1/chat/completions", content=b"{", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = fe.client.get("/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    assert fe.client.get("/v1/models").json()["data"][0]["id"] == "stories260k"
+
+
+def test_a_client_leaving_mid_stream_frees_its_kv(fe):
+    body = b'{"prompt": "Once", "max_tokens": 400, "ignore_eos": true, "stream": true}'
+    s = socket.create_connection(("127.0.0.1", fe.port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    got = b""
+    while got.count(b"data: ") < 3:
+        got += s.recv(65536)
+    assert fe.status()["devices"][0]["kv_blocks_used"] > 0  # it runs
+    s.close()
+    st = fe.wait_idle()
+    assert st["live_requests"] == 0
+
+
+def test_an_engine_killed_mid_stream_ends_the_stream_with_an_error(fe):
+    """Last: the node has no device afterwards."""
+    pid = fe.status()["devices"][0]["engine"]["pid"]
+    lines = []
+    with fe.client.stream("POST", "/v1/completions", json={"prompt": "Once", "max_tokens": 400, "stream": True,
+                                                             "ignore_eos": True}) as r:
+        for line in r.iter_lines():
+            lines.append(line)
+            if sum(x.startswith("data: ") for x in lines) == 3:
+                os.kill(pid, signal.SIGKILL)
+    events = sse_events(lines)
+    assert events[-2]["error"]["code"] == "engine_down", events[-3:]
+    r = fe.client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_down", r.text
+    assert int(r.headers["Retry-After"]) >= 1
+    assert fe.health()[0] == 503
+    device = fe.status()["devices"][0]
+    assert device["kv_blocks_used"] == 0 and fe.status()["live_requests"] == 0
