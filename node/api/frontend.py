@@ -35,7 +35,7 @@ from aiohttp import web
 from node.api.app import GC_THRESHOLDS, auth_middleware, errors_middleware
 from node.api.errors import error_response
 from node.api.frontend_node import FrontNode
-from node.api.link_protocol import Admitted, FrameReader, Ready, Step, frame
+from node.api.link_protocol import Admitted, FrameReader, FrameWriter, Ready, Step, frame
 from node.api.openai import NODE_KEY, chat_completions, completions
 from node.config import NodeConfig
 
@@ -46,12 +46,13 @@ _HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", 
 SESSION_KEY = web.AppKey("control_session", aiohttp.ClientSession)
 
 
-class ControlLink(asyncio.Protocol):
-    """The front end's end of its link: frames from the control process go to the :class:`FrontNode`."""
+class ControlLink(FrameWriter, asyncio.Protocol):
+    """The front end's end of its link: frames from the control process go to the :class:`FrontNode`;
+    its own (opens, closes, metrics) leave once per loop iteration, together."""
 
     def __init__(self):
+        super().__init__()
         self.reader = FrameReader()
-        self.transport: asyncio.Transport | None = None
         self.front: FrontNode | None = None
         self.closed = asyncio.get_running_loop().create_future()
 
@@ -64,10 +65,6 @@ class ControlLink(asyncio.Protocol):
                 self.front.on_step(m)
             elif type(m) is Admitted:
                 self.front.on_admitted(m)
-
-    def send(self, data: bytes) -> None:
-        if not self.transport.is_closing():
-            self.transport.write(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.front is not None:

@@ -8,9 +8,11 @@ end's latency metrics to the node's.
 
 Deltas leave in one :class:`~node.api.link_protocol.Step` frame per front end per step: a request's
 stream here is a :class:`_Sink` whose ``push`` appends to its link's batch, and the first push after
-a send schedules one ``loop.call_soon`` that encodes and writes the whole batch once the step's
-post-processing has pushed everything. The control loop's work per token is one small struct and
-its msgpack encoding.
+a write schedules one ``loop.call_soon`` that encodes the whole batch once the step's
+post-processing has pushed everything and writes it with the admissions answered meanwhile, in one
+system call (:class:`~node.api.link_protocol.FrameWriter`). The control loop's work per token is one small struct
+(:class:`~node.runtime.token_output.TokenDelta`, made by the sequence's output state) and its msgpack
+encoding.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ import structlog
 from aiohttp import web
 
 from node.api.frontend_metrics import apply
-from node.api.link_protocol import Admitted, Close, FrameReader, MetricsDelta, Open, Ready, Step, WireDelta, frame, wire_delta
-from node.runtime.node import EnginesDown, Node, NodeDraining, QueueFullError
+from node.api.link_protocol import Admitted, Close, FrameReader, FrameWriter, MetricsDelta, Open, Ready, Step, frame
+from node.runtime.admission import EnginesDown, NodeDraining, QueueFullError
+from node.runtime.interfaces import ApiNode
 from node.runtime.output import SeqDelta
 from node.runtime.request import RequestState
+from node.runtime.token_output import TokenDelta
 
 log = structlog.get_logger("shiftnode.api")
 
@@ -50,23 +54,24 @@ class _Sink:
         self.link = link
         self.key = key
 
-    def push(self, delta: SeqDelta) -> None:
-        self.link.push(wire_delta(self.key, delta))
+    def push(self, delta: TokenDelta | SeqDelta) -> None:
+        if type(delta) is not TokenDelta:  # an error made by RequestState.fail
+            delta = TokenDelta.of(self.key, delta)
+        delta.key = self.key
+        self.link.push(delta)
 
 
-class FrontendLink(asyncio.Protocol):
+class FrontendLink(FrameWriter, asyncio.Protocol):
     """One front end's connection (the control side)."""
 
-    def __init__(self, node: Node, server: "LinkServer"):
+    def __init__(self, node: ApiNode, server: "LinkServer"):
+        super().__init__()
         self.node = node
         self.server = server
         self.reader = FrameReader()
-        self.transport: asyncio.Transport | None = None
         self.reqs: dict[int, RequestState] = {}  # the front end's key → the request
-        self.pending: list[WireDelta] = []
-        self.scheduled = False
+        self.pending: list[TokenDelta] = []
         self.pid: int | None = None
-        self.loop = asyncio.get_running_loop()
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
@@ -105,6 +110,7 @@ class FrontendLink(asyncio.Protocol):
             for job in m.jobs:
                 req = node.open_request(job.request_id, job.prompt_ids, job.params, job.n, stream=_Sink(self, job.key),
                                         index0=job.index0, detokenize=False)
+                req.log_line = False  # the front end logs it, off this loop
                 opened.append(req)
                 self.reqs[job.key] = req
         except QueueFullError as e:
@@ -127,23 +133,16 @@ class FrontendLink(asyncio.Protocol):
             req.first_s[0] = req.stats.arrival_s + m.ttft_s
         self.node.close_request(req)
 
-    def push(self, wd: WireDelta) -> None:
+    def push(self, wd: TokenDelta) -> None:
         self.pending.append(wd)
-        if not self.scheduled:
-            self.scheduled = True
-            self.loop.call_soon(self.flush)
+        self.schedule()
 
-    def flush(self) -> None:
-        """Send every delta pushed since the last flush as one frame."""
-        self.scheduled = False
+    def last_frame(self) -> bytes | None:
+        """Every delta pushed since the last flush, as one :class:`Step` (after any :class:`Admitted`)."""
+        if not self.pending:
+            return None
         items, self.pending = self.pending, []
-        if items:
-            self.send(frame(Step(items)))
-
-    def send(self, data: bytes) -> None:
-        t = self.transport
-        if t is not None and not t.is_closing():
-            t.write(data)
+        return frame(Step(items))
 
     def connection_lost(self, exc: Exception | None) -> None:
         """The front end is gone (exited, or the node is closing): its requests end, their KV is freed."""
@@ -164,7 +163,7 @@ class LinkServer:
         expected: how many front ends will connect (logged as ready once all listen).
     """
 
-    def __init__(self, node: Node, path: str, expected: int):
+    def __init__(self, node: ApiNode, path: str, expected: int):
         self.node = node
         self.path = path
         self.expected = expected

@@ -15,17 +15,19 @@ import asyncio
 import itertools
 import os
 import time
+from contextlib import suppress
 
 import structlog
 
 from node.api.frontend_metrics import REPORT_S, FrontendMetrics
-from node.api.link_protocol import Admitted, Close, Job, Open, Step, WireDelta, frame
+from node.api.link_protocol import Admitted, Close, Job, Open, Step, frame
 from node.config import NodeConfig
 from node.core.sequence import SamplingParams, Sequence
 from node.runtime.accounting import account
-from node.runtime.node import EnginesDown, NodeDraining, QueueFullError
+from node.runtime.admission import EnginesDown, NodeDraining, QueueFullError
 from node.runtime.output import OutputState, SeqDelta
 from node.runtime.request import RequestStats
+from node.runtime.token_output import TokenDelta
 from node.worker.loader import LoadedModel
 
 log = structlog.get_logger("shiftnode.frontend")
@@ -38,7 +40,7 @@ class FrontRequest:
     fields :func:`~node.runtime.accounting.account` keeps, and per choice the text state."""
 
     __slots__ = ("key", "request_id", "stream", "index0", "seqs", "outputs", "ended", "reasons", "first_s",
-                 "last_s", "tokens", "stats")
+                 "last_s", "tokens", "stats", "device")
 
     def __init__(self, key: int, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int,
                  stream, index0: int, eos: list[int], tokenizer, max_model_len: int, now_s: float):
@@ -55,8 +57,9 @@ class FrontRequest:
         self.last_s = [0.0] * n
         self.tokens = [0] * n
         self.stats = RequestStats(arrival_s=now_s, prompt_tokens=len(prompt_ids))
+        self.device: str | None = None  # where choice 0 runs, as its first token says
 
-    def on_wire(self, wd: WireDelta) -> None:
+    def on_wire(self, wd: TokenDelta) -> None:
         """Turn the control loop's delta into the client's (text added, a stop string's end applied)
         and push it to the request's stream."""
         i = wd.index - self.index0
@@ -67,6 +70,8 @@ class FrontRequest:
             self.stream.push(SeqDelta(wd.index, error=wd.error, error_status=wd.error_status,
                                       error_code=wd.error_code, retry_after_s=wd.retry_after_s))
             return
+        if wd.device is not None and i == 0:
+            self.device = wd.device
         seq, out = self.seqs[i], self.outputs[i]
         text = ""
         ids = wd.token_ids
@@ -163,6 +168,13 @@ class FrontNode:
         first = req.first_s[0]
         self._send(frame(Close(req.key, req.reasons, req.tokens,
                                None if first is None else first - req.stats.arrival_s)))
+        s = req.stats
+        reasons = [r or "abort" for r in req.reasons]
+        with suppress(Exception):  # the line Node.close_request writes in the one-process layout
+            log.info("request", request_id=req.request_id, device=req.device, prompt_tokens=s.prompt_tokens,
+                     output_tokens=s.output_tokens, n=len(reasons), finish_reason=reasons[0] if len(reasons) == 1 else reasons,
+                     ttft_ms=None if first is None else round((first - s.arrival_s) * 1e3, 2),
+                     total_ms=round((time.monotonic() - s.arrival_s) * 1e3, 2))
 
     def report(self) -> None:
         """Send the metrics accrued since the last report (nothing if none)."""
@@ -196,5 +208,5 @@ class FrontNode:
         for r in list(self.requests.values()):
             for i, ended in enumerate(r.ended):
                 if not ended:
-                    r.on_wire(WireDelta(r.key, i + r.index0, [], error=why, error_status=503, error_code="engine_down",
+                    r.on_wire(TokenDelta(r.key, i + r.index0, [], error=why, error_status=503, error_code="engine_down",
                                         retry_after_s=1.0))

@@ -12,41 +12,16 @@ Control → front end: :class:`Admitted`, :class:`Step`.
 
 from __future__ import annotations
 
+import asyncio
 import struct
 from typing import Union
 
 import msgspec
 
 from node.core.sequence import SamplingParams
-from node.runtime.output import SeqDelta
-from node.worker.sample_request import TokenLogprobs
+from node.runtime.token_output import TokenDelta
 
 HEADER = struct.Struct(">I")
-
-
-class WireDelta(msgspec.Struct, array_like=True, omit_defaults=True):
-    """A :class:`SeqDelta` of engine request ``key`` without text (the front end makes the text).
-    Trailing defaults are left off the wire: a plain token is ``[key, index, [id]]``."""
-
-    key: int
-    index: int
-    token_ids: list[int]
-    finish_reason: str | None = None
-    cached_tokens: int | None = None
-    logprobs: list[TokenLogprobs] = []
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-    error: str | None = None
-    error_status: int = 500
-    error_code: str | None = "internal_error"
-    retry_after_s: float | None = None
-
-
-def wire_delta(key: int, d: SeqDelta) -> WireDelta:
-    """``d`` (a control-side delta: no text) as it travels to the front end."""
-    if d.error is None and not d.logprobs and d.prompt_logprobs is None:
-        return WireDelta(key, d.index, d.token_ids, d.finish_reason, d.cached_tokens)
-    return WireDelta(key, d.index, d.token_ids, d.finish_reason, d.cached_tokens, d.logprobs, d.prompt_logprobs,
-                     d.error, d.error_status, d.error_code, d.retry_after_s)
 
 
 class Job(msgspec.Struct, array_like=True):
@@ -90,7 +65,7 @@ class Close(msgspec.Struct, tag=True, array_like=True):
 class Step(msgspec.Struct, tag=True, array_like=True):
     """Every delta one step produced for the requests of one front end."""
 
-    deltas: list[WireDelta]
+    deltas: list[TokenDelta]
 
 
 class HistogramDelta(msgspec.Struct, array_like=True):
@@ -151,3 +126,43 @@ class FrameReader:
         if pos:
             del buf[:pos]
         return out
+
+
+class FrameWriter:
+    """Frames written together once per event-loop iteration: one system call, and one wake-up of the
+    process at the other end, for everything a step or a burst of requests produced. Subclasses add
+    their own last frame (:meth:`last_frame`) at the flush."""
+
+    def __init__(self):
+        self.transport: asyncio.Transport | None = None
+        self._frames: list[bytes] = []
+        self._scheduled = False
+        self._loop = asyncio.get_running_loop()
+
+    def send(self, data: bytes) -> None:
+        """Queue one frame (see :func:`frame`) for this iteration's write."""
+        self._frames.append(data)
+        self.schedule()
+
+    def schedule(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self.flush)
+
+    def last_frame(self) -> bytes | None:
+        """A frame to append at the flush (after the queued ones), or None."""
+        return None
+
+    def flush(self) -> None:
+        """Write what was queued, in order, in one write (nothing once the connection is closing)."""
+        self._scheduled = False
+        last = self.last_frame()
+        if last is not None:
+            self._frames.append(last)
+        if not self._frames:
+            return
+        data = b"".join(self._frames) if len(self._frames) > 1 else self._frames[0]
+        self._frames.clear()
+        t = self.transport
+        if t is not None and not t.is_closing():
+            t.write(data)

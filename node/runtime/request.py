@@ -65,6 +65,7 @@ class RequestState:
         self.last_s: list[float] = [0.0] * n
         self.tokens = [0] * n
         self.timer = None  # the --request-timeout-s handle
+        self.log_line = True  # close_request logs the request (False: its API front end does)
 
     @property
     def done(self) -> bool:

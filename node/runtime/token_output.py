@@ -11,9 +11,38 @@ by the abort that follows), as vLLM's front end does.
 
 from __future__ import annotations
 
+import msgspec
+
 from node.core.sequence import Sequence
 from node.runtime.output import SeqDelta
 from node.worker.sample_request import TokenLogprobs
+
+
+class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A :class:`~node.runtime.output.SeqDelta` without text, as the control loop makes it and as it
+    travels to the front end of engine request ``key`` (set by the request's sink): the same
+    attribute names, so the engine, the hand-offs and ``RequestState.emit`` treat both alike. A
+    struct is about half the cost of the dataclass to create, and it is encoded as is (trailing
+    defaults left off: a plain token is ``[key, index, [id]]``)."""
+
+    key: int
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None = None
+    cached_tokens: int | None = None
+    logprobs: list[TokenLogprobs] = []
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    error: str | None = None
+    error_status: int = 500
+    error_code: str | None = "internal_error"
+    retry_after_s: float | None = None
+    device: str | None = None  # on a choice's first token: the device it runs on (the front end's log line)
+
+    @classmethod
+    def of(cls, key: int, d: SeqDelta) -> "TokenDelta":
+        """A :class:`SeqDelta` made elsewhere (an error: ``RequestState.fail``) as a token delta."""
+        return cls(key, d.index, d.token_ids, d.finish_reason, d.cached_tokens, d.logprobs, d.prompt_logprobs,
+                   d.error, d.error_status, d.error_code, d.retry_after_s)
 
 
 class TokenOutputState:
@@ -34,15 +63,16 @@ class TokenOutputState:
     def replay(self, output_ids: list[int]) -> None:
         """Tokens produced elsewhere: nothing to rebuild (no text is kept here)."""
 
-    def on_token(self, token_id: int, logprobs: TokenLogprobs | None, position: int | None = None) -> SeqDelta:
-        """The delta of a token at ``position`` (default: the last of ``seq.token_ids``), text empty."""
+    def on_token(self, token_id: int, logprobs: TokenLogprobs | None, position: int | None = None) -> TokenDelta:
+        """The delta of a token at ``position`` (default: the last of ``seq.token_ids``), no text."""
         seq, p = self.seq, self.seq.params
         length_so_far = len(seq.token_ids) if position is None else position + 1
         num_output = length_so_far - seq.prompt_len
-        delta = SeqDelta(seq.index, "", [token_id], [logprobs] if logprobs else [])
         if ((token_id in self.eos and not p.ignore_eos) or token_id in p.stop_token_ids) and num_output > p.min_tokens - 1:
             self.finish_reason = "stop"
         elif (num_output >= p.max_tokens or length_so_far >= seq.max_len) and self.finish_reason is None:
             self.finish_reason = "length"
-        delta.finish_reason = self.finish_reason
-        return delta
+        if logprobs or num_output == 1:
+            return TokenDelta(0, seq.index, [token_id], self.finish_reason, None, [logprobs] if logprobs else [],
+                              device=seq.device_id if num_output == 1 else None)
+        return TokenDelta(0, seq.index, [token_id], self.finish_reason)
