@@ -345,6 +345,9 @@ def run_grid(args: argparse.Namespace, log_dir: Path) -> list[Cell]:
         for (model, setup), points in grid(args.quick).items():
             if args.models and model not in args.models:
                 continue
+            points = [pt for pt in points if not args.concurrency or pt[0] in args.concurrency]
+            if not points:
+                continue
             folder = llama3_vocab_model(log_dir) if model == "llama3-vocab" else STORIES
             flags = ["--model", str(folder), *MODELS[model], *SETUPS[setup], "--engine-layout", layout]
             # --api-processes values other than 1 run on this tree only (an older one may lack the flag)
@@ -359,7 +362,7 @@ def run_grid(args: argparse.Namespace, log_dir: Path) -> list[Cell]:
                           file=sys.stderr, flush=True)
                     try:
                         with NodeServer(flags + api_flags, log_path=log_path, startup_timeout_s=120, repo=repo) as node:
-                            for c, sampling in [pt for pt in points if not args.concurrency or pt[0] in args.concurrency]:
+                            for c, sampling in points:
                                 cell = Cell(layout, model, setup, c, sampling, tree=tree, pair=pair, api_processes=api)
                                 body = {"max_tokens": args.max_tokens, "ignore_eos": True, "stream": True,
                                         "return_token_ids": True, **SAMPLING[sampling]}

@@ -316,7 +316,7 @@ def run_serve(config: NodeConfig) -> int:
         from node.api.frontend_link import link_ctx
         from node.api.openai import NODE_KEY
 
-        app.cleanup_ctx.append(link_ctx(frontends.paths.link, config.api_processes, NODE_KEY))
+        app.cleanup_ctx.append(link_ctx(frontends.paths.link, frontends.procs, NODE_KEY))
         where = {"path": frontends.paths.http}
     try:
         web.run_app(app, **where, loop=loop, handler_cancellation=True,

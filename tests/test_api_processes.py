@@ -159,3 +159,20 @@ def test_an_engine_killed_mid_stream_ends_the_stream_with_an_error(fe):
     assert fe.health()[0] == 503
     device = fe.status()["devices"][0]
     assert device["kv_blocks_used"] == 0 and fe.status()["live_requests"] == 0
+
+
+def test_frames_survive_any_split_and_a_plain_token_carries_three_values():
+    import msgspec
+
+    from node.api.link_protocol import Admitted, FrameReader, Step, frame
+    from node.runtime.token_output import TokenDelta
+
+    messages = [Step([TokenDelta(3, 0, [17]), TokenDelta(4, 1, [9], "length", 2)]), Admitted(7, "overloaded", "full"),
+                Step([TokenDelta(5, 0, [], error="gone", error_status=503, retry_after_s=1.0)])]
+    data = b"".join(frame(m) for m in messages)
+    for size in (1, 5, len(data)):  # byte by byte, odd pieces, all at once
+        reader, got = FrameReader(), []
+        for i in range(0, len(data), size):
+            got += reader.feed(data[i : i + size])
+        assert got == messages
+    assert msgspec.msgpack.decode(frame(Step([TokenDelta(3, 0, [17])]))[4:]) == ["Step", [{"k": 3, "i": 0, "t": [17]}]]

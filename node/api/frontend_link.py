@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from contextlib import suppress
 
 import msgspec
@@ -195,16 +196,33 @@ class LinkServer:
             os.unlink(self.path)
 
 
-def link_ctx(path: str, expected: int, node_key: web.AppKey):
+def link_ctx(path: str, procs: list, node_key: web.AppKey):
     """An aiohttp ``cleanup_ctx`` entry (append it after the node's): open the link socket once the node
-    runs, close it (ending the front ends) before the node closes. The server is kept at ``app[LINK_KEY]``."""
+    runs, close it (ending the front ends) before the node closes. The server is kept at ``app[LINK_KEY]``.
+
+    ``procs`` (the front ends' ``multiprocessing.Process`` objects) are watched until all listen: one
+    that exits first (it could not load the tokenizer or bind the port) stops the node (SIGTERM to this
+    process), which would otherwise run without a listener. One that exits later is logged (see
+    :meth:`FrontendLink.connection_lost`); the others go on serving the port."""
+
+    async def watch(server: LinkServer) -> None:
+        while not server.all_ready.is_set():
+            dead = [p for p in procs if p.exitcode is not None]
+            if dead:
+                log.error("api_process_failed_to_start", pid=dead[0].pid, exitcode=dead[0].exitcode)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            with suppress(TimeoutError):
+                await asyncio.wait_for(server.all_ready.wait(), 0.5)
 
     async def ctx(app: web.Application):
-        server = LinkServer(app[node_key], path, expected)
+        server = LinkServer(app[node_key], path, len(procs))
         await server.start()
         app[LINK_KEY] = server
         app[node_key].api_pids = server.pids  # for GET /v1/node
+        watcher = asyncio.create_task(watch(server))
         yield
+        watcher.cancel()
         await server.close()
 
     return ctx

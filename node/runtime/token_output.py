@@ -18,12 +18,17 @@ from node.runtime.output import SeqDelta
 from node.worker.sample_request import TokenLogprobs
 
 
-class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
+_SHORT = {"key": "k", "index": "i", "token_ids": "t", "finish_reason": "f", "cached_tokens": "c", "logprobs": "l",
+          "prompt_logprobs": "p", "error": "e", "error_status": "s", "error_code": "o", "retry_after_s": "r",
+          "device": "d"}
+
+
+class TokenDelta(msgspec.Struct, omit_defaults=True, rename=_SHORT):
     """A :class:`~node.runtime.output.SeqDelta` without text, as the control loop makes it and as it
     travels to the front end of engine request ``key`` (set by the request's sink): the same
     attribute names, so the engine, the hand-offs and ``RequestState.emit`` treat both alike. A
-    struct is about half the cost of the dataclass to create, and it is encoded as is (trailing
-    defaults left off: a plain token is ``[key, index, [id]]``)."""
+    struct is about half the cost of the dataclass to create, and it is encoded as is, defaults left
+    off under one-letter names: a plain token is ``{"k": key, "i": index, "t": [id]}``."""
 
     key: int
     index: int
