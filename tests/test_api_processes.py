@@ -176,3 +176,23 @@ def test_frames_survive_any_split_and_a_plain_token_carries_three_values():
             got += reader.feed(data[i : i + size])
         assert got == messages
     assert msgspec.msgpack.decode(frame(Step([TokenDelta(3, 0, [17])]))[4:]) == ["Step", [{"k": 3, "i": 0, "t": [17]}]]
+
+
+def test_a_stop_string_inside_a_delta_cuts_it_and_ends_the_choice():
+    from node.api.frontend_node import FrontRequest
+    from node.core.sequence import SamplingParams
+    from node.runtime.delta_stream import DeltaStream
+    from node.runtime.token_output import TokenDelta
+    from node.worker.tokenizer import TextTokenizer
+
+    tok = TextTokenizer.byte_level()
+    ids = tok.encode("ab STOP cd", add_special_tokens=False)
+    stream = DeltaStream()
+    r = FrontRequest(1, "r", [1, 2], SamplingParams(max_tokens=50, stop=("STOP",)), 1, stream, 0, [], tok, 512, 0.0)
+    r.on_wire(TokenDelta(1, 0, ids[:2]))  # "ab": nothing held back
+    r.on_wire(TokenDelta(1, 0, ids[2:]))  # " STOP cd" in one delta: cut at the stop string
+    r.on_wire(TokenDelta(1, 0, [ids[0]]))  # a token the control loop made before the end reached it
+    first, second = stream._items
+    assert (first.text, first.token_ids, first.finish_reason) == ("ab", ids[:2], None)
+    assert second.text == " " and second.finish_reason == "stop" and r.ended == [True]
+    assert second.token_ids == ids[2 : 2 + len(tok.encode(" STOP", add_special_tokens=False))]

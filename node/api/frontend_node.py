@@ -73,19 +73,22 @@ class FrontRequest:
         if wd.device is not None and i == 0:
             self.device = wd.device
         seq, out = self.seqs[i], self.outputs[i]
-        text = ""
-        ids = wd.token_ids
-        for j, t in enumerate(ids):
+        d = None
+        for t in wd.token_ids:  # one token from the control loop; several are joined (as --stream-interval does)
             seq.token_ids.append(t)
-            text += out.on_token(t, None).text
+            step = out.on_token(t, None)
+            d = step if d is None else d.then(step)
             if out.finish_reason is not None:
-                ids = ids[: j + 1]
-                break
-        finish = out.finish_reason or wd.finish_reason  # (both sides decide token ends by the same rules)
-        if finish is not None:
+                break  # a stop string: what follows it is never sent
+        if d is None:
+            d = SeqDelta(wd.index)
+        n = len(d.token_ids)
+        d.index, d.logprobs = wd.index, wd.logprobs[:n] if len(wd.logprobs) > n else wd.logprobs
+        d.finish_reason = out.finish_reason or wd.finish_reason  # (both sides end on tokens by the same rules)
+        d.prompt_logprobs, d.cached_tokens = wd.prompt_logprobs, wd.cached_tokens
+        if d.finish_reason is not None:
             self.ended[i] = True
-        lps = wd.logprobs[: len(ids)] if wd.logprobs else []
-        self.stream.push(SeqDelta(wd.index, text, ids, lps, finish, None, wd.prompt_logprobs, wd.cached_tokens))
+        self.stream.push(d)
 
 
 class FrontNode:
