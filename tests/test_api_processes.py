@@ -196,3 +196,58 @@ def test_a_stop_string_inside_a_delta_cuts_it_and_ends_the_choice():
     assert (first.text, first.token_ids, first.finish_reason) == ("ab", ids[:2], None)
     assert second.text == " " and second.finish_reason == "stop" and r.ended == [True]
     assert second.token_ids == ids[2 : 2 + len(tok.encode(" STOP", add_special_tokens=False))]
+
+
+def test_a_refused_admission_is_the_same_503_in_the_front_end():
+    """The control process's refusal (queue full, draining, engines down) reaches the front end's handler
+    as the same exception the one-process handler turns into a 503 with Retry-After."""
+    import asyncio
+
+    from node.api.frontend_link import FrontendLink
+    from node.api.frontend_node import FrontNode
+    from node.api.link_protocol import FrameReader, Job, Open
+    from node.config import NodeConfig
+    from node.core.sequence import SamplingParams
+    from node.runtime.admission import NodeDraining, QueueFullError
+    from node.worker.loader import load_model_info
+
+    class Refusing:  # the control process's node, refusing as Node.check_admission does
+        def __init__(self, error):
+            self.error = error
+
+        def check_admission(self, new):
+            raise self.error
+
+    class Wire:  # a transport that keeps what is written
+        def __init__(self):
+            self.data = b""
+
+        def is_closing(self):
+            return False
+
+        def write(self, data):
+            self.data += data
+
+    async def go(error):
+        link = FrontendLink(Refusing(error), server=None)
+        link.transport = Wire()
+        link.handle(Open(3, [Job(0, "r-p0", [1, 2], SamplingParams(max_tokens=4), 1, 0)]))
+        link.flush()
+        (answer,) = FrameReader().feed(link.transport.data)
+        front = FrontNode(NodeConfig(), load_model_info(NodeConfig()), 0, lambda data: None)
+        job = type("J", (), {"prompt_ids": [1, 2], "params": SamplingParams(max_tokens=4), "index0": 0})
+        opening = asyncio.ensure_future(front.open_requests("r", [job], 1, None))
+        await asyncio.sleep(0)
+        answer.ticket = 0  # the front end's first ticket
+        front.on_admitted(answer)
+        try:
+            await opening
+        except QueueFullError as e:
+            return answer, e, front.requests
+        raise AssertionError("admitted")
+
+    answer, e, left = asyncio.run(go(QueueFullError("5 sequences are queued (limit 4)")))
+    assert (answer.refusal, answer.message) == ("overloaded", "5 sequences are queued (limit 4)")
+    assert type(e) is QueueFullError and str(e) == answer.message and left == {}
+    answer, e, _ = asyncio.run(go(NodeDraining("draining")))
+    assert answer.refusal == "draining" and type(e) is NodeDraining

@@ -23,12 +23,14 @@ _SHORT = {"key": "k", "index": "i", "token_ids": "t", "finish_reason": "f", "cac
           "device": "d"}
 
 
-class TokenDelta(msgspec.Struct, omit_defaults=True, rename=_SHORT):
+class TokenDelta(msgspec.Struct, omit_defaults=True, rename=_SHORT, gc=False):
     """A :class:`~node.runtime.output.SeqDelta` without text, as the control loop makes it and as it
     travels to the front end of engine request ``key`` (set by the request's sink): the same
     attribute names, so the engine, the hand-offs and ``RequestState.emit`` treat both alike. A
     struct is about half the cost of the dataclass to create, and it is encoded as is, defaults left
-    off under one-letter names: a plain token is ``{"k": key, "i": index, "t": [id]}``."""
+    off under one-letter names: a plain token is ``{"k": key, "i": index, "t": [id]}``. Not tracked by
+    the cyclic collector (``gc=False``: it holds ids and logprobs, never itself), so a step's deltas
+    do not bring the next young collection closer."""
 
     key: int
     index: int
