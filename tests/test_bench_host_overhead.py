@@ -1,4 +1,4 @@
-"""bench.host_overhead's bookkeeping: CPU read from /proc, old-against-new rounds paired, the sampled
+"""bench.load.host_overhead's bookkeeping: CPU read from /proc, old-against-new rounds paired, the sampled
 against greedy ratio, the 128k-vocabulary model folder."""
 
 import json
@@ -9,7 +9,7 @@ import time
 
 from support import require_shared
 
-from bench.host_overhead import LLAMA3_VOCAB, STORIES, Cell, _tree_cpu_s, against_baseline, llama3_vocab_model, \
+from bench.load.host_overhead import LLAMA3_VOCAB, STORIES, Cell, _tree_cpu_s, against_baseline, llama3_vocab_model, \
     sampled_vs_greedy
 
 
@@ -73,7 +73,7 @@ def test_llama3_vocab_model_is_stories_with_llama3s_vocabulary(tmp_path):
 
 
 def test_api_processes_are_compared_with_the_one_process_run_of_the_same_round():
-    from bench.host_overhead import api_against_single
+    from bench.load.host_overhead import api_against_single
 
     def cell(api, pair, ctl_s, api_s, tokens):
         return Cell("process", "zero", "1 col", 256, "greedy", wall_s=1.0, tokens=tokens, node_cpu_s=ctl_s,
