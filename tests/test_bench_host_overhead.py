@@ -9,8 +9,8 @@ import time
 
 from support import require_shared
 
-from bench.load.host_overhead import LLAMA3_VOCAB, STORIES, Cell, _tree_cpu_s, against_baseline, llama3_vocab_model, \
-    sampled_vs_greedy
+from bench.load.host_compare import _tree_cpu_s, against_baseline, api_against_single, sampled_vs_greedy
+from bench.load.host_overhead import LLAMA3_VOCAB, STORIES, Cell, llama3_vocab_model
 
 
 def test_tree_cpu_counts_the_process_and_its_children_apart():
@@ -73,8 +73,6 @@ def test_llama3_vocab_model_is_stories_with_llama3s_vocabulary(tmp_path):
 
 
 def test_api_processes_are_compared_with_the_one_process_run_of_the_same_round():
-    from bench.load.host_overhead import api_against_single
-
     def cell(api, pair, ctl_s, api_s, tokens):
         return Cell("process", "zero", "1 col", 256, "greedy", wall_s=1.0, tokens=tokens, node_cpu_s=ctl_s,
                     api_cpu_s=api_s, engine_cpu_s=0.1, pair=pair, api_processes=api)
