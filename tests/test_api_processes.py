@@ -21,7 +21,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 def launched():
     """The front-end node, launched (not yet waited for: the single-process node starts meanwhile)."""
     require_shared()
-    node = NodeProcess("--model", str(STORIES), "--api-processes", "2", "--api-key", KEY, wait=False)
+    # restarts off: the engine killed last stays down, so its stream must end with an error
+    node = NodeProcess("--model", str(STORIES), "--api-processes", "2", "--api-key", KEY, "--engine-restart-max", "0",
+                       wait=False)
     yield node
     node.close()
 
@@ -142,7 +144,7 @@ def test_a_client_leaving_mid_stream_frees_its_kv(fe):
 
 
 def test_an_engine_killed_mid_stream_ends_the_stream_with_an_error(fe):
-    """Last: the node has no device afterwards."""
+    """Last: the node has no device afterwards (restarts are off)."""
     pid = fe.status()["devices"][0]["engine"]["pid"]
     lines = []
     with fe.client.stream("POST", "/v1/completions", json={"prompt": "Once", "max_tokens": 400, "stream": True,
