@@ -21,8 +21,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 def launched():
     """The front-end node, launched (not yet waited for: the single-process node starts meanwhile)."""
     require_shared()
-    # restarts off: the engine killed last stays down, so its stream must end with an error
-    node = NodeProcess("--model", str(STORIES), "--api-processes", "2", "--api-key", KEY, "--engine-restart-max", "0",
+    # one restart: the engine's first death is survived, its second leaves the device down
+    node = NodeProcess("--model", str(STORIES), "--api-processes", "2", "--api-key", KEY, "--engine-restart-max", "1",
                        wait=False)
     yield node
     node.close()
@@ -143,9 +143,24 @@ def test_a_client_leaving_mid_stream_frees_its_kv(fe):
     assert st["live_requests"] == 0
 
 
-def test_an_engine_killed_mid_stream_ends_the_stream_with_an_error(fe):
-    """Last: the node has no device afterwards (restarts are off)."""
+def test_an_engine_killed_mid_stream_is_restarted_then_left_down(fe):
+    """Last: the node has no device afterwards. The first kill is survived (restart, the stream goes on,
+    exact); the second ends the stream with an error event, and the node answers 503."""
+    case = reference_cases()[0]
     pid = fe.status()["devices"][0]["engine"]["pid"]
+    lines = []
+    with fe.client.stream("POST", "/v1/completions", json={"prompt": case["prompt"], "max_tokens": 48, "stream": True,
+                                                             "temperature": 0, "return_token_ids": True}) as r:
+        for line in r.iter_lines():
+            lines.append(line)
+            if sum(x.startswith("data: ") for x in lines) == 5:
+                os.kill(pid, signal.SIGKILL)
+    events = sse_events(lines)
+    assert not any("error" in e for e in events[:-1]), events[-3:]
+    assert [t for e in events[:-1] for t in e["choices"][0]["token_ids"]] == case["output_token_ids"][:48]
+    restarted = fe.status()["devices"][0]["engine"]["pid"]
+    assert restarted != pid
+    pid = restarted
     lines = []
     with fe.client.stream("POST", "/v1/completions", json={"prompt": "Once", "max_tokens": 400, "stream": True,
                                                              "ignore_eos": True}) as r:
