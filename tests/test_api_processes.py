@@ -268,3 +268,13 @@ def test_a_refused_admission_is_the_same_503_in_the_front_end():
     assert type(e) is QueueFullError and str(e) == answer.message and left == {}
     answer, e, _ = asyncio.run(go(NodeDraining("draining")))
     assert answer.refusal == "draining" and type(e) is NodeDraining
+
+
+def test_the_default_count_and_the_accepted_range():
+    from node.config import ConfigError, NodeConfig, default_api_processes
+
+    assert [default_api_processes(c) for c in (None, 1, 2, 4, 7, 8, 12, 16, 64)] == [1, 1, 1, 1, 1, 2, 3, 4, 4]
+    for bad in (0, 65):
+        with pytest.raises(ConfigError, match="--api-processes"):
+            NodeConfig(api_processes=bad).validate()
+    NodeConfig(api_processes=2).validate()
