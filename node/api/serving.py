@@ -73,9 +73,11 @@ class NodeRunner(web.AppRunner):
         return server
 
 
-def run(app: web.Application, *, host: str, port: int, loop: asyncio.AbstractEventLoop, shutdown_timeout: float,
-        on_ready: Callable[[], None]) -> None:
-    """Serve ``app`` on ``host:port`` until SIGINT/SIGTERM, as ``web.run_app`` does (the same runner
+def run(app: web.Application, *, loop: asyncio.AbstractEventLoop, shutdown_timeout: float,
+        on_ready: Callable[[], None], host: str | None = None, port: int | None = None,
+        path: str | None = None) -> None:
+    """Serve ``app`` on ``host:port`` (or the unix socket ``path``: behind the API front-end
+    processes) until SIGINT/SIGTERM, as ``web.run_app`` does (the same runner
     arguments as before: handler cancellation on a lost connection, no access log), with
     :class:`NodeRunner`. Errors of the application's start-up (its ``cleanup_ctx``) propagate.
     ``shutdown_timeout``: seconds open requests get to end after the signal before their handlers are
@@ -86,7 +88,8 @@ def run(app: web.Application, *, host: str, port: int, loop: asyncio.AbstractEve
                             shutdown_timeout=shutdown_timeout)
         await runner.setup()
         try:
-            await web.TCPSite(runner, host, port).start()
+            site = web.UnixSite(runner, path) if path is not None else web.TCPSite(runner, host, port)
+            await site.start()
             on_ready()
             await asyncio.Event().wait()  # until the signal handler raises GracefulExit
         finally:
