@@ -60,11 +60,17 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--request-timeout-s", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
                    help="end a request still running after this many seconds with an error (503 request_timeout), "
                         f"freeing its KV (default: {DEFAULT_REQUEST_TIMEOUT_S:g}; 0: no bound)")
+    p.add_argument("--engine-restart-max", type=int, default=5,
+                   help="start a dead engine process (or tensor-parallel group) again, with backoff, unless it was "
+                        "restarted this many times within --engine-restart-window-s: then it stays down, reported "
+                        "in /health (a crash loop); 0: never restart (default: 5)")
+    p.add_argument("--engine-restart-window-s", type=float, default=600.0,
+                   help="the window (s) --engine-restart-max counts restarts in (default: 600)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"])
     p.add_argument("--engine-layout", default="process", choices=["process", "thread"],
                    help="process: one engine process per device (default); thread: models run in the node's process "
-                        "(debugging, and the baseline of bench/host_overhead.py)")
+                        "(debugging, and the baseline of bench/load/host_overhead.py)")
     p.add_argument("--benchmark-model", default=None, metavar="zero|sleep:MS|timed:PATH",
                    help="BENCHMARK TOOL, outputs are meaningless: replace the model by one with no weights and fixed "
                         "logits (zero: no compute; sleep:MS: each step sleeps MS ms; timed:PATH: each step takes the "
@@ -91,7 +97,8 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--link-gbps", type=float, default=None,
                    help="throttle KV moved between devices to this many Gb/s (emulates an interconnect)")
     g.add_argument("--max-retries", type=int, default=2,
-                   help="recompute a request whose KV hand-off to a peer failed up to this many times, then fail it")
+                   help="recompute a sequence whose KV hand-off to a peer failed, or whose device's engine died, up "
+                        "to this many times each, then fail it")
     g.add_argument("--imbalance-threshold", type=float, default=None,
                    help="time-shared fallback: move decoding sequences to another device when a prefill window would "
                         "make them miss --tpot-slo-ms, or when the slowest decoding device's estimated step exceeds "
@@ -207,6 +214,7 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         block_size=a.block_size, kv_cache_memory_bytes=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, max_queue=a.max_queue,
         request_timeout_s=a.request_timeout_s or None,  # 0: no bound
+        engine_restart_max=a.engine_restart_max, engine_restart_window_s=a.engine_restart_window_s,
         seed=a.seed, attention_backend=a.attention_backend, log_format=a.log_format, mode=a.mode,
         enforce_eager=a.enforce_eager, engine_layout=a.engine_layout, prefix_caching=a.prefix_caching,
         tensor_parallel_size=a.tensor_parallel_size,

@@ -1,6 +1,6 @@
 """CPU attention: the reference (``--attention-backend torch``) against the CPU serving path (``cpu``).
 
-``python -m bench.cpu_attention --out bench/out/cpu_attention.json``
+``python -m bench.device.cpu_attention --out bench/out/cpu_attention.json``
 
 Three parts, side by side in one run:
 
@@ -10,8 +10,8 @@ Three parts, side by side in one run:
    16) for the stories260k attention geometry (8 query heads, 4 KV heads) at head_dim 8 and 32. Each
    cell is the best of ``--repeats`` calls (ms; the best, because the machine is shared) and the
    norm-relative difference of the two outputs.
-2. **Streamed throughput**: a ``shiftnode serve`` node (:class:`bench.node_process.NodeServer`) per
-   (model, backend), fed ``--streams`` concurrent streaming requests by :func:`bench.replay.replay`
+2. **Streamed throughput**: a ``shiftnode serve`` node (:class:`bench.load.node_process.NodeServer`) per
+   (model, backend), fed ``--streams`` concurrent streaming requests by :func:`bench.load.replay.replay`
    (all sent at t=0, seeded prompt lengths uniform in ``[16, 192]``, ``--output-tokens`` each,
    ``ignore_eos``); the figure is output tokens per second (first send to last token), the best of
    ``--stream-repeats`` runs (each run's figure is kept in the JSON), and the ratio of the two models
@@ -59,7 +59,8 @@ from shiftnode_kernels import cpu_attention, reference
 __all__ = ["pad_head_dim", "decode_batch", "time_attention", "stream_throughput", "step_breakdown", "memory_roofline",
            "main"]
 
-STORIES = Path(os.environ.get("SHIFTNODE_SHARED", Path(__file__).resolve().parents[2] / "shared")) / "models" / "stories260k"
+SHARED = Path(os.environ.get("SHIFTNODE_SHARED", Path(__file__).resolve().parents[3] / "shared"))
+STORIES = SHARED / "models" / "stories260k"
 
 
 def pad_head_dim(src: Path, dst: Path, head_dim: int) -> Path:
@@ -231,9 +232,9 @@ def stream_throughput(model: Path, backend: str, streams: int, output_tokens: in
     preemptions. ``kv_cache_memory`` is the node's KV budget: the same bytes hold 4x fewer tokens of the
     head_dim-32 copy, so the default leaves both models room for every stream (64 MiB, the CPU
     default, makes the padded model preempt and recompute, which is not what part 2 compares)."""
-    from bench.node_process import NodeServer
-    from bench.replay import fetch_server_info, replay
-    from bench.traces import TraceRequest
+    from bench.load.node_process import NodeServer
+    from bench.load.replay import fetch_server_info, replay
+    from bench.traffic.traces import TraceRequest
     import aiohttp
 
     rng = random.Random(seed)
@@ -393,7 +394,7 @@ def memory_roofline(rows: list[dict], bandwidth_gbs: float, cache_mib: float | N
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.cpu_attention", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.device.cpu_attention", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=STORIES, help="the unpadded model folder (stories260k)")
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--contexts", default="512,4096", help="largest context of each batch (tokens)")

@@ -1,8 +1,8 @@
 """Calibrate a cost model through a running node's API: step costs as a client sees them.
 
-``python -m bench.calibrate_node --url http://127.0.0.1:8000 --out cost.json``
+``python -m bench.cost.calibrate_node --url http://127.0.0.1:8000 --out cost.json``
 
-:mod:`bench.calibrate` times ``ModelRunner.execute`` alone. A live node adds, to every step, its shell
+:mod:`bench.cost.calibrate` times ``ModelRunner.execute`` alone. A live node adds, to every step, its shell
 (batch forming, the hop to the worker thread, output processing, the SSE write) and, on a small shared
 CPU, contention between the device's thread, the event loop and the client — on the 2-core machine of
 ``bench/RESULTS.md`` the client saw steps about twice as long as the runner's. This probe measures the
@@ -16,7 +16,7 @@ node end to end, at low concurrency, with requests built like the replay's (toke
   ``(b, b x (prompt + output/2), seconds)``.
 
 Each point is the median of ``--reps`` repetitions; the node should be otherwise idle. The samples are
-fitted like :mod:`bench.calibrate`'s (:func:`bench.calibrate.fit`), and the JSON has the same form.
+fitted like :mod:`bench.cost.calibrate`'s (:func:`bench.cost.calibrate.fit`), and the JSON has the same form.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from pathlib import Path
 import aiohttp
 import msgspec
 
-from bench.calibrate import doubling, fit, fit_errors
-from bench.replay import RequestProgress, fetch_server_info, prompt_ids, send_request
-from bench.traces import TraceRequest
+from bench.cost.calibrate import doubling, fit, fit_errors
+from bench.load.replay import RequestProgress, fetch_server_info, prompt_ids, send_request
+from bench.traffic.traces import TraceRequest
 from node.core.cost import CostModel
 from node.core.roofline import cost_model_to_dict
 
@@ -99,7 +99,7 @@ def calibrate(url: str, out: str | Path, *, quadratic: bool = True, method: str 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.calibrate_node", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.cost.calibrate_node", description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--max-prompt-tokens", type=int, default=256)
     ap.add_argument("--max-batch", type=int, default=16)

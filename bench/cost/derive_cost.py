@@ -1,7 +1,7 @@
 """Build a roofline cost model (:class:`node.core.roofline.RooflineCost`) for a Llama-family geometry,
 its hardware terms calibrated on the H200 measurements of ``bench/RESULTS.md``.
 
-``python -m bench.derive_cost --config bench/configs/llama3-70b --tensor-parallel-size 8 --link-GBps 450
+``python -m bench.cost.derive_cost --config bench/configs/llama3-70b --tensor-parallel-size 8 --link-GBps 450
 --out bench/cost_models/h200_llama3_70b_tp8_roofline.json``
 
 Measured figures (``bench/RESULTS.md``, "2026-11-30 00:31 — end to end on NVIDIA H200" and
@@ -74,9 +74,9 @@ from node.core.cost import least_squares
 from node.core.roofline import RooflineCost, cost_model_to_dict
 from node.plan import DTYPE_BYTES, Geometry, load_config, param_count
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 REFERENCE_CONFIG = REPO / "bench" / "configs" / "llama3-8b"
-SOURCE = ("bench/RESULTS.md, '2026-11-30 00:31 — end to end on NVIDIA H200' (bench.e2e: decode steps, "
+SOURCE = ("bench/RESULTS.md, '2026-11-30 00:31 — end to end on NVIDIA H200' (bench.device.e2e: decode steps, "
           "replays, eager passes, prefill) and '2026-11-30 00:30 — kernels on NVIDIA H200' (paged prefill "
           "attention rate)")
 COPY_BPS = 4257e9  # d2d copy ceiling, read + write counted (e2e ceilings row)
@@ -152,7 +152,7 @@ def geometry_terms(g: Geometry, dtype_bytes: int, tensor_parallel: int = 1) -> d
     Every matrix is split ``D`` ways (column/row parallel layers, a vocab-parallel head; the norms' few KB
     are counted whole). Each rank holds ``kv_heads / D`` KV heads, or one replicated head when ``D`` >
     kv_heads. Elementwise traffic per token and layer (elements, read + write, as the kernels of
-    ``bench.kernels`` count them): two RMSNorms with residual ``8 hidden``, rotary ``2 (q + kv)``,
+    ``bench.device.kernels`` count them): two RMSNorms with residual ``8 hidden``, rotary ``2 (q + kv)``,
     cache writes ``4 kv``, SiLU-and-mul ``3 ffn``, with ``q``, ``kv``, ``ffn`` the rank's widths.
 
     Raises:
@@ -282,7 +282,7 @@ def evidence(ref: RooflineCost) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.derive_cost", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.cost.derive_cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True, help="config.json or model folder of the target geometry")
     ap.add_argument("--reference-config", default=str(REFERENCE_CONFIG), help="the measured geometry (8B)")
     ap.add_argument("--dtype", default="bf16")
@@ -297,12 +297,12 @@ def main(argv: list[str] | None = None) -> int:
         cost = derive(load_config(a.config), ref, a.dtype, a.tensor_parallel_size, a.link_GBps * 1e9,
                       a.link_latency_us * 1e-6)
     except (OSError, ValueError, KeyError) as e:
-        print(f"bench.derive_cost: {e}", file=sys.stderr)
+        print(f"bench.cost.derive_cost: {e}", file=sys.stderr)
         return 2
     g = Geometry.from_config(load_config(a.config))
     doc = cost_model_to_dict(cost)
     doc["calibration"] = {
-        "derived": "roofline model; hardware terms fitted to the H200 Llama-3-8B run (bench/derive_cost.py)",
+        "derived": "roofline model; hardware terms fitted to the H200 Llama-3-8B run (bench/cost/derive_cost.py)",
         "source": SOURCE, "device": "NVIDIA H200",
         "config": str(a.config), "params": param_count(g), "tensor_parallel": a.tensor_parallel_size,
         "link": ("NVLink 4 per direction (NVIDIA H200 SXM specification, not measured); latency an assumption"
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "attention_of_matmul_peak": ATTENTION_FLOPS / MATMUL_PEAK},
         "evidence_reference_model": "residuals of the calibrated Llama-3-8B, D = 1 model (the measured geometry)",
         "evidence": evidence(ref),
-        "command": "python -m bench.derive_cost " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m bench.cost.derive_cost " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     text = json.dumps(doc, indent=1) + "\n"
     if a.out:

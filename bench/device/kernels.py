@@ -1,6 +1,6 @@
 """Check every Triton kernel against its torch reference on the GPU, then time it.
 
-    python -m bench.kernels [--markdown bench/RESULTS.md] [--json out.json] [--groups decode,prefill]
+    python -m bench.device.kernels [--markdown bench/RESULTS.md] [--json out.json] [--groups decode,prefill]
 
 Each kernel's output is compared with ``shiftnode_kernels.reference`` on the same device (norm-relative error
 ``||out - ref|| / ||ref||``: fp32 <= 1e-5, fp16/bf16 <= 1e-2, NaN fails; outputs are pre-filled with
@@ -504,11 +504,11 @@ def run_group(group: str, args, deadline: float) -> tuple[list[dict], dict]:
             break
         with tempfile.NamedTemporaryFile("w+", suffix=".jsonl", delete=False) as tmp:
             path = tmp.name
-        cmd = [sys.executable, "-m", "bench.kernels", "--child", group, "--child-out", path,
+        cmd = [sys.executable, "-m", "bench.device.kernels", "--child", group, "--child-out", path,
                "--device", args.device, "--skip", json.dumps(sorted(records))] + (["--quick"] if args.quick else [])
         started = None
         try:
-            proc = subprocess.run(cmd, timeout=left, cwd=Path(__file__).resolve().parents[1])
+            proc = subprocess.run(cmd, timeout=left, cwd=Path(__file__).resolve().parents[2])
             rc = proc.returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
@@ -587,7 +587,7 @@ def parent_main(args) -> int:
         import torch
 
         if not torch.cuda.is_available():
-            log("bench.kernels: no CUDA device visible (torch.cuda.is_available() is False); "
+            log("bench.device.kernels: no CUDA device visible (torch.cuda.is_available() is False); "
                 "use --device cpu --quick with TRITON_INTERPRET=1 to test the script itself")
             return 2
     t_start = time.time()
@@ -612,7 +612,7 @@ def parent_main(args) -> int:
     timed = [r for r in results if r["group"] != "sweep"]
     sweep = [r for r in results if r["group"] == "sweep"]
     rows = [fmt_row(r, ceil) for r in timed]
-    command = "python -m bench.kernels " + " ".join(sys.argv[1:])
+    command = "python -m bench.device.kernels " + " ".join(sys.argv[1:])
     lines = [f"## {_dt_now()} — kernels on {device_name}", "", f"`{command}`", ""]
     shapes = {r["name"]: r.get("shape", "?") for r in results}
     lines.append(f"Ceilings: copy {ceil.get('gbps', float('nan')):.0f} GB/s ({shapes.get('copy (ceiling)', '-')} "
@@ -645,7 +645,7 @@ def parent_main(args) -> int:
                                  "failures": [r["name"] for r in failures],
                                  "wall_s": round(time.time() - t_start, 1)}, indent=1))
         log(f"wrote {p}")
-    log(f"bench.kernels: {len(results) - len(failures)}/{len(results)} ok, {len(failures)} failed, "
+    log(f"bench.device.kernels: {len(results) - len(failures)}/{len(results)} ok, {len(failures)} failed, "
         f"{time.time() - t_start:.0f}s")
     return 1 if failures else 0
 

@@ -1,8 +1,8 @@
 """Capacity of the three modes with tensor-parallel degrees as tuned knobs, on a hardware preset.
 
-``python -m bench.tp_study --models 8b,70b --traces azure-code,azure-conv --tpot-slo-ms 20,50 --devices 8``
+``python -m bench.studies.tp_study --models 8b,70b --traces azure-code,azure-conv --tpot-slo-ms 20,50 --devices 8``
 
-Every cell (model, trace, TPOT SLO) runs each mode's settings of :data:`bench.tuning.TP_GRID` that are
+Every cell (model, trace, TPOT SLO) runs each mode's settings of :data:`bench.sim.tuning.TP_GRID` that are
 valid and fit the preset's memory (:class:`bench.sim.parallel.ParallelModel`, :class:`DoesNotFit`),
 and reports each mode's best setting by its *capacity*: the highest rate (the trace's arrivals
 rescaled, burstiness kept) at which at least ``--target`` (90%) of requests meet both SLOs.
@@ -14,11 +14,11 @@ Searching every setting's capacity would take hours on two cores, so the tuning 
    meets the target); while more than ``--finalists`` settings meet it, multiply the rate by 1.5 and
    screen only those;
 2. the finalists (those that met the target last, topped up by the best attainment) get a capacity
-   search each (:func:`bench.crossover.capacity`, bisected until ``hi / lo <= --tolerance``), and the
+   search each (:func:`bench.studies.crossover.capacity`, bisected until ``hi / lo <= --tolerance``), and the
    best capacity is the mode's.
 
 A run certainly below the target stops early (``abort_late``) and counts as a miss, as in
-:mod:`bench.crossover`. Output: one markdown table (each mode's capacity with its setting, and
+:mod:`bench.studies.crossover`. Output: one markdown table (each mode's capacity with its setting, and
 time-shared over the best baseline) and, with ``--out``, every run as JSON.
 """
 
@@ -31,15 +31,15 @@ import sys
 import time
 from pathlib import Path
 
-from bench.crossover import capacity
-from bench.derive_cost import PRESETS
+from bench.cost.derive_cost import PRESETS
 from bench.sim import SimAborted, SimConfig, simulate
 from bench.sim.parallel import DoesNotFit, ParallelModel
-from bench.tuning import TP_GRID, candidates, setting_of
-from bench.workload import WorkloadSpec, build_workload
+from bench.sim.tuning import TP_GRID, candidates, setting_of
+from bench.studies.crossover import capacity
+from bench.traffic.workload import WorkloadSpec, build_workload
 from node.plan import load_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODELS = {"8b": REPO / "bench/configs/llama3-8b", "70b": REPO / "bench/configs/llama3-70b",
           "1b": REPO / "bench/configs/llama3.2-1b"}
 MODES = ("time-shared", "colocated", "pooled")
@@ -161,7 +161,7 @@ def format_table(a: argparse.Namespace, cells: list[dict]) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m bench.tp_study", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.studies.tp_study", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="8b,70b", help=f"of {', '.join(MODELS)}")
     ap.add_argument("--traces", default="azure-code,azure-conv")
     ap.add_argument("--tpot-slo-ms", default="20,50", help="comma-separated TPOT SLOs")

@@ -1,13 +1,13 @@
 """Compare serving modes on one workload over a sweep of request rates.
 
-``python -m bench.compare --modes time-shared,colocated,pooled --devices cpu:0,cpu:1
+``python -m bench.studies.compare --modes time-shared,colocated,pooled --devices cpu:0,cpu:1
 --model ../shared/models/stories260k --rates 2,4,8 --duration 20 --trace azure-conv --out DIR``
 
 For each mode it starts a node (``python -m node.cli serve --mode MODE ...`` on a free port, plus
 ``--node-args`` and that mode's ``--mode-args``; pooled splits ``--devices`` into prefill and decode halves
 unless its ``--mode-args`` name them; a mode the node refuses at start-up — it exits with an
 error — is reported as *not available*, never skipped), and for each rate: waits until the node is idle, replays the workload
-(:func:`bench.replay.replay`, the same requests for every mode), then reads ``GET /v1/node`` (the
+(:func:`bench.load.replay.replay`, the same requests for every mode), then reads ``GET /v1/node`` (the
 devices' switch records: the role timeline) and ``/metrics`` (counters, as differences across the run:
 ``shiftnode_role_switches_total``, and ``shiftnode_kv_transfers_total`` when the node has it, else 0).
 The node is always stopped (``try``/``finally``), and every run is bounded (``--duration`` of
@@ -17,7 +17,7 @@ arrivals, then ``--drain-timeout``).
 (``--no-prefix-caching``; rows ``MODE-nocache``) or both, side by side; each row gives the prefix hit
 rate (cached prompt tokens over prompt tokens, from every request's usage chunk) and p50/p90 TTFT.
 With ``--tokens-per-hash`` (Mooncake traces) each row also gives, in brackets, the replayed workload's
-own infinite-cache token hit ratio (:func:`bench.traces.infinite_cache_hit_ratio`) to compare with.
+own infinite-cache token hit ratio (:func:`bench.traffic.traces.infinite_cache_hit_ratio`) to compare with.
 
 Written to ``--out`` (default ``bench/out/<UTC timestamp>/``): ``results.md`` (the table: mode, rate,
 goodput, SLO attainment, p90 TTFT, p90 TPOT, switches, transfers), ``results.json``, per run
@@ -40,13 +40,13 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench import plots
-from bench.metrics import request_tpot_s
-from bench.node_process import REPO, NodeServer, NodeUnavailable
-from bench.replay import add_replay_args, fetch_server_info, replay, result_json
-from bench.timeline import switches_in
-from bench.traces import infinite_cache_hit_ratio
-from bench.workload import add_workload_args, build_workload, shared_dir, spec_from_args
+from bench.load.node_process import REPO, NodeServer, NodeUnavailable
+from bench.load.replay import add_replay_args, fetch_server_info, replay, result_json
+from bench.studies import plots
+from bench.studies.timeline import switches_in
+from bench.traffic.metrics import request_tpot_s
+from bench.traffic.traces import infinite_cache_hit_ratio
+from bench.traffic.workload import add_workload_args, build_workload, shared_dir, spec_from_args
 
 __all__ = ["counters", "node_args", "markdown_table", "main"]
 
@@ -124,7 +124,7 @@ def run_rate(node: NodeServer, a: argparse.Namespace, mode: str, rate: float, in
     """One replay at ``rate`` on a running node; the row (and the run's files). ``mode``: the row's
     label (the node's mode, ``-nocache`` when its prefix cache is off)."""
     if not node.wait_idle(a.idle_timeout):
-        print(f"bench.compare: {mode} node not idle after {a.idle_timeout} s; running anyway", file=sys.stderr)
+        print(f"bench.studies.compare: {mode} node not idle after {a.idle_timeout} s; running anyway", file=sys.stderr)
     wl = build_workload(spec_from_args(a, rate_rps=rate, max_model_len=info.max_model_len))
     before = counters(node.get_text("/metrics"))
     res = asyncio.run(replay(node.url, wl.requests, info, seed=a.seed, ttft_slo_ms=a.ttft_slo_ms, tpot_slo_ms=a.tpot_slo_ms,
@@ -169,7 +169,7 @@ def run_mode(a: argparse.Namespace, mode: str, rates: list[float], out: Path, ca
                     rows.append({"mode": mode, "rate": rate, "available": False,
                                  "reason": f"node exited during the sweep: {node.log_tail()}"})
                     continue
-                print(f"bench.compare: {mode} at {rate:g} req/s", file=sys.stderr)
+                print(f"bench.studies.compare: {mode} at {rate:g} req/s", file=sys.stderr)
                 rows.append(run_rate(node, a, mode, rate, info, out))
     except NodeUnavailable as e:
         rows.append({"mode": mode, "rate": None, "available": False, "reason": str(e)})
@@ -192,7 +192,7 @@ def write_plots(rows: list[dict], a: argparse.Namespace, out: Path) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.studies.compare", description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", default="time-shared,colocated,pooled", help="comma-separated node modes")
     ap.add_argument("--devices", default="cpu:0,cpu:1")
     ap.add_argument("--model", default=None, help="model folder (default: stories260k from the shared folder)")
@@ -235,13 +235,14 @@ def main(argv: list[str] | None = None) -> int:
         for cache in caches:
             rows += run_mode(a, mode, rates, out, cache)
     write_plots(rows, a, out)
-    command = "python -m bench.compare " + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:]))
+    args = argv if argv is not None else sys.argv[1:]
+    command = "python -m bench.studies.compare " + " ".join(shlex.quote(x) for x in args)
     table = markdown_table(rows)
     (out / "results.md").write_text(f"Command: `{command}`\n\nDate: {stamp.isoformat(timespec='seconds')}\n\n{table}")
     slim = [{k: v for k, v in r.items() if k not in ("ttft_ms", "tpot_ms")} for r in rows]
     (out / "results.json").write_text(json.dumps({"command": command, "date": stamp.isoformat(), "rows": slim}, indent=1))
     print(table)
-    print(f"bench.compare: results in {out}", file=sys.stderr)
+    print(f"bench.studies.compare: results in {out}", file=sys.stderr)
     return 0
 
 

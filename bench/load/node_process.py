@@ -23,7 +23,7 @@ from pathlib import Path
 
 __all__ = ["NodeUnavailable", "NodeServer", "free_port"]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class NodeUnavailable(RuntimeError):

@@ -1,6 +1,6 @@
 """Crossover study: where does pooled (disaggregated) serving beat time-shared, and where not?
 
-``python -m bench.crossover --models 1b,8b --lengths short,long,wide --links 10,25,100,400 --devices 4``
+``python -m bench.studies.crossover --models 1b,8b --lengths short,long,wide --links 10,25,100,400 --devices 4``
 
 The seed note's claim: "the pool arrangement wins when traffic has a wide range of prompt lengths and
 when interconnect is fast; the time-shared arrangement wins when the model is small enough that
@@ -8,14 +8,14 @@ transfer cost is a large fraction of total work". This sweeps the three axes on 
 (:mod:`bench.sim`, one node):
 
 * **model** — ``NAME=CONFIG:COST_MODEL`` pairs; built in: ``8b`` (Llama-3-8B geometry) and ``1b``
-  (Llama-3.2-1B geometry), both roofline cost models built by :mod:`bench.derive_cost` (hardware
+  (Llama-3.2-1B geometry), both roofline cost models built by :mod:`bench.cost.derive_cost` (hardware
   terms fitted to the H200 8B run, byte and FLOP terms from each geometry: not measurements of the 1B);
   ``8b-fit`` is the measured linear 8B fit itself (``bench/cost_models/h200_llama3_8b.json``, no
   context term), as the 8 x H200 tables use;
-* **prompt lengths** — ``NAME=SPEC`` with a :func:`bench.workload.synthetic_lengths` spec; built in:
+* **prompt lengths** — ``NAME=SPEC`` with a :func:`bench.traffic.workload.synthetic_lengths` spec; built in:
   ``short`` (``fixed:128:128``), ``long`` (``fixed:4096:128``), ``wide``
   (``loguniform:32:7000:128``: prompts from 32 to 7,000 tokens, as many per decade, mean ~1,170);
-  outputs 128 tokens throughout, Poisson arrivals; or a trace name of :data:`bench.workload.TRACES`
+  outputs 128 tokens throughout, Poisson arrivals; or a trace name of :data:`bench.traffic.workload.TRACES`
   (``azure-code``...): its arrivals rescaled to each rate (burstiness kept) and its own lengths;
 * **link** — the KV link of each prefill device (Gb/s); only pooled mode uses it.
 
@@ -23,7 +23,7 @@ A run lasts ``--duration`` seconds of arrivals, stretched to hold at least ``--m
 (at most ``--max-duration`` s): at low rates a short window hides a slowly growing backlog — a KV link
 that cannot keep up only delays decode a little more every second.
 
-Every mode is tuned first (:mod:`bench.tuning`, the tuning protocol): colocated runs every token
+Every mode is tuned first (:mod:`bench.sim.tuning`, the tuning protocol): colocated runs every token
 budget of its grid, time-shared every window bound and fallback setting, pooled every ``--splits``
 prefill:decode split, and each keeps its best; the grid names the winning setting. ``--tune-grid
 small`` searches fewer time-shared settings; ``--tune-grid none`` runs the base settings only.
@@ -54,14 +54,14 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from bench.calibrate import load_cost_model
+from bench.cost.calibrate import load_cost_model
 from bench.sim import SimAborted, SimConfig, kv_geometry, simulate
-from bench.traces import load_trace
-from bench.tuning import GRID
-from bench.workload import TRACES, WorkloadSpec, build_workload, synthetic_lengths, trace_path
+from bench.sim.tuning import GRID
+from bench.traffic.traces import load_trace
+from bench.traffic.workload import TRACES, WorkloadSpec, build_workload, synthetic_lengths, trace_path
 from node.plan import load_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODELS = {
     "8b": (REPO / "bench/configs/llama3-8b", REPO / "bench/cost_models/h200_llama3_8b_roofline.json"),
     "8b-fit": (REPO / "bench/configs/llama3-8b", REPO / "bench/cost_models/h200_llama3_8b.json"),
@@ -82,7 +82,7 @@ class Cell:
     link_gbps: float | None = None
     prefill_devices: int | None = None
     transfer: str = "overlap"
-    setting: tuple[tuple[str, float], ...] = ()  # tuned knobs (bench.tuning) other than the split
+    setting: tuple[tuple[str, float], ...] = ()  # tuned knobs (bench.sim.tuning) other than the split
 
 
 def capacity(run, guess: float, *, target: float = 0.9, tolerance: float = 1.1, min_rate: float = 0.05,
@@ -365,7 +365,7 @@ def format_grid(a: argparse.Namespace, results: list[dict]) -> str:
 
 def heatmap(a: argparse.Namespace, results: list[dict], path: Path) -> list[Path]:
     """One PNG per transfer model (``path``, or ``STEM-TRANSFER.png`` with several): the grid's capacities."""
-    from bench.plots import crossover_heatmap  # matplotlib only when a plot is asked for
+    from bench.studies.plots import crossover_heatmap  # matplotlib only when a plot is asked for
 
     idx = best_by_cell(a, results)
     out = []
@@ -412,15 +412,15 @@ def _named(items: str, table: dict, parse, bare=None) -> list[str]:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m bench.crossover", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.studies.crossover", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="1b,8b", help="names, or NAME=CONFIG:COST_MODEL")
     ap.add_argument("--lengths", default="short,long,wide",
-                    help="names, NAME=SPEC (bench.workload.synthetic_lengths), or trace names")
+                    help="names, NAME=SPEC (bench.traffic.workload.synthetic_lengths), or trace names")
     ap.add_argument("--links", default="10,25,100,400", help="pooled KV link per prefill device (Gb/s)")
     ap.add_argument("--modes", default="time-shared,colocated,pooled")
     ap.add_argument("--splits", default=None, help="pooled prefill devices to try (default 1..devices-1)")
     ap.add_argument("--tune-grid", default="full", choices=sorted(TUNE_GRIDS),
-                    help="settings searched per mode besides pooled's splits (bench.tuning)")
+                    help="settings searched per mode besides pooled's splits (bench.sim.tuning)")
     ap.add_argument("--transfers", default="overlap",
                     help="pooled transfer models, comma-separated: overlap (the node's hand-offs), blocking "
                          "(e.g. overlap,blocking runs both)")
@@ -442,7 +442,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--jobs", type=int, default=1, help="processes")
     ap.add_argument("--markdown", action="store_true", help="also print the long table")
     ap.add_argument("--out", default=None, help="JSON of every run")
-    ap.add_argument("--png", default=None, help="write the grid as a heat map (bench.plots.crossover_heatmap)")
+    ap.add_argument("--png", default=None, help="write the grid as a heat map (bench.studies.plots.crossover_heatmap)")
     ap.add_argument("--reuse", default=None,
                     help="comma-separated --out JSONs of earlier runs with the same settings: their cells are "
                          "not searched again")
@@ -465,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in cells_for(a):
             _config(a, c)  # SimConfig checks every cell before any run
     except (ValueError, OSError) as e:
-        print(f"bench.crossover: {e}", file=sys.stderr)
+        print(f"bench.studies.crossover: {e}", file=sys.stderr)
         return 2
     results = run_study(a)
     print(format_grid(a, results))

@@ -4,7 +4,7 @@
 * :func:`latency_cdfs` — the empirical CDF of per-request TTFT or TPOT (ms), one panel per rate, one
   line per mode;
 * :func:`role_timeline` — which role each device held when (prefill, decode, mixed), drains and
-  reconfiguration pauses marked, from the node's own switch records (:mod:`bench.timeline`);
+  reconfiguration pauses marked, from the node's own switch records (:mod:`bench.studies.timeline`);
 * :func:`crossover_heatmap` — the crossover study's winner per (model, prompt lengths) x link speed.
 """
 
@@ -18,7 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from bench.timeline import role_segments  # noqa: E402
+from bench.studies.timeline import role_segments  # noqa: E402
 
 __all__ = ["goodput_vs_rate", "latency_cdfs", "role_timeline", "crossover_heatmap", "COLORS"]
 

@@ -86,7 +86,7 @@ def setting_of(cfg: SimConfig, grid: dict[str, dict[str, tuple]] = GRID) -> str:
 
 
 def score(summary) -> tuple[float, float, float]:
-    """Sort key of a :class:`bench.metrics.Summary` (larger is better)."""
+    """Sort key of a :class:`bench.traffic.metrics.Summary` (larger is better)."""
     p90 = summary.ttft_ms.p90 if summary.ttft_ms.p90 == summary.ttft_ms.p90 else float("inf")
     return (summary.goodput or 0.0, summary.slo_attainment or 0.0, -p90)
 

@@ -1,6 +1,6 @@
 """Soak: minutes of mixed streaming load with client aborts, an engine killed, a peer restarted.
 
-    python -m bench.soak [--duration 1800] [--concurrency 16] [--abort 0.3] [--model PATH]
+    python -m bench.load.soak [--duration 1800] [--concurrency 16] [--abort 0.3] [--model PATH]
 
 Two time-shared nodes on the model (default: the shared stories260k): **A** with two devices
 (``cpu:0,cpu:1``, engine processes) and **B** with one, B listening for KV (``--kv-port``) and A
@@ -40,9 +40,9 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.node_process import NodeServer, free_port
+from bench.load.node_process import NodeServer, free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STORIES = REPO.parent / "shared" / "models" / "stories260k"
 WORDS = "once upon a time there was a little girl who liked to play in the park with her dog".split()
 
@@ -193,7 +193,7 @@ def soak(duration_s: float, concurrency: int = 16, abort: float = 0.3, model: st
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.load.soak", description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=1800.0, help="seconds of load")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--abort", type=float, default=0.3, help="fraction of streams the client closes early")

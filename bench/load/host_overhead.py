@@ -1,9 +1,9 @@
 """The node's own (host) overhead per decode step, under streaming load (issue 11).
 
-    python -m bench.host_overhead [--quick] [--layouts thread,process] [--duration S] [--json PATH]
+    python -m bench.load.host_overhead [--quick] [--layouts thread,process] [--duration S] [--json PATH]
                                   [--models zero,...] [--baseline DIR [--pairs N]]
 
-Starts ``shiftnode serve`` subprocesses (:class:`bench.node_process.NodeServer`) for each model and
+Starts ``shiftnode serve`` subprocesses (:class:`bench.load.node_process.NodeServer`) for each model and
 device setup and drives closed-loop streaming load: ``c`` client tasks each send
 ``POST /v1/completions`` (``stream``, ``ignore_eos``, ``max_tokens`` fixed, ``return_token_ids`` so
 tokens are counted per chunk) back to back. Models: ``--benchmark-model zero`` (no compute),
@@ -67,9 +67,9 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.node_process import NodeServer, NodeUnavailable
+from bench.load.node_process import NodeServer, NodeUnavailable
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHARED = Path(os.environ.get("SHIFTNODE_SHARED", REPO.parent / "shared"))
 STORIES = SHARED / "models" / "stories260k"
 SLEEP_MS = 5.0
@@ -426,7 +426,7 @@ def _ok(b: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.host_overhead", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.load.host_overhead", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a reduced grid (about 2-3 minutes)")
     p.add_argument("--layouts", default="thread,process", help="comma-separated --engine-layout values to run")
     p.add_argument("--engine-layout", default=None, help="run this one layout (overrides --layouts)")

@@ -1,6 +1,6 @@
 """Sampler step time on the CPU: greedy vs non-greedy configurations, batched vs the old per-row loop.
 
-Usage: ``python -m bench.sampler [--vocab 128256] [--batches 1,64,256] [--reps 5] [--threads N]``
+Usage: ``python -m bench.device.sampler [--vocab 128256] [--batches 1,64,256] [--reps 5] [--threads N]``
 
 Logits are ``[B, V]`` float32, ``N(0, sigma²)`` per token: ``sigma = 4`` ("peaked": at T = 0.8 the
 entropy is ≈3.3 nats and the 0.95 nucleus ≈260 tokens, roughly an LM's typical next-token

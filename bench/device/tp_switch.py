@@ -1,6 +1,6 @@
 """Decode step time at tensor-parallel degree 1 and 2, and the pause of a group's role switch, side by side.
 
-``python -m bench.tp_switch --model ../shared/models/stories260k --batch 16 --tokens 96``
+``python -m bench.device.tp_switch --model ../shared/models/stories260k --batch 16 --tokens 96``
 
 Two time-shared nodes in this process, one after the other on the same prompts (greedy,
 ``ignore_eos``-like fixed lengths):

@@ -1,7 +1,7 @@
 """End-to-end benchmark of the node's model runner on one CUDA GPU (Llama-3-8B geometry, dummy weights).
 
-    python -m bench.e2e [--deadline S] [--markdown bench/RESULTS.md] [--json PATH]
-    python -m bench.e2e --device cpu --quick      # a tiny model on the CPU: tests this script
+    python -m bench.device.e2e [--deadline S] [--markdown bench/RESULTS.md] [--json PATH]
+    python -m bench.device.e2e --device cpu --quick      # a tiny model on the CPU: tests this script
 
 The model is built by the node's own loader (``build_runner``: ``load_format="dummy"``, bf16, Triton
 kernels, decode CUDA graphs attached as ``shiftnode serve`` would). Sections, in this order:
@@ -302,11 +302,14 @@ def _switches(runner, device_id: str):
     from node.core.roles import Role
     from node.runtime.engine import DeviceEngine
     from node.runtime.switching import DeviceRole
+    from node.worker.engine_core import EngineCore
+    from node.worker.engine_process import LocalEngine
 
     async def go():
         role = DeviceRole(device_id, Role.PREFILL, time.monotonic(), 0.0)
         batcher = Batcher(BlockLedger(runner.num_blocks, runner.block_size), BatchConfig())
-        engine = DeviceEngine(device_id, runner, batcher, time.monotonic, role)
+        # the engine drives an engine handle (the thread layout here), which runs the runner on its thread
+        engine = DeviceEngine(device_id, LocalEngine(EngineCore(runner)), batcher, time.monotonic, role)
         captured = lambda: runner.graphs.capture_ms if runner.graphs is not None else None  # noqa: E731
         out = []
         try:
@@ -587,10 +590,10 @@ def run_children(args, sections: list[str], deadline: float) -> tuple[list[dict]
             break
         with tempfile.NamedTemporaryFile("w+", suffix=".jsonl", delete=False) as tmp:
             path = tmp.name
-        cmd = [sys.executable, "-m", "bench.e2e", "--child", "--child-out", path, "--device", args.device,
+        cmd = [sys.executable, "-m", "bench.device.e2e", "--child", "--child-out", path, "--device", args.device,
                "--sections", ",".join(todo)] + (["--quick"] if args.quick else [])
         try:
-            rc: int | str = subprocess.run(cmd, timeout=left, cwd=Path(__file__).resolve().parents[1]).returncode
+            rc: int | str = subprocess.run(cmd, timeout=left, cwd=Path(__file__).resolve().parents[2]).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         started, ended = None, set()
@@ -718,7 +721,7 @@ def parent_main(args) -> int:
         import torch
 
         if not torch.cuda.is_available():
-            log("bench.e2e: no CUDA device visible (torch.cuda.is_available() is False); "
+            log("bench.device.e2e: no CUDA device visible (torch.cuda.is_available() is False); "
                 "use --device cpu --quick to test the script itself")
             return 2
     sections = [s for s in (args.sections.split(",") if args.sections else SECTIONS) if s]
@@ -727,7 +730,7 @@ def parent_main(args) -> int:
         log(f"unknown sections {sorted(unknown)}; known: {SECTIONS}")
         return 2
     records, info = run_children(args, sections, deadline)
-    command = "python -m bench.e2e " + " ".join(sys.argv[1:])
+    command = "python -m bench.device.e2e " + " ".join(sys.argv[1:])
     wall = time.time() - t0
     table = report(records, info, args, command, wall)
     log("\n" + table)
@@ -746,7 +749,7 @@ def parent_main(args) -> int:
                                  "failures": [f"{r.get('section')}/{r.get('name')}" for r in failures],
                                  "wall_s": round(wall, 1)}, indent=1, default=str))
         log(f"wrote {p}")
-    log(f"bench.e2e: {len(records) - len(failures)}/{len(records)} ok, {len(failures)} failed, {wall:.0f}s")
+    log(f"bench.device.e2e: {len(records) - len(failures)}/{len(records)} ok, {len(failures)} failed, {wall:.0f}s")
     return 1 if failures else 0
 
 

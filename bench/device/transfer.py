@@ -1,6 +1,6 @@
 """KV transfer between two processes on loopback: NIXL against TCP, MB/s and the event loop's busy share.
 
-    python -m bench.transfer [--mib 64] [--rounds 5] [--transports tcp,nixl] [--ucx-tls tcp]
+    python -m bench.device.transfer [--mib 64] [--rounds 5] [--transports tcp,nixl] [--ucx-tls tcp]
 
 A receiving process (a :class:`~node.transport.server.KVServer` on a uvloop event loop, as in a node)
 and this process (the sender, a :class:`~node.transport.client.KVClient`) each hold a KV pool of a

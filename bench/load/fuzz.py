@@ -1,6 +1,6 @@
 """The long run of the API fuzzer: ``tests/test_fuzz_api.py`` with many examples per operation.
 
-    python -m bench.fuzz [--examples 2000] [--seed-random]
+    python -m bench.load.fuzz [--examples 2000] [--seed-random]
 
 The suite runs 30 generated requests per operation (derandomized, so a failure reproduces); this
 runs ``--examples`` per operation against a fresh stories260k node, and with ``--seed-random`` lets
@@ -15,11 +15,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.fuzz", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.load.fuzz", description=__doc__.split("\n\n")[0])
     ap.add_argument("--examples", type=int, default=2000, help="generated requests per operation")
     ap.add_argument("--seed-random", action="store_true", help="new inputs each run (not derandomized)")
     a = ap.parse_args(argv)

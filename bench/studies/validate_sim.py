@@ -1,18 +1,18 @@
 """Check the simulator against the real node: the same workload, live and simulated, side by side.
 
-``python -m bench.validate_sim --modes time-shared --devices cpu:0 --trace azure-conv --rate 2
+``python -m bench.studies.validate_sim --modes time-shared --devices cpu:0 --trace azure-conv --rate 2
 --duration 20 --max-prompt-tokens 256 --max-output-tokens 64 --max-num-batched-tokens 512
 --cost-model bench/cost_models/cpu_stories260k.json``
 
 For each mode: start a node (stories260k by default, ``OMP_NUM_THREADS=1`` on CPU devices), replay the
-workload against it (:mod:`bench.replay`), stop it; then simulate the identical request list
-(:mod:`bench.workload` is deterministic) on a :class:`bench.sim.SimConfig` with the node's own
+workload against it (:mod:`bench.load.replay`), stop it; then simulate the identical request list
+(:mod:`bench.traffic.workload` is deterministic) on a :class:`bench.sim.SimConfig` with the node's own
 geometry (devices, KV blocks per device and block size from ``GET /v1/node``, context from
 ``/v1/models``) and the node's flags. It prints, per mode, the median / p90 / p99 of TTFT and TPOT (ms),
 live and simulated, and the relative error ``(sim - live) / live``; the exit status is 1 when a median
 or p90 is off by more than ``--tolerance`` (default 25%). ``--calibrate runner`` measures the cost model
 afresh first (on a shared machine, step times drift with the load of other processes);
-``--calibrate node`` measures it through each live node's API (:mod:`bench.calibrate_node`), which
+``--calibrate node`` measures it through each live node's API (:mod:`bench.cost.calibrate_node`), which
 includes the node's per-step shell and in-process contention that the runner alone does not see;
 ``--calibrate runner+node`` keeps the runner's model for the steps and probes the node only for its
 host overheads — a fixed time per step and per request (:func:`host_overheads`), which the simulator
@@ -45,17 +45,17 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.calibrate import load_cost_model, main as calibrate_main
-from bench.calibrate_node import calibrate as calibrate_node, probe
-from bench.metrics import Summary, request_tpot_s
-from bench.node_process import NodeServer, NodeUnavailable
-from bench.replay import fetch_server_info, replay
+from bench.cost.calibrate import load_cost_model, main as calibrate_main
+from bench.cost.calibrate_node import calibrate as calibrate_node, probe
+from bench.load.node_process import NodeServer, NodeUnavailable
+from bench.load.replay import fetch_server_info, replay
 from bench.sim import SimConfig, kv_geometry, simulate
+from bench.traffic.metrics import Summary, request_tpot_s
 from node.plan import load_config, resolve_dtype
 from node.core.cost import CostModel
-from bench.workload import add_workload_args, build_workload, shared_dir, spec_from_args
+from bench.traffic.workload import add_workload_args, build_workload, shared_dir, spec_from_args
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STATS = (("ttft_ms", "median"), ("ttft_ms", "p90"), ("ttft_ms", "p99"),
          ("tpot_ms", "median"), ("tpot_ms", "p90"), ("tpot_ms", "p99"))
 CHECKED = ("median", "p90")
@@ -89,7 +89,7 @@ def host_overheads(cost: CostModel, prefill: list[tuple[int, float]], decode: li
                    ) -> tuple[float, float]:
     """``(step overhead s, request overhead s)`` of a live node over a runner-measured cost model.
 
-    From the node probe (:func:`bench.calibrate_node.probe`): the step overhead is the median, over
+    From the node probe (:func:`bench.cost.calibrate_node.probe`): the step overhead is the median, over
     the probe's decode batches (1 to 16 concurrent sequences: a per-step cost does not depend on the
     batch, and one batch size alone is one noisy sample), of the inter-token gap minus the runner's
     decode step; the request overhead is the median, over the lone prefills, of the TTFT minus the runner's prefill
@@ -214,16 +214,16 @@ def format_report(results: list[dict], tolerance: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.validate_sim", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.studies.validate_sim", description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", default="time-shared")
     ap.add_argument("--devices", default="cpu:0")
     ap.add_argument("--model", default=str(shared_dir() / "models" / "stories260k"))
     ap.add_argument("--cost-model", default=None,
                     help="default: the timed device's file, else bench/cost_models/cpu_stories260k.json")
     ap.add_argument("--calibrate", default="none", choices=["none", "runner", "node", "runner+node", "overheads"],
-                    help="cost model: none = --cost-model; runner = measure afresh with bench.calibrate just before "
-                         "the live runs; node = probe each mode's live node through its API first "
-                         "(bench.calibrate_node: the steps as the client sees them); runner+node = the runner's "
+                    help="cost model: none = --cost-model; runner = measure afresh with bench.cost.calibrate just "
+                         "before the live runs; node = probe each mode's live node through its API first "
+                         "(bench.cost.calibrate_node: the steps as the client sees them); runner+node = the runner's "
                          "model plus the node's host overheads per step and per request, measured by the probe; "
                          "overheads = --cost-model plus those overheads (timed devices)")
     ap.add_argument("--step-overhead-ms", type=float, default=0.0, help="simulated host time per step (ms)")

@@ -1,8 +1,8 @@
 """How fast peer sets follow membership through etcd: join, death (kill -9) and clean stop.
 
-    python -m bench.membership [--nodes 3] [--ttl 2] [--rounds 3] [--model PATH]
+    python -m bench.load.membership [--nodes 3] [--ttl 2] [--rounds 3] [--model PATH]
 
-Starts a throwaway etcd (:mod:`bench.etcd_server`) and ``--nodes`` time-shared nodes on the model
+Starts a throwaway etcd (:mod:`bench.load.etcd_server`) and ``--nodes`` time-shared nodes on the model
 (default: the shared stories260k) with ``--kv-port 0 --etcd``; each node's ``--peer-stale-s`` (its
 lease TTL) is ``--ttl``. It measures, per round, with ``GET /v1/node`` polled every 20 ms:
 
@@ -22,10 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.etcd_server import EtcdServer
-from bench.node_process import NodeServer
+from bench.load.etcd_server import EtcdServer
+from bench.load.node_process import NodeServer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STORIES = REPO.parent / "shared" / "models" / "stories260k"
 
 
@@ -58,7 +58,7 @@ def until(predicate, timeout_s: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.membership", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.load.membership", description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--ttl", type=float, default=2.0, help="--peer-stale-s of every node: its lease TTL (s)")
     ap.add_argument("--rounds", type=int, default=3)

@@ -1,6 +1,6 @@
 """Measure a model's step times on this machine and fit a :class:`~node.core.cost.CostModel` to them.
 
-``python -m bench.calibrate --model ../shared/models/stories260k --device cpu:0
+``python -m bench.cost.calibrate --model ../shared/models/stories260k --device cpu:0
 --out bench/cost_models/cpu_stories260k.json``
 
 The weights and KV pool are built exactly as the node builds them (``node.worker.loader``; ``--model``
@@ -177,7 +177,7 @@ def measure(args: argparse.Namespace) -> tuple[list[tuple[int, float]], list[tup
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.calibrate", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.cost.calibrate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model folder (default: the embedded model)")
     ap.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     ap.add_argument("--device", default="cpu:0")
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     cost = fit(prefill, decode, args.pause_ms / 1e3, method=args.fit, quadratic=args.quadratic)
     errs = [abs(e) for e in fit_errors(cost, prefill, decode)]
     worst, mean = max(errs), sum(errs) / len(errs)
-    command = " ".join(["python -m bench.calibrate", *(argv if argv is not None else sys.argv[1:])])
+    command = " ".join(["python -m bench.cost.calibrate", *(argv if argv is not None else sys.argv[1:])])
     doc = {**cost_model_to_dict(cost), "calibration": {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command,
         "model": args.model or "embedded-default", "load_format": args.load_format, "device": args.device,

@@ -1,21 +1,21 @@
 """The request list of one benchmark run, shared by the replay client, the comparison and the simulator.
 
-A workload is a list of :class:`~bench.traces.TraceRequest` (arrival s from the run start, prompt and
+A workload is a list of :class:`~bench.traffic.traces.TraceRequest` (arrival s from the run start, prompt and
 output tokens) built from a named trace of ``shared/traces`` (or a trace file path) by
 :func:`build_workload`, in this order:
 
 1. arrivals — either the trace's own, windowed from ``start_s`` on its time axis and replayed
    ``time_scale`` times slower (0.5: twice as fast) for ``duration_s`` seconds of arrivals
-   (:func:`bench.traces.load_trace`); or, with ``rate_rps``, the first ``K = round(rate * duration)``
+   (:func:`bench.traffic.traces.load_trace`); or, with ``rate_rps``, the first ``K = round(rate * duration)``
    rows from ``start_s``, their time axis rescaled so the mean rate is ``rate_rps`` (the trace's
    burstiness is kept: ``time_scale = K / (rate * span)`` with ``span`` the time from the first row to
    row ``K``); or ``trace="poisson"``: Poisson arrivals at ``rate_rps`` with lengths drawn from the
-   ``lengths_from`` trace (:func:`bench.traces.poisson_requests`, seeded), or from a synthetic
+   ``lengths_from`` trace (:func:`bench.traffic.traces.poisson_requests`, seeded), or from a synthetic
    distribution (:func:`synthetic_lengths`: ``fixed:P:O``, ``uniform:LO:HI:O``, ``loguniform:LO:HI:O``);
 2. lengths — with ``tokens_per_hash`` (Mooncake traces, whose ``hash_ids`` each stand for 512
-   tokens), every hash is scaled down to that many tokens (:func:`bench.traces.scale_hash_blocks`:
+   tokens), every hash is scaled down to that many tokens (:func:`bench.traffic.traces.scale_hash_blocks`:
    prompt and output shrink by ``tokens_per_hash / 512``) and the prompt is later built from the hash
-   blocks (:func:`bench.traces.hash_prompt_ids`), so shared hashes give shared tokens; then
+   blocks (:func:`bench.traffic.traces.hash_prompt_ids`), so shared hashes give shared tokens; then
    multiplied by ``length_scale`` (rounded, at least 1 token; keeps a trace's length
    distribution when a small model's context cannot hold its prompts), then clipped to
    ``max_prompt_tokens`` / ``max_output_tokens``, then the prompt clipped so that prompt + output fits
@@ -34,7 +34,7 @@ import random
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from bench.traces import TraceRequest, load_trace, poisson_requests, scale_hash_blocks
+from bench.traffic.traces import TraceRequest, load_trace, poisson_requests, scale_hash_blocks
 
 __all__ = ["TRACES", "synthetic_lengths", "WorkloadSpec", "Workload", "shared_dir", "trace_path", "build_workload",
            "fit_lengths", "add_workload_args", "spec_from_args"]
@@ -50,7 +50,7 @@ TRACES = {
 def shared_dir() -> Path:
     """The shared data folder: ``$SHIFTNODE_SHARED``, else ``../shared`` beside the checkout."""
     env = os.environ.get("SHIFTNODE_SHARED")
-    return Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared"
+    return Path(env) if env else Path(__file__).resolve().parents[2].parent / "shared"
 
 
 def trace_path(name: str) -> Path:

@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from bench.node_process import free_port
+from bench.load.node_process import free_port
 
 
 class EtcdMissing(RuntimeError):

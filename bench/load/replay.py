@@ -1,9 +1,9 @@
 """Trace replay client: send a workload to a node over its streaming completions API and measure it.
 
-``python -m bench.replay --url http://127.0.0.1:8000 --trace azure-conv --rate 4 --duration 20
+``python -m bench.load.replay --url http://127.0.0.1:8000 --trace azure-conv --rate 4 --duration 20
 --max-prompt-tokens 256 --max-output-tokens 64 --out run.json``
 
-Each request of the workload (:mod:`bench.workload`) is sent at its arrival time (seconds after the
+Each request of the workload (:mod:`bench.traffic.workload`) is sent at its arrival time (seconds after the
 run start) as ``POST /v1/completions`` with ``stream: true``:
 
 * ``prompt`` is a list of exactly ``prompt_tokens`` token ids — BOS (id 1) then seeded random ids in
@@ -11,7 +11,7 @@ run start) as ``POST /v1/completions`` with ``stream: true``:
   the ``vocab_size`` of ``GET /v1/models`` when the node gives one, else 256, which every model served
   here has);
 * with hash ids (a Mooncake trace read with ``--tokens-per-hash``), the prompt is built from them
-  instead (:func:`bench.traces.hash_prompt_ids`): shared hashes give shared tokens, so the node's
+  instead (:func:`bench.traffic.traces.hash_prompt_ids`): shared hashes give shared tokens, so the node's
   prefix cache sees the trace's reuse;
 * ``max_tokens`` is the trace's output length and ``ignore_eos: true``, so every request generates
   exactly that many tokens (``return_token_ids`` counts them per chunk); greedy sampling;
@@ -21,7 +21,7 @@ run start) as ``POST /v1/completions`` with ``stream: true``:
 Per request it records (client clock, seconds): send time, TTFT (send to first token chunk), each ITL
 (gap between consecutive token chunks), E2E (send to last chunk), output tokens, and an error (HTTP
 status and message, a broken stream, fewer tokens than asked, or not finished within the drain
-timeout). :func:`bench.metrics.summarize` turns them into the summary (duration = first send to last
+timeout). :func:`bench.traffic.metrics.summarize` turns them into the summary (duration = first send to last
 finish). Arrivals stop after ``--duration`` seconds; in-flight requests then get ``--drain-timeout``
 seconds to finish, after which they are cancelled and counted as failed, so a run always ends.
 The run's JSON holds the configuration, the summary, the node's clock at the start (for aligning its
@@ -42,9 +42,9 @@ from pathlib import Path
 import aiohttp
 from tqdm import tqdm
 
-from bench.metrics import RequestRecord, Summary, format_summary, summarize
-from bench.traces import TraceRequest, hash_prompt_ids
-from bench.workload import add_workload_args, build_workload, spec_from_args
+from bench.traffic.metrics import RequestRecord, Summary, format_summary, summarize
+from bench.traffic.traces import TraceRequest, hash_prompt_ids
+from bench.traffic.workload import add_workload_args, build_workload, spec_from_args
 
 __all__ = ["ServerInfo", "RequestProgress", "ReplayResult", "fetch_server_info", "prompt_ids", "send_request",
            "replay", "result_json", "run", "main"]
@@ -257,7 +257,7 @@ async def run(args: argparse.Namespace) -> tuple[dict, ReplayResult]:
 
 
 def add_replay_args(p: argparse.ArgumentParser, *, slo: bool = True) -> None:
-    """Client flags shared with :mod:`bench.compare` (everything but ``--url`` and ``--out``; the SLO
+    """Client flags shared with :mod:`bench.studies.compare` (everything but ``--url`` and ``--out``; the SLO
     flags only with ``slo``, as the comparison sets the node's SLOs and scores with the same)."""
     p.add_argument("--vocab-size", type=int, default=None, help="prompt ids stay below this (default: the node's, else 256)")
     if slo:
@@ -268,7 +268,7 @@ def add_replay_args(p: argparse.ArgumentParser, *, slo: bool = True) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.replay", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.load.replay", description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--out", default=None, help="write the run's JSON here")
     add_replay_args(ap)
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _, res = asyncio.run(run(args))
     except (RuntimeError, ValueError, FileNotFoundError, aiohttp.ClientError) as e:
-        print(f"bench.replay: {e}", file=sys.stderr)
+        print(f"bench.load.replay: {e}", file=sys.stderr)
         return 1
     print(format_summary(res.summary))
     return 0
