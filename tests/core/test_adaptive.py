@@ -251,3 +251,24 @@ def test_a_prompt_that_waited_for_a_slot_is_placed_behind_a_short_queue():
                                                WaitingPrompt("q", 500, now - 0.010, 100))))
     assert switches(out) == []
     assert [(d.request_id, d.device_id) for d in out if isinstance(d, Place)] == [("p", "d0"), ("q", "d0")]
+
+
+def test_the_chunk_grows_past_the_knee_to_keep_up_with_a_backlog():
+    """c* carries a small queue; a 6,000-token queue would take ~15 knee-sized steps (~240 ms), past a
+    fifth of the 200 ms TTFT SLO, so the chunk grows to the smallest that serves it within 40 ms of work
+    — up to the step limit's c_L."""
+    pol = AdaptiveScheduler(CFG, KNEE)
+    now = 1.0
+    res = on_pace(4, now, T)
+    m = lambda n: KNEE.mixed_step_s(n, 4, 2000)  # noqa: E731
+
+    def budget(tokens):
+        st = dev(Role.MIXED, res, prefill_queue_tokens=tokens, prefill_queue_seqs=1, prefill_queue_oldest_s=now - 1)
+        return next(d.tokens for d in pol.decide(now, NodeSnapshot((st,))) if isinstance(d, ChunkBudget))
+
+    knee, _ = pol.chunk_budget_of(dev(Role.DECODE, res), now)
+    assert budget(knee) == knee  # a queue served at once at the knee
+    grown = budget(6000)
+    c_limit = chunk_budget(m, T, 2048 - 4)
+    assert knee < grown <= c_limit and chunks_s(m, 6000, knee) > 0.2 * 0.200
+    assert chunks_s(m, 6000, grown) <= 0.2 * 0.200 or grown == c_limit
