@@ -40,10 +40,10 @@ the time per token of every sequence on it — and the imbalance is ``L_max / L_
 ``L_min = 0`` counts as infinite). While it exceeds ``threshold``, one sequence moves from the most to
 the least loaded device: the one whose move gives the smallest ``max(L_src', L_dst')``, and only if that
 is below ``L_max`` (a strict improvement; a move that only swaps which device is the heavy one is never
-made) and it pays for its copy: the source runs no step for ``c`` (the copy, as above), and each of its
-next ``r`` steps (the moved sequence's expected remaining output, at least 1) is shorter by
-``L_max - L_src'``, so the move is made only when ``(L_max - L_src') * r > c`` (moves to peers are not
-charged so: their network send does not hold the source's steps). With ``threshold = 1`` sequences
+made) and it pays: the sequence-time it saves over the moved sequence's remaining ``r`` steps exceeds
+its copy ``c`` times every resident the copy stalls on both devices plus the destination's slower steps
+(:meth:`ImbalancePolicy.move_pays`; moves to peers are not charged so: their network send does not hold
+the source's steps). With ``threshold = 1`` sequences
 move once the slowest decoding device's step is more than twice the fastest's. Since a fixed part of
 the step (the weight read) is paid whatever the batch, small batches rarely differ that much; the
 trigger matters when KV reads (context) dominate the step.
@@ -223,6 +223,31 @@ class ImbalancePolicy:
         dst.kv -= need
         dst.slots -= 1
 
+    def move_pays(self, s: ResidentSeq, n_src: int, hi: float, after: float, n_dst: int, lo: float,
+                  dst_after: float) -> bool:
+        """Whether moving ``s`` from a source of ``n_src`` residents (step ``hi`` before, ``after`` without
+        ``s``) to a destination of ``n_dst`` (step ``lo`` before, ``dst_after`` with ``s``) saves more
+        sequence-time than it costs (s; the cost-aware rule of issue 27: a fallback that may not cost
+        goodput). Over the ``r = max(1, expected - output)`` steps left to ``s``::
+
+            saved = r * ((n_src - 1) * (hi - after) + (hi - dst_after))     every other source resident's
+                                                                             step is shorter; s's own too
+            cost  = r * n_dst * (dst_after - lo) + c * (n_src + n_dst)      every destination resident's
+                                                                             step is longer; and the copy
+                                                                             ``c = k_seq * local_transfer``
+                                                                             stalls both devices' residents
+                                                                             (and s) for ``c``
+
+        The move is made only if ``saved > cost``. The rule before charged the source's saving per step
+        against one copy, ``(hi - after) * r > c``: it ignored that every resident of both devices waits
+        the copy out and that the destination's residents slow down, so with a busy destination it moved
+        sequences that cost the node more queueing than they saved."""
+        r = max(1, s.expected_output_tokens - s.output_tokens)
+        c = s.context_tokens * self.config.local_transfer_s_per_token
+        saved = r * ((n_src - 1) * (hi - after) + (hi - dst_after))
+        cost = r * n_dst * (dst_after - lo) + c * (n_src + n_dst)
+        return saved > cost + EPS
+
     # --- the decision ---------------------------------------------------------------------------
     def decide(self, now_s: float, snapshot: NodeSnapshot, peers: tuple[DeviceState, ...] = ()) -> list[Migrate]:
         """Moves for this instant, ``tpot`` ones first (apply in order; each may be refused). ``peers``:
@@ -336,9 +361,8 @@ class ImbalancePolicy:
             peak = max(after, self.load_s(dst.n + 1, dst.ctx + s.context_tokens))
             if peak >= hi - EPS:
                 continue
-            copy_s = s.context_tokens * self.config.local_transfer_s_per_token if dst.local else 0.0
-            if copy_s > 0 and (hi - after) * max(1, s.expected_output_tokens - s.output_tokens) <= copy_s:
-                continue  # the source's stall while copying outweighs what the move saves it
+            if dst.local and not self.move_pays(s, src.n, hi, after, dst.n, lo, self.load_s(dst.n + 1, dst.ctx + s.context_tokens)):
+                continue  # the copy and the queueing it causes outweigh the step time the move saves
             key = (peak, s.context_tokens, s.request_id, s, need)
             if best is None or key[:3] < best[:3]:
                 best = key
