@@ -32,7 +32,8 @@ keeps pace for everything it holds) and the destination has room (below). The co
 ``c = k_seq * local_transfer_s_per_token`` (the KV bytes at the node's ``--link-gbps``; 0 when copies are
 unthrottled), is added to ``t_dst``; and since the source runs no step while it copies, its window
 waits: local moves are made only while their copies, all together, leave the source's oldest queued
-prompt its first token within the TTFT SLO (``oldest + ttft_slo >= t0 + P(q) + sum c``).
+prompt its first token within the TTFT SLO (``oldest + ttft_slo >= t0 + P(q) + sum c``), and only when
+the move pays for the queueing its copy causes (``ImbalancePolicy._tpot_pays``).
 
 **Trigger "imbalance"** (decode loads across devices differ past ``threshold``). Among DECODE-role
 devices holding sequences, the *load* of a device is its estimated decode step ``L = d(n, k)`` (s) —
@@ -300,16 +301,44 @@ class ImbalancePolicy:
                 if len(out) >= self.config.max_moves:
                     return
                 copy_s = s.context_tokens * self.config.local_transfer_s_per_token
-                best = (self._soonest(s, local, t_src, now_s, copy_s) if copy_s <= slack + EPS else None) or self._soonest(
+                pays = self._tpot_pays(src, s, t_src, copy_s)
+                best = (self._soonest(s, local, t_src, now_s, copy_s, pays) if copy_s <= slack + EPS else None) or self._soonest(
                     s, remote, t_src, now_s, self.config.peer_overhead_ms / 1e3 + s.context_tokens * self.config.transfer_s_per_token)
                 if best is not None:
                     if best[2].local:
                         slack -= copy_s
                     self._move(s, src, best[2], best[3], "tpot", planned, out)
 
+    def _tpot_pays(self, src: _Dev, s: ResidentSeq, t_src: float, c: float):
+        """The cost-aware rule for a ``tpot`` move of ``s`` off prefill-side ``src`` with a local copy of
+        ``c`` s: a predicate of (destination, its step with ``s``, ``t_dst``). Over the ``r`` steps left
+        to ``s``, with ``n``/``qn`` the source's residents/queued prompts and ``m`` the destination's::
+
+            saved = (t_src - t_dst) + r * (n - 1 + qn) * dsrc    s's token sooner; after the window the
+                                                                 source's steps are shorter by dsrc
+            cost  = c * (n - 1 + qn + m) + r * m * ddst          the window (its residents and prompts)
+                                                                 and the destination's residents wait the
+                                                                 copy; the destination's steps grow by ddst
+
+        The old rule moved every late sequence a destination served sooner: on the 4 x H200 crossover
+        (8B wide prompts) its moves cut adaptive's SLO attainment from 0.89 to 0.56."""
+        st = src.st
+        r = max(1, s.expected_output_tokens - s.output_tokens)
+        n, qn = src.n, st.prefill_queue_seqs
+        k = src.ctx + st.prefill_queue_tokens + qn
+        dsrc = self.load_s(n + qn, k) - self.load_s(n + qn - 1, k - s.context_tokens)
+
+        def pays(dst: _Dev, step: float, t_dst: float) -> bool:
+            ddst = step - self.load_s(dst.n, dst.ctx)
+            saved = (t_src - t_dst) + r * (n - 1 + qn) * dsrc
+            cost = c * (n - 1 + qn + dst.n) + r * dst.n * ddst
+            return saved > cost + EPS
+        return pays
+
     def _soonest(self, s: ResidentSeq, dsts: list[_Dev], t_src: float, now_s: float,
-                 transfer_s: float) -> tuple[float, int, _Dev, int] | None:
-        """The destination whose next step with ``s`` ends first, if before ``t_src`` and within ``T``."""
+                 transfer_s: float, pays=None) -> tuple[float, int, _Dev, int] | None:
+        """The destination whose next step with ``s`` ends first, if before ``t_src`` and within ``T``
+        (and, given ``pays``, only one the move pays for)."""
         best: tuple[float, int, _Dev, int] | None = None
         for dst in dsts:
             need = self._fits(dst, s)
@@ -317,7 +346,7 @@ class ImbalancePolicy:
                 continue
             step = self.load_s(dst.n + 1, dst.ctx + s.context_tokens)
             t_dst = self._decode_start_s(dst.st, now_s) + transfer_s + step
-            if step > self.T + EPS or t_dst >= t_src - EPS:
+            if step > self.T + EPS or t_dst >= t_src - EPS or (pays is not None and not pays(dst, step, t_dst)):
                 continue
             if best is None or (t_dst, dst.idx) < best[:2]:
                 best = (t_dst, dst.idx, dst, need)

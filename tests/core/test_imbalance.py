@@ -308,7 +308,10 @@ def test_local_copies_may_not_push_the_sources_queue_past_its_ttft_slo():
     # p0's oldest queued prompt arrived 0.9 s ago (TTFT SLO 1 s) and its window prefills until
     # NOW + P(4000) = NOW + 84 ms: 16 ms of slack. A 300-token copy takes 30 ms at 1e-4 s/token, 3 ms at 1e-5.
     base = window_snapshot()
-    src = msgspec.structs.replace(base.devices[0], prefill_queue_oldest_s=NOW - 0.9)
+    # new-0 has 1,000 tokens to come, so that the 30 ms copy pays for itself (see the next test) and
+    # only the TTFT slack decides
+    long_lived = msgspec.structs.replace(base.devices[0].resident[0], expected_output_tokens=1000)
+    src = msgspec.structs.replace(base.devices[0], prefill_queue_oldest_s=NOW - 0.9, resident=(long_lived,))
     snap = NodeSnapshot((src, base.devices[1]))
     slow = policy(msgspec.structs.replace(CFG, local_transfer_s_per_token=1e-4, ttft_slo_ms=1000))
     assert slow.window_end_s(src, NOW) == pytest.approx(NOW + 0.084)
@@ -350,3 +353,19 @@ def test_an_imbalance_move_must_pay_for_the_queueing_its_copy_causes():
     # the rule on the same figures (s): 12 residents at 33.3 -> 31.2 ms; 20 at 10.2 -> 12.3 ms, or 1 at 8.2 -> 10.3 ms
     assert p.move_pays(heavy[0], 12, 0.0333, 0.0312, 20, 0.0102, 0.0123) is False
     assert p.move_pays(heavy[0], 12, 0.0333, 0.0312, 1, 0.0082, 0.0103) is True
+
+
+def test_a_tpot_move_must_pay_for_the_queueing_its_copy_causes():
+    # p0 (a window until ~NOW + 97 ms) holds new-0 (300 tokens, one token to come) and 4 queued prompts;
+    # d1 decodes 2 sequences. A 30 ms copy (1e-4 s/token) gets new-0 its token ~58 ms sooner, but holds
+    # the window's 4 prompts and d1's 2 residents 30 ms each (180 ms): no move (the old rule moved it).
+    # With 1,000 tokens to come, p0's later steps shorter for 4 sequences and d1's longer for 2 outweigh it.
+    snap = window_snapshot()
+    p = policy(msgspec.structs.replace(CFG, local_transfer_s_per_token=1e-4, ttft_slo_ms=5000))
+    assert p.decide(NOW, snap) == []
+    long_lived = msgspec.structs.replace(snap.devices[0].resident[0], expected_output_tokens=1000)
+    snap2 = NodeSnapshot((msgspec.structs.replace(snap.devices[0], resident=(long_lived,)), snap.devices[1]))
+    assert p.decide(NOW, snap2) == [Migrate("new-0", "p0", "d1", "tpot")]
+    # a cheap copy (3 ms) pays even for one token: ~85 ms sooner against 6 x 3 ms
+    assert policy(msgspec.structs.replace(CFG, local_transfer_s_per_token=1e-5, ttft_slo_ms=5000)).decide(NOW, snap) \
+        == [Migrate("new-0", "p0", "d1", "tpot")]
