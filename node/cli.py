@@ -277,7 +277,7 @@ def run_serve(config: NodeConfig) -> int:
     from node.worker.engine_group import prelaunch
 
     if max(config.tensor_parallel_size, config.decode_tp, config.prefill_tp) > 1:  # before any rank starts
-        from node.runtime.node import check_tp_degrees
+        from node.runtime.startup import check_tp_degrees
         from node.worker.loader import DEFAULT_MODEL_CONFIG
         from node.worker.model_config import ModelConfig
 

@@ -346,7 +346,7 @@ def test_a_device_dying_with_two_steps_in_flight_ends_every_wait_on_it_with_an_e
         assert [d.error_code for d in errors] == ["engine_down"]
         assert e.failure and e.role.switching_to is None
         peer_req = RequestState("peer/x", CASE["prompt_token_ids"], SamplingParams(max_tokens=4), 1, node.tokenizer,
-                                node._eos_ids(), node.max_model_len, time.monotonic())
+                                node.eos_ids(), node.max_model_len, time.monotonic())
         e.adopt(peer_req, 0, peer_req.seqs[0])
         [delta] = await asyncio.wait_for(peer_req.stream.take(), 1)
         assert delta.error_code == "engine_down" and peer_req.finished[0]

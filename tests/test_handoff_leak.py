@@ -66,7 +66,8 @@ class _Engine:
 
 
 def _links():
-    from node.runtime.peers import Peer, PeerLinks
+    from node.runtime.peer_links import PeerLinks
+    from node.runtime.peer_state import Peer
 
     cfg = SimpleNamespace(peer_secret="s", link_gbps=None, peer_stale_s=3.0, peers=[], name="n",
                           kv_connect_timeout_s=1.0, kv_transfer_timeout_s=1.0, max_retries=0)

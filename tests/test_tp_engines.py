@@ -26,7 +26,8 @@ import pytest
 from node.cli import config_from_args, serve_parser
 from node.config import ConfigError, NodeConfig
 from node.core.sequence import SamplingParams
-from node.runtime.node import EnginesDown, Node
+from node.runtime.admission import EnginesDown
+from node.runtime.node import Node
 from node.worker.loader import StartupError, load_model_info
 from node.worker.model_config import ModelConfig
 from node.worker.runner import plan_kv_blocks

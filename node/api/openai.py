@@ -26,14 +26,15 @@ from node.api.validate import chat_prompt, check_model, completion_prompts, samp
 from node.core.sequence import SamplingParams
 from node.protocol import ChatCompletionRequest, CompletionRequest, decode_request
 from node.runtime.delta_stream import DeltaStream
-from node.runtime.node import EnginesDown, Node, NodeDraining, QueueFullError
+from node.runtime.admission import EnginesDown, NodeDraining, QueueFullError
+from node.runtime.interfaces import ApiNode
 from node.runtime.output import SeqDelta
 from node.runtime.request import RequestState
 from node.worker.tokenizer import IncrementalDetokenizer
 
 log = structlog.get_logger("shiftnode.api")
 
-NODE_KEY = web.AppKey("node", Node)
+NODE_KEY = web.AppKey("node", ApiNode)
 
 
 def _error_param(message: str) -> str | None:

@@ -7,32 +7,6 @@ and returns decisions: :class:`SwitchRole`, :class:`Place` (route a waiting prom
 :class:`Reject`. It imports only the standard library and msgspec, so the node, the unit tests (virtual
 clock) and the simulator run the same object.
 
-Symbols (seconds unless noted): ``T = slo_margin * tpot_slo_ms / 1e3`` the per-token target,
-``p = max(reconfig_pause_ms / 1e3, cost.pause_s)`` the switch pause, ``d`` the cost model's decode step
-for the device's resident batch, ``Wmax = max_window_ms / 1e3``, ``Wmin = min_window_ms / 1e3``,
-``P(n)`` the chunked prefill time of ``n`` prompt tokens (:meth:`CostModel.prefill_s`).
-
-**Deadlines.** A resident sequence whose first token came at ``f`` and which has ``n`` output tokens
-owes token ``n+1`` by ``D = f + n*T``. Meeting every ``D`` keeps vLLM's per-request
-``TPOT = (E2E - TTFT) / (n - 1)`` at or under ``T``; ``D - now`` is the sequence's TPOT headroom.
-
-**Window budget.** A prefill window whose work can start at ``t0`` (the end of the step in flight, or
-of the switch) and which started at ``ws`` has ``R`` seconds of prefill left::
-
-    R = min( min over old seqs     ( D - t0 - p - d,  ws + Wmax - t0 ),
-             min over newborn seqs ( f + Wmax - t0 ) )          (R = inf with no resident sequence)
-
-*Old* sequences were resident before the window: the window ends, and the pause back to DECODE and one
-decode step complete, before their next deadline. *Newborn* sequences were prefilled in this window:
-they wait for the rest of it, so each overruns its target at most once, by at most one window
-(``Wmax + p + d``). Placed prompt tokens ``q`` must satisfy ``P(q) <= min(R, Wmax)`` — placement is a
-commitment, the window ends only when its placed prompts are prefilled. A placed prompt expecting
-``n >= 2`` output tokens, due to be born at ``t0 + P(q)``, also caps what is queued behind it: the
-window must end by ``t0 + P(q) + T - p - d + (n - 2)(T - d)``, so its first gap overruns by no more
-than its later gaps win back and its TPOT still meets ``T`` (this is per-device policy state, kept
-until the device leaves PREFILL). ``d`` counts the batch after the window, newborns included. An
-idle device (no resident sequence, nothing queued) takes any one prompt, however long.
-
 **Switch to PREFILL** (a DECODE device, for the prompts no prefill device could take), when all of:
 
 * it has decoded at least ``dwell = max(Wmin, 2p(1 - s)/s)`` (hysteresis; ``s = max_pause_share``
@@ -100,193 +74,20 @@ same device), and on completing a switch sets ``role = switching_to`` and ``role
 
 from __future__ import annotations
 
-import enum
-import math
-
-import msgspec
-
 from node.core.cost import CostModel
+from node.core.role_state import (DECODE_LOAD_WEIGHT, EPS, INF, Decision, DeviceState, NodeSnapshot, Place, Reject,
+                                  ResidentSeq, Role, RoleSchedulerConfig, SwitchRole, WaitingPrompt, blocks_for,
+                                  reserve_blocks)
 from node.core.roofline import RooflineCost
+from node.core.windows import WindowMath, _Residents
 
 __all__ = [
     "Role", "WaitingPrompt", "ResidentSeq", "DeviceState", "NodeSnapshot", "SwitchRole", "Place",
     "Reject", "Decision", "RoleSchedulerConfig", "RoleScheduler", "CostModel", "blocks_for",
     "reserve_blocks",
 ]
-
-INF = math.inf
-DECODE_LOAD_WEIGHT = 1.0  # weight of a placement's expected decode time against its prefill end (Dynamo's 1:1)
-EPS = 1e-9  # s; float slack in time comparisons
-
-
-class Role(enum.Enum):
-    """A device's role. ``MIXED`` (the adaptive policy, :mod:`node.core.adaptive`) runs the resident
-    decode batch plus prompt chunks in the decode configuration; the two-role policy never uses it."""
-
-    PREFILL = "prefill"
-    DECODE = "decode"
-    SWITCHING = "switching"
-    MIXED = "mixed"
-
-
-class WaitingPrompt(msgspec.Struct, frozen=True):
-    """A prompt not yet placed on a device. ``arrival_s`` on the policy clock (s).
-
-    ``cached_tokens``: device id → prompt tokens (all its sequences) that device's prefix cache holds
-    now, which it would not compute (absent: none).
-    """
-
-    request_id: str
-    prompt_tokens: int
-    arrival_s: float
-    expected_output_tokens: int
-    seqs: int = 1  # sequences the prompt becomes (its ``n`` choices); each takes a sequence slot
-    cached_tokens: dict[str, int] = msgspec.field(default_factory=dict)
-
-    def new_tokens(self, device_id: str) -> int:
-        """Prompt tokens the device would compute: those its prefix cache does not hold."""
-        return max(0, self.prompt_tokens - self.cached_tokens.get(device_id, 0))
-
-
-class ResidentSeq(msgspec.Struct, frozen=True):
-    """A prefilled sequence whose KV lives on the device (it decodes when the device does).
-
-    ``first_token_s``: when its first token came (s); ``output_tokens``: tokens generated so far,
-    the first included; ``context_tokens``: prompt + output tokens cached; ``expected_output_tokens``:
-    the placement's estimate of its final output length (0: unknown); ``request_id``: the id the
-    policy's decisions name it by (the node passes the sequence id, ``{request id}-{choice}``);
-    ``moved_s``: when it last moved between devices, or a move of it was last refused (s), read by the
-    imbalance fallback's cooldown (:mod:`node.core.imbalance`).
-    """
-
-    request_id: str
-    first_token_s: float
-    output_tokens: int
-    context_tokens: int
-    expected_output_tokens: int = 0
-    moved_s: float | None = None
-
-
-class DeviceState(msgspec.Struct, frozen=True, kw_only=True):
-    """One device as the policy sees it.
-
-    Attributes:
-        role, role_since_s: current role and when it began (s; for SWITCHING, when the switch began).
-        switching_to, switch_done_s: target role and end of the pause while SWITCHING.
-        busy_until_s: end of the step in flight (s; ``<= now`` when idle).
-        resident: decoding sequences held here.
-        prefill_queue_tokens, prefill_queue_seqs: prompt tokens (and prompts) placed here and not yet
-            fully prefilled, the step in flight included.
-        kv_free_blocks: blocks an allocation may take: unreferenced ones, cached (reclaimable) included.
-        kv_reserved_blocks: blocks promised to work already here but not yet allocated (the rest of
-            each placed prompt's and resident sequence's :func:`reserve_blocks`).
-        seq_slots_free: sequences the device can still hold (its batch cap); a prompt is placed only
-            where its sequences fit, so placed work can always run.
-        prefill_queue_oldest_s: arrival of the oldest queued prompt work here (s; ``None``: none).
-        prefill_runnable: a PREFILL step could make progress on the queued work now (its head fits
-            the free blocks and a sequence slot). False for work that waits on resident sequences
-            giving back blocks, e.g. a sequence preempted for lack of KV: the residents must decode.
-    """
-
-    device_id: str
-    role: Role
-    role_since_s: float = 0.0
-    switching_to: Role | None = None
-    switch_done_s: float | None = None
-    busy_until_s: float = 0.0
-    resident: tuple[ResidentSeq, ...] = ()
-    prefill_queue_tokens: int = 0
-    prefill_queue_seqs: int = 0
-    kv_free_blocks: int = 0
-    kv_reserved_blocks: int = 0
-    kv_total_blocks: int = 0
-    seq_slots_free: int = 1 << 30  # sequences the device may still take (its max_num_seqs minus held and queued)
-    block_size: int = 16
-    prefill_queue_oldest_s: float | None = None
-    prefill_runnable: bool = True
-
-
-class NodeSnapshot(msgspec.Struct, frozen=True):
-    """Devices (in a fixed order: it breaks ties) and the prompts waiting for placement."""
-
-    devices: tuple[DeviceState, ...]
-    waiting: tuple[WaitingPrompt, ...] = ()
-
-
-class SwitchRole(msgspec.Struct, frozen=True, tag="switch"):
-    """Start a switch of ``device_id`` to ``to_role`` (it pauses, then takes the role).
-
-    ``window_s``/``window_tokens``: planned prefill window (s, prompt tokens); 0 for DECODE.
-    ``reason``: queue | recompute | ttft | idle | park | drained | window | blocked; the adaptive policy
-    (:mod:`node.core.adaptive`) adds cheaper | no_chunk_fits (to PREFILL), chunks_fit (to MIXED),
-    nothing_waits | no_headroom (to DECODE from MIXED).
-    """
-
-    device_id: str
-    to_role: Role
-    reason: str
-    window_s: float = 0.0
-    window_tokens: int = 0
-
-
-class Place(msgspec.Struct, frozen=True, tag="place"):
-    """Route a waiting prompt to a prefill-role device, reserving ``reserve_blocks`` KV blocks."""
-
-    request_id: str
-    device_id: str
-    reserve_blocks: int
-
-
-class Reject(msgspec.Struct, frozen=True, tag="reject"):
-    """Refuse a prompt that no device could hold even when empty."""
-
-    request_id: str
-    reason: str
-
-
-Decision = SwitchRole | Place | Reject
-
-
-class RoleSchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Targets and knobs (ms, tokens). See the module docstring for how each enters the policy."""
-
-    ttft_slo_ms: float = 1000.0
-    tpot_slo_ms: float = 100.0
-    reconfig_pause_ms: float = 0.0
-    min_window_ms: float = 20.0
-    max_window_ms: float = 500.0
-    prefill_token_budget: int = 2048
-    slo_margin: float = 0.9
-    ttft_urgency: float = 0.5
-    max_pause_share: float = 0.2
-    stagger: str = "soft"  # hard | soft | off
-
-
-def blocks_for(tokens: int, block_size: int) -> int:
-    """Blocks holding ``tokens`` tokens: ``ceil(tokens / block_size)``."""
-    return -(-max(0, tokens) // block_size)
-
-
-def reserve_blocks(prompt_tokens: int, expected_output_tokens: int, block_size: int, total_blocks: int) -> int:
-    """KV blocks a prompt reserves when placed: prompt plus expected output, at most the device."""
-    return min(blocks_for(prompt_tokens + max(1, expected_output_tokens), block_size), total_blocks)
-
-
-class _Residents:
-    """Aggregates of a device's resident sequences for a window starting at ``ws`` (one pass)."""
-
-    __slots__ = ("n", "ctx", "old_deadline", "newborn_first")
-
-    def __init__(self, st: DeviceState, ws: float, T: float):
-        self.n = len(st.resident)
-        self.ctx = 0
-        self.old_deadline = self.newborn_first = INF
-        for s in st.resident:
-            self.ctx += s.context_tokens
-            if s.first_token_s < ws:
-                self.old_deadline = min(self.old_deadline, s.first_token_s + s.output_tokens * T)
-            else:
-                self.newborn_first = min(self.newborn_first, s.first_token_s)
+"""The policy's inputs and outputs live in :mod:`node.core.role_state` and its formulas in
+:mod:`node.core.windows`; they are re-exported here, where the policy's users have always found them."""
 
 
 class _Dev:
@@ -325,66 +126,14 @@ class _Dev:
         return Place(w.request_id, self.st.device_id, need)
 
 
-class RoleScheduler:
+class RoleScheduler(WindowMath):
     """The time-shared role policy. State per device in PREFILL: the end of a forced window and the
     end-by bound of its queued prompts (both dropped when it leaves the role)."""
 
     def __init__(self, config: RoleSchedulerConfig, cost: CostModel | RooflineCost):
-        if config.stagger not in ("hard", "soft", "off"):
-            raise ValueError(f"stagger must be hard, soft or off (got {config.stagger!r})")
-        if not 0 < config.min_window_ms <= config.max_window_ms:
-            raise ValueError("need 0 < min_window_ms <= max_window_ms")
-        if config.prefill_token_budget < 1:
-            raise ValueError("prefill_token_budget must be >= 1")
-        self.config = config
-        self.cost = cost
-        self.T = config.slo_margin * config.tpot_slo_ms / 1e3
-        self.pause_s = max(config.reconfig_pause_ms / 1e3, cost.pause_s)
-        self.wmin = config.min_window_ms / 1e3
-        self.wmax = config.max_window_ms / 1e3
-        share = min(max(config.max_pause_share, 1e-6), 1.0)
-        self.dwell_s = max(self.wmin, 2 * self.pause_s * (1 - share) / share)
+        super().__init__(config, cost)
         self._forced_until: dict[str, float] = {}
         self._end_by: dict[str, float] = {}
-
-    # --- estimates ------------------------------------------------------------------------------
-    def prefill_s(self, tokens: int) -> float:
-        """Chunked prefill time of ``tokens`` prompt tokens (s)."""
-        return self.cost.prefill_s(tokens, self.config.prefill_token_budget)
-
-    def decode_step_s(self, st: DeviceState) -> float:
-        """Decode step time of the device's resident batch (s)."""
-        return self.cost.decode_step_s(len(st.resident), sum(s.context_tokens for s in st.resident))
-
-    def window_left_s(self, st: DeviceState, t0: float, ws: float, new_seqs: int = 0, new_tokens: int = 0) -> float:
-        """Prefill seconds left from ``t0`` in a window that began at ``ws`` (``R`` of the docstring).
-
-        ``d`` is the first decode step after the window: the resident batch plus ``new_seqs`` prompts
-        of ``new_tokens`` tokens in all, prefilled in the window.
-        """
-        return self._window_left(_Residents(st, ws, self.T), t0, ws, new_seqs, new_tokens)
-
-    def _window_left(self, res: _Residents, t0: float, ws: float, new_seqs: int, new_tokens: int) -> float:
-        if res.n == 0:
-            return INF
-        d = self.cost.decode_step_s(res.n + new_seqs, res.ctx + new_tokens + new_seqs)
-        r = INF
-        if res.old_deadline < INF:
-            r = min((res.old_deadline - t0) - self.pause_s - d, self.wmax + (ws - t0))
-        if res.newborn_first < INF:
-            r = min(r, self.wmax + (res.newborn_first - t0))
-        return r
-
-    def in_debt(self, st: DeviceState, now_s: float) -> bool:
-        """Some resident sequence cannot get its next token by its deadline even decoding now."""
-        d = self.decode_step_s(st)
-        return any(s.first_token_s + s.output_tokens * self.T < max(now_s, st.busy_until_s) + d for s in st.resident)
-
-    def urgent(self, w: WaitingPrompt, now_s: float) -> bool:
-        """The prompt's age plus its service time reaches ``ttft_urgency`` of the TTFT SLO."""
-        age = now_s - w.arrival_s
-        limit_s = self.config.ttft_urgency * self.config.ttft_slo_ms / 1e3
-        return age + self.pause_s + self.prefill_s(w.prompt_tokens) >= limit_s
 
     # --- the decision ---------------------------------------------------------------------------
     def decide(self, now_s: float, snapshot: NodeSnapshot) -> list[Decision]:
@@ -532,27 +281,6 @@ class RoleScheduler:
         """A DECODE device holds queued prompt work a PREFILL step could run now (sequences it
         preempted for KV, to recompute; or a recompute after a lost hand-off)."""
         return dv.st.prefill_queue_tokens > 0 and dv.st.prefill_runnable
-
-    def _forced_cap_s(self, st: DeviceState, now_s: float, t0: float) -> float:
-        """Longest forced window (s) from ``t0``; -inf when none may open now.
-
-        None may open while a resident sequence is past its deadline (it recovers first), unless
-        decode cannot keep up anyway (``d >= T``). Otherwise each sequence with a known expected length
-        may overrun by what its remaining gaps win back, ``(remaining - 1) * (T - d)``, so its TPOT
-        still meets the target: ``W <= D - t0 - p - d + max(0, remaining - 1) * (T - d)``.
-        """
-        d = self.decode_step_s(st)
-        if d >= self.T:
-            return INF
-        if self.in_debt(st, now_s):
-            return -INF
-        cap = INF
-        for s in st.resident:
-            if s.expected_output_tokens > 0:
-                rem = s.expected_output_tokens - s.output_tokens
-                deadline = s.first_token_s + s.output_tokens * self.T
-                cap = min(cap, (deadline - t0) - self.pause_s - d + max(0, rem - 1) * (self.T - d))
-        return cap
 
     def _stagger_ok(self, dv: _Dev, devs: list[_Dev]) -> bool:
         if self.config.stagger == "off" or len(devs) < 2 or not dv.holder:

@@ -6,14 +6,13 @@ from __future__ import annotations
 import asyncio
 from contextlib import suppress
 from collections import deque
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import structlog
 
 from node.runtime.request import RequestState
 
-if TYPE_CHECKING:
-    from node.runtime.node import Node
+from node.runtime.interfaces import DriverHost
 
 log = structlog.get_logger("shiftnode.driver")
 
@@ -26,7 +25,7 @@ CACHE_LOOKUPS = 64  # pending prompts (oldest first) whose cached prefix is look
 class Driver:
     """Base of the node's placement drivers (time-shared roles, pooled pools)."""
 
-    def __init__(self, node: "Node", clock: Callable[[], float]):
+    def __init__(self, node: DriverHost, clock: Callable[[], float]):
         self.node = node
         self.clock = clock
         self.pending: list[RequestState] = []

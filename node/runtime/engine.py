@@ -11,6 +11,10 @@ overlapped moves (pooled hand-offs: beside later steps, on blocks of a sequence 
 includes) and the engine's stop. Membership changes (new sequences, aborts, detaches) are applied
 between sends, on the loop; a block freed while a step is in flight goes only to a later step, which
 the engine runs after it.
+
+The class is split by concept: the step loop and the engine process's lifecycle here, which sequences
+live on the device in :mod:`node.runtime.engine_residents`, role switches in
+:mod:`node.runtime.engine_roles`, KV moves to another device in :mod:`node.runtime.moves`.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import asyncio
 import random
 from collections import deque
 from contextlib import suppress
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -29,20 +33,17 @@ from node.core.batcher import BatchConfig, Batcher, ScheduledSeq, StepKind, Step
 from node.core.role_config import RoleConfig, assign_instances, scatter_bytes, shared_block_units
 from node.core.roles import Role
 from node.core.sequence import PENDING, Sequence
-from node.runtime.health import STALLED_STEP_S
+from node.runtime.engine_residents import Residents
+from node.runtime.engine_roles import RoleSwitching
 from node.runtime.moves import KVMoves, MigrationRecord, Move
 from node.runtime.request import RequestState
-from node.runtime.switching import DeviceRole, SwitchAbandoned, SwitchRecord
+from node.runtime.switching import DeviceRole, SwitchRecord
 from node.runtime.step_encoder import StepEncoder
 from node.worker.engine_core import StepMsg, StepReply
 from node.worker.engine_process import EngineDied, EngineProcess, LocalEngine
 from node.worker.runner import SeqOutput
 
 log = structlog.get_logger("shiftnode.engine")
-
-
-def _nothing() -> None:
-    return None
 
 
 @dataclass
@@ -56,7 +57,7 @@ class _InFlight:
     pending: list[tuple[Sequence, int]]  # sequences given a placeholder token, and its index
 
 
-class DeviceEngine(KVMoves):
+class DeviceEngine(Residents, RoleSwitching, KVMoves):
     """Runs continuous batching on one device.
 
     Args:
@@ -114,31 +115,12 @@ class DeviceEngine(KVMoves):
         self.kv_scatter_bytes = 0  # KV written into other devices' pools by prefill instances (role_layouts)
         self.chunk_tokens = 0  # adaptive mode: prompt tokens a MIXED step may take (the policy's chunk budget)
 
-    def configure_roles(self, configs: dict[Role, RoleConfig], base: BatchConfig, kv_bytes_per_token: int,
-                        seed: int = 0) -> None:
-        """Give each role its configuration (time-shared mode): the batcher's limits follow the
-        active role from now on (a prefill role of several instances plans ``token_budget`` per
-        instance and at most that per sequence, :class:`RoleConfig`); ``kv_bytes_per_token``: the
-        model's whole-KV bytes per token (for :attr:`kv_scatter_bytes`)."""
-        self.role_configs = dict(configs)
-        self._role_batch = {r: replace(base, max_batched_tokens=c.step_budget, max_item_tokens=c.item_cap)
-                            if r is Role.PREFILL else base for r, c in configs.items()}
-        self._kv_bytes_per_token = kv_bytes_per_token
-        self._rng = random.Random(seed)
-        if self.role is not None and self.role.role in self._role_batch:
-            self.batcher.config = self._role_batch[self.role.role]
-
     @property
     def kv_pools(self) -> list:
         """The device's KV pool as this process sees it, one tensor per rank in rank order (one for a
         single device; a group's ranks each hold ``K/D`` heads): what in-node moves copy between."""
         pools = getattr(self.runner, "kv_caches", None)
         return list(pools) if pools is not None else [self.runner.kv_cache]
-
-    @property
-    def active_config(self) -> RoleConfig | None:
-        """The configuration of the role the device is in (None while switching, or outside time-shared mode)."""
-        return self.role_configs.get(self.role.role) if self.role is not None else None
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -184,64 +166,6 @@ class DeviceEngine(KVMoves):
     def wake(self) -> None:
         self._wake.set()
 
-    # --- membership ------------------------------------------------------------------------------
-    def _refuse_if_down(self, req: RequestState) -> bool:
-        """A down device takes nothing: fail ``req`` (503) and say so."""
-        if self.failure is None:
-            return False
-        req.fail(f"device {self.device_id} is down: {self.failure}", status=503, code="engine_down", retry_after_s=1.0)
-        return True
-
-    def add(self, req: RequestState) -> None:
-        if self._refuse_if_down(req):
-            return
-        self.requests[req.request_id] = req
-        for i, seq in enumerate(req.seqs):
-            seq.device_id = self.device_id
-            self._by_seq[seq.seq_id] = (req, i)
-            self.batcher.add(seq)
-        self.wake()
-
-    def add_seq(self, req: RequestState, index: int) -> None:
-        """Queue one sequence of ``req`` for (re)computation here: a hand-off to a peer failed after the
-        peer took it, so its prompt plus the tokens already streamed are prefilled again."""
-        if self._refuse_if_down(req):
-            return
-        seq = req.seqs[index]
-        seq.device_id = self.device_id
-        self.requests[req.request_id] = req
-        self._by_seq[seq.seq_id] = (req, index)
-        self.batcher.add(seq)
-        self.wake()
-
-    def detach(self, seq: Sequence) -> asyncio.Future:
-        """Take a decoding sequence out of this device at the next step boundary, keeping its blocks
-        allocated (pinned) for a transfer to a peer node.
-
-        The future resolves to ``(request, index, block_ids)`` (the caller then owns the blocks: give
-        them back with :meth:`free_pinned` after the peer committed, or :meth:`readopt` the sequence
-        if the transfer failed), or to ``None`` when the sequence is not decoding here.
-        """
-        fut = asyncio.get_running_loop().create_future()
-        if self.failure is not None:  # nothing would apply it: the sequence stays (its request failed here)
-            fut.set_result(None)
-            return fut
-        self._detaches.append((seq, fut))
-        self.wake()
-        return fut
-
-    def in_worker(self, fn: Callable, *args) -> asyncio.Future:
-        """Run ``fn(*args)`` on this device's worker thread at the next point where no step is in
-        flight, in order with the steps (a KV gather or scatter for a transfer must not race a step
-        writing the same pool). The future fails with ``RuntimeError`` if the device goes down first."""
-        fut = asyncio.get_running_loop().create_future()
-        if self.failure is not None:
-            fut.set_exception(RuntimeError(f"device {self.device_id} is down: {self.failure}"))
-            return fut
-        self._jobs.append((fn, args, fut))
-        self.wake()
-        return fut
-
     async def _run_jobs(self) -> None:
         loop = asyncio.get_running_loop()
         while self._jobs:
@@ -254,93 +178,6 @@ class DeviceEngine(KVMoves):
                 continue
             if not fut.done():
                 fut.set_result(result)
-
-    def free_pinned(self, block_ids: list[int]) -> None:
-        """Free blocks of a detached sequence once a peer has committed its copy. Queued behind the
-        worker's current job, so a gather still reading them finishes first."""
-        fut = self.in_worker(_nothing)
-        fut.add_done_callback(lambda _f: (self.batcher.ledger.free(block_ids), self.wake()))
-
-    def readopt(self, req: RequestState, index: int, seq: Sequence, block_ids: list[int]) -> None:
-        """Put a detached sequence back with its own blocks (its transfer failed before a commit)."""
-        seq.block_ids = block_ids
-        self.adopt(req, index, seq)
-
-    def _apply_detaches(self) -> None:
-        while self._detaches:
-            seq, fut = self._detaches.pop(0)
-            entry = self._by_seq.get(seq.seq_id)
-            if fut.cancelled():
-                continue
-            if entry is None or seq not in self.batcher.running or not seq.is_decoding:
-                fut.set_result(None)
-                continue
-            req, index = entry
-            blocks = self.batcher.release(seq)
-            del self._by_seq[seq.seq_id]
-            self._forget_if_empty(req)
-            fut.set_result((req, index, blocks))
-
-    def abort(self, request_id: str) -> None:
-        """Drop a request at the next step boundary; its blocks return to the ledger."""
-        if request_id in self.requests:
-            self._aborts.append(request_id)
-            self.wake()
-
-    def cached_blocks_of(self, token_ids: list[int], num_computed: int, memo: list[bytes] | None = None) -> list[int]:
-        """This device's cached blocks of the longest cached prefix of full blocks within the first
-        ``num_computed`` tokens of a sequence arriving from elsewhere (changes nothing)."""
-        return self.batcher.ledger.match(token_ids, num_computed, memo)
-
-    def reserve_for(self, token_ids: list[int], num_computed: int, num_blocks: int,
-                    memo: list[bytes] | None = None) -> tuple[list[int] | None, int]:
-        """Blocks here for a sequence of ``num_blocks`` blocks arriving from elsewhere: this device's
-        cached blocks of its longest cached prefix (:meth:`cached_blocks_of`; referenced now, so never
-        evicted, and never written by the copy, since their tokens lie before ``num_computed``), then
-        new ones. Returns ``(blocks, reused)`` — the first ``reused`` are the cached ones, which need
-        not be received — or ``(None, 0)`` when they do not fit. Blocks a step in flight registered
-        are never reused (:meth:`BlockLedger.reserve`): that step may still fail to write them."""
-        got = self.batcher.ledger.reserve(token_ids, num_computed, num_blocks, memo)
-        return got if got is not None else (None, 0)
-
-    def adopt(self, req: RequestState, index: int, seq: Sequence) -> None:
-        """Take over a decoding sequence whose KV was just copied into this device's blocks. On a down
-        device nothing would ever run it (and a peer's relay heartbeats would keep its origin waiting):
-        its blocks are freed and its choice ends at once (503 ``engine_down``)."""
-        if self.failure is not None:
-            self.batcher.ledger.free(seq.block_ids)
-            seq.block_ids = []
-            if not req.finished[index]:
-                req.fail_choice(index, f"device {self.device_id} is down: {self.failure}", status=503,
-                                code="engine_down", retry_after_s=1.0)
-            return
-        seq.device_id = self.device_id
-        self.requests[req.request_id] = req
-        self._by_seq[seq.seq_id] = (req, index)
-        self.batcher.adopt(seq)
-        self.wake()
-
-    def _apply_aborts(self) -> None:
-        while self._aborts:
-            req = self.requests.get(self._aborts.pop())
-            if req is not None:
-                self._finish_request(req)
-
-    def _forget_if_empty(self, req: RequestState) -> None:
-        """Drop ``req`` from this device once none of its sequences is held here."""
-        if not any(s.seq_id in self._by_seq for s in req.seqs):
-            self.requests.pop(req.request_id, None)
-
-    def _finish_seq(self, seq: Sequence) -> None:
-        entry = self._by_seq.pop(seq.seq_id, None)
-        if entry is not None:
-            self.batcher.remove(seq)
-            self._forget_if_empty(entry[0])
-
-    def _finish_request(self, req: RequestState) -> None:
-        for seq in req.seqs:
-            self._finish_seq(seq)
-        self.requests.pop(req.request_id, None)
 
     # --- the loop --------------------------------------------------------------------------------
     async def _loop(self) -> None:
@@ -543,82 +380,6 @@ class DeviceEngine(KVMoves):
             if not fut.done():
                 fut.set_exception(RuntimeError(f"device {self.device_id} is down: {self.failure}"))
         self._notify(self.down_listeners)
-
-    def set_chunk_budget(self, tokens: int) -> None:
-        """Prompt tokens each MIXED step may take from now on (the adaptive policy's online budget)."""
-        if tokens != self.chunk_tokens:
-            self.chunk_tokens = tokens
-            self.wake()
-
-    def switch_free(self, to_role: Role, reason: str) -> SwitchRecord:
-        """Switch between DECODE and MIXED (one configuration) at once, between steps: no drain, no
-        pause (:meth:`DeviceRole.switch_free <node.runtime.switching.DeviceRole.switch_free>`); the next
-        step planned is of the new kind. Logged and reported like any switch.
-
-        Raises:
-            ValueError: not a switch between DECODE and MIXED.
-        """
-        assert self.role is not None, "role switches exist in adaptive and time-shared modes only"
-        record = self.role.switch_free(to_role, self.clock(), reason)
-        if to_role in self._role_batch:
-            self.batcher.config = self._role_batch[to_role]
-        log.info("role_switch", **record.as_dict())
-        self._notify(self.switch_listeners, record)
-        self.wake()
-        return record
-
-    async def switch_role(self, to_role: Role, reason: str) -> SwitchRecord:
-        """Drain the step in flight, reconfigure for ``to_role`` and pay the pause; then take the role."""
-        assert self.role is not None, "role switches exist in time-shared mode only"
-        start = self.clock()
-        prev = self.role.begin(to_role, start)
-        try:  # bounded: a step that never returns marks the device stalled after as long (health.py)
-            async with asyncio.timeout(STALLED_STEP_S):
-                await self._idle.wait()
-        except TimeoutError:
-            pass  # the device may yet answer: /health reports it stalled, not down
-        if self.failure is not None or not self._idle.is_set():
-            self.role.role, self.role.switching_to, self.role.switch_started_s = prev, None, None
-            why = f"down: {self.failure}" if self.failure else f"stalled: a step has run for {STALLED_STEP_S:g} s"
-            raise SwitchAbandoned(f"switch of {self.device_id} to {to_role.value} abandoned: the device is {why}")
-        drained = self.clock()
-        try:
-            await asyncio.get_running_loop().run_in_executor(self._executor, self.reconfigure, to_role)
-        except Exception as e:  # noqa: BLE001 - the role still changes (its steps run in the layout the ranks are in)
-            if isinstance(e, EngineDied):  # the device is down: its step loop reports it (no traceback here)
-                log.info("reconfigure_skipped", device=self.device_id, to_role=to_role.value, reason=str(e))
-            elif not self.runner.stopping:  # (a switch the node's closing cut short is no error)
-                self.errors["reconfigure"] = self.errors.get("reconfigure", 0) + 1
-                log.error("reconfigure_failed", device=self.device_id, to_role=to_role.value, error=str(e), exc_info=e)
-        if to_role in self._role_batch:
-            self.batcher.config = self._role_batch[to_role]
-        swap_s = self.clock() - drained
-        deadline = self.clock() + self.role.pause_floor_s
-        while (left := deadline - self.clock()) > 0:  # event-loop timers may fire a little early
-            await asyncio.sleep(left)
-        end = self.clock()
-        record = SwitchRecord(self.device_id, start, end, prev.value, to_role.value, round((drained - start) * 1e3, 3),
-                              round(swap_s * 1e3, 3), round((swap_s + self.role.pause_floor_s) * 1e3, 3), reason)
-        self.role.finish(record)
-        log.info("role_switch", **record.as_dict())
-        self._notify(self.switch_listeners, record)
-        self.wake()
-        return record
-
-    def reconfigure(self, to_role: Role) -> None:
-        """Swap the execution configuration (runs in the worker thread; its time is the switch's swap
-        time). The step kind and the batch limits come from the role (:meth:`configure_roles`); a
-        tensor-parallel group's ranks switch layout (degree, weight views, KV heads, then a barrier:
-        :meth:`GroupLayouts.activate <node.worker.role_layouts.GroupLayouts.activate>`); the decode role
-        also needs the runner's CUDA graphs, captured at start-up (``prepare_decode`` then only
-        captures what a failed or skipped start-up capture left; a no-op without graphs)."""
-        if self.runner.stopping:  # the node is closing: nothing will run in the new role
-            return
-        set_role = getattr(self.runner, "set_role", None)
-        if set_role is not None and to_role in self.role_configs:
-            set_role(to_role.value)
-        if to_role is Role.DECODE:
-            self.runner.prepare_decode()
 
     def _postprocess(self, rec: _InFlight, outs: dict[str, SeqOutput]) -> None:
         now = self.clock()

@@ -1,6 +1,6 @@
 """The sending side of one sequence's KV hand-off to a peer node, and who owns its pinned blocks.
 
-A hand-off (see :mod:`node.runtime.peers` for the protocol) detaches a decoding sequence from its
+A hand-off (see :mod:`node.runtime.peer_links` for the protocol) detaches a decoding sequence from its
 device at a step boundary; from then on its blocks are *pinned*: allocated in the device's ledger but
 held by no sequence there. Exactly one of three things must happen to them, on every path:
 
@@ -25,21 +25,19 @@ import asyncio
 import itertools
 import time
 from contextlib import suppress
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import structlog
 
 from node.core.sequence import Sequence, SeqStatus
 from node.runtime.engine import DeviceEngine
+from node.runtime.interfaces import PeerHost
 from node.runtime.moves import MigrationRecord
 from node.runtime.peer_state import Peer
 from node.runtime.request import RequestState
-from node.transport import KVClient, PeerRefused, TransferRefused, TransportError
+from node.transport import KVClient, Layout, PeerRefused, SeqState, TransferRefused, TransportError
 from node.transport.protocol import RelayEnd
 from node.worker.sampler import TokenLogprobs
-
-if TYPE_CHECKING:
-    from node.runtime.peers import PeerLinks
 
 log = structlog.get_logger("shiftnode.peers")
 
@@ -55,18 +53,46 @@ def why(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
+class Links(Protocol):
+    """What a hand-off uses of the node's :class:`~node.runtime.peer_links.PeerLinks` (which imports this
+    module, so the links are typed by this view)."""
+
+    node: PeerHost
+    layout: Layout
+    link_gbps: float | None
+    reconnect_s: float
+    status_poll_s: float
+    retries: dict[str, int]
+
+    async def connect(self, peer: Peer, **kw) -> KVClient:
+        """A fresh connection to ``peer`` (handshake done)."""
+        ...
+
+    def refused(self, peer: Peer, e: PeerRefused) -> None:
+        """Record that ``peer`` refused us."""
+        ...
+
+    def timed_out(self, e: BaseException, side: str = "sender") -> None:
+        """Count a transfer timeout by stage."""
+        ...
+
+    def seq_state(self, req: RequestState, seq: Sequence) -> SeqState:
+        """What the peer needs to go on decoding ``seq``."""
+        ...
+
+
 class HandOff:
     """One sequence's move to ``peer``: detach, send, then relay its tokens back (one task).
 
     Args:
-        links: the node's :class:`~node.runtime.peers.PeerLinks` (connections, counters, retries).
+        links: the node's :class:`~node.runtime.peer_links.PeerLinks` (connections, counters, retries).
         engine, req, seq: the device the sequence decodes on, its request and the sequence.
         peer: the target node; reason: why it moves (``pooled``, ``fallback``, ``drain``: metrics label).
         settle: called exactly once with True when the peer committed, False when the sequence stayed
             here or was dropped (also when the task was cancelled before it ran).
     """
 
-    def __init__(self, links: "PeerLinks", engine: DeviceEngine, req: RequestState, seq: Sequence, peer: Peer,
+    def __init__(self, links: Links, engine: DeviceEngine, req: RequestState, seq: Sequence, peer: Peer,
                  reason: str, settle: Callable[[bool], None]):
         self.links, self.engine, self.req, self.seq, self.peer, self.reason = links, engine, req, seq, peer, reason
         self._settle_cb = settle

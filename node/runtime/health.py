@@ -11,23 +11,15 @@ that wait too: the test is "the last two steps took that long together".
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from node.runtime.interfaces import StateSource
 from node.runtime.peer_state import READY
+from node.runtime.switching import STALLED_STEP_S  # noqa: F401 - the threshold health reports by
 
-if TYPE_CHECKING:
-    from node.runtime.node import Node
 
 INBOUND_REFUSAL_WINDOW_S = 60.0  # an inbound refusal this recent makes the node degraded
-STALLED_STEP_S = float(os.environ.get("SHIFTNODE_STALLED_STEP_S", "120"))
-"""A step in flight this long (s) marks its device stalled; ``$SHIFTNODE_STALLED_STEP_S``, read at
-import, sets it (as vLLM's ``VLLM_ENGINE_ITERATION_TIMEOUT_S`` does its engine's). 120 s is far past
-a GPU step and past the prefill steps of the models this node serves on a CPU, and soon enough for a
-load balancer to stop routing to a node whose engines hang; a CPU node running a large model with
-large prefill batches should raise it."""
 OK, DEGRADED, UNAVAILABLE = "ok", "degraded", "unavailable"
 
 
@@ -52,7 +44,7 @@ def _down(engine) -> str | None:
     return getattr(engine, "failure", None)
 
 
-def node_health(node: "Node", now: float | None = None) -> Health:
+def node_health(node: StateSource, now: float | None = None) -> Health:
     """The health of ``node`` at ``now`` (its monotonic clock; default: the current time)."""
     now = time.monotonic() if now is None else now
     cfg = node.config

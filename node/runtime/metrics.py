@@ -10,7 +10,7 @@ never lag behind an abort.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -18,8 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from node.runtime.peer_state import PEER_STATES
 from node.runtime.vllm_metrics import VllmCompatCollector
 
-if TYPE_CHECKING:
-    from node.runtime.node import Node
+from node.runtime.interfaces import StateSource
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -27,7 +26,7 @@ LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
 class NodeMetrics:
     """All metrics of a node; ``render()`` gives the Prometheus text format."""
 
-    def __init__(self, node: "Node"):
+    def __init__(self, node: StateSource):
         self.registry = CollectorRegistry()
         r = self.registry
         # One per request (a prompt with its n choices), labelled by its worst choice (REQUEST_OUTCOME_ORDER);
@@ -104,7 +103,7 @@ def request_outcome(reasons: list[str]) -> str:
 
 
 class _StateCollector:
-    def __init__(self, node: "Node"):
+    def __init__(self, node: StateSource):
         self.node = node
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
@@ -170,7 +169,7 @@ class _StateCollector:
         yield role
 
 
-def _peer_gauges(n: "Node") -> Iterable[GaugeMetricFamily]:
+def _peer_gauges(n: StateSource) -> Iterable[GaugeMetricFamily]:
     """Peers by state, and requests waiting for remote KV by stage: ``unsent`` (prefilled here,
     waiting for a peer to take them), ``sending`` (a hand-off under way), ``receiving`` (a peer's
     transfer into this node)."""

@@ -13,16 +13,12 @@ import asyncio
 from contextlib import suppress
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
 
 import structlog
 
 from node.core.sequence import Sequence, SeqStatus
 from node.runtime.request import RequestState
 from node.transport.local import copy_sharded_blocks
-
-if TYPE_CHECKING:
-    from node.runtime.engine import DeviceEngine
 
 log = structlog.get_logger("shiftnode.engine")
 
@@ -48,7 +44,7 @@ class Move:
     __slots__ = ("seq", "dst", "reason", "fut", "overlap", "req", "index", "start_s", "src_blocks",
                  "dst_blocks", "reused", "fence")
 
-    def __init__(self, seq: Sequence, dst: "DeviceEngine", reason: str, fut: asyncio.Future, overlap: bool):
+    def __init__(self, seq: Sequence, dst: "KVMoves", reason: str, fut: asyncio.Future, overlap: bool):
         self.seq, self.dst, self.reason, self.fut, self.overlap = seq, dst, reason, fut, overlap
         self.req: RequestState | None = None
         self.index = 0
@@ -64,7 +60,7 @@ class KVMoves:
     batcher, sequence map, steps in flight, worker thread and KV pools, and keeps its queues in
     ``_migrations`` (not begun), ``_copies`` (overlapped, begun) and ``_copying``)."""
 
-    def migrate(self, seq: Sequence, dst: "DeviceEngine", reason: str, overlap: bool = False) -> asyncio.Future:
+    def migrate(self, seq: Sequence, dst: "KVMoves", reason: str, overlap: bool = False) -> asyncio.Future:
         """Move a decoding sequence's KV to ``dst``.
 
         ``overlap=False``: at this device's next step boundary, with nothing of this device running

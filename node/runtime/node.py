@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
-from dataclasses import asdict
 import time
 from contextlib import suppress
 from typing import AsyncIterator
@@ -21,78 +20,35 @@ from typing import AsyncIterator
 import msgspec
 import structlog
 
-from node.config import NodeConfig, benchmark_cost_path, group_id
-from node.core.batcher import BatchConfig, Batcher
-from node.core.ledger import BlockLedger
+from node.config import NodeConfig, benchmark_cost_path
 from node.core.sequence import SamplingParams
 from node.core.cost import CostModel
 from node.core.adaptive import AdaptiveScheduler
-from node.core.roles import Role, RoleScheduler, RoleSchedulerConfig
+from node.core.roles import RoleScheduler, RoleSchedulerConfig
 from node.core.pooled import PooledRouter
+from node.runtime.admission import EnginesDown, NodeDraining, QueueFullError
 from node.runtime.engine import DeviceEngine
 from node.runtime.moves import MigrationRecord
 from node.runtime.membership import Membership, join as join_etcd
-from node.runtime.peers import KVReceiver, PeerLinks
+from node.runtime.kv_receiver import KVReceiver
+from node.runtime.peer_links import PeerLinks
 from node.runtime.pooled_driver import PooledDriver
 from node.runtime.role_driver import RoleDriver
-from node.runtime.switching import DeviceRole
 from node.runtime.metrics import NodeMetrics, request_outcome
+from node.runtime.node_status import node_status
 from node.runtime.delta_stream import DeltaStream
 from node.runtime.output import SeqDelta
 from node.runtime.request import RequestState
+from node.runtime.startup import load_engines
 from node.transport.protocol import Fingerprint
-from node.worker.engine_core import EngineCore
-from node.worker.engine_group import TPEngineGroup, launch_engine
-from node.worker.engine_process import EngineProcess, LocalEngine
-from node.worker.loader import LoadedModel, StartupError, build_runner, load_model_info, select_ops
+from node.worker.engine_process import EngineProcess
+from node.worker.loader import LoadedModel, StartupError
 
 log = structlog.get_logger("shiftnode.node")
 
 
 # Starting point of the policy's cost model before the node has measured its own steps (CPU-sized).
 DEFAULT_CPU_COST = CostModel(prefill_fixed_s=0.002, prefill_per_token_s=2e-5, decode_fixed_s=0.002, decode_per_seq_s=1e-4)
-
-
-class QueueFullError(RuntimeError):
-    """More requests are queued than ``--max-queue`` allows (the API answers 503)."""
-
-
-class NodeDraining(QueueFullError):
-    """The node is draining to its peers and takes no new requests (the API answers 503)."""
-
-
-class EnginesDown(QueueFullError):
-    """Every device's engine is down: nothing can serve (the API answers 503 ``engine_down``)."""
-
-
-def check_tensor_parallel(config: NodeConfig, info: LoadedModel) -> None:
-    """Refuse tensor-parallel degrees (``--tensor-parallel-size``, ``--decode-tp``, ``--prefill-tp``) the other flags (:meth:`NodeConfig.tensor_parallel_error`)
-    or the model (heads, KV heads, intermediate size not divisible by it) cannot run with.
-
-    Raises:
-        StartupError: the message names the flag or the model's numbers.
-    """
-    problem = config.tensor_parallel_error()
-    if problem:
-        raise StartupError(problem)
-    check_tp_degrees(config, info.cfg)
-
-
-def check_tp_degrees(config: NodeConfig, cfg) -> None:
-    """Refuse tensor-parallel degrees the model ``cfg`` (a :class:`ModelConfig`) cannot split into.
-
-    Raises:
-        StartupError: naming the flag and the model's numbers.
-    """
-    from node.worker.tensor_parallel import TensorParallelError, check_tp_config
-
-    for flag, degree in (("--tensor-parallel-size", config.tensor_parallel_size), ("--decode-tp", config.decode_tp),
-                         ("--prefill-tp", config.prefill_tp)):
-        if degree > 1:
-            try:
-                check_tp_config(cfg, degree)
-            except TensorParallelError as e:
-                raise StartupError(f"{flag} {degree}: {e}") from e
 
 
 class Node:
@@ -176,66 +132,7 @@ class Node:
             StartupError: an engine failed to load (its message), or died while loading; a
                 tensor-parallel size the flags or the model cannot run with (:func:`check_tensor_parallel`).
         """
-        prelaunched = dict(prelaunched or {})
-        loop = asyncio.get_running_loop()
-        handles: list = []
-        groups = config.device_groups()
-        ids = [group_id(g) for g in groups]
-        try:
-            info = load_model_info(config)
-            check_tensor_parallel(config, info)
-            if config.engine_layout == "thread":
-                for device_id in config.devices:
-                    ops = select_ops(config.attention_backend, device_id.partition(":")[0])
-                    runner = await loop.run_in_executor(None, build_runner, config, info, device_id, ops)
-                    core = EngineCore(runner)
-                    await loop.run_in_executor(None, core.warm_up)
-                    handles.append(LocalEngine(core))
-            else:
-                handles = [prelaunched.pop(i, None) or launch_engine(config, g, "spawn") for i, g in zip(ids, groups)]
-                results = await asyncio.gather(*(loop.run_in_executor(None, h.wait_ready) for h in handles),
-                                               return_exceptions=True)
-                failed = [r for r in results if isinstance(r, BaseException)]
-                if failed:
-                    raise StartupError(str(failed[0])) from failed[0]
-                for h in handles:  # from now on this loop reads and writes the engines' sockets
-                    h.attach(loop)
-        except BaseException:
-            for h in handles + list(prelaunched.values()):
-                await loop.run_in_executor(None, h.stop)
-            raise
-        for h in prelaunched.values():  # forked for devices this config does not use (not expected)
-            h.stop()
-        engines = []
-        roles = {Role(name): rc for name, rc in config.role_configs().items()} if config.role_policy else {}
-        prefillers = config.prefill_group_ids()
-        for device_id, runner in zip(ids, handles):
-            ledger = BlockLedger(runner.num_blocks, config.block_size, prefix_caching=config.prefix_caching)
-            batcher = Batcher(ledger, BatchConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_batched_tokens=config.max_num_batched_tokens,
-            ))
-            role = None
-            if config.mode == "time-shared":  # devices start parked in PREFILL (nothing resident yet)
-                role = DeviceRole(device_id, Role.PREFILL, time.monotonic(), config.reconfig_pause_ms / 1e3)
-            elif config.mode == "adaptive":  # in the decode configuration, where a prompt costs no pause
-                role = DeviceRole(device_id, Role.DECODE, time.monotonic(), config.reconfig_pause_ms / 1e3)
-            elif config.mode == "pooled" and device_id in prefillers:  # prompt-only steps, always
-                role = DeviceRole(device_id, Role.PREFILL, time.monotonic(), 0.0)
-            # Pooled decode devices get no role: they decode, and recompute a sequence that an
-            # underestimated output forced them to preempt (vLLM's recompute), in mixed steps.
-            engine = DeviceEngine(device_id, runner, batcher, time.monotonic, role)
-            if roles:  # time-shared: each role's limits and layout (node.core.role_config)
-                engine.configure_roles(roles, batcher.config, info.cfg.kv_bytes_per_token(info.dtype),
-                                       seed=config.seed + len(engines))
-            engines.append(engine)
-        fingerprint = None
-        if cls.networked(config):  # hashed once, off the event loop (see node.transport.fingerprint)
-            fingerprint = await loop.run_in_executor(None, engines[0].runner.fingerprint, config, info)
-            log.info("model_fingerprint", digest=fingerprint.digest, weights=fingerprint.weights[:16],
-                     tokenizer=fingerprint.tokenizer[:16], config=fingerprint.config[:16])
-        log.info("engines_ready", layout=config.engine_layout,
-                 engines={e.device_id: e.runner.pid for e in engines})
+        info, engines, fingerprint = await load_engines(config, prelaunched, cls.networked(config))
         return cls(config, info, engines, fingerprint)
 
     @staticmethod
@@ -362,7 +259,7 @@ class Node:
         """
         m = self.metrics
         self.check_admission(1)
-        req = RequestState(request_id, prompt_ids, params, n, self.tokenizer, self._eos_ids(),
+        req = RequestState(request_id, prompt_ids, params, n, self.tokenizer, self.eos_ids(),
                            self.max_model_len, time.monotonic(), stream=stream, index0=index0)
         m.prompt_tokens.inc(len(prompt_ids))
         self.live[request_id] = req
@@ -476,7 +373,7 @@ class Node:
         """Age (s) of the oldest request admitted and not yet finished; 0 with none."""
         return max((now_s - r.stats.arrival_s for r in list(self.live.values())), default=0.0)
 
-    def _eos_ids(self) -> list[int]:
+    def eos_ids(self) -> list[int]:
         return self.tokenizer.eos_token_ids or list(self.info.cfg.eos_token_ids)
 
     # --- introspection -----------------------------------------------------------------------
@@ -489,115 +386,5 @@ class Node:
         return "decode" if e.device_id in (decoders if decoders is not None else self.config.decode_group_ids()) else "mixed"
 
     def status(self, history: int = 200, since_s: float | None = None) -> dict:
-        """The node's state for ``GET /v1/node``: mode, SLOs, queue, and per device its role, KV blocks,
-        resident and queued sequences, switch count and pause total, and the last ``history`` switches
-        (the role timeline) and KV transfers; with ``since_s`` (node clock, s) instead those that ended
-        after it, all that are kept (a poller such as /dashboard asks only for what is new). ``latency``
-        holds the cumulative TTFT/ITL/TPOT/E2E histograms, for quantiles over any window."""
-        now = time.monotonic()
-        recent = _since(history, since_s)
-        devices = []
-        decoders = self.config.decode_group_ids()
-        for e in self.engines:
-            d = {
-                "device": e.device_id,
-                "role": self.role_of(e, decoders),
-                "engine": {"layout": self.config.engine_layout, "pid": e.runner.pid},  # pid: null in the thread layout; a group's rank 0
-                "engine_busy_s": round(e.busy_s, 6),  # the engine's own time in steps, summed (wall minus this: waiting)
-                "kv_blocks_total": e.batcher.ledger.num_blocks,
-                # bytes of the pool allocated (small on a timed device, whose blocks only stand for the geometry's)
-                "kv_pool_bytes": _pool_bytes(e.runner.kv_cache),
-                "kv_blocks_free": e.batcher.ledger.num_free,
-                "kv_blocks_used": e.batcher.ledger.num_used,  # held by live requests (and transfers)
-                "kv_blocks_cached": e.batcher.ledger.num_cached,  # findable prefix blocks, held or not
-                "kv_blocks_reclaimable": e.batcher.ledger.num_reclaimable,  # cached, unheld: counted as free
-                "prefix_cache": {"enabled": e.batcher.ledger.prefix_caching,
-                                 "query_tokens": e.batcher.prefix_query_tokens,
-                                 "hit_tokens": e.batcher.prefix_hit_tokens,
-                                 "evictions": e.batcher.ledger.num_evictions},
-                "running": len(e.batcher.running),
-                "resident_decoding": e.batcher.num_decoding,
-                "waiting": len(e.batcher.waiting),
-                "steps": e.steps,
-                "preemptions": e.batcher.num_preemptions,
-                "errors": dict(e.errors),  # contained failures by stage; the device kept serving
-                "failure": e.failure,  # why the device is down, or null
-            }
-            if isinstance(e.runner, TPEngineGroup):  # a group of devices as one (--tensor-parallel-size, --decode-tp)
-                d["tensor_parallel"] = {"size": e.runner.degree, "devices": e.runner.devices, "pids": e.runner.pids,
-                                        "active_layout": e.runner.active_role}
-            if e.role_configs:  # time-shared: what each role runs, and what the device runs now
-                d["role_configs"] = {r.value: c.as_dict() for r, c in e.role_configs.items()}
-                active = e.active_config
-                d["active_config"] = active.as_dict() if active is not None else None
-                d["kv_scatter_bytes"] = e.kv_scatter_bytes
-            if e.role is not None:
-                r = e.role
-                d |= {
-                    "time_in_role_s": round(now - (r.switch_started_s if r.switching_to else r.since_s), 4),
-                    "switching_to": r.switching_to.value if r.switching_to else None,
-                    "switch_count": r.count,
-                    "pause_total_ms": round(r.pause_total_s * 1e3, 3),
-                    "switches": [x.as_dict() for x in recent(r.records)],
-                }
-                if self.config.mode == "adaptive":  # prompt tokens each MIXED step may take now
-                    d["chunk_budget"] = e.chunk_tokens
-            devices.append(d)
-        return {
-            "model": self.config.model_name,
-            "benchmark_model": self.config.benchmark_model,  # zero / sleep:MS / timed:PATH: a bench run, outputs meaningless
-            # the cost model the time-shared policy started from (--cost-model, or a timed device's), else null
-            "cost_model": self.config.policy_cost_model,
-            "mode": self.config.mode,
-            "max_model_len": self.max_model_len,
-            "block_size": self.config.block_size,
-            "slo": {"ttft_ms": self.config.ttft_slo_ms, "tpot_ms": self.config.tpot_slo_ms},
-            "reconfig_pause_ms": self.config.reconfig_pause_ms,
-            "queue_depth": self.num_waiting,
-            "request_timeout_s": self.config.request_timeout_s or None,  # the deadline of every request (s); null: none
-            "live_requests": len(self.live),
-            "oldest_request_age_s": round(self.oldest_request_age_s(now), 4),
-            "requests_timed_out": self.timed_out,
-            "draining": self.draining,
-            "clock_s": round(now, 6),
-            "started_wall_s": self.started_wall_s,  # changes when the node restarts
-            "uptime_s": round(time.time() - self.started_wall_s, 3),
-            "devices": devices,
-            "kv_transfers": [asdict(m) for m in recent(self.migrations)],
-            "latency": self.metrics.latency_histograms(),
-            "network": self._network_status(now),
-        }
-
-    def _network_status(self, now: float) -> dict:
-        """``network`` of ``GET /v1/node``: this node's fingerprint and transfer settings, each peer's
-        state (ready / unreachable / refused) and reason, and the inbound connections refused."""
-        cfg = self.config
-        out: dict = {"node_id": cfg.name, "kv_port": self.receiver.port if self.receiver else None,
-                     "fingerprint": msgspec.structs.asdict(self.fingerprint) if self.fingerprint else None,
-                     "config": {"kv_connect_timeout_s": cfg.kv_connect_timeout_s,
-                                "kv_transfer_timeout_s": cfg.kv_transfer_timeout_s, "peer_stale_s": cfg.peer_stale_s,
-                                "max_retries": cfg.max_retries, "link_gbps": cfg.link_gbps}}
-        if self.receiver:
-            out["received_sequences"] = self.receiver.relayed
-            out["receiving"] = len(self.receiver.incoming)
-            out["refused_inbound"] = self.receiver.refused.as_list(now)
-        if self.peers:
-            out["peers"] = [p.as_dict(now, self.peers.stale_s) for p in list(self.peers.peers.values())]
-        if self.membership:
-            out["membership"] = self.membership.status()
-        return out
-
-
-def _since(history: int, since_s: float | None):
-    """A function giving a record history's last ``history`` entries, or with ``since_s`` all kept
-    entries whose ``end_s`` is later (a full scan: of at most 1000 records, and the append order is
-    not strictly the end order)."""
-    def pick(records) -> list:
-        items = list(records)
-        return items[-history:] if since_s is None else [x for x in items if x.end_s > since_s]
-    return pick
-
-
-def _pool_bytes(kv_cache) -> int | None:
-    """Bytes of a device's KV pool as allocated (None: a tensor-parallel group's, sharded across ranks)."""
-    return None if kv_cache is None else kv_cache.numel() * kv_cache.element_size()
+        """The node's state for ``GET /v1/node`` (:func:`node.runtime.node_status.node_status`)."""
+        return node_status(self, history, since_s)

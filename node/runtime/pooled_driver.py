@@ -5,7 +5,7 @@ decode blocks reserved at once. The decode side is this node's ``--decode-device
 ``--peers`` (each seen as one device with the roomiest of its decode devices' free blocks, from its
 capacity reports). A prefill device runs prompt-only steps; when a sequence's first token is out, its
 KV is handed to its decode target layer by layer — ``DeviceEngine.migrate`` for a local device,
-:class:`~node.runtime.peers.PeerLinks` over TCP for a peer — and it decodes there while its client's
+:class:`~node.runtime.peer_links.PeerLinks` over TCP for a peer — and it decodes there while its client's
 stream goes on (a peer relays the tokens back).
 
 A node with decode devices only (the far end of a cross-node pair) serves the requests it receives
@@ -15,7 +15,7 @@ requests that waited ``DECODE_WAIT_S`` for it, instead of holding them forever.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import structlog
 
@@ -24,10 +24,10 @@ from node.core.pooled import PlacePooled, PoolDevice, PooledRouter, PoolSnapshot
 from node.core.roles import Reject, WaitingPrompt
 from node.runtime.driver import Driver
 from node.runtime.engine import DeviceEngine
-from node.runtime.peers import RETRY_AFTER_S, Peer, is_peer
+from node.runtime.handoff import RETRY_AFTER_S
+from node.runtime.peer_state import Peer, is_peer
 
-if TYPE_CHECKING:
-    from node.runtime.node import Node
+from node.runtime.interfaces import DriverHost
 
 log = structlog.get_logger("shiftnode.pooled")
 
@@ -37,7 +37,7 @@ DECODE_WAIT_S = 5.0  # once no decode device or peer has been reachable for this
 class PooledDriver(Driver):
     """Places prompts on device pairs and hands prefilled sequences to their decode device."""
 
-    def __init__(self, node: "Node", router: PooledRouter, prefill: list[str], decode: list[str],
+    def __init__(self, node: DriverHost, router: PooledRouter, prefill: list[str], decode: list[str],
                  clock: Callable[[], float]):
         super().__init__(node, clock)
         self.router = router

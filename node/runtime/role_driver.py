@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import msgspec
 import structlog
@@ -36,11 +36,10 @@ from node.core.roles import (DeviceState, NodeSnapshot, Place, Reject, ResidentS
                              SwitchRole, WaitingPrompt)
 from node.runtime.driver import SAMPLES, Driver
 from node.runtime.engine import DeviceEngine
-from node.runtime.peers import is_peer
+from node.runtime.peer_state import is_peer
 from node.runtime.switching import FREE, SwitchAbandoned, SwitchRecord
 
-if TYPE_CHECKING:
-    from node.runtime.node import Node
+from node.runtime.interfaces import DriverHost
 
 log = structlog.get_logger("shiftnode.roles")
 
@@ -50,7 +49,7 @@ REFIT_EVERY = 32  # steps between refits of the cost model
 class RoleDriver(Driver):
     """Applies the role scheduler's decisions to the node's devices."""
 
-    def __init__(self, node: "Node", scheduler: RoleScheduler, clock: Callable[[], float], *, refit: bool = True):
+    def __init__(self, node: DriverHost, scheduler: RoleScheduler, clock: Callable[[], float], *, refit: bool = True):
         super().__init__(node, clock)
         self.scheduler = scheduler
         self.refits = refit  # False: the policy keeps the cost model it was given (timed devices: it is exact)
@@ -77,7 +76,7 @@ class RoleDriver(Driver):
             e.migration_listeners.append(lambda *_: self.kick())  # a sequence arrived: its device's role may change
 
     @staticmethod
-    def _transfer_s_per_token(node: "Node") -> float:
+    def _transfer_s_per_token(node: DriverHost) -> float:
         """Seconds per context token of KV moved at ``--link-gbps``, to a peer or to another device of
         this node (``DeviceEngine.migrate`` copies at that rate too); 0 when unthrottled."""
         if not node.config.link_gbps:

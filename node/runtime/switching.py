@@ -10,11 +10,20 @@ reason.
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from dataclasses import asdict, dataclass
 
 from node.core.batcher import StepKind
 from node.core.roles import Role
+
+STALLED_STEP_S = float(os.environ.get("SHIFTNODE_STALLED_STEP_S", "120"))
+"""A step in flight this long (s) marks its device stalled; ``$SHIFTNODE_STALLED_STEP_S``, read at
+import, sets it (as vLLM's ``VLLM_ENGINE_ITERATION_TIMEOUT_S`` does its engine's). 120 s is far past
+a GPU step and past the prefill steps of the models this node serves on a CPU, and soon enough for a
+load balancer to stop routing to a node whose engines hang; a CPU node running a large model with
+large prefill batches should raise it."""
+
 
 _KIND = {Role.PREFILL: StepKind.PREFILL, Role.DECODE: StepKind.DECODE, Role.MIXED: StepKind.MIXED,
          Role.SWITCHING: None}

@@ -13,14 +13,12 @@ read from the node like :mod:`node.runtime.metrics`'s. The hot path pays nothing
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-if TYPE_CHECKING:
-    from node.runtime.metrics import NodeMetrics
-    from node.runtime.node import Node
+from node.runtime.interfaces import StateSource
 
 # vLLM name -> (shiftnode attribute of NodeMetrics, help text, label renames). vLLM calls the finish
 # reason label ``finished_reason``; shiftnode's is ``finish_reason``.
@@ -46,7 +44,7 @@ class VllmCompatCollector:
     """A prometheus-client collector that yields the ``vllm:`` families of one node, each with the
     label ``model_name`` (the served model name)."""
 
-    def __init__(self, node: "Node", metrics: "NodeMetrics"):
+    def __init__(self, node: StateSource, metrics: object):
         self.node = node
         self.metrics = metrics
 
@@ -68,7 +66,7 @@ def _renamed(family: Metric, name: str, doc: str, model: str, renames: dict[str,
     return out
 
 
-def _state(n: "Node", model: str) -> Iterable[Metric]:
+def _state(n: StateSource, model: str) -> Iterable[Metric]:
     """The gauges and per-device counters, read now and summed over the node's devices (a gateway
     sees one endpoint per node; shiftnode's own families keep the ``device`` label)."""
     ledgers = [e.batcher.ledger for e in n.engines]

@@ -4,9 +4,11 @@ same position counter.
 
 Modules
 -------
-``protocol``  wire Structs, layout check, HMAC and CRC helpers, errors (pure: stdlib + msgspec)
+``protocol``  wire Structs, layout check, HMAC and CRC helpers (pure: stdlib + msgspec)
+``errors``    the protocol's errors and their timeout stages (pure)
 ``wire``      framing over asyncio streams, the handshake
 ``server``    :class:`KVServer` (receiver)        ``client``  :class:`KVClient` (sender)
+``layers``    a transfer's layer payloads on the sending side (byte views, prefetch)
 ``throttle``  :class:`LinkThrottle` (emulated link, Gb/s)
 ``tensors``   torch glue: layout of a cache, gather/scatter one layer ↔ payload bytes
 ``local``     :func:`copy_sequence_blocks` between two caches of one process

@@ -15,6 +15,11 @@ from typing import Any
 
 import msgspec
 
+from node.transport.errors import (  # noqa: F401 - the protocol's errors, re-exported
+    AuthError, ChecksumMismatch, FrameTooLarge, PeerRefused, ProtocolError, TransferAborted, TransferRefused,
+    TransportError, TransportTimeout, VersionMismatch, timeout_stage,
+)
+
 PROTOCOL_VERSION = 2  # 2: Layout carries a Fingerprint; the handshake ends with HelloAck
 NONCE_BYTES = 32
 
@@ -23,92 +28,6 @@ DTYPE_BYTES: dict[str, int] = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
     "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1,
 }
-
-
-# ---------------------------------------------------------------------------------------- errors
-class TransportError(Exception):
-    """Base class of every error raised by ``node.transport``."""
-
-
-class ProtocolError(TransportError):
-    """The peer sent something the protocol does not allow (bad frame, wrong message, wrong order)."""
-
-
-class FrameTooLarge(ProtocolError):
-    """A frame or payload is larger than the configured bound; the connection is dropped."""
-
-
-class PeerRefused(TransportError):
-    """A handshake ended in a refusal (by either side); ``code`` says why, for logs and metrics:
-    ``auth`` (the secret), ``version``, ``layout`` (cache geometry, dtype, block size or model id),
-    ``config``, ``weights``, ``tokenizer`` (the :class:`Fingerprint`), ``fingerprint`` (one side has none)."""
-
-    code = "refused"
-
-    def __init__(self, message: str, code: str | None = None):
-        super().__init__(message)
-        if code:
-            self.code = code
-
-
-class AuthError(PeerRefused):
-    """The peer could not prove the shared secret."""
-
-    code = "auth"
-
-
-class VersionMismatch(AuthError):
-    """The peer speaks another protocol version."""
-
-    code = "version"
-
-
-class LayoutMismatch(PeerRefused):
-    """Two KV layouts differ; ``fields`` names the differing fields (``weights``, ``tokenizer``,
-    ``config`` for the fingerprint's parts) and ``code`` the most basic of them (see :func:`mismatch_code`)."""
-
-    def __init__(self, fields: list[str], message: str):
-        super().__init__(message, mismatch_code(fields))
-        self.fields = fields
-
-
-class TransferRefused(TransportError):
-    """The receiver refused an offer before reserving anything (``code``: see :class:`TransferRefuse`)."""
-
-    def __init__(self, code: str, reason: str):
-        super().__init__(f"{code}: {reason}")
-        self.code = code
-        self.reason = reason
-
-
-class TransferAborted(TransportError):
-    """A transfer failed after the receiver reserved its blocks; the receiver freed them."""
-
-
-class ChecksumMismatch(TransferAborted):
-    """A layer's payload does not match its checksum."""
-
-
-class TransportTimeout(TransportError):
-    """A bounded wait expired; ``stage`` names it: ``connect``, ``handshake``, ``accept``, ``stall``
-    (a frame or payload chunk during a transfer, or a send the peer does not read), ``commit``,
-    ``relay`` (relayed tokens), ``status`` (a capacity report), ``heartbeat``, ``idle``."""
-
-    def __init__(self, message: str, stage: str = "io"):
-        super().__init__(message)
-        self.stage = stage
-
-
-def timeout_stage(exc: BaseException | None) -> str | None:
-    """The ``stage`` of the :class:`TransportTimeout` that caused ``exc`` (itself or along its
-    ``__cause__``/``__context__`` chain), or None when no timeout is involved."""
-    seen = 0
-    while exc is not None and seen < 10:
-        if isinstance(exc, TransportTimeout):
-            return exc.stage
-        exc = exc.__cause__ or exc.__context__
-        seen += 1
-    return None
 
 
 # ---------------------------------------------------------------------------------------- layout
@@ -158,6 +77,15 @@ class Layout(msgspec.Struct, frozen=True, kw_only=True):
     def layer_bytes(self, num_blocks: int) -> int:
         """Bytes of one layer's payload for ``num_blocks`` blocks (buffer ``[2, n, bs, Hkv, D]``)."""
         return num_blocks * self.block_bytes
+
+
+class LayoutMismatch(PeerRefused):
+    """Two KV layouts differ; ``fields`` names the differing fields (``weights``, ``tokenizer``,
+    ``config`` for the fingerprint's parts) and ``code`` the most basic of them (see :func:`mismatch_code`)."""
+
+    def __init__(self, fields: list[str], message: str):
+        super().__init__(message, mismatch_code(fields))
+        self.fields = fields
 
 
 def mismatch_code(fields: list[str]) -> str:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from node.transport import KVClient
-from node.transport.client import skip_blocks
+from node.transport.layers import skip_blocks
 from node.transport.tensors import gather_layer, scatter_layer_bytes
 from transport_fakes import HOST, SECRET, FakeReceiver, layer_source, make_seq, random_cache, run
 

@@ -1,5 +1,5 @@
-"""KV hand-off between nodes over TCP: the sending side (:class:`PeerLinks`) and the receiving side
-(:class:`KVReceiver`), both on the node's event loop, both built on :mod:`node.transport`.
+"""KV hand-off between nodes over TCP, the sending side: :class:`PeerLinks` (the receiving side is
+:class:`~node.runtime.kv_receiver.KVReceiver`), on the node's event loop, built on :mod:`node.transport`.
 
 A hand-off of one decoding sequence (the node that owns the client's HTTP stream is the *origin*):
 
@@ -29,36 +29,24 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import suppress
-from typing import TYPE_CHECKING, AsyncIterator, Callable
+from typing import Callable
 
 import msgspec
 import structlog
 
-from node.core.roles import Role, blocks_for
-from node.core.sequence import SamplingParams, Sequence
+from node.core.sequence import Sequence
 from node.runtime.engine import DeviceEngine
-from node.runtime.handoff import RETRY_AFTER_S, HandOff, why  # noqa: F401 - RETRY_AFTER_S re-exported
-from node.config import RELAY_KEEPALIVE_S
+from node.runtime.handoff import HandOff, why
+from node.runtime.interfaces import PeerHost
 from node.runtime.request import RequestState
-from node.runtime.peer_state import (READY, REFUSED, InboundRefusals, Peer, is_peer, peer_id,  # noqa: F401 - re-exported
-                                     split_addr)
-from node.transport import (KVClient, KVServer, Layout, PeerRefused, ReceiveReport, SeqState, TransferOffer,
-                            timeout_stage)
-from node.transport.protocol import RelayEnd, StatusReply, TokenRelay
-from node.worker.sampler import TokenLogprobs
-
-if TYPE_CHECKING:
-    from node.runtime.node import Node
+from node.runtime.peer_state import READY, REFUSED, Peer, peer_id, split_addr
+from node.transport import KVClient, Layout, PeerRefused, SeqState, timeout_stage
 
 log = structlog.get_logger("shiftnode.peers")
 
 STATUS_POLL_S = 0.05  # how often each peer's capacity is asked for
 RECONNECT_S = 0.5  # pause before reconnecting a peer's control connection
 REFUSED_RETRY_S = 2.0  # pause before asking a refused peer again (it may restart with the right model)
-
-
-def lp_to_wire(lp: TokenLogprobs | None) -> list | None:
-    return None if lp is None else [lp.token_id, lp.logprob, [list(t) for t in lp.top]]
 
 
 class PeerLinks:
@@ -74,7 +62,7 @@ class PeerLinks:
         layout: this node's KV layout and fingerprint; a peer with another is refused in the handshake.
     """
 
-    def __init__(self, node: "Node", layout: Layout):
+    def __init__(self, node: PeerHost, layout: Layout):
         cfg = node.config
         self.node = node
         self.layout = layout
@@ -259,181 +247,3 @@ class PeerLinks:
         """The client left: stop its hand-offs and relays (the peers drop their copies)."""
         for t in list(self.tasks.get(request_id, ())):
             t.cancel()
-
-
-class KVReceiver:
-    """The receiving side: a :class:`KVServer` on ``--kv-port`` whose callbacks reserve blocks on a
-    decode-capable device, write arriving layers into them, adopt the sequence into that device's
-    continuous batch and relay its tokens back to the origin."""
-
-    def __init__(self, node: "Node", layout: Layout):
-        cfg = node.config
-        self.node = node
-        self.layout = layout
-        # transfer id → (device, reserved blocks, how many of them are its own cached prefix: not received)
-        self.incoming: dict[str, tuple[DeviceEngine, list[int], int]] = {}
-        self.relayed = 0
-        self.refused = InboundRefusals()
-        self.server = KVServer(cfg.kv_host or cfg.host, cfg.kv_port or 0, cfg.peer_secret or "", layout,
-                               reserve=self._reserve, on_layer=self._on_layer, on_done=self._on_done,
-                               on_abort=self._on_abort, status=self._status, check=self._check,
-                               on_refused=self._on_refused, on_timeout=self._on_timeout, node_id=cfg.name,
-                               relay_keepalive_s=RELAY_KEEPALIVE_S, handshake_timeout_s=cfg.kv_connect_timeout_s,
-                               stall_timeout_s=cfg.kv_transfer_timeout_s, reply_timeout_s=cfg.kv_transfer_timeout_s)
-
-    def _on_refused(self, peer: str, peer_node_id: str, code: str, reason: str) -> None:
-        """A node's connection to our KV port was refused (by us or by it): counted and kept for
-        ``GET /v1/node`` and ``/health`` (the log line is the server's ``kv_peer_rejected``)."""
-        self.node.metrics.peer_refusals.labels(reason=code, direction="inbound").inc()
-        self.refused.record(peer, peer_node_id, code, reason, time.monotonic())
-
-    def _on_timeout(self, stage: str) -> None:
-        self.node.metrics.kv_timeouts.labels(stage=stage, side="receiver").inc()
-
-    @property
-    def port(self) -> int:
-        return self.server.port
-
-    async def start(self) -> None:
-        await self.server.start()
-
-    async def close(self) -> None:
-        await self.server.close()
-
-    def _decode_engines(self) -> list[DeviceEngine]:
-        """Devices that may decode a sequence from a peer: pooled mode's decode devices; in time-shared
-        and adaptive modes every device, those in the decode configuration (DECODE, MIXED) first."""
-        cfg = self.node.config
-        if cfg.mode == "pooled":
-            return [self.node.engine(d) for d in cfg.decode_group_ids()]
-        return sorted(self.node.engines, key=lambda e: e.role is None or e.role.role not in (Role.DECODE, Role.MIXED))
-
-    def _room(self, e: DeviceEngine) -> tuple[int, int]:
-        """(free blocks after this node's own reservations, free sequence slots) of a device."""
-        held = len(e.batcher.running) + len(e.batcher.waiting)
-        reserved = self.node.driver.reserved_on(e.device_id) if self.node.driver else 0
-        return e.batcher.ledger.num_free - reserved, e.batcher.config.max_num_seqs - held
-
-    def _status(self, n: int) -> StatusReply:
-        engines = self._decode_engines()
-        rooms = [self._room(e) for e in engines]
-        open_ = [(f, e) for (f, s), e in zip(rooms, engines) if s > 0]
-        best = max(open_, key=lambda x: x[0], default=(0, None))
-        decoding = [s for s in best[1].batcher.running if s.is_decoding] if best[1] is not None else []
-        return StatusReply(
-            n=n, kv_free_blocks=sum(max(0, f) for f, _ in rooms),
-            kv_total_blocks=sum(e.batcher.ledger.num_blocks for e in engines),
-            max_device_free_blocks=max(0, best[0]),
-            max_device_total_blocks=max((e.batcher.ledger.num_blocks for e in engines), default=0),
-            seq_slots_free=sum(max(0, s) for _, s in rooms), accepting=bool(engines),
-            decode_seqs=len(decoding), decode_context_tokens=sum(s.num_computed for s in decoding))
-
-    def _check(self, offer: TransferOffer) -> list[str]:
-        if offer.seq.max_len > self.node.max_model_len:
-            return [f"the sequence may grow to {offer.seq.max_len} tokens, past this node's --max-model-len "
-                    f"{self.node.max_model_len}"]
-        return []
-
-    def _reserve(self, offer: TransferOffer) -> tuple[list[int], int] | None:
-        """Blocks for the sequence's cached tokens plus its next one, or None: on the device with the
-        most free blocks plus blocks of the sequence's prefix it already caches (those it reuses in
-        place and is not sent; Dynamo's overlap-against-load rule, in blocks). Returns the blocks and
-        how many leading ones are cached."""
-        st = offer.seq
-        need = blocks_for(st.num_computed + 1, self.layout.block_size)
-        # At least the last block travels (every layer carries one block or more).
-        reusable = min(st.num_computed, (offer.num_blocks - 1) * self.layout.block_size)
-        best = None
-        for e in self._decode_engines():
-            free, slots = self._room(e)
-            hits = len(e.cached_blocks_of(st.token_ids, reusable))
-            if slots > 0 and free >= need and (best is None or free + hits > best[0]):
-                best = (free + hits, e)
-        if best is None:
-            return None
-        e = best[1]
-        blocks, reused = e.reserve_for(st.token_ids, reusable, offer.num_blocks)
-        if blocks is None:
-            return None
-        self.incoming[offer.transfer_id] = (e, blocks, reused)
-        return blocks, reused
-
-    async def _on_layer(self, tid: str, layer: int, data: bytearray) -> None:
-        from node.transport.tensors import scatter_layer_bytes
-
-        e, blocks, reused = self.incoming[tid]
-        await e.in_worker(scatter_layer_bytes, data, self.layout, e.runner.kv_cache, layer, blocks[reused:])
-
-    def _on_abort(self, tid: str, reason: str) -> None:
-        entry = self.incoming.pop(tid, None)
-        if entry is not None:  # freed behind any layer write still queued on the worker
-            entry[0].free_pinned(entry[1])
-
-    def _on_done(self, tid: str, report: ReceiveReport) -> AsyncIterator:
-        e, blocks, _ = self.incoming.pop(tid)
-        st = report.offer.seq
-        node = self.node
-        params = msgspec.convert(st.sampling, SamplingParams)
-        now = time.monotonic()
-        req = RequestState(f"{report.peer_node_id}/{st.seq_id}", st.token_ids[: st.prompt_len], params, 1,
-                           node.tokenizer, node._eos_ids(), node.max_model_len, now - st.age_s)
-        seq = req.seqs[0]
-        seq.token_ids = list(st.token_ids)
-        seq.max_len = st.max_len
-        seq.num_computed = st.num_computed
-        seq.num_preemptions = st.num_preemptions
-        seq.first_token_s = None if st.first_token_age_s is None else now - st.first_token_age_s
-        seq.last_token_s = now
-        req.outputs[0].replay(seq.output_ids)
-        seq.block_ids = blocks
-        e.adopt(req, 0, seq)
-        if node.driver is not None:
-            node.driver.kick()  # e.g. a device in the PREFILL role now holds a decoding sequence
-        self.relayed += 1
-        node.metrics.kv_received.inc()
-        log.info("sequence_adopted_from_peer", seq=st.seq_id, peer_node=report.peer_node_id, device=e.device_id,
-                 blocks=len(blocks), output_tokens=len(st.token_ids) - st.prompt_len, layers_s=[round(x, 6) for x in report.layer_arrival_s])
-        return _AdoptedRelay(self._relay(tid, req, e), lambda: _drop_adopted(req, e))
-
-    async def _relay(self, tid: str, req: RequestState, e: DeviceEngine) -> AsyncIterator[TokenRelay | RelayEnd]:
-        """The adopted sequence's tokens, batched per wake-up, until it ends; closing early drops it."""
-        try:
-            while True:
-                deltas = await req.stream.take()
-                tokens = [t for d in deltas for t in d.token_ids]
-                lps = [lp_to_wire(lp) for d in deltas for lp in d.logprobs]
-                if tokens:
-                    yield TokenRelay(transfer_id=tid, token_ids=tokens, logprobs=lps if len(lps) == len(tokens) else [])
-                end = next((d for d in deltas if d.finish_reason or d.error), None)
-                if end is not None:
-                    yield RelayEnd(transfer_id=tid, finish_reason=end.finish_reason, error=end.error)
-                    return
-        finally:
-            _drop_adopted(req, e)
-
-
-def _drop_adopted(req: RequestState, e: DeviceEngine) -> None:
-    """A sequence adopted from a peer whose origin is gone: stop it and free its blocks (idempotent)."""
-    if not req.done:
-        req.cancelled = True
-        e.abort(req.request_id)
-
-
-class _AdoptedRelay:
-    """The relay iterator handed to the KV server: closing it drops the adopted sequence even before
-    its first item (when the commit could not be sent), which an async generator's ``finally`` would not."""
-
-    def __init__(self, gen: AsyncIterator, drop: Callable[[], None]):
-        self._gen, self._drop = gen, drop
-
-    def __aiter__(self) -> "_AdoptedRelay":
-        return self
-
-    def __anext__(self):
-        return self._gen.__anext__()
-
-    async def aclose(self) -> None:
-        try:
-            await self._gen.aclose()
-        finally:
-            self._drop()
