@@ -17,15 +17,19 @@ def test_tree_cpu_counts_the_process_and_its_children_apart():
     if not os.path.isdir("/proc"):  # off Linux there is nothing to read: zeros, never an error
         assert _tree_cpu_s(os.getpid()) == (0.0, 0.0)
         return
-    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 0.6: pass"])
+    # The child burns 0.4 s of its own CPU time (not of wall time: on a loaded machine it may get far less
+    # CPU in a wall-clock window), says so, and stays alive until told to go, so it is measured alive.
+    burn = "import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\nprint('burnt', flush=True)\nsys.stdin.read()"
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         own0, kids0 = _tree_cpu_s(os.getpid())
         t = time.process_time()
         while time.process_time() - t < 0.3:
             pass
-        time.sleep(0.3)
+        assert child.stdout.readline().strip() == "burnt"
         own1, kids1 = _tree_cpu_s(os.getpid())
     finally:
+        child.stdin.close()
         child.wait()
     assert own1 - own0 >= 0.2
     assert kids1 - kids0 >= 0.2  # the busy child, counted while it runs
