@@ -121,6 +121,11 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
                         "and on a relay's silence (the receiver sends keep-alives every 2 s)")
     k.add_argument("--peer-stale-s", type=float, default=3.0,
                    help="a peer whose capacity report is older than this is not placed on")
+    k.add_argument("--kv-transport", choices=("tcp", "nixl"), default="tcp",
+                   help="how KV layers travel between nodes: tcp (the node's own data plane), or nixl (NIXL WRITEs "
+                        "over UCX into the peer's registered KV pool; needs pip install 'shiftnode[nixl]'); the "
+                        "handshake, offers, capacity reports and relays stay on the TCP channel, and a peer without "
+                        "NIXL is sent to over TCP")
     g.add_argument("--reconfig-pause-ms", type=float, default=0.0, help="floor added to every role switch's measured cost")
     g.add_argument("--cost-model", default=None, metavar="PATH",
                    help="time-shared: the step-time model (bench/cost_models/*.json, linear or roofline) the role "
@@ -218,7 +223,7 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         max_retries=a.max_retries,
         imbalance_threshold=a.imbalance_threshold if a.imbalance_threshold is not None else (0.0 if a.mode == "adaptive" else 1.0),
         kv_connect_timeout_s=a.kv_connect_timeout_s, kv_transfer_timeout_s=a.kv_transfer_timeout_s,
-        peer_stale_s=a.peer_stale_s,
+        peer_stale_s=a.peer_stale_s, kv_transport=a.kv_transport,
     )
 
 
@@ -260,6 +265,12 @@ def run_serve(config: NodeConfig) -> int:
         check_bindable(config.host, config.port, "--port")
         if config.kv_port:  # 0 is an ephemeral port: always free
             check_bindable(config.kv_host or config.host, config.kv_port, "--kv-port")
+        if config.kv_transport == "nixl":
+            from node.transport.nixl_agent import NixlUnavailable, load_nixl
+            try:
+                load_nixl()
+            except NixlUnavailable as e:
+                raise ConfigError(str(e)) from e
     except ConfigError as e:
         print(f"shiftnode: cannot start: {e}", file=sys.stderr)
         return 2

@@ -72,6 +72,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     kv_connect_timeout_s: float = 5.0  # opening a KV connection, and its handshake (each)
     kv_transfer_timeout_s: float = 10.0  # each wait inside a transfer (accept, frame/chunk, commit); relay silence
     peer_stale_s: float = 3.0  # a peer whose last capacity report is older is not placed on
+    kv_transport: str = "tcp"  # how KV layers travel between nodes: tcp, or nixl (NIXL WRITEs; TCP stays the control channel)
     imbalance_threshold: float = 1.0  # time-shared fallback trigger (see node.core.imbalance); 0: off
     reconfig_pause_ms: float = 0.0  # floor added to every measured role switch
     cost_model: str | None = None  # time-shared: the step-time model JSON the role policy starts from (either kind)
@@ -129,6 +130,9 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (self.kv_transfer_timeout_s > RELAY_KEEPALIVE_S,
              f"--kv-transfer-timeout-s must exceed the {RELAY_KEEPALIVE_S:g} s relay keep-alive, got {self.kv_transfer_timeout_s}"),
             (self.peer_stale_s > 0, f"--peer-stale-s must be positive, got {self.peer_stale_s}"),
+            (self.kv_transport in ("tcp", "nixl"), f"--kv-transport must be tcp or nixl, got {self.kv_transport!r}"),
+            (self.kv_transport == "tcp" or bool(self.peers or self.kv_port is not None or self.etcd),
+             "--kv-transport nixl moves KV between nodes: it needs --kv-port, --peers or --etcd"),
             (self.imbalance_threshold >= 0, "--imbalance-threshold must be at least 0 (0 turns the fallback off)"),
             (self.max_unsent >= 1, "--max-unsent must be at least 1"),
             (self.link_gbps is None or self.link_gbps > 0, "--link-gbps must be positive"),

@@ -72,6 +72,7 @@ class Node:
         self.peers: PeerLinks | None = None
         self.receiver: KVReceiver | None = None
         self.membership: Membership | None = None  # --etcd
+        self.nixl = None  # --kv-transport nixl: the NixlPlane (node.runtime.kv_plane), from start_network
         self.fingerprint: Fingerprint | None = None
         if self.networked(config):
             from node.transport.tensors import layout_of
@@ -136,7 +137,15 @@ class Node:
             self.driver.start()
 
     async def start_network(self) -> None:
-        """Open the KV transfer listener (``--kv-port``), start polling the ``--peers`` and join ``--etcd``."""
+        """Open the KV transfer listener (``--kv-port``), start polling the ``--peers`` and join ``--etcd``
+        (with ``--kv-transport nixl``, first start the NIXL agent and register the KV pools)."""
+        if self.config.kv_transport == "nixl" and (self.receiver or self.peers):
+            from node.runtime.kv_plane import NixlPlane
+
+            self.nixl = await NixlPlane.start(self)
+            for side in (self.receiver, self.peers):
+                if side is not None:
+                    side.nixl = self.nixl
         if self.receiver:
             await self.receiver.start()
         if self.peers:
@@ -153,6 +162,8 @@ class Node:
             await self.receiver.close()
         if self.peers:
             await self.peers.close()
+        if self.nixl:
+            await self.nixl.close()
         if self.driver:
             await self.driver.stop()
         for e in self.engines:

@@ -20,6 +20,7 @@ class StatusSource(StateSource, Protocol):
     metrics: Any  # node.runtime.metrics.NodeMetrics: latency_histograms()
     migrations: Any  # recent KV moves (MigrationRecord), oldest first
     membership: Any  # node.runtime.membership.Membership or None: status()
+    nixl: Any  # node.runtime.kv_plane.NixlPlane or None: status()
     fingerprint: Any  # node.transport.protocol.Fingerprint or None
     timed_out: int
     started_wall_s: float
@@ -114,7 +115,10 @@ def _network_status(node: StatusSource, now: float) -> dict:
                  "fingerprint": msgspec.structs.asdict(node.fingerprint) if node.fingerprint else None,
                  "config": {"kv_connect_timeout_s": cfg.kv_connect_timeout_s,
                             "kv_transfer_timeout_s": cfg.kv_transfer_timeout_s, "peer_stale_s": cfg.peer_stale_s,
-                            "max_retries": cfg.max_retries, "link_gbps": cfg.link_gbps}}
+                            "max_retries": cfg.max_retries, "link_gbps": cfg.link_gbps,
+                            "kv_transport": cfg.kv_transport}}
+    if node.nixl:
+        out["nixl"] = node.nixl.status()
     if node.receiver:
         out["received_sequences"] = node.receiver.relayed
         out["receiving"] = len(node.receiver.incoming)
