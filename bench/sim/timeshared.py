@@ -47,10 +47,9 @@ from node.core.cost import CostModel
 from node.core.roofline import RooflineCost
 from node.core.adaptive import AdaptiveScheduler, ChunkBudget
 from node.core.imbalance import ImbalanceConfig, ImbalancePolicy, Migrate
-from node.core.roles import (NodeSnapshot, Place, Reject, Role, RoleScheduler, RoleSchedulerConfig, SwitchRole,
-                             WaitingPrompt)
+from node.core.roles import NodeSnapshot, Place, Reject, Role, RoleScheduler, RoleSchedulerConfig, SwitchRole
 from node.core.sequence import SamplingParams, Sequence
-from node.core.snapshot import CACHE_LOOKUPS, DeviceView, Placement, cached_tokens, node_snapshot
+from node.core.snapshot import DeviceView, Placement, node_snapshot, waiting_prompt
 
 __all__ = ["NODE_EXPECTED_OUTPUT_TOKENS", "TICK_S", "TimeSharedSim", "simulate_time_shared"]
 
@@ -144,9 +143,8 @@ class TimeSharedSim:
     def snapshot(self, now: float) -> NodeSnapshot:
         """What ``RoleDriver.snapshot`` shows the policies: the same function
         (:func:`node.core.snapshot.node_snapshot`) over this simulation's devices."""
-        batchers = {d.device_id: d.batcher for d in self.devices} if self.cfg.prefix_caching else {}
-        waiting = [WaitingPrompt(r.request_id, r.prompt_tokens, r.arrival_s, self._expected[s.seq_id], seqs=1,
-                                 cached_tokens=cached_tokens([s], batchers) if i < CACHE_LOOKUPS else {})
+        batchers = {d.device_id: d.batcher for d in self.devices}
+        waiting = [waiting_prompt(r.request_id, [s], r.arrival_s, self._expected[s.seq_id], batchers, i)
                    for i, (r, s) in enumerate(self.waiting)]
         return node_snapshot(now, self.views(now), moving={k: m.dst.device_id for k, m in self._moves.items()},
                              moved_s=self._moved_s, expected=lambda s: self._expected[s.seq_id], waiting=waiting,

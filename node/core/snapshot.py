@@ -32,7 +32,7 @@ from node.core.batcher import Batcher
 from node.core.roles import DeviceState, NodeSnapshot, ResidentSeq, Role, WaitingPrompt
 from node.core.sequence import Sequence, SeqStatus
 
-__all__ = ["CACHE_LOOKUPS", "DeviceView", "Placement", "cached_tokens", "node_snapshot"]
+__all__ = ["CACHE_LOOKUPS", "DeviceView", "Placement", "cached_tokens", "node_snapshot", "waiting_prompt"]
 
 CACHE_LOOKUPS = 64  # waiting prompts (oldest first) whose cached prefix a snapshot shows
 
@@ -84,9 +84,22 @@ def cached_tokens(seqs: Seq[Sequence], batchers: Mapping[str, Batcher]) -> dict[
     return out
 
 
+def waiting_prompt(request_id: str, seqs: Seq[Sequence], arrival_s: float, expected_per_seq: int,
+                   batchers: Mapping[str, Batcher], position: int) -> WaitingPrompt:
+    """A prompt not placed yet, the ``position``-th oldest, whose ``seqs`` are its choices: its prompt
+    tokens and expected output tokens count once per choice, and its cached tokens per device
+    (:func:`cached_tokens`) are looked up only within the oldest :data:`CACHE_LOOKUPS`."""
+    n = len(seqs)
+    cached = cached_tokens(seqs, batchers) if position < CACHE_LOOKUPS else {}
+    return WaitingPrompt(request_id, seqs[0].prompt_len * n, arrival_s, expected_per_seq * n, seqs=n,
+                         cached_tokens=cached)
+
+
 def _leaving(p: Placement, v: DeviceView, moving: Mapping[str, str]) -> bool:
     """Every unfinished sequence of the placement is being copied away (its move begun: out of the
     batcher): its reserve is promised here no more (its destination holds its blocks already)."""
+    if not moving:
+        return False
     live = [s for s in p.seqs if s.status is not SeqStatus.FINISHED]
     return bool(live) and all(s.seq_id in moving and s not in v.batcher.running and s not in v.batcher.waiting
                               for s in live)

@@ -33,9 +33,8 @@ from node.core.cost import CostModel, fit_cost_model
 from node.core.imbalance import ImbalanceConfig, ImbalancePolicy, Migrate
 from node.core.sequence import Sequence, SeqStatus
 from node.core.group_cost import GroupCost
-from node.core.roles import (DeviceState, NodeSnapshot, Place, Reject, ResidentSeq, Role, RoleScheduler,
-                             SwitchRole, WaitingPrompt)
-from node.core.snapshot import DeviceView, Placement, node_snapshot
+from node.core.roles import DeviceState, NodeSnapshot, Place, Reject, ResidentSeq, Role, RoleScheduler, SwitchRole
+from node.core.snapshot import DeviceView, Placement, node_snapshot, waiting_prompt
 from node.runtime.driver import SAMPLES, Driver
 from node.runtime.engine import DeviceEngine
 from node.runtime.peer_state import is_peer
@@ -223,12 +222,9 @@ class RoleDriver(Driver):
         destination will allocate for it reserved there; the pause is the mean measured one."""
         views = self.views(now)
         req_of = {s.seq_id: req for e in self.node.engines for req in e.requests.values() for s in req.seqs}
-        ids = [v.device_id for v in views]
-        waiting = tuple(
-            WaitingPrompt(req.request_id, len(req.prompt_ids) * len(req.seqs), req.stats.arrival_s,
-                          self.expected_output(req) * len(req.seqs), seqs=len(req.seqs),
-                          cached_tokens=self.cached_tokens(req, i, ids))
-            for i, req in enumerate(self.pending))
+        batchers = {v.device_id: v.batcher for v in views}
+        waiting = tuple(waiting_prompt(req.request_id, req.seqs, req.stats.arrival_s, self.expected_output(req),
+                                       batchers, i) for i, req in enumerate(self.pending))
         return node_snapshot(now, views, moving=self._moving, moved_s=self._moved_s,
                              expected=lambda s: self.expected_output(req_of[s.seq_id]), waiting=waiting,
                              pause_s=self.measured_pause_s)
