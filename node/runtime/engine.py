@@ -228,7 +228,18 @@ class DeviceEngine(Residents, RoleSwitching, KVMoves):
         batcher as if the step ran (the next plan builds on it) and hand the message to the engine."""
         self._current_plan = plan
         try:
-            msg = self._message(plan)
+            msg = self._encoder.encode(plan, self._by_seq)
+            rc = self.active_config
+            # one step, several instances; a group whose switch failed runs in the layout it is in (getattr: a group)
+            if (rc is not None and rc.instances > 1 and plan.kind is StepKind.PREFILL
+                    and getattr(self.runner, "active_role", None) == "prefill"):
+                # a sequence reading a block another item writes now (a prefix hit registered this step) goes with it
+                units = shared_block_units([(it.seq.block_ids, m.start, m.num_tokens) for it, m in zip(plan.items, msg.items)],
+                                           self.batcher.ledger.block_size)
+                msg.instances = assign_instances([it.num_tokens for it in plan.items], rc.instances, units)
+                msg.rng_seed = self._rng.getrandbits(62)
+                self.kv_scatter_bytes += scatter_bytes(plan.num_tokens, self._kv_bytes_per_token, rc.tp_degree,
+                                                       rc.group_size)
         except BaseException:
             self.batcher.discard(plan)  # never sent: nothing will write the blocks it registered (node.core.ledger)
             raise
@@ -252,23 +263,6 @@ class DeviceEngine(Residents, RoleSwitching, KVMoves):
         self._idle.clear()
         self._inflight.append(_InFlight(plan, msg, reply, now, pending))
         self._current_plan = None
-
-    def _message(self, plan: StepPlan) -> StepMsg:
-        """The engine's message for ``plan``: the encoder's diff, and for a group prefilling as several
-        instances which instance runs each item."""
-        msg = self._encoder.encode(plan, self._by_seq)
-        rc = self.active_config
-        # one step, several instances; a group whose switch failed runs in the layout it is in (getattr: a group)
-        if (rc is not None and rc.instances > 1 and plan.kind is StepKind.PREFILL
-                and getattr(self.runner, "active_role", None) == "prefill"):
-            # a sequence reading a block another item writes now (a prefix hit registered this step) goes with it
-            units = shared_block_units([(it.seq.block_ids, m.start, m.num_tokens) for it, m in zip(plan.items, msg.items)],
-                                       self.batcher.ledger.block_size)
-            msg.instances = assign_instances([it.num_tokens for it in plan.items], rc.instances, units)
-            msg.rng_seed = self._rng.getrandbits(62)
-            self.kv_scatter_bytes += scatter_bytes(plan.num_tokens, self._kv_bytes_per_token, rc.tp_degree,
-                                                   rc.group_size)
-        return msg
 
     async def _complete(self) -> None:
         """Wait for the oldest step in flight, write its tokens over their placeholders, emit them."""
