@@ -60,11 +60,17 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--request-timeout-s", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
                    help="end a request still running after this many seconds with an error (503 request_timeout), "
                         f"freeing its KV (default: {DEFAULT_REQUEST_TIMEOUT_S:g}; 0: no bound)")
+    p.add_argument("--engine-restart-max", type=int, default=5,
+                   help="start a dead engine process (or tensor-parallel group) again, with backoff, unless it was "
+                        "restarted this many times within --engine-restart-window-s: then it stays down, reported "
+                        "in /health (a crash loop); 0: never restart (default: 5)")
+    p.add_argument("--engine-restart-window-s", type=float, default=600.0,
+                   help="the window (s) --engine-restart-max counts restarts in (default: 600)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"])
     p.add_argument("--engine-layout", default="process", choices=["process", "thread"],
                    help="process: one engine process per device (default); thread: models run in the node's process "
-                        "(debugging, and the baseline of bench/host_overhead.py)")
+                        "(debugging, and the baseline of bench/load/host_overhead.py)")
     p.add_argument("--benchmark-model", default=None, metavar="zero|sleep:MS|timed:PATH",
                    help="BENCHMARK TOOL, outputs are meaningless: replace the model by one with no weights and fixed "
                         "logits (zero: no compute; sleep:MS: each step sleeps MS ms; timed:PATH: each step takes the "
@@ -79,6 +85,11 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
                         "and less work per token for clients that do not need each token (SGLang's and vLLM's flag)")
     p.add_argument("--sse-keepalive-s", type=float, default=10.0, help="SSE comment line after this much silence")
     p.add_argument("--body-timeout-s", type=float, default=30.0, help="answer 408 to a request body slower than this")
+    p.add_argument("--api-processes", type=int, default=None, metavar="N",
+                   help="HTTP front-end processes sharing --port (SO_REUSEPORT): they decode bodies, detokenize, apply "
+                        "stop strings and write the streams, so the node's event loop does per-step work only; 1: all "
+                        "in one process (default: 1 below 8 cores, else a quarter of the cores, at most 4; see "
+                        "docs/user-guide.md)")
     g = p.add_argument_group("adaptive and time-shared modes")
     g.add_argument("--mode", default="adaptive", choices=["adaptive", "time-shared", "colocated", "pooled"],
                    help="adaptive (default): per device, decode, decode plus prompt chunks sized online from the TPOT "
@@ -91,7 +102,8 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--link-gbps", type=float, default=None,
                    help="throttle KV moved between devices to this many Gb/s (emulates an interconnect)")
     g.add_argument("--max-retries", type=int, default=2,
-                   help="recompute a request whose KV hand-off to a peer failed up to this many times, then fail it")
+                   help="recompute a sequence whose KV hand-off to a peer failed, or whose device's engine died, up "
+                        "to this many times each, then fail it")
     g.add_argument("--imbalance-threshold", type=float, default=None,
                    help="time-shared fallback: move decoding sequences to another device when a prefill window would "
                         "make them miss --tpot-slo-ms, or when the slowest decoding device's estimated step exceeds "
@@ -207,6 +219,7 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         block_size=a.block_size, kv_cache_memory_bytes=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, max_queue=a.max_queue,
         request_timeout_s=a.request_timeout_s or None,  # 0: no bound
+        engine_restart_max=a.engine_restart_max, engine_restart_window_s=a.engine_restart_window_s,
         seed=a.seed, attention_backend=a.attention_backend, log_format=a.log_format, mode=a.mode,
         enforce_eager=a.enforce_eager, engine_layout=a.engine_layout, prefix_caching=a.prefix_caching,
         tensor_parallel_size=a.tensor_parallel_size,
@@ -216,6 +229,7 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         reconfig_pause_ms=a.reconfig_pause_ms, cost_model=a.cost_model, ttft_slo_ms=a.ttft_slo_ms, tpot_slo_ms=a.tpot_slo_ms,
         min_window_ms=a.min_window_ms, max_window_ms=a.max_window_ms, stagger=a.stagger,
         sse_keepalive_s=a.sse_keepalive_s, stream_interval=a.stream_interval, body_timeout_s=a.body_timeout_s,
+        api_processes=a.api_processes if a.api_processes is not None else _default_api_processes(),
         prefill_devices=prefill, decode_devices=decode, max_unsent=a.max_unsent, link_gbps=a.link_gbps,
         node_id=a.node_id, kv_host=a.kv_host, kv_port=a.kv_port, peer_secret=a.peer_secret,
         peers=[p.strip() for p in (a.peers or "").split(",") if p.strip()],
@@ -225,6 +239,12 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         kv_connect_timeout_s=a.kv_connect_timeout_s, kv_transfer_timeout_s=a.kv_transfer_timeout_s,
         peer_stale_s=a.peer_stale_s, kv_transport=a.kv_transport,
     )
+
+
+def _default_api_processes() -> int:
+    from node.config import default_api_processes
+
+    return default_api_processes(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
 
 
 def check_bindable(host: str, port: int, flag: str) -> None:
@@ -301,16 +321,34 @@ def run_serve(config: NodeConfig) -> int:
         except (ModelConfigError, OSError):
             pass  # reported with its context by the load below
     configure_logging(config.log_format)
+    frontends = None
+    if config.api_processes > 1:  # forked first: no front end may hold an engine's socket open
+        from node.api.frontend import launch_frontends
+
+        frontends = launch_frontends(config, config.api_processes)
     prelaunched = prelaunch(config)  # forked now: before the event loop and any torch work in this process
     loop = uvloop.new_event_loop()
     asyncio.set_event_loop(loop)
+    app = create_app(config, prelaunched=prelaunched)
+    where = {"host": config.host, "port": config.port}
+    if frontends is not None:  # the front ends listen on --port; this process's app answers them on a unix socket
+        from node.api.frontend_link import link_ctx
+        from node.api.openai import NODE_KEY
+
+        app.cleanup_ctx.append(link_ctx(frontends.paths.link, frontends.procs, NODE_KEY))
+        where = {"path": frontends.paths.http}
     try:
-        web.run_app(create_app(config, prelaunched=prelaunched), host=config.host, port=config.port, loop=loop, handler_cancellation=True,
-                    print=lambda msg: print(f"shiftnode: serving on http://{config.host}:{config.port}", file=sys.stderr),
+        web.run_app(app, **where, loop=loop, handler_cancellation=True,
+                    print=lambda msg: print(f"shiftnode: serving on http://{config.host}:{config.port}"
+                                            + (f" ({config.api_processes} API processes)" if frontends else ""),
+                                            file=sys.stderr),
                     access_log=None, shutdown_timeout=5)
     except (StartupError, ModelConfigError, WeightLoadError, TokenizerError, OSError) as e:
         print(f"shiftnode: cannot start: {e}", file=sys.stderr)
         return 1
+    finally:
+        if frontends is not None:
+            frontends.stop()
     return 0
 
 

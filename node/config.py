@@ -46,6 +46,10 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     # a request still running after this long (s) ends with an error and frees its KV; None or 0: no bound
     request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S
     max_body_bytes: int = 16 * 1024 * 1024
+    # a dead engine process (or tensor-parallel group) is started again, with backoff, unless it has been
+    # restarted this many times within engine_restart_window_s (a crash loop: left down); 0: never restart
+    engine_restart_max: int = 5
+    engine_restart_window_s: float = 600.0
     seed: int = 0
     log_format: str = "console"
     attention_backend: str = "auto"  # auto | torch | cpu | triton
@@ -68,7 +72,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     etcd_prefix: str = "/shiftnode/default"  # one deployment's key prefix in etcd
     advertise_host: str | None = None  # the address peers reach this node's KV listener at (default: --kv-host/--host)
     peer_secret: str | None = None  # shared secret both ends of a KV connection prove (HMAC challenge)
-    max_retries: int = 2  # recomputes of a request whose KV hand-off to a peer failed, before an error
+    max_retries: int = 2  # recomputes of a sequence whose KV hand-off failed, or whose engine died (each), before an error
     kv_connect_timeout_s: float = 5.0  # opening a KV connection, and its handshake (each)
     kv_transfer_timeout_s: float = 10.0  # each wait inside a transfer (accept, frame/chunk, commit); relay silence
     peer_stale_s: float = 3.0  # a peer whose last capacity report is older is not placed on
@@ -84,6 +88,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     stream_interval: int = 1  # a stream's event carries at least this many new tokens (the first token and the end go at once)
     sse_keepalive_s: float = 10.0  # comment lines on a stream silent this long (e.g. through a role switch)
     body_timeout_s: float = 30.0  # a request body slower than this is answered 408
+    api_processes: int = 1  # HTTP front-end processes (node.api.frontend); 1: the API runs in the node's process
 
     def validate(self) -> None:
         """Check values that would otherwise start a node that cannot serve.
@@ -98,6 +103,8 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (self.max_queue >= 1, f"--max-queue must be at least 1, got {self.max_queue}"),
             (self.request_timeout_s is None or self.request_timeout_s >= 0,
              f"--request-timeout-s must be positive (0: no bound), got {self.request_timeout_s}"),
+            (self.engine_restart_max >= 0, f"--engine-restart-max must be at least 0 (0: never restart), got {self.engine_restart_max}"),
+            (self.engine_restart_window_s > 0, f"--engine-restart-window-s must be positive, got {self.engine_restart_window_s}"),
             (self.max_model_len is None or self.max_model_len >= 2, f"--max-model-len must be at least 2, got {self.max_model_len}"),
             (1 <= self.block_size <= 1024, f"--block-size must be in [1, 1024], got {self.block_size}"),
             (self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "--kv-cache-memory must be positive"),
@@ -140,6 +147,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (0 < self.min_window_ms <= self.max_window_ms, "need 0 < --min-window-ms <= --max-window-ms"),
             (self.stream_interval >= 1, f"--stream-interval must be at least 1, got {self.stream_interval}"),
             (self.sse_keepalive_s > 0 and self.body_timeout_s > 0, "--sse-keepalive-s and --body-timeout-s must be positive"),
+            (1 <= self.api_processes <= 64, f"--api-processes must be in [1, 64], got {self.api_processes}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -342,3 +350,12 @@ def _benchmark_model_error(value: str | None) -> str | None:
 def _is_host_port(text: str) -> bool:
     host, _, port = text.rpartition(":")
     return bool(host) and port.isdigit() and 1 <= int(port) <= 65535
+
+
+def default_api_processes(cores: int | None) -> int:
+    """``--api-processes`` when not given: one process on a small machine (a front end only pays off
+    where it gets a core of its own beside the control loop and the engines), else a quarter of the
+    cores, at most 4 (bench/RESULTS.md, host path: a front end costs more CPU per token than the
+    control loop saves, so more processes than needed only spread the same work thinner)."""
+    cores = cores or 1
+    return 1 if cores < 8 else min(4, cores // 4)

@@ -1,9 +1,9 @@
-"""bench.transfer end to end at a small size: both transports move a sequence between two processes,
+"""bench.device.transfer end to end at a small size: both transports move a sequence between two processes,
 the received KV equals the sent (the warm-up round's CRC-32 check), and every figure is measured."""
 
 import pytest
 
-from bench.transfer import run
+from bench.device.transfer import run
 from support import require_nixl
 
 

@@ -20,6 +20,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from node.api.errors import APIError, bad_request, delta_error, error_body
+from node.api.frontend_node import FrontNode
 from node.api.responses import ChoiceState, chat_logprobs, completion_logprobs, envelope, usage
 from node.api.sse import SSEWriter
 from node.api.validate import chat_prompt, check_model, completion_prompts, sampling_params
@@ -124,10 +125,13 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
     reqs: list[RequestState] = []
     try:
         try:  # admission first, so overload is a proper 503 before a stream's 200 goes out
-            node.check_admission(len(jobs))  # all the prompts, or none of them
-            for p, job in enumerate(jobs):
-                reqs.append(node.open_request(f"{request_id}-p{p}", job.prompt_ids, job.params, n,
-                                              stream=deltas, index0=job.index0))
+            if isinstance(node, FrontNode):  # an API front end: the control process admits them
+                reqs += await node.open_requests(request_id, jobs, n, deltas)
+            else:
+                node.check_admission(len(jobs))  # all the prompts, or none of them
+                for p, job in enumerate(jobs):
+                    reqs.append(node.open_request(f"{request_id}-p{p}", job.prompt_ids, job.params, n,
+                                                  stream=deltas, index0=job.index0))
         except QueueFullError as e:
             raise _queue_full(e) from e
 
@@ -177,20 +181,22 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
                 now = time.monotonic()
                 chunks = []
                 failed = ending = False
-                for d in batch:
-                    node.account(reqs[d.index // n], d, now)  # TTFT/ITL per step, whatever is sent
-                    if d.error:
-                        chunks.append(delta_error(d).body())
-                        failed = True
-                        break
-                    ending = ending or d.finish_reason is not None
-                    d = due(d)
-                    if d is None:
-                        continue
-                    entry = fold(d)
-                    if entry is not None:
-                        chunks.append({**chunk_envelope, "choices": [entry], **extra})
-                sse.send_many(chunks)
+                try:
+                    for d in batch:
+                        node.account(reqs[d.index // n], d, now)  # TTFT/ITL per step, whatever is sent
+                        if d.error:
+                            chunks.append(delta_error(d).body())
+                            failed = True
+                            break
+                        ending = ending or d.finish_reason is not None
+                        d = due(d)
+                        if d is None:
+                            continue
+                        entry = fold(d)
+                        if entry is not None:
+                            chunks.append({**chunk_envelope, "choices": [entry], **extra})
+                finally:  # a failure part-way through a step still sends the tokens before it, then the error
+                    sse.send_many(chunks)
                 if failed or (ending and not open_choices()):
                     deltas.close()
                     if not ended.done():

@@ -29,7 +29,7 @@ class GroupCost(msgspec.Struct, frozen=True, kw_only=True):
 
     Attributes:
         prefill: one prefill instance's model, per rank at degree ``P``
-            (:func:`bench.derive_cost.derive_at`; live: the node's model, whose prefill part the role
+            (:func:`bench.cost.derive_cost.derive_at`; live: the node's model, whose prefill part the role
             driver fits to each group step's longest instance, :meth:`longest_instance_tokens`).
         decode: the group's decode model, per rank at degree ``D``.
         instances: ``D / P``.

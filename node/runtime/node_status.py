@@ -24,6 +24,7 @@ class StatusSource(StateSource, Protocol):
     fingerprint: Any  # node.transport.protocol.Fingerprint or None
     timed_out: int
     started_wall_s: float
+    supervisor: Any  # node.runtime.engine_supervisor.EngineSupervisor: status(device_id, now)
 
 
 def node_status(node: StatusSource, history: int = 200, since_s: float | None = None) -> dict:
@@ -60,6 +61,7 @@ def node_status(node: StatusSource, history: int = 200, since_s: float | None = 
             "preemptions": e.batcher.num_preemptions,
             "errors": dict(e.errors),  # contained failures by stage; the device kept serving
             "failure": e.failure,  # why the device is down, or null
+            "restart": node.supervisor.status(e.device_id, now),  # restarts, their limits, the outage (null while up)
         }
         if isinstance(e.runner, TPEngineGroup):  # a group of devices as one (--tensor-parallel-size, --decode-tp)
             d["tensor_parallel"] = {"size": e.runner.degree, "devices": e.runner.devices, "pids": e.runner.pids,
@@ -94,6 +96,8 @@ def node_status(node: StatusSource, history: int = 200, since_s: float | None = 
         "queue_depth": node.num_waiting,
         "request_timeout_s": node.config.request_timeout_s or None,  # the deadline of every request (s); null: none
         "live_requests": len(node.live),
+        # --api-processes: the front ends' pids (empty: the API runs in the node's process)
+        "api_processes": list(node.api_pids),
         "oldest_request_age_s": round(node.oldest_request_age_s(now), 4),
         "requests_timed_out": node.timed_out,
         "draining": node.draining,
