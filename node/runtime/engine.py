@@ -230,18 +230,22 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
         """Encode ``plan`` as a diff, give each sampling sequence its placeholder token, advance the
         batcher as if the step ran (the next plan builds on it) and hand the message to the engine."""
         self._current_plan = plan
-        msg = self._encoder.encode(plan, self._by_seq)
-        rc = self.active_config
-        # one step, several instances; a group whose switch failed runs in the layout it is in (getattr: a group)
-        if (rc is not None and rc.instances > 1 and plan.kind is StepKind.PREFILL
-                and getattr(self.runner, "active_role", None) == "prefill"):
-            # a sequence reading a block another item writes now (a prefix hit registered this step) goes with it
-            units = shared_block_units([(it.seq.block_ids, m.start, m.num_tokens) for it, m in zip(plan.items, msg.items)],
-                                       self.batcher.ledger.block_size)
-            msg.instances = assign_instances([it.num_tokens for it in plan.items], rc.instances, units)
-            msg.rng_seed = self._rng.getrandbits(62)
-            self.kv_scatter_bytes += scatter_bytes(plan.num_tokens, self._kv_bytes_per_token, rc.tp_degree,
-                                                   rc.group_size)
+        try:
+            msg = self._encoder.encode(plan, self._by_seq)
+            rc = self.active_config
+            # one step, several instances; a group whose switch failed runs in the layout it is in (getattr: a group)
+            if (rc is not None and rc.instances > 1 and plan.kind is StepKind.PREFILL
+                    and getattr(self.runner, "active_role", None) == "prefill"):
+                # a sequence reading a block another item writes now (a prefix hit registered this step) goes with it
+                units = shared_block_units([(it.seq.block_ids, m.start, m.num_tokens) for it, m in zip(plan.items, msg.items)],
+                                           self.batcher.ledger.block_size)
+                msg.instances = assign_instances([it.num_tokens for it in plan.items], rc.instances, units)
+                msg.rng_seed = self._rng.getrandbits(62)
+                self.kv_scatter_bytes += scatter_bytes(plan.num_tokens, self._kv_bytes_per_token, rc.tp_degree,
+                                                       rc.group_size)
+        except BaseException:
+            self.batcher.discard(plan)  # never sent: nothing will write the blocks it registered (node.core.ledger)
+            raise
         pending = []
         for it in plan.items:
             if it.samples:
@@ -288,6 +292,7 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
             if not self._inflight:
                 self._idle.set()
         self._current_plan = rec.plan
+        self.batcher.settle(rec.plan)  # after the fence: the blocks it filled are written (node.core.ledger)
         outs: dict[str, SeqOutput] = {}
         for it, out in zip(rec.msg.items, reply.outputs):
             outs[it.seq_id] = out
