@@ -39,7 +39,8 @@ class StepMetadata:
 
     Attributes:
         num_tokens: real tokens of the step (rows ``0 .. num_tokens-1`` of q/k/v); the rest is padding.
-        slot_mapping: ``[num_tokens]`` int64 flat cache slot of each real token.
+        slot_mapping: ``[num_tokens]`` int64 flat cache slot of each real token, all valid (padding
+            rows are the ones past ``num_tokens``, not negative slots).
         block_tables: ``[num_seqs, max_blocks]`` int32.
         seq_lens: ``[num_seqs]`` int32 contexts, new tokens included.
         cu_seqlens_q: ``[num_seqs + 1]`` int32 prefix sums of new tokens (ends at ``num_tokens``).
@@ -101,8 +102,11 @@ def _unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     rows, n = query.shape[0], meta.num_tokens
     if n < rows:
         query, key, value = query[:n], key[:n], value[:n]
-    if n:
-        ops.reshape_and_cache(key, value.contiguous(), k_cache, v_cache, meta.slot_mapping)
+    if n:  # the backends' reshape_and_cache, minus their check for negative slots (there are none here)
+        if key.dtype != k_cache.dtype:
+            key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, key)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, value)
     out = ops.paged_attention(query.contiguous(), k_cache, v_cache, meta.block_tables, meta.seq_lens,
                               meta.cu_seqlens_q, meta.max_seqlen_q, scale)
     if n < rows:  # padding rows: zeros (never NaN from uninitialised memory: rows stay apart in a GEMM, but stay clean)
