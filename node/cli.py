@@ -60,11 +60,17 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--request-timeout-s", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
                    help="end a request still running after this many seconds with an error (503 request_timeout), "
                         f"freeing its KV (default: {DEFAULT_REQUEST_TIMEOUT_S:g}; 0: no bound)")
+    p.add_argument("--engine-restart-max", type=int, default=5,
+                   help="start a dead engine process (or tensor-parallel group) again, with backoff, unless it was "
+                        "restarted this many times within --engine-restart-window-s: then it stays down, reported "
+                        "in /health (a crash loop); 0: never restart (default: 5)")
+    p.add_argument("--engine-restart-window-s", type=float, default=600.0,
+                   help="the window (s) --engine-restart-max counts restarts in (default: 600)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"])
     p.add_argument("--engine-layout", default="process", choices=["process", "thread"],
                    help="process: one engine process per device (default); thread: models run in the node's process "
-                        "(debugging, and the baseline of bench/host_overhead.py)")
+                        "(debugging, and the baseline of bench/load/host_overhead.py)")
     p.add_argument("--benchmark-model", default=None, metavar="zero|sleep:MS|timed:PATH",
                    help="BENCHMARK TOOL, outputs are meaningless: replace the model by one with no weights and fixed "
                         "logits (zero: no compute; sleep:MS: each step sleeps MS ms; timed:PATH: each step takes the "
@@ -98,7 +104,8 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--link-gbps", type=float, default=None,
                    help="throttle KV moved between devices to this many Gb/s (emulates an interconnect)")
     g.add_argument("--max-retries", type=int, default=2,
-                   help="recompute a request whose KV hand-off to a peer failed up to this many times, then fail it")
+                   help="recompute a sequence whose KV hand-off to a peer failed, or whose device's engine died, up "
+                        "to this many times each, then fail it")
     g.add_argument("--imbalance-threshold", type=float, default=None,
                    help="time-shared fallback: move decoding sequences to another device when a prefill window would "
                         "make them miss --tpot-slo-ms, or when the slowest decoding device's estimated step exceeds "
@@ -128,6 +135,11 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
                         "and on a relay's silence (the receiver sends keep-alives every 2 s)")
     k.add_argument("--peer-stale-s", type=float, default=3.0,
                    help="a peer whose capacity report is older than this is not placed on")
+    k.add_argument("--kv-transport", choices=("tcp", "nixl"), default="tcp",
+                   help="how KV layers travel between nodes: tcp (the node's own data plane), or nixl (NIXL WRITEs "
+                        "over UCX into the peer's registered KV pool; needs pip install 'shiftnode[nixl]'); the "
+                        "handshake, offers, capacity reports and relays stay on the TCP channel, and a peer without "
+                        "NIXL is sent to over TCP")
     g.add_argument("--reconfig-pause-ms", type=float, default=0.0, help="floor added to every role switch's measured cost")
     g.add_argument("--cost-model", default=None, metavar="PATH",
                    help="time-shared: the step-time model (bench/cost_models/*.json, linear or roofline) the role "
@@ -220,6 +232,7 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         block_size=a.block_size, kv_cache_memory_bytes=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, max_queue=a.max_queue,
         request_timeout_s=a.request_timeout_s or None,  # 0: no bound
+        engine_restart_max=a.engine_restart_max, engine_restart_window_s=a.engine_restart_window_s,
         seed=a.seed, attention_backend=a.attention_backend, log_format=a.log_format, mode=a.mode,
         enforce_eager=a.enforce_eager, compile=a.compile, compile_sizes=a.compile_sizes,
         engine_layout=a.engine_layout, prefix_caching=a.prefix_caching,
@@ -237,7 +250,7 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         max_retries=a.max_retries,
         imbalance_threshold=a.imbalance_threshold if a.imbalance_threshold is not None else (0.0 if a.mode == "adaptive" else 1.0),
         kv_connect_timeout_s=a.kv_connect_timeout_s, kv_transfer_timeout_s=a.kv_transfer_timeout_s,
-        peer_stale_s=a.peer_stale_s,
+        peer_stale_s=a.peer_stale_s, kv_transport=a.kv_transport,
     )
 
 
@@ -279,6 +292,12 @@ def run_serve(config: NodeConfig) -> int:
         check_bindable(config.host, config.port, "--port")
         if config.kv_port:  # 0 is an ephemeral port: always free
             check_bindable(config.kv_host or config.host, config.kv_port, "--kv-port")
+        if config.kv_transport == "nixl":
+            from node.transport.nixl_agent import NixlUnavailable, load_nixl
+            try:
+                load_nixl()
+            except NixlUnavailable as e:
+                raise ConfigError(str(e)) from e
     except ConfigError as e:
         print(f"shiftnode: cannot start: {e}", file=sys.stderr)
         return 2

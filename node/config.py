@@ -46,6 +46,10 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     # a request still running after this long (s) ends with an error and frees its KV; None or 0: no bound
     request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S
     max_body_bytes: int = 16 * 1024 * 1024
+    # a dead engine process (or tensor-parallel group) is started again, with backoff, unless it has been
+    # restarted this many times within engine_restart_window_s (a crash loop: left down); 0: never restart
+    engine_restart_max: int = 5
+    engine_restart_window_s: float = 600.0
     seed: int = 0
     log_format: str = "console"
     attention_backend: str = "auto"  # auto | torch | cpu | triton
@@ -70,10 +74,11 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     etcd_prefix: str = "/shiftnode/default"  # one deployment's key prefix in etcd
     advertise_host: str | None = None  # the address peers reach this node's KV listener at (default: --kv-host/--host)
     peer_secret: str | None = None  # shared secret both ends of a KV connection prove (HMAC challenge)
-    max_retries: int = 2  # recomputes of a request whose KV hand-off to a peer failed, before an error
+    max_retries: int = 2  # recomputes of a sequence whose KV hand-off failed, or whose engine died (each), before an error
     kv_connect_timeout_s: float = 5.0  # opening a KV connection, and its handshake (each)
     kv_transfer_timeout_s: float = 10.0  # each wait inside a transfer (accept, frame/chunk, commit); relay silence
     peer_stale_s: float = 3.0  # a peer whose last capacity report is older is not placed on
+    kv_transport: str = "tcp"  # how KV layers travel between nodes: tcp, or nixl (NIXL WRITEs; TCP stays the control channel)
     imbalance_threshold: float = 1.0  # time-shared fallback trigger (see node.core.imbalance); 0: off
     reconfig_pause_ms: float = 0.0  # floor added to every measured role switch
     cost_model: str | None = None  # time-shared: the step-time model JSON the role policy starts from (either kind)
@@ -99,6 +104,8 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (self.max_queue >= 1, f"--max-queue must be at least 1, got {self.max_queue}"),
             (self.request_timeout_s is None or self.request_timeout_s >= 0,
              f"--request-timeout-s must be positive (0: no bound), got {self.request_timeout_s}"),
+            (self.engine_restart_max >= 0, f"--engine-restart-max must be at least 0 (0: never restart), got {self.engine_restart_max}"),
+            (self.engine_restart_window_s > 0, f"--engine-restart-window-s must be positive, got {self.engine_restart_window_s}"),
             (self.max_model_len is None or self.max_model_len >= 2, f"--max-model-len must be at least 2, got {self.max_model_len}"),
             (1 <= self.block_size <= 1024, f"--block-size must be in [1, 1024], got {self.block_size}"),
             (self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "--kv-cache-memory must be positive"),
@@ -131,6 +138,9 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (self.kv_transfer_timeout_s > RELAY_KEEPALIVE_S,
              f"--kv-transfer-timeout-s must exceed the {RELAY_KEEPALIVE_S:g} s relay keep-alive, got {self.kv_transfer_timeout_s}"),
             (self.peer_stale_s > 0, f"--peer-stale-s must be positive, got {self.peer_stale_s}"),
+            (self.kv_transport in ("tcp", "nixl"), f"--kv-transport must be tcp or nixl, got {self.kv_transport!r}"),
+            (self.kv_transport == "tcp" or bool(self.peers or self.kv_port is not None or self.etcd),
+             "--kv-transport nixl moves KV between nodes: it needs --kv-port, --peers or --etcd"),
             (self.imbalance_threshold >= 0, "--imbalance-threshold must be at least 0 (0 turns the fallback off)"),
             (self.max_unsent >= 1, "--max-unsent must be at least 1"),
             (self.link_gbps is None or self.link_gbps > 0, "--link-gbps must be positive"),

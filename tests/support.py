@@ -168,3 +168,18 @@ def stream_text(events: list) -> dict[int, str]:
                 t = c.get("delta", {}).get("content") or ""
             out[c["index"]] = out.get(c["index"], "") + t
     return out
+
+
+def require_nixl() -> None:
+    """Skip the caller unless NIXL (``nixl-cu12``, the ``nixl`` and ``test`` extras) is importable; under
+    CI (CI=true) fail instead, since scripts/setup installs it there."""
+    from node.transport.nixl_agent import nixl_available
+
+    if nixl_available():
+        return
+    import pytest
+
+    why = "NIXL (nixl-cu12) is not installed: pip install -e '.[nixl]'"
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(why + "; CI must run this test", pytrace=False)
+    pytest.skip(why)

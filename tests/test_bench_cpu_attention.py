@@ -1,6 +1,6 @@
-"""bench.cpu_attention's roofline bookkeeping (part 3)."""
+"""bench.device.cpu_attention's roofline bookkeeping (part 3)."""
 
-from bench.cpu_attention import llc_mib, memory_roofline
+from bench.device.cpu_attention import llc_mib, memory_roofline
 
 
 def test_roofline_gives_bytes_floor_and_achieved_bandwidth():

@@ -1,4 +1,4 @@
-"""``bench.e2e`` on the CPU (``--device cpu --quick``: a tiny model, no CUDA graphs but the same static
+"""``bench.device.e2e`` on the CPU (``--device cpu --quick``: a tiny model, no CUDA graphs but the same static
 buffers): every section runs, a child that dies is replaced, and the report's arithmetic is right."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.e2e import compare_greedy, table_rows
+from bench.device.e2e import compare_greedy, table_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -18,7 +18,7 @@ def test_quick_run_survives_a_crashed_child(tmp_path):
     out, md = tmp_path / "e2e.json", tmp_path / "RESULTS.md"
     md.write_text("# Benchmark results\n\nearlier section\n")
     env = {**os.environ, "BENCH_E2E_CRASH_IN": "switch"}
-    proc = subprocess.run([sys.executable, "-m", "bench.e2e", "--device", "cpu", "--quick", "--deadline", "150",
+    proc = subprocess.run([sys.executable, "-m", "bench.device.e2e", "--device", "cpu", "--quick", "--deadline", "150",
                            "--json", str(out), "--markdown", str(md)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=200)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # the crash is a failure
@@ -68,3 +68,18 @@ def test_table_floors_use_the_measured_ceilings():
     assert rows["prefill"][3] == f"{ideal:.2f} ms" and rows["prefill"][4] == f"{100 * ideal / 100:.0f}%"
     assert rows["greedy"][5] == "FAIL" and "tokens differ" in rows["greedy"][6]
     assert table_rows(recs[2:3], {})[0][3:5] == ["—", "—"]  # no ceiling measured: no floor
+
+
+def test_switch_section_switches_through_the_engine():
+    """The ``switch`` section's three switches run through a :class:`DeviceEngine` (which drives an engine
+    handle, not a bare runner) and the second decode switch reuses the graphs the first one captured."""
+    from test_cuda_graphs import attach, make_runner
+
+    from bench.device.e2e import _switches
+
+    runner = make_runner(max_model_len=64, num_blocks=8)
+    graphs = attach(runner, max_model_len=64, max_num_seqs=1)  # one bucket: a fast capture
+    (first, cap1), (back, _), (again, cap3) = _switches(runner, "cpu:0")
+    assert [(r.from_role, r.to_role) for r in (first, back, again)] == [("prefill", "decode"), ("decode", "prefill"),
+                                                                        ("prefill", "decode")]
+    assert graphs.captured and cap1 == cap3  # captured once, by the first switch

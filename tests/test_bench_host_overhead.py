@@ -1,4 +1,4 @@
-"""bench.host_overhead's bookkeeping: CPU read from /proc, old-against-new rounds paired, the sampled
+"""bench.load.host_overhead's bookkeeping: CPU read from /proc, old-against-new rounds paired, the sampled
 against greedy ratio, the 128k-vocabulary model folder."""
 
 import json
@@ -9,7 +9,7 @@ import time
 
 from support import require_shared
 
-from bench.host_overhead import LLAMA3_VOCAB, STORIES, Cell, _runner_ms, _tree_cpu_s, against_baseline, \
+from bench.load.host_overhead import LLAMA3_VOCAB, STORIES, Cell, _runner_ms, _tree_cpu_s, against_baseline, \
     llama3_vocab_model, sampled_vs_greedy, target
 
 

@@ -1,11 +1,11 @@
-"""bench.metrics on a hand-made request log with hand-computed answers."""
+"""bench.traffic.metrics on a hand-made request log with hand-computed answers."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from bench.metrics import RequestRecord, max_rate_meeting, meets_slo, percentile, request_tpot_s, summarize
+from bench.traffic.metrics import RequestRecord, max_rate_meeting, meets_slo, percentile, request_tpot_s, summarize
 
 LOG = [
     RequestRecord(ttft_s=0.1, itls_s=[0.02, 0.03, 0.05], e2e_s=0.2, output_tokens=4, prompt_tokens=10),  # TPOT 33.3 ms

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from bench.compare import node_args, parser as compare_parser
+from bench.studies.compare import node_args, parser as compare_parser
 from support import REPO, STORIES
 
 
@@ -71,7 +71,7 @@ def _free() -> int:
         return s.getsockname()[1]
 
 
-# bench.compare starts pooled nodes with pools, never with --devices (which a pooled node refuses).
+# bench.studies.compare starts pooled nodes with pools, never with --devices (which a pooled node refuses).
 def test_compare_gives_pooled_nodes_their_pools():
     a = compare_parser().parse_args([])
     assert a.modes.split(",") == ["time-shared", "colocated", "pooled"]

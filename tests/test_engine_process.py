@@ -19,6 +19,7 @@ from node.worker.engine_core import EngineCore
 from support import STORIES, NodeProcess, reference_cases, up
 
 CASE = reference_cases()[0]
+NO_RESTART = ("--engine-restart-max", "0")  # a killed engine stays down (restarts: test_engine_restart.py)
 
 
 def _alive(pid: int) -> bool:
@@ -47,7 +48,7 @@ def _complete(node: NodeProcess, max_tokens: int = 24) -> httpx.Response:
 
 
 def test_each_device_has_a_named_engine_process_and_a_killed_one_is_a_down_device():
-    node = NodeProcess("--model", str(STORIES), "--devices", "cpu:0,cpu:1")
+    node = NodeProcess("--model", str(STORIES), "--devices", "cpu:0,cpu:1", *NO_RESTART)
     try:
         pids = _engine_pids(node)
         assert set(pids) == {"cpu:0", "cpu:1"} and node.proc.pid not in pids.values()
@@ -82,7 +83,8 @@ def test_each_device_has_a_named_engine_process_and_a_killed_one_is_a_down_devic
 
 
 def test_an_engine_killed_mid_stream_ends_the_stream_with_an_error():
-    node = NodeProcess("--model", str(STORIES))
+    """With restarts off and no other device, the stream cannot resume: it ends with an error."""
+    node = NodeProcess("--model", str(STORIES), *NO_RESTART)
     try:
         pid = _engine_pids(node)["cpu:0"]
         events = []
@@ -193,7 +195,7 @@ def test_pooled_hand_offs_avoid_a_dead_decode_device():
     import json
 
     node = NodeProcess("--model", str(STORIES), "--mode", "pooled", "--prefill-devices", "cpu:0",
-                       "--decode-devices", "cpu:1,cpu:2", "--link-gbps", "0.0005")
+                       "--decode-devices", "cpu:1,cpu:2", "--link-gbps", "0.0005", *NO_RESTART)
     try:
         pids = _engine_pids(node)
         body = {"prompt": CASE["prompt"], "max_tokens": 24, "temperature": 0.0, "stream": True, "return_token_ids": True}

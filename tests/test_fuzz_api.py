@@ -3,7 +3,7 @@ the node alive and its KV back to zero afterwards.
 
 Schemathesis reads the document (made from the msgspec types that validate requests, so what is
 fuzzed is what is accepted) and Hypothesis generates bodies for every operation, valid and not. A
-bounded run (``MAX_EXAMPLES`` per operation, derandomized so a failure reproduces); ``bench/fuzz.py``
+bounded run (``MAX_EXAMPLES`` per operation, derandomized so a failure reproduces); ``bench/load/fuzz.py``
 runs the long one. Two things are shaped before sending, and only these: ``max_tokens``/``n``
 are capped (and set for chat, whose default is the context left) so that a valid request costs milliseconds, and peers to add point at loopback (a
 generated host would send traffic elsewhere). ``POST /v1/node/drain`` is left out: it ends the
@@ -20,7 +20,7 @@ from node.api.openapi import openapi_document
 from support import STORIES, NodeProcess
 
 MAX_EXAMPLES = int(os.environ.get("SHIFTNODE_FUZZ_EXAMPLES", "30"))
-DERANDOMIZE = os.environ.get("SHIFTNODE_FUZZ_RANDOM") != "1"  # bench.fuzz --seed-random: new inputs each run
+DERANDOMIZE = os.environ.get("SHIFTNODE_FUZZ_RANDOM") != "1"  # bench.load.fuzz --seed-random: new inputs each run
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from bench.etcd_server import EtcdMissing, EtcdServer
+from bench.load.etcd_server import EtcdMissing, EtcdServer
 from support import STORIES, NodeProcess, free_port, reference_cases, up
 
 SECRET = "etcd-test-secret"
@@ -20,7 +20,7 @@ STALE_S = "2"  # --peer-stale-s: the lease's TTL, so a killed node leaves within
 
 @pytest.fixture(scope="module")
 def etcd():
-    """A single-member etcd on free loopback ports (:class:`bench.etcd_server.EtcdServer`); yields its URL."""
+    """A single-member etcd on free loopback ports (:class:`bench.load.etcd_server.EtcdServer`); yields its URL."""
     try:
         server = EtcdServer()
     except EtcdMissing as e:

@@ -10,9 +10,9 @@ from bench.sim.config import SimConfig
 from bench.sim.run import simulate
 from bench.sim.timeshared import TimeSharedSim
 from bench.sim.trace import SimRequest
-from bench.traces import (TraceRequest, hash_prompt_ids, infinite_cache_hit_ratio, read_mooncake_jsonl,
+from bench.traffic.traces import (TraceRequest, hash_prompt_ids, infinite_cache_hit_ratio, read_mooncake_jsonl,
                           scale_hash_blocks)
-from bench.workload import WorkloadSpec, build_workload
+from bench.traffic.workload import WorkloadSpec, build_workload
 from node.core.cost import CostModel
 from node.core.roles import RoleScheduler, RoleSchedulerConfig
 from support import SHARED, require_shared

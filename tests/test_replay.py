@@ -1,4 +1,4 @@
-"""bench.replay against a live stories260k node (a ~10 s run), and bench.compare's handling of a mode the
+"""bench.load.replay against a live stories260k node (a ~10 s run), and bench.studies.compare's handling of a mode the
 node does not have (reported 'not available', never skipped)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from bench.compare import markdown_table, parser as compare_parser, run_mode
-from bench.timeline import role_segments
+from bench.studies.compare import markdown_table, parser as compare_parser, run_mode
+from bench.studies.timeline import role_segments
 from support import REPO, STORIES, NodeProcess, require_shared
 from test_metrics import scrape
 
@@ -29,7 +29,7 @@ def node():
 def test_replay_runs_a_poisson_workload_with_exact_lengths(node, tmp_path):
     before = scrape(node)
     out = tmp_path / "run.json"
-    cmd = [sys.executable, "-m", "bench.replay", "--url", node.url, "--trace", "poisson", "--rate", "3",
+    cmd = [sys.executable, "-m", "bench.load.replay", "--url", node.url, "--trace", "poisson", "--rate", "3",
            "--duration", str(DURATION_S), "--max-prompt-tokens", "96", "--max-output-tokens", "24", "--seed", "7",
            "--drain-timeout", "60", "--no-progress", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)

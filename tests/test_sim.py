@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.metrics import summarize
 from bench.sim import SimConfig, simulate
 from bench.sim.stepcost import mixed_step_s
-from bench.traces import TraceRequest
-from bench.workload import WorkloadSpec, build_workload
+from bench.traffic.metrics import summarize
+from bench.traffic.traces import TraceRequest
+from bench.traffic.workload import WorkloadSpec, build_workload
 from node.core.cost import CostModel
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def test_colocated_one_device_two_requests():
     assert (r0.ttft_s, r0.e2e_s, r0.output_tokens) == (pytest.approx(0.020), pytest.approx(0.058), 3)
     assert (r1.ttft_s, r1.e2e_s, r1.output_tokens) == (pytest.approx(0.039), pytest.approx(0.046), 2)
     assert r0.itls_s == pytest.approx([0.031, 0.007])
-    # The summary is bench.metrics' over these records (duration: first arrival to last finish).
+    # The summary is bench.traffic.metrics' over these records (duration: first arrival to last finish).
     assert res.summary == summarize(res.records, ttft_slo_ms=1000.0, tpot_slo_ms=100.0)
     assert res.summary.duration_s == pytest.approx(0.058)
     assert res.summary.ttft_ms.mean == pytest.approx((20 + 39) / 2)
@@ -189,7 +189,7 @@ def test_step_overhead_is_paid_once_per_step():
 
 
 def test_host_overheads_from_a_node_probe():
-    from bench.validate_sim import host_overheads
+    from bench.studies.validate_sim import host_overheads
 
     # The node's lone decode gaps are 1.5 ms longer than the runner's steps, its lone TTFTs 4 ms longer
     # than the runner's prefill steps: 1.5 ms per step, 2.5 ms per request besides.
@@ -201,7 +201,7 @@ def test_host_overheads_from_a_node_probe():
 
 
 def test_synthetic_lengths():
-    from bench.workload import synthetic_lengths
+    from bench.traffic.workload import synthetic_lengths
 
     assert synthetic_lengths("azure-conv") is None
     assert synthetic_lengths("fixed:128:64") == [TraceRequest(0.0, 128, 64)]
@@ -217,7 +217,7 @@ def test_synthetic_lengths():
 
 
 def test_capacity_search_brackets_and_bisects():
-    from bench.crossover import capacity
+    from bench.studies.crossover import capacity
 
     calls = []
 
@@ -231,8 +231,8 @@ def test_capacity_search_brackets_and_bisects():
 
 
 def test_derived_roofline_models_scale_with_geometry_and_match_the_committed_files(tmp_path):
-    from bench.calibrate import load_cost_model
-    from bench.derive_cost import REFERENCE_CONFIG, calibrate, derive, main
+    from bench.cost.calibrate import load_cost_model
+    from bench.cost.derive_cost import REFERENCE_CONFIG, calibrate, derive, main
     from node.core.roofline import RooflineCost
     from node.plan import load_config
 
@@ -259,7 +259,7 @@ def test_derived_roofline_models_scale_with_geometry_and_match_the_committed_fil
 
 
 def test_crossover_tiny_grid(capsys):
-    from bench import crossover
+    from bench.studies import crossover
 
     rc = crossover.main(["--models", "8b", "--lengths", "tiny=fixed:256:4", "--links", "1,400", "--devices", "2",
                          "--duration", "1", "--modes", "time-shared,colocated,pooled", "--tolerance", "1.5",
@@ -279,14 +279,14 @@ def test_crossover_tiny_grid(capsys):
 def test_crossover_run_duration_holds_enough_requests():
     from argparse import Namespace
 
-    from bench.crossover import run_duration
+    from bench.studies.crossover import run_duration
 
     a = Namespace(duration=3.0, min_requests=1000, max_duration=120.0)
     assert run_duration(2000.0, a) == 3.0 and run_duration(100.0, a) == 10.0 and run_duration(1.0, a) == 120.0
 
 
 def test_crossover_reuses_earlier_results(tmp_path, capsys):
-    from bench import crossover
+    from bench.studies import crossover
 
     args = ["--models", "8b", "--lengths", "tiny=fixed:256:4", "--links", "400", "--devices", "2", "--duration", "1",
             "--modes", "time-shared,pooled", "--tolerance", "1.5", "--tune-grid", "small"]

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.derive_cost import H200_NVLINK, derive_at
+from bench.cost.derive_cost import H200_NVLINK, derive_at
 from bench.sim import SimConfig, simulate
 from bench.sim.parallel import DoesNotFit, ParallelModel
 from bench.sim.stepcost import GroupCost, plan_step_s
-from bench.traces import TraceRequest
-from bench.tuning import TP_GRID, candidates
+from bench.sim.tuning import TP_GRID, candidates
+from bench.traffic.traces import TraceRequest
 from node.core.batcher import ScheduledSeq, StepKind, StepPlan
 from node.core.roofline import kv_scatter_bytes, kv_scatter_s, ring_allreduce_link_bytes
 from node.core.sequence import SamplingParams, Sequence

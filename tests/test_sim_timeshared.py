@@ -8,7 +8,7 @@ import pytest
 from bench.sim import SimConfig, simulate
 from bench.sim.timeshared import TimeSharedSim
 from bench.sim.trace import SimRequest
-from bench.traces import TraceRequest
+from bench.traffic.traces import TraceRequest
 from node.core.cost import CostModel
 from node.core.imbalance import ImbalanceConfig, ImbalancePolicy
 from node.core.roles import RoleScheduler, RoleSchedulerConfig

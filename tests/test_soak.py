@@ -1,8 +1,8 @@
-"""A 20-second soak (``bench/soak.py``): streaming load with client aborts, kill -9 of an engine and a
+"""A 20-second soak (``bench/load/soak.py``): streaming load with client aborts, kill -9 of an engine and a
 peer restart; afterwards no KV block is held, no request hung or is still held, and no 5xx other
 than 503 was answered. RSS growth is printed, not checked: 20 s have no steady state to measure
 it against (the 30-minute run in bench/RESULTS.md checks it)."""
-from bench.soak import soak
+from bench.load.soak import soak
 from support import STORIES, require_shared
 
 

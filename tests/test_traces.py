@@ -1,4 +1,4 @@
-"""bench.traces on the shared trace files: row counts and the statistics in shared/traces/stats.json."""
+"""bench.traffic.traces on the shared trace files: row counts and the statistics in shared/traces/stats.json."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.traces import TraceRequest, load_trace, poisson_requests, read_azure_csv, read_mooncake_jsonl
+from bench.traffic.traces import TraceRequest, load_trace, poisson_requests, read_azure_csv, read_mooncake_jsonl
 
 SHARED = Path(os.environ.get("SHIFTNODE_SHARED") or Path(__file__).resolve().parents[1].parent / "shared")
 TRACES = SHARED / "traces"

@@ -1,4 +1,4 @@
-"""The tuning protocol (bench.tuning): each mode's knob grid, the choice of the best setting, and
+"""The tuning protocol (bench.sim.tuning): each mode's knob grid, the choice of the best setting, and
 ``bench.sim --tune`` naming the winner."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from bench.sim import SimConfig
 from bench.sim.__main__ import main as sim_main
-from bench.tuning import candidates, pick_best, score, setting_of
+from bench.sim.tuning import candidates, pick_best, score, setting_of
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -8,8 +8,8 @@
   (``Batcher`` each), KV transfers priced by :func:`node.plan.transfer_s` on per-link queues, inside
   a node or, with ``pool_scope="cluster"``, between nodes (:mod:`bench.sim.pooled`).
 
-Step times come from a :class:`node.core.cost.CostModel` (linear; ``bench/calibrate.py`` measures one)
-or a :class:`node.core.roofline.RooflineCost` (bytes and FLOPs; ``bench/derive_cost.py`` builds one for
+Step times come from a :class:`node.core.cost.CostModel` (linear; ``bench/cost/calibrate.py`` measures one)
+or a :class:`node.core.roofline.RooflineCost` (bytes and FLOPs; ``bench/cost/derive_cost.py`` builds one for
 a geometry from the H200 calibration), plus optional host overheads per step and per request
 (:class:`SimConfig`);
 With a :class:`bench.sim.parallel.ParallelModel` (a geometry on a hardware preset, e.g. H200 with
@@ -17,8 +17,10 @@ NVLink) as the cost model, each mode runs at tensor-parallel degrees (``SimConfi
 ``prefill_tp``): time-shared groups that decode at ``D`` and prefill as ``D/P`` instances at ``P``,
 colocated instances at ``T``, pooled prefill and decode instances at their own degrees, with the KV
 each device's memory leaves beside its weight shard (:mod:`bench.sim.parallel`).
-:mod:`bench.sim.run` splits requests over nodes and produces :mod:`bench.metrics` summaries, the same
+:mod:`bench.sim.run` splits requests over nodes and produces :mod:`bench.traffic.metrics` summaries, the same
 ones the live replay prints. ``python -m bench.sim --help`` for the command line.
+:mod:`bench.sim.tuning` is the tuning protocol (each mode's best setting of its main knobs) that
+``--tune`` and the studies follow. Imports :mod:`bench.traffic` and :mod:`bench.cost` (cost models).
 """
 
 from bench.sim.config import MODES, SimAborted, SimConfig, kv_geometry

@@ -4,14 +4,14 @@
 --rate 20 --duration 60 --link-gbps 100 --cost-model bench/cost_models/cpu_stories260k.json
 --model-config ../shared/models/stories260k``
 
-``--tune`` follows the tuning protocol (:mod:`bench.tuning`): each mode runs every setting of its main
+``--tune`` follows the tuning protocol (:mod:`bench.sim.tuning`): each mode runs every setting of its main
 knobs on the same workload, and only its best one is reported, named in the table's last column
 (``--jobs N`` runs the settings in N processes).
 
 ``--prefix-caching on|off|both`` simulates each mode with the devices' prefix cache on, off, or both
 (rows ``MODE +cache``); with ``--tokens-per-hash`` on a Mooncake trace the prompts share tokens as the
 trace's hash ids do, and the output gives the simulated prefix hit rate next to the workload's own
-infinite-cache ratio (:func:`bench.traces.infinite_cache_hit_ratio`).
+infinite-cache ratio (:func:`bench.traffic.traces.infinite_cache_hit_ratio`).
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from bench.calibrate import load_cost_model
-from bench.metrics import format_summary
+from bench.cost.calibrate import load_cost_model
 from bench.sim.config import MODES, SimConfig, kv_geometry
 from bench.sim.run import simulate
-from bench.traces import infinite_cache_hit_ratio
-from bench.tuning import candidates, pick_best, setting_of
-from bench.workload import add_workload_args, build_workload, shared_dir, spec_from_args
+from bench.sim.tuning import candidates, pick_best, setting_of
+from bench.traffic.metrics import format_summary
+from bench.traffic.traces import infinite_cache_hit_ratio
+from bench.traffic.workload import add_workload_args, build_workload, shared_dir, spec_from_args
 from node.cli import parse_bytes
 from node.plan import DTYPE_BYTES, load_config
 
@@ -64,7 +64,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--step-overhead-ms", type=float, default=0.0, help="host time added to every step (ms)")
     ap.add_argument("--request-overhead-ms", type=float, default=0.0, help="send-to-scheduler time added to TTFT (ms)")
     ap.add_argument("--pause-ms", type=float, default=0.0, help="time-shared: least switch pause (ms)")
-    ap.add_argument("--cost-model", default=str(DEFAULT_COST), help="CostModel JSON (bench/calibrate.py)")
+    ap.add_argument("--cost-model", default=str(DEFAULT_COST), help="CostModel JSON (bench/cost/calibrate.py)")
     ap.add_argument("--model-config", default=None, help="config.json or model folder (default: stories260k)")
     ap.add_argument("--dtype", default=None, help="KV dtype (default: the config's torch_dtype, else bf16)")
     ap.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV bytes per device (default 512MiB)")
@@ -93,7 +93,7 @@ def parser() -> argparse.ArgumentParser:
     add_workload_args(ap)
     ap.add_argument("--rates", default=None, help="comma-separated rates to run in turn (overrides --rate)")
     ap.add_argument("--tune", action="store_true",
-                    help="run every setting of each mode's main knobs (bench.tuning.GRID) and report the best")
+                    help="run every setting of each mode's main knobs (bench.sim.tuning.GRID) and report the best")
     ap.add_argument("--jobs", type=int, default=1, help="--tune: processes running settings side by side")
     return ap
 

@@ -22,7 +22,7 @@ from collections import deque
 
 from bench.sim.config import SimAborted, SimConfig, count_late
 from bench.sim.stepcost import plan_step_s
-from bench.traces import TraceRequest, hash_prompt_ids
+from bench.traffic.traces import TraceRequest, hash_prompt_ids
 from node.core.batcher import BatchConfig, Batcher, StepKind, StepPlan
 from node.core.cost import CostModel
 from node.core.roofline import RooflineCost
@@ -138,7 +138,7 @@ SIM_VOCAB = 32000  # ids of hash-built prompts stay below this (any value works:
 
 def prompt_token_ids(rid: str, r: TraceRequest, prefix_caching: bool) -> list[int]:
     """Token ids of a request's prompt in the simulator: built from its hash ids when it has them
-    (:func:`bench.traces.hash_prompt_ids`, as the live replay builds them, so shared hashes share
+    (:func:`bench.traffic.traces.hash_prompt_ids`, as the live replay builds them, so shared hashes share
     blocks); else, with the prefix cache on, a first id unique to the request (BLAKE2b of its id; the
     block keys chain from it, so nothing of it is ever shared); else zeros (nothing is looked up)."""
     if r.hash_ids and r.hash_block_tokens and len(r.hash_ids) * r.hash_block_tokens >= r.prompt_tokens:

@@ -1,7 +1,7 @@
 """Tensor-parallel deployments in the simulator: step costs at any degree from one per-device model,
 device memory per role layout, and each mode lowered onto the simulator's (virtual) devices.
 
-A :class:`ParallelModel` is a model geometry on a hardware preset (:data:`bench.derive_cost.H200_NVLINK`).
+A :class:`ParallelModel` is a model geometry on a hardware preset (:data:`bench.cost.derive_cost.H200_NVLINK`).
 Passed to :func:`bench.sim.run.simulate` as the cost model, it turns a :class:`SimConfig` with degrees
 (``decode_tp``, ``prefill_tp``) into what the simulator runs, on the live Batcher, ledger and policies:
 
@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from bench.derive_cost import H200_NVLINK, HardwarePreset, derive_at
+from bench.cost.derive_cost import H200_NVLINK, HardwarePreset, derive_at
 from bench.sim.config import SimConfig
 from bench.sim.stepcost import GroupCost
 from node.core.roofline import RooflineCost, kv_scatter_s
@@ -73,7 +73,7 @@ class ParallelModel:
     how they spend the same per-device concurrency, not in a cap that shrinks with the degree. False:
     ``max_num_seqs`` per instance, as the node's ``--max-num-seqs`` per engine.
 
-    The step cost at degree ``D`` is :func:`bench.derive_cost.derive_at` (one per-device roofline, the
+    The step cost at degree ``D`` is :func:`bench.cost.derive_cost.derive_at` (one per-device roofline, the
     geometry split ``D`` ways, the preset's link); see the module doc for memory and the lowering.
     """
 

@@ -45,7 +45,7 @@ from itertools import islice
 from bench.sim.batched import SimDevice, finished, new_sequence
 from bench.sim.config import SimAborted, SimConfig, count_late
 from bench.sim.timeshared import NODE_EXPECTED_OUTPUT_TOKENS
-from bench.traces import TraceRequest
+from bench.traffic.traces import TraceRequest
 from node.core.batcher import StepKind
 from node.core.cost import CostModel
 from node.core.roofline import RooflineCost

@@ -10,8 +10,8 @@ steps included), so the time-shared policy plans with it as the live node's refi
 ``request_overhead_ms`` delays every request's arrival at the node (not its recorded arrival), so it
 adds to TTFT and E2E only.
 
-Each request's token times become a :class:`bench.metrics.RequestRecord` (send time = arrival), so the
-summary is :func:`bench.metrics.summarize`'s, the same as the live replay's: TTFT = first token −
+Each request's token times become a :class:`bench.traffic.metrics.RequestRecord` (send time = arrival), so the
+summary is :func:`bench.traffic.metrics.summarize`'s, the same as the live replay's: TTFT = first token −
 arrival, ITLs = gaps between tokens, E2E = last token − arrival, duration = first arrival to last finish.
 """
 
@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from bench.metrics import RequestRecord, Summary, summarize
 from bench.sim.batched import simulate_colocated
 from bench.sim.config import SimConfig
 from bench.sim.pooled import simulate_pooled
 from bench.sim.timeshared import simulate_time_shared
-from bench.traces import TraceRequest
+from bench.traffic.metrics import RequestRecord, Summary, summarize
+from bench.traffic.traces import TraceRequest
 from node.core.cost import CostModel
 from node.core.roofline import RooflineCost
 from bench.sim.trace import RequestTrace

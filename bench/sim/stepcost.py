@@ -31,7 +31,7 @@ class GroupCost(msgspec.Struct, frozen=True, kw_only=True):
 
     Attributes:
         prefill: one prefill instance's model, per rank at degree ``P``
-            (:func:`bench.derive_cost.derive_at`).
+            (:func:`bench.cost.derive_cost.derive_at`).
         decode: the group's decode model, per rank at degree ``D``.
         instances: ``D / P``.
         scatter_s_per_token: seconds per prompt token of one instance of the in-node KV scatter

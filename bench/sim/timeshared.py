@@ -41,7 +41,7 @@ import msgspec
 from bench.sim.batched import SimDevice, finished, prompt_token_ids
 from bench.sim.config import SimAborted, SimConfig, count_late
 from bench.sim.trace import RequestTrace, SimRequest, StepRecord
-from bench.traces import TraceRequest
+from bench.traffic.traces import TraceRequest
 from node.core.batcher import StepKind
 from node.core.cost import CostModel
 from node.core.roofline import RooflineCost

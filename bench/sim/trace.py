@@ -1,7 +1,7 @@
 """What a simulation takes and records: requests to replay, each request's token times, each step.
 
 Plain records, shared by every simulated mode (:mod:`bench.sim.batched`, :mod:`bench.sim.pooled`,
-:mod:`bench.sim.timeshared`) and turned into :class:`bench.metrics.RequestRecord` by
+:mod:`bench.sim.timeshared`) and turned into :class:`bench.traffic.metrics.RequestRecord` by
 :func:`bench.sim.run.to_record`. Times in seconds on the simulation's virtual clock.
 """
 

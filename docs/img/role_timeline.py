@@ -1,7 +1,7 @@
 """Draw docs/img/role-timeline.png: a live time-shared node's role timeline, from its own switch records.
 
 Sends 16 streaming requests in three bursts (0 s, 0.6-1.1 s, 1.5-2.1 s) to a running node, then reads
-``GET /v1/node`` and plots each device's roles with :func:`bench.plots.role_timeline`. Run from the
+``GET /v1/node`` and plots each device's roles with :func:`bench.studies.plots.role_timeline`. Run from the
 repository root, with the node of the README's tour on port 8000:
 
     .venv/bin/shiftnode serve --model ../shared/models/stories260k --devices cpu:0,cpu:1 \\
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench import plots
+from bench.studies import plots
 
 ANIMALS = ["cat", "dog", "bird", "girl", "boy", "tree"]
 

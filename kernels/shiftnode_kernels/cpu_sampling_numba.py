@@ -5,7 +5,7 @@ Why: the torch path (:mod:`node.worker.sampler`) finds a top-p nucleus by orderi
 CPU that costs 4.9 s for a 256-row step of Llama-3's 128,256 flat logits and 0.33 s for peaked ones,
 against 38 ms for the greedy argmax; a plain temperature row pays three elementwise passes and a
 cumsum (0.13 s per such step). This kernel reads each row once from memory and then works on one
-4 KiB block at a time, vectorised, whatever the distribution (``python -m bench.sampler``).
+4 KiB block at a time, vectorised, whatever the distribution (``python -m bench.device.sampler``).
 
 Algorithm, per row (``x`` float32 logits, temperature ``T``, ``top_p``, ``min_p``):
 

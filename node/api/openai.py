@@ -177,20 +177,22 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
                 now = time.monotonic()
                 chunks = []
                 failed = ending = False
-                for d in batch:
-                    node.account(reqs[d.index // n], d, now)  # TTFT/ITL per step, whatever is sent
-                    if d.error:
-                        chunks.append(delta_error(d).body())
-                        failed = True
-                        break
-                    ending = ending or d.finish_reason is not None
-                    d = due(d)
-                    if d is None:
-                        continue
-                    entry = fold(d)
-                    if entry is not None:
-                        chunks.append({**chunk_envelope, "choices": [entry], **extra})
-                sse.send_many(chunks)
+                try:
+                    for d in batch:
+                        node.account(reqs[d.index // n], d, now)  # TTFT/ITL per step, whatever is sent
+                        if d.error:
+                            chunks.append(delta_error(d).body())
+                            failed = True
+                            break
+                        ending = ending or d.finish_reason is not None
+                        d = due(d)
+                        if d is None:
+                            continue
+                        entry = fold(d)
+                        if entry is not None:
+                            chunks.append({**chunk_envelope, "choices": [entry], **extra})
+                finally:  # a failure part-way through a step still sends the tokens before it, then the error
+                    sse.send_many(chunks)
                 if failed or (ending and not open_choices()):
                     deltas.close()
                     if not ended.done():

@@ -4,7 +4,7 @@ Pure arithmetic (stdlib + msgspec). :class:`RooflineCost` has the interface of
 :class:`node.core.cost.CostModel` (``prefill_step_s``, ``prefill_s``, ``prefill_tokens_within``,
 ``decode_step_s``, ``mixed_step_s``, ``with_host_overhead``, ``pause_s``), so the role scheduler, the
 imbalance policy, the virtual devices and the simulator take either. The geometry terms come from a
-model config and the hardware terms from measurements: ``bench/derive_cost.py`` builds one, calibrated
+model config and the hardware terms from measurements: ``bench/cost/derive_cost.py`` builds one, calibrated
 on the H200 runs of ``bench/RESULTS.md``. The method is the roofline of Williams, Waterman and
 Patterson (*Roofline: an insightful visual performance model for multicore architectures*, CACM 52(4),
 2009): a kernel takes the longer of its bytes over the achieved memory bandwidth and its FLOPs over the

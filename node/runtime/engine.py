@@ -34,6 +34,7 @@ from node.core.role_config import RoleConfig, assign_instances, scatter_bytes, s
 from node.core.roles import Role
 from node.core.sequence import PENDING, Sequence
 from node.runtime.engine_residents import Residents
+from node.runtime.engine_revival import Revival
 from node.runtime.engine_roles import RoleSwitching
 from node.runtime.moves import KVMoves, MigrationRecord, Move
 from node.runtime.request import RequestState
@@ -57,7 +58,7 @@ class _InFlight:
     pending: list[tuple[Sequence, int]]  # sequences given a placeholder token, and its index
 
 
-class DeviceEngine(Residents, RoleSwitching, KVMoves):
+class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
     """Runs continuous batching on one device.
 
     Args:
@@ -108,6 +109,9 @@ class DeviceEngine(Residents, RoleSwitching, KVMoves):
         self.failure: str | None = None  # why the device is down (its step loop ended), else None
         self._encoder = StepEncoder()  # what the engine holds of each sequence; steps are diffs
         self._dead: str | None = None  # the engine process exited (seen between steps)
+        self.engine_died = False  # the device went down because its engine process died (restartable)
+        # called for each sequence held here when the engine process dies (node.runtime.resume); None: they fail
+        self.orphan_listener: Callable[[DeviceEngine, RequestState, int], None] | None = None
         self.role_configs: dict[Role, RoleConfig] = {}  # time-shared: each role's configuration (configure_roles)
         self._role_batch: dict[Role, BatchConfig] = {}
         self._kv_bytes_per_token = 0
@@ -154,13 +158,7 @@ class DeviceEngine(Residents, RoleSwitching, KVMoves):
             self._task.cancel()
             with suppress(asyncio.CancelledError):
                 await self._task
-        processes = self._processes()
-        if processes:
-            self.runner.stopping = True
-            for process in processes:
-                asyncio.get_running_loop().remove_reader(process.sentinel)
-            self.runner.detach()
-        await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.stop)
+        await self.stop_runner()  # (engine_revival.py)
         self._executor.shutdown(wait=True)
 
     def wake(self) -> None:
@@ -357,6 +355,9 @@ class DeviceEngine(Residents, RoleSwitching, KVMoves):
         else:
             self.failure = f"step loop ended: {type(error).__name__}: {error}" if error else "step loop ended"
         log.error("engine_down", device=self.device_id, reason=self.failure)
+        self.engine_died = isinstance(error, EngineDied)
+        if self.engine_died and self.orphan_listener is not None:
+            self._orphan_all()
         for req in list(self.requests.values()):
             req.fail(f"device {self.device_id} is down: {self.failure}", status=503, code="engine_down",
                      retry_after_s=1.0)

@@ -155,14 +155,17 @@ class HandOff:
         tid = f"{links.node.config.name}/{seq.seq_id}/{next(_ids)}"
         client: KVClient | None = None
         try:
-            client = await links.connect(peer, link_gbps=links.link_gbps, heartbeat_interval_s=None)
+            nixl = links.nixl
+            client = await links.connect(peer, link_gbps=links.link_gbps, heartbeat_interval_s=None,
+                                         nixl=nixl.agent if nixl is not None else None)
             kv = engine.runner.kv_cache
 
             def layer(i: int):
                 return engine.in_worker(_gather_host, kv, i, blocks)
 
             report = await client.send_sequence(links.layout, links.seq_state(self.req, seq), layer,
-                                                len(blocks), transfer_id=tid, relay=True)
+                                                len(blocks), transfer_id=tid, relay=True,
+                                                nixl_blocks=nixl.blocks_of(engine, blocks) if nixl else None)
         except asyncio.CancelledError:  # the client left during the transfer: _finish frees the blocks
             await _close(client)
             raise

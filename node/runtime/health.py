@@ -7,6 +7,10 @@ A device is *stalled* when its oldest step in flight was sent :data:`STALLED_STE
 come back: its engine lives but does not answer (a kernel that never returns), so nothing else would
 mark it down. With overlapped steps a step is sent while the one before it runs, so the age counts
 that wait too: the test is "the last two steps took that long together".
+
+A down device's reason says what happens next when the node has a restart supervisor
+(:meth:`EngineSupervisor.describe <node.runtime.engine_supervisor.EngineSupervisor.describe>`): how long
+it has been down, and when its restart comes, that it is restarting now, or why it is left down.
 """
 
 from __future__ import annotations
@@ -51,7 +55,9 @@ def node_health(node: StateSource, now: float | None = None) -> Health:
     reasons: list[str] = []
     fatal: list[str] = []
     down = {e.device_id: f for e in node.engines if (f := _down(e))}
-    reasons += [f"engine {d} down: {f}" for d, f in down.items()]
+    supervisor = getattr(node, "supervisor", None)  # what happens next: since when, next restart, or left down
+    plans = {d: supervisor.describe(d, now) if supervisor is not None else None for d in down}
+    reasons += [f"engine {d} down: {f}" + (f" ({plans[d]})" if plans[d] else "") for d, f in down.items()]
     for e in node.engines:
         started = getattr(e, "step_started_s", None)
         if e.device_id not in down and started is not None and now - started >= STALLED_STEP_S:

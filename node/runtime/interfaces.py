@@ -131,6 +131,7 @@ class DriverHost(EngineSet, Protocol):
     metrics: Any  # node.runtime.metrics.NodeMetrics
     peers: PeerTable | None
     draining: bool
+    supervisor: Any  # node.runtime.engine_supervisor.EngineSupervisor: coming_back(device_id)
 
 
 class StateSource(EngineSet, Protocol):
@@ -142,6 +143,7 @@ class StateSource(EngineSet, Protocol):
     driver: Any  # the placement driver, or None (colocated); read by attribute where present
     draining: bool
     live: dict[str, RequestState]
+    supervisor: Any  # node.runtime.engine_supervisor.EngineSupervisor (restarts); read with getattr
 
     @property
     def num_waiting(self) -> int:

@@ -44,12 +44,27 @@ class KVReceiver:
         self.incoming: dict[str, tuple[DeviceEngine, list[int], int]] = {}
         self.relayed = 0
         self.refused = InboundRefusals()
+        self._nixl = None
         self.server = KVServer(cfg.kv_host or cfg.host, cfg.kv_port or 0, cfg.peer_secret or "", layout,
-                               reserve=self._reserve, on_layer=self._on_layer, on_done=self._on_done,
+                               reserve=self._reserve_for_offer, on_layer=self._on_layer, on_done=self._on_done,
                                on_abort=self._on_abort, status=self._status, check=self._check,
                                on_refused=self._on_refused, on_timeout=self._on_timeout, node_id=cfg.name,
                                relay_keepalive_s=RELAY_KEEPALIVE_S, handshake_timeout_s=cfg.kv_connect_timeout_s,
                                stall_timeout_s=cfg.kv_transfer_timeout_s, reply_timeout_s=cfg.kv_transfer_timeout_s)
+
+    @property
+    def nixl(self):
+        """The node's :class:`~node.runtime.kv_plane.NixlPlane` (``--kv-transport nixl``), or None."""
+        return self._nixl
+
+    @nixl.setter
+    def nixl(self, plane) -> None:  # set before start(): offers may then be written over NIXL
+        self._nixl = plane
+        self.server.nixl, self.server.nixl_info = plane.agent, plane.info
+
+    def _reserve_for_offer(self, offer: TransferOffer):
+        got = self._reserve(offer)
+        return got if self._nixl is None else self._nixl.reserve(offer, got, self.incoming, self._on_abort)
 
     def _on_refused(self, peer: str, peer_node_id: str, code: str, reason: str) -> None:
         """A node's connection to our KV port was refused (by us or by it): counted and kept for

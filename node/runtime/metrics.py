@@ -62,7 +62,7 @@ class NodeMetrics:
                                      "layout, config, weights, tokenizer, fingerprint) and direction (outbound: "
                                      "to a peer of ours; inbound: to our KV port)", ["reason", "direction"], registry=r)
         self.kv_recomputes = Counter("shiftnode_kv_recomputes", "Sequences recomputed here after their KV was lost "
-                                     "on a peer (relay broken after the commit)", registry=r)
+                                     "on a peer (relay broken after the commit) or with a dead engine (resumed)", registry=r)
         self.kv_timeouts = Counter("shiftnode_kv_timeouts", "KV transfer waits that timed out, by stage (connect, "
                                    "handshake, accept, stall, commit, relay, status, idle) and side", ["stage", "side"],
                                    registry=r)
@@ -141,12 +141,16 @@ class _StateCollector:
                                  "nothing; see /health)", labels=["device"])
         preempt = CounterMetricFamily("shiftnode_preemptions", "Sequences preempted for KV (recomputed later)",
                                       labels=["device"])
+        restarts = CounterMetricFamily("shiftnode_engine_restarts", "Restarts of the device's engine after its "
+                                       "process died (each attempt; see --engine-restart-max)", labels=["device"])
+        supervisor = getattr(n, "supervisor", None)
         for e in n.engines:
             for stage, count in e.errors.items():
                 errors.add_metric([e.device_id, stage], count)
             down.add_metric([e.device_id], 1.0 if e.failure else 0.0)
             preempt.add_metric([e.device_id], e.batcher.num_preemptions)
-        yield from (oldest, live, errors, down, preempt)
+            restarts.add_metric([e.device_id], supervisor.total.get(e.device_id, 0) if supervisor else 0)
+        yield from (oldest, live, errors, down, preempt, restarts)
         for e in n.engines:
             led = e.batcher.ledger
             used.add_metric([e.device_id], led.num_used)

@@ -28,6 +28,7 @@ from node.core.roles import RoleScheduler, RoleSchedulerConfig
 from node.core.pooled import PooledRouter
 from node.runtime.admission import EnginesDown, NodeDraining, QueueFullError
 from node.runtime.engine import DeviceEngine
+from node.runtime.engine_supervisor import EngineSupervisor
 from node.runtime.moves import MigrationRecord
 from node.runtime.membership import Membership, join as join_etcd
 from node.runtime.kv_receiver import KVReceiver
@@ -39,6 +40,7 @@ from node.runtime.node_status import node_status
 from node.runtime.delta_stream import DeltaStream
 from node.runtime.output import SeqDelta
 from node.runtime.request import RequestState
+from node.runtime.resume import Resumer
 from node.runtime.startup import load_engines
 from node.transport.protocol import Fingerprint
 from node.worker.engine_process import EngineProcess
@@ -78,6 +80,7 @@ class Node:
         self.peers: PeerLinks | None = None
         self.receiver: KVReceiver | None = None
         self.membership: Membership | None = None  # --etcd
+        self.nixl = None  # --kv-transport nixl: the NixlPlane (node.runtime.kv_plane), from start_network
         self.fingerprint: Fingerprint | None = None
         if self.networked(config):
             from node.transport.tensors import layout_of
@@ -116,6 +119,10 @@ class Node:
             e.migration_listeners.append(self._on_migration)
             e.link_gbps = config.link_gbps
             e.block_layer_bytes = block_layer_bytes
+        self.supervisor = EngineSupervisor(config, engines)  # restarts dead engines (listening after the node)
+        self.resumer = Resumer(self, self.supervisor)  # resumes their sequences elsewhere, or after the restart
+        self.supervisor.left_down_listeners.append(self._on_engine_down)  # what waited for it fails now
+        self.supervisor.restart_listeners.append(lambda _e: self.driver.kick() if self.driver else None)
 
     @classmethod
     async def create(cls, config: NodeConfig, prelaunched: dict[str, EngineProcess] | None = None) -> "Node":
@@ -153,7 +160,15 @@ class Node:
             self.driver.start()
 
     async def start_network(self) -> None:
-        """Open the KV transfer listener (``--kv-port``), start polling the ``--peers`` and join ``--etcd``."""
+        """Open the KV transfer listener (``--kv-port``), start polling the ``--peers`` and join ``--etcd``
+        (with ``--kv-transport nixl``, first start the NIXL agent and register the KV pools)."""
+        if self.config.kv_transport == "nixl" and (self.receiver or self.peers):
+            from node.runtime.kv_plane import NixlPlane
+
+            self.nixl = await NixlPlane.start(self)
+            for side in (self.receiver, self.peers):
+                if side is not None:
+                    side.nixl = self.nixl
         if self.receiver:
             await self.receiver.start()
         if self.peers:
@@ -164,12 +179,15 @@ class Node:
                     msgspec.structs.asdict(self.fingerprint), sum(e.batcher.ledger.num_blocks for e in self.engines))
 
     async def close(self) -> None:
+        await self.supervisor.close()  # first: no engine is restarted while the node stops them
         if self.membership:  # first: the lease's revocation tells every peer at once
             await self.membership.close()
         if self.receiver:
             await self.receiver.close()
         if self.peers:
             await self.peers.close()
+        if self.nixl:
+            await self.nixl.close()
         if self.driver:
             await self.driver.stop()
         for e in self.engines:
@@ -223,8 +241,10 @@ class Node:
         return min(up, key=lambda e: (len(e.batcher.waiting), len(e.batcher.running)))
 
     def _on_engine_down(self, engine: DeviceEngine) -> None:
-        """A device went down; once none is left, requests waiting for placement fail (503)."""
-        if all(e.failure for e in self.engines) and self.driver is not None:
+        """A device went down (or will not be restarted); once none is left and none will be restarted,
+        requests waiting for placement fail (503); while a restart is planned they wait for it."""
+        if (all(e.failure for e in self.engines) and self.driver is not None
+                and not any(self.supervisor.will_restart(e) for e in self.engines)):
             for req in list(self.driver.pending):
                 self.driver.withdraw(req)
                 req.fail(f"every device is down ({engine.device_id}: {engine.failure})", status=503,
@@ -308,6 +328,7 @@ class Node:
         if self.peers:
             for seq in req.seqs:
                 self.peers.retries.pop(seq.seq_id, None)
+        self.resumer.forget(req)
         if self.driver:
             self.driver.finished(req, reasons, sum(req.tokens))
         s = req.stats

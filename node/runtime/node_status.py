@@ -20,9 +20,11 @@ class StatusSource(StateSource, Protocol):
     metrics: Any  # node.runtime.metrics.NodeMetrics: latency_histograms()
     migrations: Any  # recent KV moves (MigrationRecord), oldest first
     membership: Any  # node.runtime.membership.Membership or None: status()
+    nixl: Any  # node.runtime.kv_plane.NixlPlane or None: status()
     fingerprint: Any  # node.transport.protocol.Fingerprint or None
     timed_out: int
     started_wall_s: float
+    supervisor: Any  # node.runtime.engine_supervisor.EngineSupervisor: status(device_id, now)
 
 
 def node_status(node: StatusSource, history: int = 200, since_s: float | None = None) -> dict:
@@ -59,6 +61,7 @@ def node_status(node: StatusSource, history: int = 200, since_s: float | None = 
             "preemptions": e.batcher.num_preemptions,
             "errors": dict(e.errors),  # contained failures by stage; the device kept serving
             "failure": e.failure,  # why the device is down, or null
+            "restart": node.supervisor.status(e.device_id, now),  # restarts, their limits, the outage (null while up)
         }
         if isinstance(e.runner, TPEngineGroup):  # a group of devices as one (--tensor-parallel-size, --decode-tp)
             d["tensor_parallel"] = {"size": e.runner.degree, "devices": e.runner.devices, "pids": e.runner.pids,
@@ -114,7 +117,10 @@ def _network_status(node: StatusSource, now: float) -> dict:
                  "fingerprint": msgspec.structs.asdict(node.fingerprint) if node.fingerprint else None,
                  "config": {"kv_connect_timeout_s": cfg.kv_connect_timeout_s,
                             "kv_transfer_timeout_s": cfg.kv_transfer_timeout_s, "peer_stale_s": cfg.peer_stale_s,
-                            "max_retries": cfg.max_retries, "link_gbps": cfg.link_gbps}}
+                            "max_retries": cfg.max_retries, "link_gbps": cfg.link_gbps,
+                            "kv_transport": cfg.kv_transport}}
+    if node.nixl:
+        out["nixl"] = node.nixl.status()
     if node.receiver:
         out["received_sequences"] = node.receiver.relayed
         out["receiving"] = len(node.receiver.incoming)

@@ -77,6 +77,7 @@ class PeerLinks:
         self.tasks: dict[str, set[asyncio.Task]] = {}  # request id → its hand-off tasks
         self.retries: dict[str, int] = {}  # sequence id → recomputes after failed hand-offs
         self.sending: set[str] = set()  # sequence ids whose hand-off is not yet settled
+        self.nixl = None  # --kv-transport nixl: the node's NixlPlane (hand-offs load each peer's agent)
 
     # --- the peer set ---------------------------------------------------------------------------
     def add(self, addr: str) -> bool:

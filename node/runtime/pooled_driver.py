@@ -10,7 +10,8 @@ stream goes on (a peer relays the tokens back).
 
 A node with decode devices only (the far end of a cross-node pair) serves the requests it receives
 itself on those devices in mixed steps. A node whose decode side is wholly unreachable fails
-requests that waited ``DECODE_WAIT_S`` for it, instead of holding them forever.
+requests that waited ``DECODE_WAIT_S`` for it, instead of holding them forever; while one of its
+decode devices is being restarted (:mod:`node.runtime.engine_supervisor`) the work waits for it instead.
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ class PooledDriver(Driver):
             if self.unreachable_since is None:
                 self.unreachable_since = now
                 log.warning("no_decode_peer_reachable", peers=self.node.peers.unusable(now)[1] if self.node.peers else None)
-            if now - self.unreachable_since > DECODE_WAIT_S:
+            # (not while a decode device is being restarted: the work waits for it, within its deadline)
+            if now - self.unreachable_since > DECODE_WAIT_S and not self._decode_coming_back():
                 self._fail_stranded()
         elif self.unreachable_since is not None:
             log.info("decode_peer_reachable_again", after_s=round(now - self.unreachable_since, 3))
@@ -175,9 +177,13 @@ class PooledDriver(Driver):
     def _retarget(self, req, seq, engine: DeviceEngine) -> str | None:
         """A new decode device for a prefilled sequence whose target went down: the live one with the
         most free blocks after reservations that holds the sequence and its reservation; with none live,
-        the request fails (503 ``engine_down``) and leaves the prefill device. None: not handed now."""
+        the request fails (503 ``engine_down``) and leaves the prefill device, unless one is being
+        restarted: it waits here for it (bounded by ``--max-unsent`` and the request's deadline). None:
+        not handed now."""
         live = self._live_decode_ids()
         if not live:
+            if self._decode_coming_back():
+                return None
             req.fail("every decode device is down", status=503, code="engine_down", retry_after_s=RETRY_AFTER_S)
             engine.abort(req.request_id)
             return None
@@ -188,6 +194,10 @@ class PooledDriver(Driver):
         self.target[req.request_id] = best
         log.warning("handoff_retargeted", request=req.request_id, to=best)
         return best
+
+    def _decode_coming_back(self) -> bool:
+        """Whether a decode device of this node is down with its restart planned or under way."""
+        return any(self.node.supervisor.coming_back(d) for d in self.decode_ids)
 
     def _live_decode_ids(self) -> list[str]:
         return [d for d in self.decode_ids if self.node.engine(d).failure is None]

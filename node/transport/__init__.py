@@ -13,6 +13,8 @@ Modules
 ``tensors``   torch glue: layout of a cache, gather/scatter one layer ↔ payload bytes
 ``local``     :func:`copy_sequence_blocks` between two caches of one process
 ``fingerprint`` :func:`model_fingerprint`: what decides the KV bytes (weights, tokenizer, config), hashed
+``nixl_agent`` :class:`NixlAgent`: the NIXL data plane's local end (registered pools, WRITEs, notifications)
+``nixl_plane``  what the TCP channel says around NIXL transfers, and each side's layer phase (``--kv-transport nixl``)
 
 Frames
 ------

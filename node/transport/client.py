@@ -65,8 +65,9 @@ class KVClient:
     def __init__(self, reader, writer, *, peer_node_id: str, peer_layout: Layout | None,
                  link: LinkThrottle | None, accept_timeout_s: float, stall_timeout_s: float,
                  commit_timeout_s: float, heartbeat_interval_s: float | None, max_header_bytes: int,
-                 chunk_bytes: int, fault_hook: FaultHook | None):
+                 chunk_bytes: int, fault_hook: FaultHook | None, nixl: Any = None, nixl_route: Any = None):
         self._reader, self._writer = reader, writer
+        self.nixl, self.nixl_route = nixl, nixl_route  # NixlAgent and NixlRoute when layers may go over NIXL
         self.peer_node_id, self.peer_layout = peer_node_id, peer_layout
         self.link = link
         self.accept_timeout_s = accept_timeout_s
@@ -79,6 +80,7 @@ class KVClient:
         self._status_n = 0
         self._inbox: asyncio.Queue = asyncio.Queue()
         self._dead: BaseException | None = None
+        self.lost = asyncio.Event()  # set once the connection is dead (NIXL writes stop waiting then)
         self._log = _log.bind(peer_node=peer_node_id)
         self._pump_task = asyncio.create_task(self._pump())
         self._hb_task = (asyncio.create_task(self._heartbeats(heartbeat_interval_s))
@@ -91,14 +93,15 @@ class KVClient:
                       accept_timeout_s: float = 10.0, stall_timeout_s: float = 10.0,
                       commit_timeout_s: float = 10.0, heartbeat_interval_s: float | None = 5.0,
                       max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                      fault_hook: FaultHook | None = None) -> "KVClient":
+                      fault_hook: FaultHook | None = None, nixl: Any = None) -> "KVClient":
         """Connect and authenticate (both ways). With ``layout``, a peer whose layout or fingerprint
         differs is refused here (:class:`LayoutMismatch`, before our proof is sent), and the peer
         checks ours. ``link_gbps``: None (unthrottled), Gb/s, or a shared :class:`LinkThrottle`.
         The hostname is resolved on every call, so a reconnect finds a peer that moved.
         Raises ``TransportTimeout`` (stage ``connect`` or ``handshake``), ``PeerRefused`` (its
         subclasses ``AuthError``, ``VersionMismatch``, ``LayoutMismatch``; ``code`` says why),
-        ``OSError``."""
+        ``OSError``. ``nixl``: this node's :class:`~node.transport.nixl_agent.NixlAgent`: after the
+        handshake the peer's NIXL agent is loaded (see :mod:`node.transport.nixl_plane`)."""
         secret_b = secret_bytes(secret)
         try:
             async with asyncio.timeout(connect_timeout_s):
@@ -109,6 +112,10 @@ class KVClient:
         try:
             reply = await client_handshake(reader, writer, secret_b, node_id, layout, handshake_timeout_s,
                                            max_header_bytes)
+            route = None
+            if nixl is not None:  # only now: the server proved the secret, its metadata may be parsed
+                from node.transport.nixl_plane import query_route
+                route = await query_route(reader, writer, nixl, reply.node_id, handshake_timeout_s, max_header_bytes)
         except BaseException as exc:
             _log.warning("kv_connect_failed", peer=f"{host}:{port}", reason=str(exc) or type(exc).__name__)
             say_goodbye(writer, f"handshake failed: {exc}", refusal_code(exc))
@@ -117,7 +124,7 @@ class KVClient:
                    link=as_throttle(link_gbps), accept_timeout_s=accept_timeout_s,
                    stall_timeout_s=stall_timeout_s, commit_timeout_s=commit_timeout_s,
                    heartbeat_interval_s=heartbeat_interval_s, max_header_bytes=max_header_bytes,
-                   chunk_bytes=chunk_bytes, fault_hook=fault_hook)
+                   chunk_bytes=chunk_bytes, fault_hook=fault_hook, nixl=nixl, nixl_route=route)
 
     @property
     def closed(self) -> bool:
@@ -163,6 +170,7 @@ class KVClient:
         if self._dead is None:
             self._dead = exc
         self._inbox.put_nowait(exc)
+        self.lost.set()
 
     async def _next(self, timeout_s: float | None, what: str, stage: str) -> Message:
         try:
@@ -243,7 +251,8 @@ class KVClient:
                     self._hang_up("relay closed before the sequence ended")
 
     async def send_sequence(self, layout: Layout, seq: SeqState, layers: LayerSource, num_blocks: int, *,
-                            transfer_id: str | None = None, relay: bool = False) -> SendReport:
+                            transfer_id: str | None = None, relay: bool = False,
+                            nixl_blocks: tuple[int, list[int]] | None = None) -> SendReport:
         """Offer ``seq`` (``num_blocks`` blocks) and, once the peer reserved them, stream its layers
         0..``layout.num_layers``-1 in order; return when the peer committed.
 
@@ -257,6 +266,9 @@ class KVClient:
         ``TransportTimeout``/``TransportError`` (the connection is closed; the receiver aborts).
         Keep the sequence's blocks on this side until this returns successfully. ``relay=True``: the
         receiver goes on decoding the sequence and sends its tokens back; read them with :meth:`relay`.
+        ``nixl_blocks``: (our NIXL pool index, the sequence's block ids in it): on a connection with a
+        NIXL route, the receiver may then have the layers written over NIXL instead (``layers`` is
+        used when it answers for TCP).
         """
         if self.peer_layout is not None:
             check_compatible(layout, self.peer_layout)
@@ -266,7 +278,8 @@ class KVClient:
         tid = transfer_id or uuid.uuid4().hex
         per_layer = layout.layer_bytes(num_blocks)
         offer = TransferOffer(transfer_id=tid, layout=layout, seq=seq, num_blocks=num_blocks,
-                              nbytes_per_layer=per_layer, relay=relay)
+                              nbytes_per_layer=per_layer, relay=relay,
+                              nixl=self.nixl_route is not None and nixl_blocks is not None)
         log = self._log.bind(transfer_id=tid)
         async with self._lock:
             if self._dead is not None:
@@ -292,7 +305,14 @@ class KVClient:
                 report.accept_s = time.monotonic() - t0
                 report.cached_blocks = skip
                 sent = layout.layer_bytes(num_blocks - skip)
-                for layer in range(layout.num_layers):
+                if reply.nixl_pool >= 0:
+                    if not offer.nixl:
+                        raise ProtocolError("peer asked for NIXL writes that were not offered")
+                    from node.transport.nixl_plane import send_layers
+                    report.nbytes = await send_layers(
+                        self.nixl, self.nixl_route, layout, reply, nixl_blocks, num_blocks, self.stall_timeout_s,
+                        self.link, report.layer_end_s, t0, lambda: self._raise_if_aborted(tid), self.lost)
+                for layer in range(layout.num_layers if reply.nixl_pool < 0 else 0):
                     payload = await source.get(layer)
                     if skip:
                         payload = skip_blocks(payload_view(payload), skip, num_blocks)

@@ -228,6 +228,7 @@ class TransferOffer(Msg):
     num_blocks: int
     nbytes_per_layer: int
     relay: bool = False  # after the commit, the receiver decodes the sequence and relays its tokens back
+    nixl: bool = False  # the sender can WRITE the layers over NIXL (it loaded the receiver's agent)
 
 
 class TransferAccept(Msg):
@@ -240,6 +241,8 @@ class TransferAccept(Msg):
 
     transfer_id: str
     cached_blocks: int = 0
+    nixl_pool: int = -1  # ≥ 0: WRITE the layers over NIXL into block_ids of this pool (NixlInfo.pools); -1: TCP
+    block_ids: list[int] = []  # with nixl_pool: the receiver's blocks after the cached ones, in logical order
 
 
 class TransferRefuse(Msg):
@@ -280,6 +283,31 @@ class TransferAbort(Msg):
 
     transfer_id: str
     reason: str
+
+
+class NixlPool(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a peer's registered KV pool is: base address, blocks, NIXL memory type and device."""
+
+    addr: int
+    num_blocks: int
+    mem: str = "DRAM"
+    dev: int = 0
+
+
+class NixlQuery(Msg):
+    """Client → server right after the handshake, when the client runs ``--kv-transport nixl``: send
+    your NIXL agent (see :mod:`node.transport.nixl_plane`). ``agent``: the client's, for logs."""
+
+    agent: str
+
+
+class NixlInfo(Msg):
+    """Server → client: its NIXL agent's metadata and KV pools; empty ``metadata``: no NIXL (``reason``)."""
+
+    agent: str = ""
+    metadata: bytes = b""
+    pools: list[NixlPool] = []
+    reason: str = ""
 
 
 class StatusQuery(Msg):
@@ -326,7 +354,7 @@ class RelayEnd(Msg):
 
 Message = (Hello | HelloReply | HelloProof | HelloAck | Goodbye | Heartbeat | TransferOffer | TransferAccept
            | TransferRefuse | LayerHeader | TransferDone | TransferCommitted | TransferAbort
-           | StatusQuery | StatusReply | TokenRelay | RelayEnd)
+           | StatusQuery | StatusReply | TokenRelay | RelayEnd | NixlQuery | NixlInfo)
 
 
 def offer_problems(offer: TransferOffer) -> list[str]:
@@ -369,3 +397,4 @@ def secret_bytes(secret: str | bytes) -> bytes:
 def checksum(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     """CRC-32 of ``data`` continuing from ``value`` (stdlib ``zlib.crc32``, ~1 GB/s, releases the GIL)."""
     return zlib.crc32(data, value)
+

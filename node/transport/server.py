@@ -25,8 +25,9 @@ from node.transport.protocol import (
     ChecksumMismatch, FrameTooLarge, Goodbye, Heartbeat, LayerHeader, Layout, LayoutMismatch,
     ProtocolError, RelayEnd, StatusQuery, StatusReply, TransferAbort, TransferAborted, TransferAccept,
     TransferCommitted, TransferDone, TransferOffer, TransferRefuse, TransportError, check_compatible,
-    offer_problems, secret_bytes, timeout_stage,
+    offer_problems, secret_bytes, timeout_stage, NixlInfo, NixlQuery,
 )
+from node.transport.nixl_plane import info_of, receive_layers
 from node.transport.wire import (
     DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_PAYLOAD_BYTES, encode, read_msg, read_payload, refusal_code, say_goodbye,
     send, server_handshake,
@@ -66,7 +67,9 @@ class KVServer:
     Callbacks may be plain functions or coroutines:
       * ``reserve(offer) -> list[int] | (list[int], int) | None``: block ids in logical order, ``None``
         to refuse; with a count ``c``, the first ``c`` blocks already hold the sequence's KV (the
-        receiver's prefix cache, ``0 <= c < num_blocks``) and are not sent;
+        receiver's prefix cache, ``0 <= c < num_blocks``) and are not sent; with a third item, a pool
+        index of the server's ``nixl`` agent, an offer with ``nixl=True`` has its layers written there
+        by the sender over NIXL (``on_layer`` is then not called; see :mod:`node.transport.nixl_plane`);
       * ``on_layer(transfer_id, layer, payload: bytearray)``: layer ``layer`` landed and passed its
         checksum; ``payload`` is the ``[2, n - c, block_size, Hkv, D]`` buffer of the blocks after the
         cached ones (see
@@ -96,8 +99,11 @@ class KVServer:
                  on_refused: Callable[[str, str, str, str], None] | None = None,
                  on_timeout: Callable[[str], None] | None = None, node_id: str = "", relay_keepalive_s: float = 2.0, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
                  max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, handshake_timeout_s: float = 5.0,
-                 idle_timeout_s: float = 60.0, stall_timeout_s: float = 10.0, reply_timeout_s: float = 10.0):
+                 idle_timeout_s: float = 60.0, stall_timeout_s: float = 10.0, reply_timeout_s: float = 10.0,
+                 nixl: Any = None, nixl_info: NixlInfo | None = None):
         self.host, self._port = host, port
+        self.nixl = nixl  # a NixlAgent: offers with nixl=True may be written over it (node.transport.nixl_plane)
+        self.nixl_info = nixl_info or info_of(None, b"")  # the answer to a NixlQuery
         self._secret = secret_bytes(secret)
         self.layout = layout
         self._reserve, self._on_layer, self._on_done, self._on_abort = reserve, on_layer, on_done, on_abort
@@ -202,6 +208,8 @@ class KVServer:
                     seq_slots_free=0,
                     accepting=False)
                 await send(writer, reply, self.reply_timeout_s)
+            elif isinstance(msg, NixlQuery):
+                await send(writer, self.nixl_info, self.reply_timeout_s)
             elif isinstance(msg, TransferOffer):
                 relay = await self._receive(msg, reader, writer, peer_node_id, log.bind(transfer_id=msg.transfer_id))
                 if relay is not None:
@@ -242,9 +250,11 @@ class KVServer:
             return await self._refuse(writer, offer, "no_room", f"reserve raised {type(exc).__name__}: {exc}", log)
         if block_ids is None:
             return await self._refuse(writer, offer, "no_room", f"cannot reserve {offer.num_blocks} blocks", log)
-        cached = 0
+        cached, pool = 0, None
         if isinstance(block_ids, tuple):
-            block_ids, cached = block_ids
+            block_ids, cached, *rest = block_ids
+            pool = rest[0] if rest else None
+        nixl = self.nixl if offer.nixl and pool is not None else None
         per_layer = offer.layout.layer_bytes(offer.num_blocks - cached)
 
         report = ReceiveReport(tid, offer, list(block_ids), peer_node_id, cached_blocks=cached)
@@ -256,8 +266,19 @@ class KVServer:
             if not 0 <= cached < offer.num_blocks:
                 raise TransferAborted(f"reserve said {cached} of {offer.num_blocks} blocks are cached")
             t0 = time.monotonic()
-            await send(writer, TransferAccept(transfer_id=tid, cached_blocks=cached), self.reply_timeout_s)
-            for layer in range(offer.layout.num_layers):
+            if nixl is not None:  # layers land by NIXL WRITE, each announced by a notification
+                notifs = nixl.expect(tid)
+                try:
+                    await send(writer, TransferAccept(transfer_id=tid, cached_blocks=cached, nixl_pool=pool,
+                                                      block_ids=list(block_ids[cached:])), self.reply_timeout_s)
+                    await receive_layers(reader, notifs, tid, offer.layout.num_layers, self.stall_timeout_s,
+                                         self.max_header_bytes, report.layer_arrival_s, t0)
+                finally:
+                    nixl.unexpect(tid)
+                report.nbytes = per_layer * offer.layout.num_layers
+            else:
+                await send(writer, TransferAccept(transfer_id=tid, cached_blocks=cached), self.reply_timeout_s)
+            for layer in range(offer.layout.num_layers if nixl is None else 0):
                 head = await self._next_of_transfer(reader, tid)
                 if not isinstance(head, LayerHeader) or head.layer != layer:
                     raise ProtocolError(f"expected LayerHeader for layer {layer}, got {head!r:.200}")
@@ -273,8 +294,8 @@ class KVServer:
                 report.layer_arrival_s.append(time.monotonic() - t0)
                 report.nbytes += head.nbytes
                 await _maybe(self._on_layer(tid, layer, data))
-            done = await self._next_of_transfer(reader, tid)
-            if not isinstance(done, TransferDone):
+            done = await self._next_of_transfer(reader, tid) if nixl is None else None
+            if nixl is None and not isinstance(done, TransferDone):
                 raise ProtocolError(f"expected TransferDone, got {type(done).__name__}")
             report.done_s = time.monotonic() - t0
             relay = await _maybe(self._on_done(tid, report))

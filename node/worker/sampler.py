@@ -33,7 +33,7 @@ top-p), and, our extension, for top-p without top-k a candidate set of ``_NUCLEU
 ``sum(exp(x - max))``, so the result equals a full sort's whenever the prefix ends inside the
 candidates; the final answer never depends on ``C``. On other devices such rows are sorted at once
 (a GPU radix sort is cheap and needs no host check). Measured on 2 CPU cores, V = 128256:
-``topk(1024)`` ≈0.5 ms/row vs a full sort ≈7 ms/row; bench/sampler.py has the step times.
+``topk(1024)`` ≈0.5 ms/row vs a full sort ≈7 ms/row; bench/device/sampler.py has the step times.
 Rows with neither top-k nor top-p ("full" rows: plain temperature, optionally min-p) need no order:
 min-p is a threshold ``exp(x - max) >= min_p``, done in place over the vocabulary.
 

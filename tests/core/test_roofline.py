@@ -84,7 +84,7 @@ def test_mixed_step_between_the_largest_part_and_the_sum_plus_a_launch(c8):
 
 
 def test_tensor_parallel_two_halves_the_weight_read_and_adds_the_all_reduces():
-    from bench.derive_cost import calibrate, derive
+    from bench.cost.derive_cost import calibrate, derive
     from node.plan import load_config
 
     cfg = load_config(MODELS.parent / "configs" / "llama3-8b")

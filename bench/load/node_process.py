@@ -1,0 +1,119 @@
+"""A ``shiftnode serve`` subprocess for benchmarks: free port, health wait, always stopped.
+
+``with NodeServer([...serve flags...], log_path=...) as node:`` starts ``python -m node.cli serve``
+on a free loopback port and waits for ``GET /health`` (``repo``: run another checkout's ``node``
+package, e.g. a ``git worktree`` of an older commit: ``python -m`` imports from the working directory
+first); a node that exits first raises
+:class:`NodeUnavailable` with the tail of its log (an unknown ``--mode`` ends that way), one that is
+not healthy in ``startup_timeout_s`` seconds raises it too. Leaving the block terminates the process
+(SIGTERM, then SIGKILL after ``stop_timeout_s``). Stdlib only (``urllib``), so it needs no event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+__all__ = ["NodeUnavailable", "NodeServer", "free_port"]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class NodeUnavailable(RuntimeError):
+    """The node did not come up (it exited, or never answered ``/health``)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class NodeServer:
+    """One node process. ``url`` is its base URL; ``get_json``/``get_text`` read its routes."""
+
+    def __init__(self, serve_args: list[str], *, log_path: str | Path, env: dict[str, str] | None = None,
+                 startup_timeout_s: float = 180.0, stop_timeout_s: float = 10.0, repo: str | Path | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "node.cli", "serve", "--port", str(self.port), *serve_args]
+        self.repo = Path(repo) if repo is not None else REPO  # the checkout whose ``node`` package runs (the cwd)
+        self.log_path = Path(log_path)
+        self.env = {**os.environ, **(env or {})}
+        self.startup_timeout_s = startup_timeout_s
+        self.startup_s: float | None = None  # seconds from the launch to the first healthy answer
+        self.stop_timeout_s = stop_timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "NodeServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.repo, env=self.env)
+        t0 = time.monotonic()
+        deadline = t0 + self.startup_timeout_s
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise NodeUnavailable(f"node exited with {self.proc.returncode}: {self.log_tail(1)}")
+                try:
+                    if self.get_text("/health", timeout_s=2):
+                        self.startup_s = time.monotonic() - t0
+                        return
+                except (OSError, urllib.error.URLError):
+                    time.sleep(0.25)
+            raise NodeUnavailable(f"node not healthy after {self.startup_timeout_s:.0f} s: {self.log_tail()}")
+        except BaseException:
+            self.stop()
+            raise
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(self.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def log_tail(self, lines: int = 5) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return " | ".join(text[-lines:])
+
+    def get_text(self, path: str, timeout_s: float = 10.0) -> str:
+        with urllib.request.urlopen(self.url + path, timeout=timeout_s) as r:
+            return r.read().decode()
+
+    def get_json(self, path: str, timeout_s: float = 10.0) -> dict:
+        return json.loads(self.get_text(path, timeout_s))
+
+    def wait_idle(self, timeout_s: float = 60.0) -> bool:
+        """Wait until no device holds KV blocks or sequences and nothing is queued; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            st = self.get_json("/v1/node")
+            if st.get("queue_depth", 0) == 0 and all(
+                    d["kv_blocks_used"] == 0 and d["running"] == 0 and d["waiting"] == 0 for d in st["devices"]):
+                return True
+            time.sleep(0.1)
+        return False

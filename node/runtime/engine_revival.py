@@ -1,0 +1,86 @@
+"""A device's engine dies and comes back: the revival half of :class:`node.runtime.engine.DeviceEngine`
+(a mixin over the engine's state).
+
+When the engine process dies, :meth:`Revival._orphan_all` takes every sequence off the device and hands
+each to the engine's ``orphan_listener`` (:mod:`node.runtime.resume` resumes it elsewhere); once the
+supervisor (:mod:`node.runtime.engine_supervisor`) has a fresh engine loaded, :meth:`Revival.revive`
+makes the device serve on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+
+from node.core.ledger import BlockLedger
+from node.core.sequence import PENDING
+
+log = structlog.get_logger("shiftnode.engine")
+
+
+class Revival:
+    """Death and revival of a :class:`~node.runtime.engine.DeviceEngine` (which holds the state these
+    methods read: ``requests``, ``_by_seq``, ``batcher``, ``runner``, ``role``, ``failure``,
+    ``orphan_listener``, the step encoder and the queues of steps in flight and aborts)."""
+
+    def _orphan_all(self) -> None:
+        """The engine died: take every sequence off this device (its blocks freed, the placeholders of
+        the steps in flight dropped: those tokens were never streamed) and hand each to
+        ``orphan_listener``; a choice the listener fails to take ends with 503 ``engine_down``."""
+        for req in list(self.requests.values()):
+            held = [i for i, s in enumerate(req.seqs) if s.seq_id in self._by_seq]
+            try:
+                self._finish_request(req)
+            except Exception as e:  # noqa: BLE001 - bookkeeping of a broken device: the caller fails it
+                log.error("engine_cleanup_failed", device=self.device_id, request=req.request_id, error=str(e))
+                continue
+            for i in held:
+                seq = req.seqs[i]
+                while seq.token_ids and seq.token_ids[-1] == PENDING:
+                    seq.token_ids.pop()
+                seq.num_pending = 0
+                try:
+                    self.orphan_listener(self, req, i)
+                except Exception as e:  # noqa: BLE001 - a choice nobody took over ends with an error
+                    log.error("resume_failed", device=self.device_id, seq=seq.seq_id,
+                              error=f"{type(e).__name__}: {e}", exc_info=e)
+                    if not req.finished[i]:
+                        req.fail_choice(i, f"device {self.device_id} is down: {self.failure}", status=503,
+                                        code="engine_down", retry_after_s=1.0)
+
+    async def stop_runner(self) -> None:
+        """Stop the engine (its processes, and the loop's reading of their sockets); idempotent."""
+        processes = self._processes()
+        if processes:
+            self.runner.stopping = True
+            for process in processes:
+                asyncio.get_running_loop().remove_reader(process.sentinel)
+            self.runner.detach()
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.stop)
+
+    async def revive(self, runner) -> None:
+        """Serve again on ``runner`` (an :class:`~node.worker.engine_process.EngineProcess` or
+        :class:`~node.worker.engine_group.TPEngineGroup`), a fresh engine of this device, loaded and
+        attached; the old one died and was stopped (``stop_runner``). Its KV pool is new, so the block
+        ledger is too (the old prefix cache pointed into the dead pool); the step diff starts over; the
+        engine takes the layout of the device's role; then the step loop runs again. Call once the
+        down device holds nothing (its sequences were resumed elsewhere or failed).
+
+        Raises:
+            EngineDied, EngineError: the new engine failed while taking the role's layout.
+        """
+        old = self.batcher.ledger
+        ledger = BlockLedger(runner.num_blocks, old.block_size, prefix_caching=old.prefix_caching)
+        ledger.num_evictions = old.num_evictions
+        self.runner = runner
+        self.batcher.ledger = ledger
+        self._encoder.reset()
+        self._inflight.clear()
+        self._aborts.clear()
+        self._dead = None
+        self.step_started_s = None
+        if self.role is not None:  # e.g. a group's decode layout, or CUDA graphs for the decode role
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.reconfigure, self.role.role)
+        self.failure, self.engine_died = None, False
+        self.start()

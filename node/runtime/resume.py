@@ -1,0 +1,132 @@
+"""Streams survive an engine's death: a sequence whose device died is resumed elsewhere.
+
+When a device's engine process dies, each sequence it held (waiting, prefilling or decoding) is
+taken off it (its blocks there freed) and queued on a live device of the node, where its prompt plus
+every token already streamed is prefilled again and decoding goes on: the recompute the peer relay
+uses when a peer fails mid-stream (:mod:`node.runtime.handoff`), and vLLM's recompute preemption.
+The client sees a pause, not an error; with greedy decoding the continuation is what the dead device
+would have produced (the same model on the same context). The tokens of the steps that were in flight
+when it died were never streamed and are computed again.
+
+A live device is one whose engine is up: in pooled mode a prefill device (the pooled driver then
+hands the sequence to a decode device as after any prefill), else a decode device; in the other
+modes the least loaded device. With none up and the dead device's restart planned
+(:mod:`node.runtime.engine_supervisor`), the sequence waits for it (*parked*) and is queued on the
+first device that serves again; if it is left down instead, the sequence goes to a device up by then,
+or ends with an error. Each resume counts
+against ``--max-retries`` (per sequence, apart from the count of failed peer hand-offs); past it the
+choice ends with 503 ``engine_down``. A request whose client left, or that ended meanwhile (its
+deadline), is not resumed.
+
+Sampled (temperature > 0) sequences resume too; their continuation is another sample (the engine's
+generator state died with it), as after a preemption.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+from node.runtime.engine import DeviceEngine
+from node.runtime.engine_supervisor import EngineSupervisor
+from node.runtime.interfaces import DriverHost
+from node.runtime.request import RequestState
+
+log = structlog.get_logger("shiftnode.resume")
+
+RETRY_AFTER_S = 1.0
+
+
+class Resumer:
+    """Resumes the sequences of dead devices (see the module docstring); one per node.
+
+    Args:
+        node: the node's engines, config and metrics (``kv_recomputes`` counts each resume).
+        supervisor: says whether a dead device will be restarted, and when it serves again.
+
+    It installs :meth:`orphaned` as each engine's ``orphan_listener`` and :meth:`restarted` and
+    :meth:`left_down` as the supervisor's listeners.
+    """
+
+    def __init__(self, node: DriverHost, supervisor: EngineSupervisor):
+        self.node = node
+        self.supervisor = supervisor
+        self.retries: dict[str, int] = {}  # sequence id → resumes so far
+        self.parked: dict[str, list[tuple[RequestState, int]]] = {}  # device id → sequences waiting for its restart
+        self.resumed = 0  # sequences resumed (queued on another device, or parked)
+        for e in node.engines:
+            e.orphan_listener = self.orphaned
+        supervisor.restart_listeners.append(self.restarted)
+        supervisor.left_down_listeners.append(self.left_down)
+
+    def orphaned(self, engine: DeviceEngine, req: RequestState, index: int) -> None:
+        """Choice ``index`` of ``req`` was on ``engine``, whose engine process died; it holds nothing
+        there any more (its blocks were freed, its in-flight placeholders dropped). Resume it on a
+        live device, park it for the restart, or end it with 503 ``engine_down``."""
+        seq = req.seqs[index]
+        if req.cancelled or req.finished[index]:
+            return
+        reason = f"device {engine.device_id} is down: {engine.failure}"
+        max_retries = self.node.config.max_retries
+        n = self.retries[seq.seq_id] = self.retries.get(seq.seq_id, 0) + 1
+        if n > max_retries:
+            self._fail(req, index, f"{reason} (gave up after {n - 1} resumes, --max-retries {max_retries})")
+            return
+        target = self._live_target(engine)
+        if target is None and not self.supervisor.will_restart(engine):
+            self._fail(req, index, f"{reason} (no other device is up, and it will not be restarted)")
+            return
+        seq.num_computed, seq.num_registered, seq.block_ids = 0, 0, []
+        seq.num_preemptions += 1
+        self.resumed += 1
+        self.node.metrics.kv_recomputes.inc()
+        log.warning("sequence_resumed", seq=seq.seq_id, dead=engine.device_id,
+                    on=target.device_id if target else "(its restart)", streamed=seq.num_output, attempt=n)
+        if target is not None:
+            target.add_seq(req, index)
+        else:
+            self.parked.setdefault(engine.device_id, []).append((req, index))
+
+    def _live_target(self, dead: DeviceEngine) -> DeviceEngine | None:
+        """Where a sequence of ``dead`` is prefilled again: pooled, the live prefill device with the least
+        queued prompt work, else a live decode device; other modes, the least loaded live device."""
+        node = self.node
+        live = [e for e in node.engines if e.failure is None and e is not dead]
+        if not live:
+            return None
+        if node.config.mode == "pooled":
+            prefill = set(node.config.prefill_group_ids())
+            live = [e for e in live if e.device_id in prefill] or live
+            return min(live, key=lambda e: sum(s.num_uncomputed for s in e.batcher.waiting))
+        return node.least_loaded([e.device_id for e in live])
+
+    def restarted(self, engine: DeviceEngine) -> None:
+        """``engine``'s device serves again: queue there the sequences still wanted that were parked,
+        for it or for any other device (the first device back takes them all)."""
+        parked, self.parked = self.parked, {}
+        for entries in parked.values():
+            for req, index in entries:
+                if not (req.cancelled or req.finished[index]):
+                    engine.add_seq(req, index)
+        engine.wake()
+
+    def left_down(self, engine: DeviceEngine) -> None:
+        """``engine``'s device will not come back: the sequences parked for it go to a live device if
+        one is up now, else end with 503 ``engine_down``."""
+        for req, index in self.parked.pop(engine.device_id, []):
+            if req.cancelled or req.finished[index]:
+                continue
+            target = self._live_target(engine)
+            if target is not None:
+                target.add_seq(req, index)
+            else:
+                self._fail(req, index, f"device {engine.device_id} is down for good: {engine.failure}")
+
+    def forget(self, req: RequestState) -> None:
+        """The request ended: drop its resume counts."""
+        for seq in req.seqs:
+            self.retries.pop(seq.seq_id, None)
+
+    @staticmethod
+    def _fail(req: RequestState, index: int, message: str) -> None:
+        if not req.finished[index]:
+            req.fail_choice(index, message, status=503, code="engine_down", retry_after_s=RETRY_AFTER_S)
