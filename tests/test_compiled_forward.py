@@ -1,7 +1,8 @@
 """``--compile inductor``: the forward compiled per token-count bucket gives the greedy references
 exactly, pads steps into its bucket without writing padding to the KV pool, and leaves larger steps
-eager. One stories260k runner with a single bucket (8 tokens) is compiled once for the module: about
-15 s on an idle 2-core machine with a cold inductor cache, a few seconds with a warm one."""
+eager. One stories260k runner with a single bucket (8 tokens) is compiled once for the module: 20-45 s
+on the busy 2-core machine with a cold inductor cache, under 10 s with a warm one; the module's four
+tests then take a few seconds."""
 
 from __future__ import annotations
 
@@ -36,8 +37,18 @@ def _runner(config: NodeConfig) -> ModelRunner:
     return build_runner(config, info, "cpu:0", select_ops("auto", "cpu"))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread, as a CPU engine process runs on this 2-core machine: two intra-op threads on a
+    busy machine make every parallel GEMM wait for a descheduled thread (100x slower steps)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
-def compiled() -> ModelRunner:
+def compiled(one_thread) -> ModelRunner:
     runner = _runner(_config(compile="inductor", compile_sizes=[BUCKET]))
     assert runner.compiled is not None and runner.compiled.sizes == (BUCKET,) and runner.compiled.warmed
     assert not runner.kv_cache.any(), "compiling (padding-only warm-up runs) wrote to the KV pool"
