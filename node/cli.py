@@ -92,6 +92,11 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
                         "and less work per token for clients that do not need each token (SGLang's and vLLM's flag)")
     p.add_argument("--sse-keepalive-s", type=float, default=10.0, help="SSE comment line after this much silence")
     p.add_argument("--body-timeout-s", type=float, default=30.0, help="answer 408 to a request body slower than this")
+    p.add_argument("--api-processes", type=int, default=None, metavar="N",
+                   help="HTTP front-end processes sharing --port (SO_REUSEPORT): they decode bodies, detokenize, apply "
+                        "stop strings and write the streams, so the node's event loop does per-step work only; 1: all "
+                        "in one process (default: 1 below 8 cores, else a quarter of the cores, at most 4; see "
+                        "docs/user-guide.md)")
     g = p.add_argument_group("adaptive and time-shared modes")
     g.add_argument("--mode", default="adaptive", choices=["adaptive", "time-shared", "colocated", "pooled"],
                    help="adaptive (default): per device, decode, decode plus prompt chunks sized online from the TPOT "
@@ -243,6 +248,7 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         reconfig_pause_ms=a.reconfig_pause_ms, cost_model=a.cost_model, ttft_slo_ms=a.ttft_slo_ms, tpot_slo_ms=a.tpot_slo_ms,
         min_window_ms=a.min_window_ms, max_window_ms=a.max_window_ms, stagger=a.stagger,
         sse_keepalive_s=a.sse_keepalive_s, stream_interval=a.stream_interval, body_timeout_s=a.body_timeout_s,
+        api_processes=a.api_processes if a.api_processes is not None else _default_api_processes(),
         prefill_devices=prefill, decode_devices=decode, max_unsent=a.max_unsent, link_gbps=a.link_gbps,
         node_id=a.node_id, kv_host=a.kv_host, kv_port=a.kv_port, peer_secret=a.peer_secret,
         peers=[p.strip() for p in (a.peers or "").split(",") if p.strip()],
@@ -252,6 +258,12 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         kv_connect_timeout_s=a.kv_connect_timeout_s, kv_transfer_timeout_s=a.kv_transfer_timeout_s,
         peer_stale_s=a.peer_stale_s, kv_transport=a.kv_transport,
     )
+
+
+def _default_api_processes() -> int:
+    from node.config import default_api_processes
+
+    return default_api_processes(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
 
 
 def check_bindable(host: str, port: int, flag: str) -> None:
@@ -328,16 +340,34 @@ def run_serve(config: NodeConfig) -> int:
         except (ModelConfigError, OSError):
             pass  # reported with its context by the load below
     configure_logging(config.log_format)
+    frontends = None
+    if config.api_processes > 1:  # forked first: no front end may hold an engine's socket open
+        from node.api.frontend import launch_frontends
+
+        frontends = launch_frontends(config, config.api_processes)
     prelaunched = prelaunch(config)  # forked now: before the event loop and any torch work in this process
     loop = uvloop.new_event_loop()
     asyncio.set_event_loop(loop)
+    app = create_app(config, prelaunched=prelaunched)
+    where = {"host": config.host, "port": config.port}
+    if frontends is not None:  # the front ends listen on --port; this process's app answers them on a unix socket
+        from node.api.frontend_link import link_ctx
+        from node.api.openai import NODE_KEY
+
+        app.cleanup_ctx.append(link_ctx(frontends.paths.link, frontends.procs, NODE_KEY))
+        where = {"path": frontends.paths.http}
     try:
-        web.run_app(create_app(config, prelaunched=prelaunched), host=config.host, port=config.port, loop=loop, handler_cancellation=True,
-                    print=lambda msg: print(f"shiftnode: serving on http://{config.host}:{config.port}", file=sys.stderr),
+        web.run_app(app, **where, loop=loop, handler_cancellation=True,
+                    print=lambda msg: print(f"shiftnode: serving on http://{config.host}:{config.port}"
+                                            + (f" ({config.api_processes} API processes)" if frontends else ""),
+                                            file=sys.stderr),
                     access_log=None, shutdown_timeout=5)
     except (StartupError, ModelConfigError, WeightLoadError, TokenizerError, OSError) as e:
         print(f"shiftnode: cannot start: {e}", file=sys.stderr)
         return 1
+    finally:
+        if frontends is not None:
+            frontends.stop()
     return 0
 
 

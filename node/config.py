@@ -90,6 +90,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     stream_interval: int = 1  # a stream's event carries at least this many new tokens (the first token and the end go at once)
     sse_keepalive_s: float = 10.0  # comment lines on a stream silent this long (e.g. through a role switch)
     body_timeout_s: float = 30.0  # a request body slower than this is answered 408
+    api_processes: int = 1  # HTTP front-end processes (node.api.frontend); 1: the API runs in the node's process
 
     def validate(self) -> None:
         """Check values that would otherwise start a node that cannot serve.
@@ -151,6 +152,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
              f"--compile-sizes must list token counts of at least 1, got {self.compile_sizes}"),
             (self.stream_interval >= 1, f"--stream-interval must be at least 1, got {self.stream_interval}"),
             (self.sse_keepalive_s > 0 and self.body_timeout_s > 0, "--sse-keepalive-s and --body-timeout-s must be positive"),
+            (1 <= self.api_processes <= 64, f"--api-processes must be in [1, 64], got {self.api_processes}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -353,3 +355,12 @@ def _benchmark_model_error(value: str | None) -> str | None:
 def _is_host_port(text: str) -> bool:
     host, _, port = text.rpartition(":")
     return bool(host) and port.isdigit() and 1 <= int(port) <= 65535
+
+
+def default_api_processes(cores: int | None) -> int:
+    """``--api-processes`` when not given: one process on a small machine (a front end only pays off
+    where it gets a core of its own beside the control loop and the engines), else a quarter of the
+    cores, at most 4 (bench/RESULTS.md, host path: a front end costs more CPU per token than the
+    control loop saves, so more processes than needed only spread the same work thinner)."""
+    cores = cores or 1
+    return 1 if cores < 8 else min(4, cores // 4)

@@ -9,8 +9,8 @@ import time
 
 from support import require_shared
 
-from bench.load.host_overhead import LLAMA3_VOCAB, STORIES, Cell, _runner_ms, _tree_cpu_s, against_baseline, \
-    llama3_vocab_model, sampled_vs_greedy, target
+from bench.load.host_compare import _tree_cpu_s, against_baseline, api_against_single, sampled_vs_greedy
+from bench.load.host_overhead import LLAMA3_VOCAB, STORIES, Cell, _runner_ms, llama3_vocab_model, target
 
 
 def test_tree_cpu_counts_the_process_and_its_children_apart():
@@ -83,3 +83,17 @@ def test_itl_p50_and_the_compiled_runner_step_beside_the_eager_one():
     assert target(cell, runner) == "ITL p50 <=0.8 ms: ok"
     cell.gaps = [0.001, 0.002]
     assert target(cell, runner) == "ITL p50 <=0.8 ms: MISS"
+
+
+def test_api_processes_are_compared_with_the_one_process_run_of_the_same_round():
+    def cell(api, pair, ctl_s, api_s, tokens):
+        return Cell("process", "zero", "1 col", 256, "greedy", wall_s=1.0, tokens=tokens, node_cpu_s=ctl_s,
+                    api_cpu_s=api_s, engine_cpu_s=0.1, pair=pair, api_processes=api)
+
+    cells = [cell(1, 0, 0.30, 0.0, 10_000), cell(2, 0, 0.04, 0.20, 10_000),  # control 4 us, all 34 vs 40 us
+             cell(1, 1, 0.30, 0.0, 10_000), cell(2, 1, 0.06, 0.30, 12_000)]  # 5 us, 38.3 vs 40 us; 1.2x tok/s
+    (line,) = api_against_single(cells)
+    assert "--api-processes 2 vs 1" in line and "2 rounds" in line
+    assert "control loop 4.5 vs 30.0 us/token (target <= 5: ok)" in line
+    assert "whole node 36.2 vs 40.0 us/token (0.90x, target <= 1: ok)" in line and "tok/s 1.10x [1.00 1.20]" in line
+    assert api_against_single([c for c in cells if c.api_processes == 1]) == []

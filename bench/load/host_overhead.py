@@ -2,6 +2,7 @@
 
     python -m bench.load.host_overhead [--quick] [--layouts thread,process] [--duration S] [--json PATH]
                                   [--models zero,...] [--baseline DIR [--pairs N]]
+                                  [--api-processes 1,2] [--concurrency 256]
 
 Starts ``shiftnode serve`` subprocesses (:class:`bench.load.node_process.NodeServer`) for each model and
 device setup and drives closed-loop streaming load: ``c`` client tasks each send
@@ -35,8 +36,10 @@ Per cell, after ``--warmup`` seconds, the measured interval of ``--duration`` se
 * ``wait``: sleep:5 only, the share of wall time a device waits for the host: ``1 - steps*5ms/wall``.
 * ``ITL ms``: mean gap between a request's token chunks, per token, as the client sees it; ``p50``
   its median. ``start s``: the node's start-up, launch to healthy (compilation included).
-* ``node us/tok``, ``eng us/tok``: CPU time (user + system, ``/proc``) of the node process and of its
-  engine processes in the interval, per streamed token. On a shared machine whose speed drifts this is
+* ``node us/tok``, ``api us/tok``, ``eng us/tok``, ``all us/tok``: CPU time (user + system, ``/proc``)
+  of the node's control process, of its API front ends (``--api-processes`` > 1, children named
+  ``shiftnode-api-N``), of its engine processes, and of all of them, in the interval, per streamed
+  token. On a shared machine whose speed drifts this is
   steadier than tok/s, and it says what the node's own path costs whatever CPU it was given.
 * ``cli%``: the client's own CPU use in the interval (100 = one core): near 100 the client limits.
 
@@ -44,6 +47,11 @@ Per cell, after ``--warmup`` seconds, the measured interval of ``--duration`` se
 /tmp/base <rev>``), ``--pairs`` times each, alternating with this one, and prints per grid point
 this tree's ratio to the baseline run of the same round (node CPU per token, tok/s), each round's and
 their median: an old-against-new comparison measured side by side in one run.
+
+``--api-processes 1,2`` runs every node of the grid with each value, alternating per round
+(``--pairs``), and prints per grid point the control process's CPU per token against the one-process
+node's and the whole node's (issue 31: the control loop at 5 us per token or less, the whole node no
+higher than one process). ``--concurrency`` keeps only the grid points of those client counts.
 
 Targets (issue 11) are checked beside the figures: zero, one device, c=256: >= 30k tok/s; sleep:5 at
 256 sequences per device: >= 95 % of 200 steps/s per device; two devices >= 1.6x one device (same
@@ -72,6 +80,7 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.load.host_compare import _cpu_by_role, _ok, against_baseline, api_against_single, sampled_vs_greedy, scaling
 from bench.load.runner_step import engine_threads, runner_steps, table as runner_table
 from bench.load.node_process import NodeServer, NodeUnavailable
 
@@ -109,8 +118,10 @@ class Cell:
     startup_s: float | None = None  # the node's start-up (launch to healthy), compilation included
     requests: int = 0
     client_cpu_s: float = 0.0  # this (client) process's CPU time in the interval
-    node_cpu_s: float = 0.0  # the node process's CPU time (user + system, all threads) in the interval
-    engine_cpu_s: float = 0.0  # its child processes' (the engines') CPU time in the interval
+    node_cpu_s: float = 0.0  # the node (control) process's CPU time (user + system, all threads) in the interval
+    engine_cpu_s: float = 0.0  # its engine processes' CPU time in the interval
+    api_cpu_s: float = 0.0  # its API front-end processes' CPU time (--api-processes > 1) in the interval
+    api_processes: int = 1  # the node's --api-processes
     tree: str = "this"  # which checkout ran the node: "this" or "baseline" (--baseline)
     pair: int = 0  # with --baseline: which of the --pairs rounds
     errors: int = 0
@@ -138,6 +149,13 @@ class Cell:
 
     def engine_us_per_token(self) -> float | None:
         return self.engine_cpu_s * 1e6 / self.tokens if self.tokens else None
+
+    def api_us_per_token(self) -> float | None:
+        return self.api_cpu_s * 1e6 / self.tokens if self.tokens else None
+
+    def total_us_per_token(self) -> float | None:
+        """The whole node's CPU per streamed token: control process, front ends and engines."""
+        return (self.node_cpu_s + self.api_cpu_s + self.engine_cpu_s) * 1e6 / self.tokens if self.tokens else None
 
 
 # --- the client ------------------------------------------------------------------------------------
@@ -198,11 +216,11 @@ class Load:
             workers = [asyncio.create_task(self._worker(s)) for _ in range(self.c)]
             await asyncio.sleep(warmup_s)
             before, self.t_a = await _steps(s, self.url)
-            cpu0, node0 = time.process_time(), _tree_cpu_s(self.pid)
+            cpu0, node0 = time.process_time(), _cpu_by_role(self.pid)
             await asyncio.sleep(duration_s)
             cell.client_cpu_s = time.process_time() - cpu0
-            node1 = _tree_cpu_s(self.pid)
-            cell.node_cpu_s, cell.engine_cpu_s = node1[0] - node0[0], node1[1] - node0[1]
+            node1 = _cpu_by_role(self.pid)
+            cell.node_cpu_s, cell.api_cpu_s, cell.engine_cpu_s = (b - a for a, b in zip(node0, node1))
             after, self.t_b = await _steps(s, self.url)
             self.stop = True
             for w in workers:
@@ -210,28 +228,6 @@ class Load:
             await asyncio.gather(*workers, return_exceptions=True)
         cell.wall_s = self.t_b - self.t_a
         cell.steps = [b - a for a, b in zip(before, after)]
-
-
-def _tree_cpu_s(pid: int | None) -> tuple[float, float]:
-    """CPU seconds (user + system, from ``/proc``) of process ``pid`` and of its children together;
-    ``(0, 0)`` without ``pid`` or off Linux. A child that exits in between drops out of the sum."""
-    if pid is None or not os.path.isdir("/proc"):
-        return 0.0, 0.0
-    tick = os.sysconf("SC_CLK_TCK")
-
-    def stat(p: str) -> list[str] | None:
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()  # fields from 3 (state) on
-        except OSError:
-            return None
-
-    own = stat(str(pid))
-    kids = 0.0
-    for p in os.listdir("/proc"):
-        if p.isdigit() and (f := stat(p)) is not None and f[1] == str(pid):
-            kids += (int(f[11]) + int(f[12])) / tick
-    return ((int(own[11]) + int(own[12])) / tick if own else 0.0), kids
 
 
 async def _steps(session: aiohttp.ClientSession, url: str) -> tuple[list[int], float]:
@@ -283,18 +279,26 @@ def run_grid(args: argparse.Namespace, log_dir: Path) -> list[Cell]:
         for (model, setup), points in grid(args.quick).items():
             if args.models and model not in args.models:
                 continue
+            points = [pt for pt in points if not args.concurrency or pt[0] in args.concurrency]
+            if not points:
+                continue
             folder = llama3_vocab_model(log_dir) if model == "llama3-vocab" else STORIES
             flags = ["--model", str(folder), *MODELS[model], *SETUPS[setup], "--engine-layout", layout]
-            for pair in range(args.pairs if args.baseline else 1):
-                for tree, repo in trees:
-                    log_path = log_dir / f"{tree}-{pair}-{layout}-{model.replace(':', '')}-{setup.replace(' ', '')}.log"
-                    print(f"# {time.monotonic() - t0:5.0f} s  {tree} {layout} {model} {setup}: {' '.join(flags)}",
+            # --api-processes values other than 1 run on this tree only (an older one may lack the flag)
+            runs = [(tree, repo, 1) for tree, repo in trees] + [("this", None, n) for n in args.api_processes if n != 1]
+            if 1 not in args.api_processes:
+                runs = [r for r in runs if r[2] != 1]
+            for pair in range(args.pairs if args.baseline or len(runs) > 1 else 1):
+                for tree, repo, api in runs:
+                    log_path = log_dir / f"{tree}-{pair}-{layout}-api{api}-{model.replace(':', '')}-{setup.replace(' ', '')}.log"
+                    api_flags = ["--api-processes", str(api)] if tree == "this" else []
+                    print(f"# {time.monotonic() - t0:5.0f} s  {tree} {layout} {model} {setup}: {' '.join(flags + api_flags)}",
                           file=sys.stderr, flush=True)
                     try:
-                        with NodeServer(flags, log_path=log_path, startup_timeout_s=900 if "--compile" in flags else 120,
-                                        repo=repo) as node:
+                        with NodeServer(flags + api_flags, log_path=log_path, repo=repo,
+                                        startup_timeout_s=900 if "--compile" in flags else 120) as node:
                             for c, sampling in points:
-                                cell = Cell(layout, model, setup, c, sampling, tree=tree, pair=pair,
+                                cell = Cell(layout, model, setup, c, sampling, tree=tree, pair=pair, api_processes=api,
                                             startup_s=node.startup_s)
                                 body = {"max_tokens": args.max_tokens, "ignore_eos": True, "stream": True,
                                         "return_token_ids": True, **SAMPLING[sampling]}
@@ -307,31 +311,34 @@ def run_grid(args: argparse.Namespace, log_dir: Path) -> list[Cell]:
                                 if not node.alive():
                                     raise NodeUnavailable(f"node exited: {node.log_tail(2)}")
                     except NodeUnavailable as e:
-                        cells.append(Cell(layout, model, setup, 0, "-", tree=tree, pair=pair, error=str(e)[:300]))
+                        cells.append(Cell(layout, model, setup, 0, "-", tree=tree, pair=pair, api_processes=api,
+                                          error=str(e)[:300]))
     return cells
 
 
 def table(cells: list[Cell], runner_ms: float | None) -> str:
-    head = (f"{'tree':8} {'layout':8} {'model':8} {'devs':6} {'c':>4} {'sampling':8} {'tok/s':>8} {'steps/s':>8} "
-            f"{'ms/step':>8} {'host ms':>8} {'wait':>6} {'ITL ms':>7} {'p50':>6} {'node us/tok':>11} {'eng us/tok':>10} "
-            f"{'cli%':>5} {'start s':>7} {'err':>4}  target")
+    head = (f"{'tree':8} {'layout':8} {'api':>3} {'model':8} {'devs':6} {'c':>4} {'sampling':8} {'tok/s':>8} {'steps/s':>8} "
+            f"{'ms/step':>8} {'host ms':>8} {'wait':>6} {'ITL ms':>7} {'p50':>6} {'node us/tok':>11} {'api us/tok':>10} "
+            f"{'eng us/tok':>10} {'all us/tok':>10} {'cli%':>5} {'start s':>7} {'err':>4}  target")
     rows = [head, "-" * len(head)]
     for x in cells:
         if x.wall_s == 0:
-            rows.append(f"{x.tree:8} {x.layout:8} {x.model:8} {x.setup:6} {x.concurrency:>4} {x.sampling:8} ERROR: {x.error}")
+            rows.append(f"{x.tree:8} {x.layout:8} {x.api_processes:>3} {x.model:8} {x.setup:6} {x.concurrency:>4} "
+                        f"{x.sampling:8} ERROR: {x.error}")
             continue
         ms = x.ms_per_step()
         runner = {"zero": 0.0, "sleep:5": SLEEP_MS}.get(x.model, _runner_ms(runner_ms, x))
         host = ms - runner if ms is not None and runner is not None else None
         wait = (statistics.mean(1 - s * SLEEP_MS / 1e3 / x.wall_s for s in x.steps)
                 if x.model == "sleep:5" and x.steps else None)
-        rows.append(f"{x.tree:8} {x.layout:8} {x.model:8} {x.setup:6} {x.concurrency:>4} {x.sampling:8} {x.tok_s():8.0f} "
-                    f"{sum(x.steps) / x.wall_s:8.1f} {_f(ms, 8, 2)} {_f(host, 8, 2)} {_f(wait, 6, 3)} "
+        rows.append(f"{x.tree:8} {x.layout:8} {x.api_processes:>3} {x.model:8} {x.setup:6} {x.concurrency:>4} {x.sampling:8} "
+                    f"{x.tok_s():8.0f} {sum(x.steps) / x.wall_s:8.1f} {_f(ms, 8, 2)} {_f(host, 8, 2)} {_f(wait, 6, 3)} "
                     f"{_f(x.itl_ms(), 7, 2)} {_f(x.itl_p50_ms(), 6, 2)} {_f(x.node_us_per_token(), 11, 1)} "
-                    f"{_f(x.engine_us_per_token(), 10, 1)} {100 * x.client_cpu_s / x.wall_s:5.0f} "
+                    f"{_f(x.api_us_per_token(), 10, 1)} {_f(x.engine_us_per_token(), 10, 1)} "
+                    f"{_f(x.total_us_per_token(), 10, 1)} {100 * x.client_cpu_s / x.wall_s:5.0f} "
                     f"{_f(x.startup_s, 7, 1)} {x.errors:>4}  {target(x, runner_ms)}"
                     + (f"  [{x.error[:80]}]" if x.error else ""))
-    rows += scaling(cells) + sampled_vs_greedy(cells) + against_baseline(cells)
+    rows += scaling(cells) + sampled_vs_greedy(cells) + against_baseline(cells) + api_against_single(cells)
     return "\n".join(rows)
 
 
@@ -357,66 +364,8 @@ def target(x: Cell, runner_ms: dict | None) -> str:
     return ""
 
 
-def against_baseline(cells: list[Cell]) -> list[str]:
-    """Per grid point run by both checkouts: this tree's node CPU per streamed token and tok/s as ratios
-    to the baseline's run of the same round (the two ran one after the other, so they share the
-    machine's phase), the median over rounds, each round's in brackets. CPU per token is the steadier
-    figure on a shared machine: it does not depend on how much CPU the node was given."""
-    out = []
-    key = lambda x: (x.layout, x.model, x.setup, x.concurrency, x.sampling)  # noqa: E731
-    ok = {(key(x), x.tree, x.pair): x for x in cells if x.wall_s and x.tokens}
-    for k in dict.fromkeys(k for k, tree, _ in ok if tree == "baseline"):
-        pairs = sorted(i for kk, tree, i in ok if kk == k and tree == "baseline")
-        rounds = [(ok[(k, "this", i)], ok[(k, "baseline", i)]) for i in pairs if (k, "this", i) in ok]
-        if not rounds:
-            continue
-        cpu = [t.node_us_per_token() / b.node_us_per_token() for t, b in rounds]
-        tok = [t.tok_s() / b.tok_s() for t, b in rounds]
-        us = statistics.median(t.node_us_per_token() for t, _ in rounds)
-        base_us = statistics.median(b.node_us_per_token() for _, b in rounds)
-        out.append(f"this vs baseline ({' '.join(map(str, k))}, {len(rounds)} rounds): node CPU per token "
-                   f"{statistics.median(cpu):.2f}x [{' '.join(f'{r:.2f}' for r in cpu)}] (medians {us:.1f} vs "
-                   f"{base_us:.1f} us), tok/s {statistics.median(tok):.2f}x [{' '.join(f'{r:.2f}' for r in tok)}]")
-    return out
-
-
-def scaling(cells: list[Cell]) -> list[str]:
-    """Two devices vs one: tok/s at 256 sequences per device, same layout, model, mode and sampling."""
-    ok = [x for x in cells if x.wall_s and x.concurrency == 256 * x.devices and x.tree == "this"]
-    out = []
-    for two in (x for x in ok if x.devices == 2):
-        mode = two.setup.split()[1]
-        one = next((x for x in ok if x.devices == 1 and x.setup.split()[1] == mode and
-                    (x.layout, x.model, x.sampling, x.pair) == (two.layout, two.model, two.sampling, two.pair)), None)
-        if one and one.tok_s():
-            r = two.tok_s() / one.tok_s()
-            out.append(f"2 vs 1 device ({two.layout}, {two.model}, {mode}, {two.sampling}): {r:.2f}x "
-                       f"(target >= 1.6x: {_ok(r >= 1.6)})")
-    return out
-
-
-def sampled_vs_greedy(cells: list[Cell]) -> list[str]:
-    """ms per step, temperature 0.8 / top-p 0.95 against greedy at the same grid point and round (the
-    target, <= 1.2x at batch 256, is issue 11's for a 128k vocabulary: ``llama3-vocab``)."""
-    ok = [x for x in cells if x.wall_s and x.steps and x.concurrency == 256 * x.devices]
-    out = []
-    for t in (x for x in ok if x.sampling == "t0.8"):
-        g = next((x for x in ok if x.sampling == "greedy" and (x.tree, x.pair, x.layout, x.model, x.setup,
-                  x.concurrency) == (t.tree, t.pair, t.layout, t.model, t.setup, t.concurrency)), None)
-        if g and g.ms_per_step() and t.ms_per_step():
-            r = t.ms_per_step() / g.ms_per_step()
-            goal = f" (target <= 1.2x: {_ok(r <= 1.2)})" if t.model == "llama3-vocab" else ""
-            out.append(f"t0.8/top-p 0.95 vs greedy per step ({t.tree}, {t.layout}, {t.model}, {t.setup}, c={t.concurrency}): "
-                       f"{r:.2f}x{goal}")
-    return out
-
-
 def _f(v: float | None, width: int, digits: int) -> str:
     return f"{v:{width}.{digits}f}" if v is not None else f"{'-':>{width}}"
-
-
-def _ok(b: bool) -> str:
-    return "ok" if b else "MISS"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -432,10 +381,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", default=None, metavar="DIR",
                    help="another checkout (e.g. 'git worktree add /tmp/base <rev>') whose node runs every grid point "
                         "too, alternating with this one")
-    p.add_argument("--pairs", type=int, default=3, help="with --baseline: runs of each checkout per node (default 3)")
+    p.add_argument("--pairs", type=int, default=3, help="with --baseline or several --api-processes: rounds of each "
+                   "node (default 3)")
+    p.add_argument("--concurrency", default=None, help="only grid points of these client counts, comma-separated")
+    p.add_argument("--api-processes", default="1", help="comma-separated --api-processes values: each grid node runs "
+                   "with each, alternating per round (default 1)")
     p.add_argument("--models", default=None, help=f"only these models of the grid, comma-separated ({', '.join(MODELS)})")
     a = p.parse_args(argv)
     a.models = [m.strip() for m in a.models.split(",")] if a.models else None
+    a.api_processes = [int(x) for x in a.api_processes.split(",") if x.strip()]
+    a.concurrency = [int(x) for x in a.concurrency.split(",")] if a.concurrency else None
     if a.models and not set(a.models) <= set(MODELS):
         p.error(f"--models: one of {', '.join(MODELS)}")
     if a.pairs < 1:

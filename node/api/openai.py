@@ -20,6 +20,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from node.api.errors import APIError, bad_request, delta_error, error_body
+from node.api.frontend_node import FrontNode
 from node.api.responses import ChoiceState, chat_logprobs, completion_logprobs, envelope, usage
 from node.api.sse import SSEWriter
 from node.api.validate import chat_prompt, check_model, completion_prompts, sampling_params
@@ -124,10 +125,13 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
     reqs: list[RequestState] = []
     try:
         try:  # admission first, so overload is a proper 503 before a stream's 200 goes out
-            node.check_admission(len(jobs))  # all the prompts, or none of them
-            for p, job in enumerate(jobs):
-                reqs.append(node.open_request(f"{request_id}-p{p}", job.prompt_ids, job.params, n,
-                                              stream=deltas, index0=job.index0))
+            if isinstance(node, FrontNode):  # an API front end: the control process admits them
+                reqs += await node.open_requests(request_id, jobs, n, deltas)
+            else:
+                node.check_admission(len(jobs))  # all the prompts, or none of them
+                for p, job in enumerate(jobs):
+                    reqs.append(node.open_request(f"{request_id}-p{p}", job.prompt_ids, job.params, n,
+                                                  stream=deltas, index0=job.index0))
         except QueueFullError as e:
             raise _queue_full(e) from e
 

@@ -170,6 +170,7 @@ class ApiNode(Protocol):
     metrics: Any  # node.runtime.metrics.NodeMetrics: render()
     peers: Any  # node.runtime.peer_links.PeerLinks or None: add() / remove()
     started_wall_s: float
+    api_pids: list[int]  # --api-processes > 1: the front ends' pids (GET /v1/node)
 
     def new_request_id(self, prefix: str) -> str:
         """A fresh request id (``cmpl-…``, ``chatcmpl-…``)."""
@@ -180,8 +181,9 @@ class ApiNode(Protocol):
         ...
 
     def open_request(self, request_id: str, prompt_ids: list[int], params: Any, n: int = 1, *,
-                     stream: Any = None, index0: int = 0) -> RequestState:
-        """Admit one request (raises the admission errors)."""
+                     stream: Any = None, index0: int = 0, detokenize: bool = True) -> RequestState:
+        """Admit one request (raises the admission errors); ``detokenize=False``: token ids only (an API
+        front end makes the text)."""
         ...
 
     def account(self, req: RequestState, delta: Any, now: float) -> None:

@@ -36,6 +36,7 @@ from node.runtime.peer_links import PeerLinks
 from node.runtime.pooled_driver import PooledDriver
 from node.runtime.role_driver import RoleDriver
 from node.runtime.metrics import NodeMetrics, request_outcome
+from node.runtime.accounting import account
 from node.runtime.node_status import node_status
 from node.runtime.delta_stream import DeltaStream
 from node.runtime.output import SeqDelta
@@ -77,6 +78,7 @@ class Node:
         self._started = False  # start() ran: a second call must not add a second step loop per device
         self.live: dict[str, RequestState] = {}  # request id → state, from admission until its last delta
         self.timed_out = 0  # requests ended by --request-timeout-s
+        self.api_pids: list[int] = []  # --api-processes > 1: the front ends' pids, as they become ready
         self.peers: PeerLinks | None = None
         self.receiver: KVReceiver | None = None
         self.membership: Membership | None = None  # --etcd
@@ -269,10 +271,11 @@ class Node:
             raise refusal
 
     def open_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int = 1, *,
-                     stream: DeltaStream | None = None, index0: int = 0) -> RequestState:
+                     stream: DeltaStream | None = None, index0: int = 0, detokenize: bool = True) -> RequestState:
         """Admit one request and hand it to a device or the driver; its deltas go to ``stream`` (a new
         one by default) with choice indexes from ``index0``. The caller takes them, passes each to
-        :meth:`account`, and calls :meth:`close_request` in all cases (``finally``).
+        :meth:`account`, and calls :meth:`close_request` in all cases (``finally``). ``detokenize=False``:
+        the deltas carry token ids only (an API front end makes the text: :mod:`node.api.frontend`).
 
         Raises:
             NodeDraining, EnginesDown, QueueFullError: the node takes no request now (the API's 503).
@@ -280,7 +283,7 @@ class Node:
         m = self.metrics
         self.check_admission(1)
         req = RequestState(request_id, prompt_ids, params, n, self.tokenizer, self.eos_ids(),
-                           self.max_model_len, time.monotonic(), stream=stream, index0=index0)
+                           self.max_model_len, time.monotonic(), stream=stream, index0=index0, detokenize=detokenize)
         m.prompt_tokens.inc(len(prompt_ids))
         self.live[request_id] = req
         if self.config.request_timeout_s:  # None or 0: no bound
@@ -293,25 +296,8 @@ class Node:
 
     def account(self, req: RequestState, delta: SeqDelta, now: float) -> None:
         """Count a delta of ``req`` the consumer took at ``now`` (s, monotonic): TTFT, ITL, TPOT,
-        tokens, and the choice's end."""
-        m = self.metrics
-        i = delta.index - req.index0
-        if delta.token_ids:
-            k = len(delta.token_ids)
-            if req.first_s[i] is None:
-                req.first_s[i] = now
-                if i == 0:
-                    m.ttft.observe(now - req.stats.arrival_s)
-            else:
-                m.itl.observe(now - req.last_s[i])
-            req.last_s[i] = now
-            req.tokens[i] += k
-            req.stats.output_tokens += k
-            m.generation_tokens.inc(k)
-        if delta.finish_reason or delta.error:
-            req.reasons[i] = delta.finish_reason or "error"
-            if req.tokens[i] > 1:
-                m.tpot.observe((req.last_s[i] - req.first_s[i]) / (req.tokens[i] - 1))
+        tokens, and the choice's end (:func:`~node.runtime.accounting.account`)."""
+        account(self.metrics, req, delta, now)
 
     def close_request(self, req: RequestState) -> None:
         """The consumer is done with ``req`` (every choice ended, or it gave up): cancel what still
@@ -339,6 +325,8 @@ class Node:
         m.requests.labels(finish_reason=request_outcome(reasons)).inc()
         first = req.first_s[0]
         with suppress(Exception):
+            if not req.log_line:  # an API front end logs the requests it owns (node.api.frontend_node)
+                return
             log.info(
                 "request", request_id=req.request_id, device=req.seqs[0].device_id, prompt_tokens=s.prompt_tokens,
                 output_tokens=s.output_tokens, n=len(req.seqs), finish_reason=reasons[0] if len(reasons) == 1 else reasons,

@@ -96,6 +96,8 @@ def node_status(node: StatusSource, history: int = 200, since_s: float | None = 
         "queue_depth": node.num_waiting,
         "request_timeout_s": node.config.request_timeout_s or None,  # the deadline of every request (s); null: none
         "live_requests": len(node.live),
+        # --api-processes: the front ends' pids (empty: the API runs in the node's process)
+        "api_processes": list(node.api_pids),
         "oldest_request_age_s": round(node.oldest_request_age_s(now), 4),
         "requests_timed_out": node.timed_out,
         "draining": node.draining,

@@ -9,6 +9,7 @@ import msgspec
 from node.core.sequence import SamplingParams, Sequence
 from node.runtime.delta_stream import DeltaStream
 from node.runtime.output import OutputState, SeqDelta
+from node.runtime.token_output import TokenOutputState
 from node.worker.sampler import TokenLogprobs
 from node.worker.tokenizer import TextTokenizer
 
@@ -27,14 +28,14 @@ class RequestState:
 
     ``n`` choices become ``n`` sequences ``{request_id}-{i}``; a seeded request gives choice ``i`` the
     seed ``seed + i`` so the choices differ but each is reproducible. Deltas for all choices arrive on
-    ``stream`` (:class:`DeltaStream`) as :class:`SeqDelta` in production order; the consumer stops
+    ``stream`` (:class:`DeltaStream`, or anything with its ``push``) as :class:`SeqDelta` in production order; the consumer stops
     when every choice has a finish reason or an error. Several requests may share one stream (the
     prompts of one API request): each adds ``index0`` to its choices' indexes there.
     """
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int,
                  tokenizer: TextTokenizer, eos_token_ids: list[int], max_model_len: int, now_s: float,
-                 stream: DeltaStream | None = None, index0: int = 0):
+                 stream: DeltaStream | None = None, index0: int = 0, detokenize: bool = True):
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.params = params
@@ -42,14 +43,16 @@ class RequestState:
         self.index0 = index0
         self.stats = RequestStats(arrival_s=now_s, prompt_tokens=len(prompt_ids))
         self.seqs: list[Sequence] = []
-        self.outputs: list[OutputState] = []
+        self.outputs: list[OutputState | TokenOutputState] = []
         for i in range(n):
             p = params if params.seed is None or i == 0 else msgspec.structs.replace(params, seed=params.seed + i)
             if i > 0:
                 p = msgspec.structs.replace(p, prompt_logprobs=None)  # computed once, for choice 0
             seq = Sequence(f"{request_id}-{i}", request_id, i, now_s, prompt_ids, p, max_model_len)
             self.seqs.append(seq)
-            self.outputs.append(OutputState(seq, tokenizer, eos_token_ids))
+            # without detokenize (API front ends do the text) only token ids decide the end here
+            self.outputs.append(OutputState(seq, tokenizer, eos_token_ids) if detokenize
+                                else TokenOutputState(seq, eos_token_ids))
         # Logprobs of prompt tokens 1..L-1 (token 0 has none), filled as prefill chunks run.
         self.prompt_logprobs: list[TokenLogprobs | None] = [None] * max(len(prompt_ids) - 1, 0)
         self.finished = [False] * n
@@ -62,6 +65,7 @@ class RequestState:
         self.last_s: list[float] = [0.0] * n
         self.tokens = [0] * n
         self.timer = None  # the --request-timeout-s handle
+        self.log_line = True  # close_request logs the request (False: its API front end does)
 
     @property
     def done(self) -> bool:
