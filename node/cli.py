@@ -315,7 +315,7 @@ def run_serve(config: NodeConfig) -> int:
         return 2
 
     import uvloop
-    from aiohttp import web
+    from node.api import serving
 
     from node.api.app import create_app
     from node.log import configure_logging
@@ -357,11 +357,10 @@ def run_serve(config: NodeConfig) -> int:
         app.cleanup_ctx.append(link_ctx(frontends.paths.link, frontends.procs, NODE_KEY))
         where = {"path": frontends.paths.http}
     try:
-        web.run_app(app, **where, loop=loop, handler_cancellation=True,
-                    print=lambda msg: print(f"shiftnode: serving on http://{config.host}:{config.port}"
-                                            + (f" ({config.api_processes} API processes)" if frontends else ""),
-                                            file=sys.stderr),
-                    access_log=None, shutdown_timeout=5)
+        serving.run(app, **where, loop=loop, shutdown_timeout=5,
+                    on_ready=lambda: print(f"shiftnode: serving on http://{config.host}:{config.port}"
+                                           + (f" ({config.api_processes} API processes)" if frontends else ""),
+                                           file=sys.stderr))
     except (StartupError, ModelConfigError, WeightLoadError, TokenizerError, OSError) as e:
         print(f"shiftnode: cannot start: {e}", file=sys.stderr)
         return 1
