@@ -66,6 +66,8 @@ GROUPS: tuple[Group, ...] = (
         Tool("load.replay", "What TTFT, TPOT, ITL and goodput does a running node give a trace at a rate?"),
         Tool("load.host_overhead", "How much host (CPU) time does the node spend per decode step under "
                                    "streaming load, and is it better than a baseline checkout?"),
+        Tool("load.runner_step", "How long is the runner's decode step at batch 1 and 64, eager against "
+                                 "--compile inductor, and how long does the compilation take?"),
         Tool("load.soak", "Does a long mixed run with client aborts, a killed engine and a restarted peer leak "
                           "KV blocks, hang requests, grow memory or answer 5xx?"),
         Tool("load.fuzz", "Does any generated API request get a 5xx or hang? (the long run of the API fuzzer)"),
