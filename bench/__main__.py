@@ -56,6 +56,8 @@ GROUPS: tuple[Group, ...] = (
                                 "TTFT/TPOT, role timeline? (live nodes)"),
         Tool("studies.validate_sim", "Does the simulator predict the live node: TTFT/TPOT of the same "
                                      "workload, live and simulated, side by side?"),
+        Tool("studies.attainment", "Does one crossover cell meet its SLOs at given rates (a capacity search's "
+                                   "single probes: is a mode within 0.95x of a baseline's capacity)?"),
     ), ("studies.plots", "studies.timeline"), frozenset({"traffic", "load", "cost", "sim"})),
     Group("sim", "the discrete-event simulator, driving the node's own pure policies on a virtual clock", (
         Tool("sim", "How would a deployment (mode, devices, link, cost model) serve a workload? Simulated "
@@ -74,7 +76,7 @@ GROUPS: tuple[Group, ...] = (
         Tool("load.restart", "When an engine is killed under greedy streams, how long do they pause, do they "
                              "end exactly, and how soon does the device serve again?"),
         Tool("load.membership", "How fast do peer sets follow a join, a kill -9 and a clean stop through etcd?"),
-    ), ("load.node_process", "load.etcd_server"), frozenset({"traffic"})),
+    ), ("load.node_process", "load.etcd_server", "load.host_compare"), frozenset({"traffic"})),
     Group("device", "one device, group or link below the serving loop: kernels, steps, switches, KV transfer", (
         Tool("device.kernels", "Is every Triton kernel right on this GPU, and how close to the copy and "
                                "matmul ceilings does it run?"),
