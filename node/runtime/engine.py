@@ -42,7 +42,6 @@ from node.runtime.request import RequestState
 from node.runtime.switching import DeviceRole, SwitchRecord
 from node.runtime.step_encoder import StepEncoder
 from node.worker.engine_core import StepMsg, StepReply
-from node.worker.engine_messages import retrieved
 from node.worker.engine_process import EngineDied, EngineProcess, LocalEngine
 from node.worker.runner import SeqOutput
 
@@ -231,18 +230,22 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
         """Encode ``plan`` as a diff, give each sampling sequence its placeholder token, advance the
         batcher as if the step ran (the next plan builds on it) and hand the message to the engine."""
         self._current_plan = plan
-        msg = self._encoder.encode(plan, self._by_seq)
-        rc = self.active_config
-        # one step, several instances; a group whose switch failed runs in the layout it is in (getattr: a group)
-        if (rc is not None and rc.instances > 1 and plan.kind is StepKind.PREFILL
-                and getattr(self.runner, "active_role", None) == "prefill"):
-            # a sequence reading a block another item writes now (a prefix hit registered this step) goes with it
-            units = shared_block_units([(it.seq.block_ids, m.start, m.num_tokens) for it, m in zip(plan.items, msg.items)],
-                                       self.batcher.ledger.block_size)
-            msg.instances = assign_instances([it.num_tokens for it in plan.items], rc.instances, units)
-            msg.rng_seed = self._rng.getrandbits(62)
-            self.kv_scatter_bytes += scatter_bytes(plan.num_tokens, self._kv_bytes_per_token, rc.tp_degree,
-                                                   rc.group_size)
+        try:
+            msg = self._encoder.encode(plan, self._by_seq)
+            rc = self.active_config
+            # one step, several instances; a group whose switch failed runs in the layout it is in (getattr: a group)
+            if (rc is not None and rc.instances > 1 and plan.kind is StepKind.PREFILL
+                    and getattr(self.runner, "active_role", None) == "prefill"):
+                # a sequence reading a block another item writes now (a prefix hit registered this step) goes with it
+                units = shared_block_units([(it.seq.block_ids, m.start, m.num_tokens) for it, m in zip(plan.items, msg.items)],
+                                           self.batcher.ledger.block_size)
+                msg.instances = assign_instances([it.num_tokens for it in plan.items], rc.instances, units)
+                msg.rng_seed = self._rng.getrandbits(62)
+                self.kv_scatter_bytes += scatter_bytes(plan.num_tokens, self._kv_bytes_per_token, rc.tp_degree,
+                                                       rc.group_size)
+        except BaseException:
+            self.batcher.discard(plan)  # never sent: nothing will write the blocks it registered (node.core.ledger)
+            raise
         pending = []
         for it in plan.items:
             if it.samples:
@@ -289,6 +292,7 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
             if not self._inflight:
                 self._idle.set()
         self._current_plan = rec.plan
+        self.batcher.settle(rec.plan)  # after the fence: the blocks it filled are written (node.core.ledger)
         outs: dict[str, SeqOutput] = {}
         for it, out in zip(rec.msg.items, reply.outputs):
             outs[it.seq_id] = out
@@ -349,45 +353,6 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
                 self.errors["listener"] = self.errors.get("listener", 0) + 1
                 log.error("engine_listener_failed", device=self.device_id, listener=getattr(listener, "__qualname__", repr(listener)),
                           error=f"{type(e).__name__}: {e}", exc_info=e)
-
-    def _on_loop_done(self, task: asyncio.Task) -> None:
-        """The step loop ended other than by cancellation (it should not): the device is down. Its
-        requests fail and ``failure`` says why (``/health`` reports it)."""
-        if task.cancelled():
-            return
-        error = task.exception()
-        if isinstance(error, EngineDied):
-            self.failure = str(error)
-        else:
-            self.failure = f"step loop ended: {type(error).__name__}: {error}" if error else "step loop ended"
-        log.error("engine_down", device=self.device_id, reason=self.failure)
-        self.engine_died = isinstance(error, EngineDied)
-        if self.engine_died and self.orphan_listener is not None:
-            self._orphan_all()
-        for req in list(self.requests.values()):
-            req.fail(f"device {self.device_id} is down: {self.failure}", status=503, code="engine_down",
-                     retry_after_s=1.0)
-            try:  # nothing runs here any more: drop its sequences and blocks now, not at a next step
-                self._finish_request(req)
-            except Exception as e:  # noqa: BLE001 - bookkeeping of a broken device: log and go on
-                log.error("engine_cleanup_failed", device=self.device_id, request=req.request_id, error=str(e))
-        for rec in self._inflight:  # the steps behind the one the loop ended at: nobody awaits their replies
-            rec.reply.add_done_callback(retrieved)
-        self._inflight.clear()
-        self._idle.set()  # a switch waiting for the steps in flight goes on, and fails (switch_role)
-        for _seq, fut in self._detaches:  # hand-offs waiting for a step boundary: the sequence stays here
-            if not fut.done():
-                fut.set_result(None)
-        for m in self._migrations:  # moves not begun: refused
-            if not m.fut.done():
-                m.fut.set_result(None)
-        self._detaches.clear()
-        self._migrations.clear()
-        while self._jobs:  # a transfer waiting for this device's worker fails instead of hanging
-            _fn, _args, fut = self._jobs.popleft()
-            if not fut.done():
-                fut.set_exception(RuntimeError(f"device {self.device_id} is down: {self.failure}"))
-        self._notify(self.down_listeners)
 
     def _postprocess(self, rec: _InFlight, outs: dict[str, SeqOutput]) -> None:
         now = self.clock()
