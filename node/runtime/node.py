@@ -23,7 +23,7 @@ import structlog
 from node.config import NodeConfig, benchmark_cost_path
 from node.core.sequence import SamplingParams
 from node.core.pooled import PooledRouter
-from node.runtime.admission import EnginesDown, NodeDraining, QueueFullError
+from node.runtime.admission import EnginesDown, KVCapacityExceeded, NodeDraining, QueueFullError, kv_fit_error
 from node.runtime.engine import DeviceEngine
 from node.runtime.engine_supervisor import EngineSupervisor
 from node.runtime.moves import MigrationRecord
@@ -261,9 +261,16 @@ class Node:
 
         Raises:
             NodeDraining, EnginesDown, QueueFullError: the node takes no request now (the API's 503).
+            KVCapacityExceeded: the request can never fit a device's KV cache (the API's 400).
         """
         m = self.metrics
         self.check_admission(1)
+        prefillers = self.config.prefill_group_ids() if self.config.mode == "pooled" else None
+        problem = kv_fit_error(len(prompt_ids), n, self.config.mode, self.config.block_size,
+                               [e.batcher.ledger.num_blocks for e in self.engines
+                                if prefillers is None or e.device_id in prefillers])
+        if problem:
+            raise KVCapacityExceeded(problem)
         req = RequestState(request_id, prompt_ids, params, n, self.tokenizer, self.eos_ids(),
                            self.max_model_len, time.monotonic(), stream=stream, index0=index0, detokenize=detokenize)
         m.prompt_tokens.inc(len(prompt_ids))
