@@ -95,7 +95,7 @@ def plot(cells_path: Path = CELLS, png: Path = FIGURE) -> Path:
     ax.set_xticks(range(len(cols)), [f"{d} dev, TPOT {t:g} ms" for d, t in cols])
     ax.set_yticks(range(len(rows)), [f"{m} {p}" for m, p in rows])
     ax.set_title("adaptive (untuned) / best tuned baseline, capacity at >= 90% SLO attainment\n"
-                 "simulated H200 cost models; short/wide: 4-device roofline crossover, azure: 8-device H200 preset\n"
+                 "simulated H200 cost models; short/wide: roofline crossover, azure: the TP study's 8-device H200 preset\n"
                  "bracket from probes at fractions of the baseline's capacity, or the ratio of two searches", fontsize=9)
     fig.colorbar(im, ax=ax, label="lower end of the bracket")
     fig.tight_layout()
