@@ -254,9 +254,9 @@ class RoleDriver(Driver):
 
     # --- measurements ----------------------------------------------------------------------------------
     def _on_step(self, engine: DeviceEngine, plan: StepPlan, seconds: float) -> None:
-        resident = sum(1 for s in engine.batcher.running if s.is_decoding)
         if plan.kind is StepKind.PREFILL:
             self._prefill.append((plan.num_tokens, seconds))
+            resident = sum(1 for s in engine.batcher.running if s.is_decoding)  # a loop per sequence: PREFILL steps only
             if resident:
                 self.node.metrics.decode_stall.labels(device=engine.device_id, cause="prefill_window").inc(resident * seconds)
         elif plan.kind is StepKind.DECODE:
