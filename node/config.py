@@ -54,6 +54,8 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     log_format: str = "console"
     attention_backend: str = "auto"  # auto | torch | cpu | triton
     enforce_eager: bool = False  # no CUDA-graph decode (graphs are used on CUDA with the triton backend otherwise)
+    compile: str = "none"  # none | inductor: torch.compile the forward per token-count bucket (CPU devices)
+    compile_sizes: list[int] | None = None  # the buckets of --compile (None: node.worker.compiled_forward's default)
     tensor_parallel_size: int = 1  # colocated: devices per engine, --devices grouped in consecutive runs of this many
     decode_tp: int = 1  # time-shared: devices per group, one instance in the decode role; pooled: the decode pool's degree
     prefill_tp: int = 1  # time-shared: devices per instance in the prefill role (divides decode_tp); pooled: the prefill pool's
@@ -89,6 +91,17 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     sse_keepalive_s: float = 10.0  # comment lines on a stream silent this long (e.g. through a role switch)
     body_timeout_s: float = 30.0  # a request body slower than this is answered 408
     api_processes: int = 1  # HTTP front-end processes (node.api.frontend); 1: the API runs in the node's process
+
+    def is_own_kv_address(self, addr: str) -> bool:
+        """Whether peer address ``addr`` (``host:port``, ``[v6]:port``) is this node's own KV listener:
+        its ``--kv-port`` on a loopback or wildcard host, on ``--kv-host``/``--host`` or on
+        ``--advertise-host``. A node cannot be its own peer (it would reserve its own blocks twice)."""
+        host, _, port = addr.strip().rpartition(":")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        if self.kv_port is None or not port.isdigit() or int(port) != self.kv_port:
+            return False
+        own = _LOCAL_HOSTS | {h for h in (self.kv_host, self.host, self.advertise_host) if h}
+        return host.lower() in own or host.startswith("127.")
 
     def validate(self) -> None:
         """Check values that would otherwise start a node that cannot serve.
@@ -132,6 +145,9 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (self.kv_port is None or 0 <= self.kv_port <= 65535, f"--kv-port must be in [0, 65535], got {self.kv_port}"),
             (all(_is_host_port(p) for p in self.peers), f"--peers must be host:port entries, got {self.peers}"),
             (not self.peers or self.mode != "colocated", "--peers is for pooled and time-shared modes"),
+            (not [p for p in self.peers if self.is_own_kv_address(p)],
+             f"--peers names this node's own KV address ({', '.join(p for p in self.peers if self.is_own_kv_address(p))}, "
+             f"--kv-port {self.kv_port}): a node cannot be its own peer"),
             (self.max_retries >= 0, "--max-retries must be at least 0"),
             (self.kv_connect_timeout_s > 0, f"--kv-connect-timeout-s must be positive, got {self.kv_connect_timeout_s}"),
             (self.kv_transfer_timeout_s > RELAY_KEEPALIVE_S,
@@ -145,6 +161,9 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (self.link_gbps is None or self.link_gbps > 0, "--link-gbps must be positive"),
             (self.reconfig_pause_ms >= 0 and self.ttft_slo_ms > 0 and self.tpot_slo_ms > 0, "pause and SLO values must be positive"),
             (0 < self.min_window_ms <= self.max_window_ms, "need 0 < --min-window-ms <= --max-window-ms"),
+            (self.compile in ("none", "inductor"), f"--compile must be none or inductor, got {self.compile!r}"),
+            (self.compile_sizes is None or (bool(self.compile_sizes) and min(self.compile_sizes) >= 1),
+             f"--compile-sizes must list token counts of at least 1, got {self.compile_sizes}"),
             (self.stream_interval >= 1, f"--stream-interval must be at least 1, got {self.stream_interval}"),
             (self.sse_keepalive_s > 0 and self.body_timeout_s > 0, "--sse-keepalive-s and --body-timeout-s must be positive"),
             (1 <= self.api_processes <= 64, f"--api-processes must be in [1, 64], got {self.api_processes}"),
@@ -345,6 +364,9 @@ def _benchmark_model_error(value: str | None) -> str | None:
     if path == "":
         return f"--benchmark-model must be {_BENCHMARK_KINDS}, got {value!r}"
     return _cost_file_error(f"--benchmark-model {value}", path)
+
+
+_LOCAL_HOSTS = {"localhost", "0.0.0.0", "::", "::1", "ip6-localhost"}
 
 
 def _is_host_port(text: str) -> bool:

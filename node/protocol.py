@@ -36,6 +36,16 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     return_token_ids: bool = False  # vLLM extension: choices carry "token_ids" (and the prompt's ids)
+    # Fields that change what is generated and that this server does not implement: accepted by the
+    # decoder only so that a request naming one is refused (400 naming it) instead of silently served
+    # without it (node.api.validate.reject_unsupported).
+    guided_json: Any = None  # vLLM structured output
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    use_beam_search: bool = False
+    logits_processors: Any = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -71,6 +81,11 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
+    tool_choice: Any = None  # refused unless "none" or "auto" (there are no tools)
+    functions: list[Any] | None = None  # the legacy form of tools
+    function_call: Any = None
+    modalities: list[str] | None = None  # only ["text"]
+    audio: Any = None
     response_format: dict[str, Any] | None = None  # only {"type": "text"}: structured output is not supported
 
 

@@ -111,6 +111,42 @@ def test_a_model_failure_and_a_raising_listener_are_contained():
     with_node(body)
 
 
+def test_a_step_that_fails_before_it_is_sent_leaves_no_block_it_registered_findable():
+    """Its prompt's full blocks were registered (pending) when the step was planned; nothing will ever
+    write them, so they leave the prefix cache (issue 33, item 3): the same prompt is computed again,
+    exactly."""
+    case = reference_cases()[1]  # a 12-token prompt: three full blocks of 4
+    prompt, expected = case["prompt_token_ids"], case["output_token_ids"][:20]
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+
+    async def run(node: Node, rid: str) -> tuple[list[int], list]:
+        ids, errors = [], []
+        async for _, d in node.generate(rid, prompt, params):
+            ids += d.token_ids
+            errors += [d] if d.error else []
+        return ids, errors
+
+    async def body(node: Node):
+        engine = node.engines[0]
+        real = engine._encoder.encode
+
+        def failing_for_bad(plan, held):
+            if any(it.seq.request_id == "bad" for it in plan.items):
+                raise RuntimeError("injected encoder fault")
+            return real(plan, held)
+
+        engine._encoder.encode = failing_for_bad
+        ids, errors = await run(node, "bad")
+        assert len(errors) == 1 and "injected encoder fault" in errors[0].error
+        await idle(node)
+        led = engine.batcher.ledger
+        assert [b for b in range(led.num_blocks) if led.is_pending(b)] == [] and led.num_cached == 0
+        led.check()
+        assert await run(node, "again") == (expected, [])
+
+    with_node(body, block_size=4)
+
+
 def test_a_failed_reconfiguration_still_completes_the_switch():
     expected = CASE["output_token_ids"][:40]
 
@@ -352,3 +388,36 @@ def test_a_device_dying_with_two_steps_in_flight_ends_every_wait_on_it_with_an_e
         assert delta.error_code == "engine_down" and peer_req.finished[0]
 
     with_node(body, engine_layout="thread", max_num_batched_tokens=4)
+
+
+def test_kill_9_of_an_engine_logs_no_unretrieved_future():
+    """Issue 32: kill -9 of an engine process with two steps in flight logged "Future exception was never
+    retrieved" (the second step's reply got EngineDied and nobody awaited it). The loop's exception
+    handler must see nothing once the replies are settled and collected."""
+    import gc
+    import os
+    import signal
+
+    async def body(node: Node):
+        loop = asyncio.get_running_loop()
+        seen: list[dict] = []
+        loop.set_exception_handler(lambda _loop, context: seen.append(context))
+        e = node.engines[0]
+        run = asyncio.create_task(collect(node, "r", SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)))
+        for _ in range(1000):
+            if len(e._inflight) == 2:
+                break
+            await asyncio.sleep(0.005)
+        replies = [r.reply for r in e._inflight]
+        assert len(replies) == 2  # async scheduling: a step is planned while the one before it computes
+        os.kill(e.runner.process.pid, signal.SIGKILL)
+        _, errors = await asyncio.wait_for(run, 20)
+        assert [d.error_code for d in errors] == ["engine_down"]
+        await asyncio.wait(replies, timeout=10)  # the dead engine's replies all get their error
+        assert all(f.done() for f in replies)
+        del replies
+        gc.collect()  # an unread exception is reported when its future is collected
+        await asyncio.sleep(0)
+        assert not [c for c in seen if "never retrieved" in c.get("message", "")], seen
+
+    with_node(body, engine_restart_max=0)  # the engine stays down: the request ends with its error

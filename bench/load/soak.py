@@ -148,11 +148,15 @@ def live_blocks(node: NodeServer) -> tuple[int, int]:
 
 
 def soak(duration_s: float, concurrency: int = 16, abort: float = 0.3, model: str | Path = STORIES,
-         request_timeout_s: float = 120.0, seed: int = 0, log_dir: Path | None = None) -> Report:
-    """Run the soak (see the module docstring) for ``duration_s`` seconds of load; return the report."""
+         request_timeout_s: float = 120.0, seed: int = 0, log_dir: Path | None = None,
+         kv_cache_memory: str | None = None) -> Report:
+    """Run the soak (see the module docstring) for ``duration_s`` seconds of load; return the report.
+    ``kv_cache_memory``: ``--kv-cache-memory`` of both nodes (None: the default, 26,214 blocks per
+    device on stories260k, whose prefix-cache index takes most of an hour of this load to fill)."""
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="soak-"))
     kv_port = free_port()
-    common = ["--model", str(model), "--peer-secret", "soak", "--request-timeout-s", str(request_timeout_s)]
+    common = ["--model", str(model), "--peer-secret", "soak", "--request-timeout-s", str(request_timeout_s),
+              *(["--kv-cache-memory", kv_cache_memory] if kv_cache_memory else [])]
     b_args = [*common, "--kv-port", str(kv_port), "--kv-host", "127.0.0.1"]
     rep = Report()
     with NodeServer(b_args, log_path=log_dir / "b.log") as b, \
@@ -199,8 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--abort", type=float, default=0.3, help="fraction of streams the client closes early")
     ap.add_argument("--model", default=str(STORIES))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-cache-memory", default=None, help="KV cache bytes per device of both nodes, e.g. 64MiB")
     a = ap.parse_args(argv)
-    rep = soak(a.duration, a.concurrency, a.abort, a.model, seed=a.seed)
+    rep = soak(a.duration, a.concurrency, a.abort, a.model, seed=a.seed, kv_cache_memory=a.kv_cache_memory)
     print("\n".join(rep.lines()))
     return 0 if rep.ok() else 1
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import hmac
 import importlib.metadata
 import math
 import time
@@ -14,6 +13,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
+from node.api.auth import bearer_ok
 from node.api.dashboard import dashboard_handler
 from node.api.errors import APIError, bad_request, error_response, retry_after
 from node.api.openai import NODE_KEY, chat_completions, completions
@@ -64,8 +64,7 @@ def auth_middleware(api_key: str | None):
     @web.middleware
     async def check(request: web.Request, handler):
         if api_key and request.path.startswith("/v1/"):
-            got = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+            if not bearer_ok(request.headers.get("Authorization", ""), api_key):
                 return error_response(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
         return await handler(request)
 
@@ -138,6 +137,10 @@ async def change_peers(request: web.Request) -> web.Response:
                 split_addr(addr)
             except ValueError as e:
                 raise bad_request(str(e), param=field_name) from e
+    for addr in body.add:
+        if node.config.is_own_kv_address(addr):
+            raise bad_request(f"{addr} is this node's own KV address (--kv-port {node.config.kv_port}): a node "
+                              "cannot be its own peer", param="add")
     removed = [a for a in body.remove if node.peers.remove(a)]
     added = [a for a in body.add if node.peers.add(a)]
     return web.json_response({"added": added, "removed": removed, "peers": node.status()["network"]["peers"]})

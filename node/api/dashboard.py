@@ -16,6 +16,8 @@ from importlib import resources
 
 from aiohttp import web
 
+from node.api.auth import bearer_ok
+
 from node.api.errors import error_response
 
 PAGE = resources.files("node.api").joinpath("dashboard.html").read_bytes()
@@ -35,9 +37,8 @@ _HEADERS = {"Cache-Control": "no-store", "Referrer-Policy": "no-referrer",
 
 def key_ok(request: web.Request, api_key: str) -> bool:
     """Whether ``request`` carries ``api_key``: ``Authorization: Bearer KEY`` or ``?key=KEY``."""
-    header = request.headers.get("Authorization", "").encode()
     query = request.query.get("key", "").encode()
-    return hmac.compare_digest(header, f"Bearer {api_key}".encode()) or hmac.compare_digest(query, api_key.encode())
+    return bearer_ok(request.headers.get("Authorization", ""), api_key) or hmac.compare_digest(query, api_key.encode())
 
 
 def dashboard_handler(api_key: str | None):

@@ -28,7 +28,7 @@ from aiohttp import web
 
 from node.api.frontend_metrics import apply
 from node.api.link_protocol import Admitted, Close, FrameReader, FrameWriter, MetricsDelta, Open, Ready, Step, frame
-from node.runtime.admission import EnginesDown, NodeDraining, QueueFullError
+from node.runtime.admission import EnginesDown, KVCapacityExceeded, NodeDraining, QueueFullError
 from node.runtime.interfaces import ApiNode
 from node.runtime.output import SeqDelta
 from node.runtime.request import RequestState
@@ -43,6 +43,8 @@ def refusal_kind(e: QueueFullError) -> str:
         return "draining"
     if isinstance(e, EnginesDown):
         return "engine_down"
+    if isinstance(e, KVCapacityExceeded):
+        return "kv_capacity"
     return "overloaded"
 
 

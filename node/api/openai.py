@@ -23,11 +23,11 @@ from node.api.errors import APIError, bad_request, delta_error, error_body
 from node.api.frontend_node import FrontNode
 from node.api.responses import ChoiceState, chat_logprobs, completion_logprobs, envelope, usage
 from node.api.sse import SSEWriter
-from node.api.validate import chat_prompt, check_model, completion_prompts, sampling_params
+from node.api.validate import chat_prompt, check_model, completion_prompts, reject_unsupported, sampling_params
 from node.core.sequence import SamplingParams
 from node.protocol import ChatCompletionRequest, CompletionRequest, decode_request
 from node.runtime.delta_stream import DeltaStream
-from node.runtime.admission import EnginesDown, NodeDraining, QueueFullError
+from node.runtime.admission import EnginesDown, KVCapacityExceeded, NodeDraining, QueueFullError
 from node.runtime.interfaces import ApiNode
 from node.runtime.output import SeqDelta
 from node.runtime.request import RequestState
@@ -92,6 +92,8 @@ async def off_loop(fn, *args):
 
 
 def _queue_full(e: QueueFullError) -> APIError:
+    if isinstance(e, KVCapacityExceeded):
+        return APIError(400, str(e), code="kv_capacity_exceeded")
     if isinstance(e, NodeDraining):
         return APIError(503, str(e), code="draining", headers={"Retry-After": "1"})
     if isinstance(e, EnginesDown):
@@ -239,6 +241,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     node = request.app[NODE_KEY]
     req: CompletionRequest = await read_json(request, CompletionRequest)  # type: ignore[assignment]
     check_model(req, node.config.model_name)
+    reject_unsupported(req)
     if req.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -269,13 +272,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
     def on_delta(c: ChoiceState, d: SeqDelta) -> dict | None:
         text, ids, lps = d.text, list(d.token_ids), list(d.logprobs)
-        if req.echo and not c.token_ids and not c.text:
+        if req.echo and not c.token_ids and not c.parts:
             e = echo_for(c)
             text = e.text + text
             if req.logprobs is not None:
                 ids = e.prompt_ids + ids
                 lps = [None, *(d.prompt_logprobs or [])] + lps
-        c.text += text
+        c.add_text(text)
         c.token_ids += d.token_ids
         c.finish_reason = d.finish_reason
         lp_body = None
@@ -323,6 +326,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     node = request.app[NODE_KEY]
     req: ChatCompletionRequest = await read_json(request, ChatCompletionRequest)  # type: ignore[assignment]
     check_model(req, node.config.model_name)
+    reject_unsupported(req)
     if req.tools:
         raise bad_request("tools are not supported by this server", param="tools")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
@@ -341,7 +345,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     env = envelope("chat.completion.chunk", request_id, node.config.model_name)
 
     def on_delta(c: ChoiceState, d: SeqDelta) -> dict | None:
-        c.text += d.text
+        c.add_text(d.text)
         c.token_ids += d.token_ids
         c.logprobs += d.logprobs
         c.finish_reason = d.finish_reason

@@ -6,20 +6,38 @@ import time
 from dataclasses import dataclass, field
 
 from node.worker.sampler import TokenLogprobs
+from node.worker.token_bytes import logprob_token, token_bytes
 from node.worker.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 
 @dataclass
 class ChoiceState:
-    """Text, tokens and logprobs of one choice as they accumulate."""
+    """Text, tokens and logprobs of one choice as they accumulate.
+
+    The text is kept as a list of the deltas' pieces (:meth:`add_text`) and joined when read
+    (:attr:`text`): ``text += piece`` on an attribute copies the whole text each time (the string has
+    a second reference, so CPython cannot grow it in place), which is quadratic in the output length.
+    """
 
     index: int
-    text: str = ""
+    parts: list[str] = field(default_factory=list)  # the text's pieces, in order (read it as ``text``)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     finish_reason: str | None = None
     text_offset: int = 0  # characters before the next token (completions logprobs)
     detok: IncrementalDetokenizer | None = None  # token strings for completions logprobs
+
+    def add_text(self, piece: str) -> None:
+        """Append ``piece`` to the choice's text (amortized O(len(piece)))."""
+        if piece:
+            self.parts.append(piece)
+
+    @property
+    def text(self) -> str:
+        """The text so far: the pieces joined once, then kept as one piece (O(total length))."""
+        if len(self.parts) > 1:
+            self.parts[:] = ["".join(self.parts)]
+        return self.parts[0] if self.parts else ""
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
@@ -47,15 +65,14 @@ def completion_logprobs(tok: TextTokenizer, entries: list[TokenLogprobs | None],
         offsets.append(off)
         off += len(text)
         lps.append(None if e is None else e.logprob)
-        tops.append(None if e is None else {tok.token_text(t): lp for t, lp in e.top})
+        tops.append(None if e is None else {logprob_token(tok, t): lp for t, lp in e.top})  # distinct keys
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, off
 
 
 def chat_logprobs(tok: TextTokenizer, entries: list[TokenLogprobs]) -> dict:
     """Chat logprobs ``{"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}``."""
-    def item(t: int, lp: float) -> dict:
-        s = tok.token_text(t)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+    def item(t: int, lp: float) -> dict:  # bytes: the token's own (part of a character's), not U+FFFD's
+        return {"token": logprob_token(tok, t), "logprob": lp, "bytes": list(token_bytes(tok, t))}
 
     return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
 

@@ -159,3 +159,28 @@ def sampling_params(req: _SamplingFields, *, prompt_len: int, max_model_len: int
         prompt_logprobs=prompt_logprobs,
         min_tokens=req.min_tokens,
     )
+
+
+_UNSUPPORTED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                "logits_processors", "functions", "audio")
+
+
+def reject_unsupported(req) -> None:
+    """Refuse a request naming a field that would change what is generated and that this server does
+    not implement (structured output, beam search, tools and functions, audio), as vLLM refuses what
+    it cannot do: 400 naming the field, rather than an answer that silently ignores it.
+
+    Raises:
+        APIError: 400 with ``param`` the field.
+    """
+    for name in _UNSUPPORTED:
+        if getattr(req, name, None) not in (None, [], {}):
+            raise bad_request(f"{name} is not supported by this server", param=name)
+    if req.use_beam_search:
+        raise bad_request("beam search is not supported by this server", param="use_beam_search")
+    for name in ("tool_choice", "function_call"):
+        if getattr(req, name, None) not in (None, "none", "auto"):  # with no tools, "auto" calls none either
+            raise bad_request(f"{name} is not supported by this server (there are no tools): only \"none\" or \"auto\"",
+                              param=name)
+    if getattr(req, "modalities", None) not in (None, ["text"]):
+        raise bad_request(f"modalities {req.modalities} are not supported: only [\"text\"]", param="modalities")

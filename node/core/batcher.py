@@ -20,7 +20,8 @@ tokens, so only the rest is computed. At most ``len(token_ids) - 1`` tokens are 
 the last one is always computed, since its logits give the next token (vLLM's rule). Sequences that
 want prompt logprobs compute their whole prompt. Every block that a planned step fills is registered
 in the cache at once, so a sequence admitted later in the same step reuses it (the step writes it
-before it reads it); :meth:`Batcher.discard` takes such registrations back if the step fails.
+before it reads it). Such blocks are *pending* (:mod:`node.core.ledger`) until the step's reply came
+back: :meth:`Batcher.settle` (it ran) or :meth:`Batcher.discard` (it failed), once per step.
 """
 
 from __future__ import annotations
@@ -324,7 +325,8 @@ class Batcher:
         short of its last token); changes nothing."""
         if not self._may_reuse(seq):
             return []
-        return self.ledger.match(seq.token_ids, len(seq.token_ids) - 1, seq.block_keys)
+        # pending blocks too: they are this device's own steps' (the ledger's fence invariant)
+        return self.ledger.match(seq.token_ids, len(seq.token_ids) - 1, seq.block_keys, pending=True)
 
     def _admission(self, seq: Sequence, budget: int) -> tuple[list[int], int, int] | None:
         """How the waiting head ``seq`` would start this step: (cached blocks it reuses, tokens it
@@ -364,14 +366,22 @@ class Batcher:
         keys = self.ledger.keys(seq.token_ids, full, seq.block_keys)
         for i in range(seq.num_registered, full):
             b = seq.block_ids[i]
-            if self.ledger.register(b, keys[i], keys[i - 1] if i else None, seq.token_ids[i * bs : (i + 1) * bs]):
+            if self.ledger.register(b, keys[i], keys[i - 1] if i else None, seq.token_ids[i * bs : (i + 1) * bs],
+                                    pending=True):
                 plan.registered.append(b)
         seq.num_registered = full
 
+    def settle(self, plan: StepPlan) -> None:
+        """The step of ``plan`` ran (its reply came back): the blocks it filled are written, findable
+        by moves and peers too (:meth:`BlockLedger.settle`)."""
+        self.ledger.settle(plan.registered, written=True)
+        plan.registered = []
+
     def discard(self, plan: StepPlan) -> None:
-        """The step of ``plan`` failed: the blocks it was to fill leave the prefix cache (their content
-        was never written). Call before freeing the step's sequences."""
-        self.ledger.forget(plan.registered)
+        """The step of ``plan`` failed (its reply came back with an error): the blocks it was to fill
+        leave the prefix cache (their content was never written). Call before freeing the step's
+        sequences."""
+        self.ledger.settle(plan.registered, written=False)
         plan.registered = []
 
     def commit(self, plan: StepPlan) -> None:

@@ -19,8 +19,24 @@ exactly one of three states:
 
 Registration happens when the step that fills a block is *planned*, so sequences admitted later in
 the same step share it: the forward pass writes every new token's K/V of a layer before that layer
-attends, so such a block is never read before it is written. A step that fails :meth:`forget` s what
-it registered (its content was never written).
+attends, so such a block is never read before it is written.
+
+**Pending blocks and the fence.** A block registered by a planned step (``register(...,
+pending=True)``) is *pending* until that step's outcome is known. Invariant:
+
+* only the planner of the device's own step pipeline may match a pending block
+  (``match(..., pending=True)``, the batcher's admission): the steps it plans run after the writing
+  step on the same device, and a failed step fails every step in flight after it, so whoever reads the
+  block that way fails with its writer;
+* everyone else (a move's or a peer hand-off's reservation, :meth:`reserve`; the simulator's
+  transfers) matches only *written* blocks, so a sequence arriving from elsewhere never keeps a
+  reference to KV that a failed step did not write;
+* a pending block leaves that state only through :meth:`settle`, called exactly once per registering
+  step *after the fence* (its reply, success or failure, came back, so nothing can still write the
+  block): ``written=True`` makes it findable by everyone; ``written=False`` drops it from the cache,
+  and it becomes clean as soon as its holders (all of them failing with the step) free it. No other
+  path unregisters a pending block, so no block outlives its failed writer in the cache, and none stays
+  referenced by a sequence that did not fail with it.
 """
 
 from __future__ import annotations
@@ -66,7 +82,14 @@ class BlockLedger:
         self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced, cached: oldest release first
         self._refs = [0] * num_blocks
         self._key: list[bytes | None] = [None] * num_blocks
-        self._entries: dict[bytes, tuple[int, bytes | None, tuple[int, ...]]] = {}  # key → (block, parent, tokens)
+        self._entries: dict[bytes, int] = {}  # key → block
+        # A cached block's parent key (a reference to that block's key object) and token ids, which
+        # confirm a hit: kept per block in storage allocated once, because a tuple of token-id ints
+        # per cached block (~0.7 KB with the dict entry) grew the process by tens of MB as a large
+        # pool's cache filled up (the soak's RSS growth, issue 32).
+        self._parent: list[bytes | None] = [None] * num_blocks
+        self._tokens = array("q", bytes(8 * num_blocks * block_size)) if prefix_caching else array("q")
+        self._writers = [0] * num_blocks  # steps that registered the block and are not settled yet (pending)
         self.num_evictions = 0
 
     # --- counts ---------------------------------------------------------------------------------
@@ -96,6 +119,10 @@ class BlockLedger:
     def is_cached(self, block: int) -> bool:
         return self._key[block] is not None
 
+    def is_pending(self, block: int) -> bool:
+        """The block is cached and a step that is to write it has not settled (:meth:`settle`)."""
+        return self._key[block] is not None and self._writers[block] > 0
+
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens: ``ceil(num_tokens / block_size)``."""
         return -(-num_tokens // self.block_size)
@@ -116,7 +143,7 @@ class BlockLedger:
             else:
                 b, _ = self._lru.popitem(last=False)
                 del self._entries[self._key[b]]
-                self._key[b] = None
+                self._key[b] = self._parent[b] = None
                 self.num_evictions += 1
             self._refs[b] = 1
             out.append(b)
@@ -168,12 +195,15 @@ class BlockLedger:
             memo.append(block_key(memo[-1] if memo else None, token_ids[i * bs : (i + 1) * bs]))
         return memo
 
-    def match(self, token_ids: Seq[int], max_tokens: int, memo: list[bytes] | None = None) -> list[int]:
+    def match(self, token_ids: Seq[int], max_tokens: int, memo: list[bytes] | None = None,
+              pending: bool = False) -> list[int]:
         """Cached blocks holding the longest run of leading full blocks of ``token_ids[:max_tokens]``
         (``[]`` with caching off). Changes nothing; take them with :meth:`take`.
 
         ``memo``: the tokens' key list (see :meth:`keys`); keys are computed only as far as the match
-        goes. A candidate must also carry the same parent key and the same token ids.
+        goes. A candidate must also carry the same parent key and the same token ids. ``pending``:
+        pending blocks match too (only the device's own planner may ask: see the module docstring);
+        otherwise the match stops at the first pending block.
         """
         if not self.prefix_caching or not self._entries:
             return []
@@ -183,17 +213,35 @@ class BlockLedger:
         parent = None
         for i in range(max(0, max_tokens) // bs):
             key = self.keys(token_ids, i + 1, memo)[i]
-            entry = self._entries.get(key)
-            if entry is None or entry[1] != parent or entry[2] != tuple(token_ids[i * bs : (i + 1) * bs]):
+            b = self._entries.get(key)
+            if b is None or self._parent[b] != parent or \
+                    self._tokens[b * bs : (b + 1) * bs] != array("q", token_ids[i * bs : (i + 1) * bs]):
                 break
-            out.append(entry[0])
+            if not pending and self._writers[b]:
+                break  # its step may still fail: never hand it to a reader outside that step's pipeline
+            out.append(b)
             parent = key
         return out
 
-    def register(self, block: int, key: bytes, parent: bytes | None, tokens: Seq[int]) -> bool:
+    def reserve(self, token_ids: Seq[int], max_tokens: int, num_blocks: int,
+                memo: list[bytes] | None = None) -> tuple[list[int], int] | None:
+        """Blocks for a sequence of ``num_blocks`` blocks arriving from elsewhere (a move, a peer
+        hand-off) whose first ``max_tokens`` tokens are computed: the *written* cached blocks of its
+        longest cached prefix (never pending ones: the module docstring's invariant), referenced now so
+        never evicted, then new ones; all or nothing. Returns ``(blocks, reused)``, the first
+        ``reused`` being the cached ones (their KV need not be sent), or ``None`` (nothing changed)."""
+        hits = self.match(token_ids, max_tokens, memo)[:num_blocks]
+        new = self.take(hits, num_blocks - len(hits))
+        if new is None:
+            return None
+        return hits + new, len(hits)
+
+    def register(self, block: int, key: bytes, parent: bytes | None, tokens: Seq[int], pending: bool = False) -> bool:
         """Make the referenced full ``block`` findable under ``key`` (its parent's key and its token
         ids confirm a hit). False, changing nothing, when caching is off, the block is already
         cached, or another block already holds this content (the first one stays the cached copy).
+        ``pending``: a planned step is still to write it; the caller must :meth:`settle` it once that
+        step's outcome is known (the module docstring's invariant). Without it, the content is written.
 
         Raises:
             LedgerError: the block is not referenced, or ``tokens`` is not one full block.
@@ -204,19 +252,33 @@ class BlockLedger:
             raise LedgerError(f"block {block} registered with {len(tokens)} tokens, not {self.block_size}")
         if not self.prefix_caching or self._key[block] is not None or key in self._entries:
             return False
-        self._entries[key] = (block, parent, tuple(tokens))
-        self._key[block] = key
+        self._entries[key] = block
+        self._key[block], self._parent[block] = key, parent
+        self._tokens[block * self.block_size : (block + 1) * self.block_size] = array("q", tokens)
+        if pending:
+            self._writers[block] += 1
         return True
+
+    def settle(self, blocks: Seq[int], written: bool) -> None:
+        """The step that registered ``blocks`` as pending has ended; call after its reply came back
+        (the fence: nothing writes them any more), once per step. ``written``: it succeeded, and they
+        become findable by every reader; else they leave the cache (:meth:`forget`)."""
+        for b in blocks:
+            if self._writers[b] > 0:
+                self._writers[b] -= 1
+        if not written:
+            self.forget(blocks)
 
     def forget(self, blocks: Seq[int]) -> None:
         """Drop ``blocks`` from the prefix cache (their content is not valid: the step that was to
-        write them failed). An unreferenced one becomes clean."""
+        write them failed; a pending block leaves through :meth:`settle`, which calls this). An
+        unreferenced one becomes clean."""
         for b in blocks:
             key = self._key[b]
             if key is None:
                 continue
             del self._entries[key]
-            self._key[b] = None
+            self._key[b] = self._parent[b] = None
             if self._refs[b] == 0:
                 del self._lru[b]
                 self._free.append(b)
@@ -233,8 +295,8 @@ class BlockLedger:
             raise LedgerError("a block is on the free list twice")
         for b, r in enumerate(self._refs):
             in_free, in_lru, key = b in free, b in self._lru, self._key[b]
-            if r < 0:
-                raise LedgerError(f"block {b} has refcount {r}")
+            if r < 0 or self._writers[b] < 0:
+                raise LedgerError(f"block {b} has refcount {r}, {self._writers[b]} unsettled writers")
             if r > 0 and (in_free or in_lru):
                 raise LedgerError(f"block {b} has refcount {r} but is free")
             if r == 0 and in_free + in_lru != 1:
@@ -243,7 +305,7 @@ class BlockLedger:
                 raise LedgerError(f"block {b} is clean but cached")
             if in_lru and key is None:
                 raise LedgerError(f"block {b} is reclaimable but not cached")
-            if key is not None and self._entries.get(key, (None,))[0] != b:
+            if key is not None and self._entries.get(key) != b:
                 raise LedgerError(f"block {b} has a key the cache index does not map to it")
         if len(self._entries) != sum(k is not None for k in self._key):
             raise LedgerError("the cache index names a block that does not carry its key")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from collections import deque
 from contextlib import suppress
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from node.core.sequence import PENDING, Sequence
 from node.runtime.engine_residents import Residents
 from node.runtime.engine_revival import Revival
 from node.runtime.engine_roles import RoleSwitching
-from node.runtime.moves import KVMoves, MigrationRecord, Move
+from node.runtime.moves import COPY_GRACE_S, KVMoves, MigrationRecord, Move
 from node.runtime.request import RequestState
 from node.runtime.switching import DeviceRole, SwitchRecord
 from node.runtime.step_encoder import StepEncoder
@@ -86,6 +87,7 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
         self._copies: deque[Move] = deque()  # overlapped moves begun, copied by _copy_loop in order
         self._copier: asyncio.Task | None = None
         self._copying: Move | None = None  # the overlapped move being copied now
+        self._abort_copies = threading.Event()  # set by stop(): a copy in flight ends at its next layer
         self._detaches: list[tuple[Sequence, asyncio.Future]] = []
         self.link_gbps: float | None = None  # emulated interconnect for KV leaving this device
         self.block_layer_bytes: int | None = None  # a timed device: KV bytes one block of one layer emulates
@@ -149,7 +151,10 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
             self._dead = self.runner.death_reason(process)
             self.wake()
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: float = COPY_GRACE_S) -> None:
+        """Stop the loop and the engine. A KV copy in flight gets ``grace_s`` seconds to end, then is
+        aborted (:meth:`KVMoves.abort_copies`): a stop never waits on a slow link without bound."""
+        await self.abort_copies(grace_s)
         if self._copier and not self._copier.done():
             self._copier.cancel()
             with suppress(asyncio.CancelledError):
@@ -225,18 +230,22 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
         """Encode ``plan`` as a diff, give each sampling sequence its placeholder token, advance the
         batcher as if the step ran (the next plan builds on it) and hand the message to the engine."""
         self._current_plan = plan
-        msg = self._encoder.encode(plan, self._by_seq)
-        rc = self.active_config
-        # one step, several instances; a group whose switch failed runs in the layout it is in (getattr: a group)
-        if (rc is not None and rc.instances > 1 and plan.kind is StepKind.PREFILL
-                and getattr(self.runner, "active_role", None) == "prefill"):
-            # a sequence reading a block another item writes now (a prefix hit registered this step) goes with it
-            units = shared_block_units([(it.seq.block_ids, m.start, m.num_tokens) for it, m in zip(plan.items, msg.items)],
-                                       self.batcher.ledger.block_size)
-            msg.instances = assign_instances([it.num_tokens for it in plan.items], rc.instances, units)
-            msg.rng_seed = self._rng.getrandbits(62)
-            self.kv_scatter_bytes += scatter_bytes(plan.num_tokens, self._kv_bytes_per_token, rc.tp_degree,
-                                                   rc.group_size)
+        try:
+            msg = self._encoder.encode(plan, self._by_seq)
+            rc = self.active_config
+            # one step, several instances; a group whose switch failed runs in the layout it is in (getattr: a group)
+            if (rc is not None and rc.instances > 1 and plan.kind is StepKind.PREFILL
+                    and getattr(self.runner, "active_role", None) == "prefill"):
+                # a sequence reading a block another item writes now (a prefix hit registered this step) goes with it
+                units = shared_block_units([(it.seq.block_ids, m.start, m.num_tokens) for it, m in zip(plan.items, msg.items)],
+                                           self.batcher.ledger.block_size)
+                msg.instances = assign_instances([it.num_tokens for it in plan.items], rc.instances, units)
+                msg.rng_seed = self._rng.getrandbits(62)
+                self.kv_scatter_bytes += scatter_bytes(plan.num_tokens, self._kv_bytes_per_token, rc.tp_degree,
+                                                       rc.group_size)
+        except BaseException:
+            self.batcher.discard(plan)  # never sent: nothing will write the blocks it registered (node.core.ledger)
+            raise
         pending = []  # (sequence, placeholder index, item position): read back by _complete
         for pos, item in enumerate(msg.items):
             if item.sample:
@@ -284,6 +293,7 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
             if not self._inflight:
                 self._idle.set()
         self._current_plan = rec.plan
+        self.batcher.settle(rec.plan)  # after the fence: the blocks it filled are written (node.core.ledger)
         outs = reply.outputs  # one per item, in item order
         for seq, index, pos in rec.pending:
             seq.num_pending -= 1
@@ -342,43 +352,6 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
                 self.errors["listener"] = self.errors.get("listener", 0) + 1
                 log.error("engine_listener_failed", device=self.device_id, listener=getattr(listener, "__qualname__", repr(listener)),
                           error=f"{type(e).__name__}: {e}", exc_info=e)
-
-    def _on_loop_done(self, task: asyncio.Task) -> None:
-        """The step loop ended other than by cancellation (it should not): the device is down. Its
-        requests fail and ``failure`` says why (``/health`` reports it)."""
-        if task.cancelled():
-            return
-        error = task.exception()
-        if isinstance(error, EngineDied):
-            self.failure = str(error)
-        else:
-            self.failure = f"step loop ended: {type(error).__name__}: {error}" if error else "step loop ended"
-        log.error("engine_down", device=self.device_id, reason=self.failure)
-        self.engine_died = isinstance(error, EngineDied)
-        if self.engine_died and self.orphan_listener is not None:
-            self._orphan_all()
-        for req in list(self.requests.values()):
-            req.fail(f"device {self.device_id} is down: {self.failure}", status=503, code="engine_down",
-                     retry_after_s=1.0)
-            try:  # nothing runs here any more: drop its sequences and blocks now, not at a next step
-                self._finish_request(req)
-            except Exception as e:  # noqa: BLE001 - bookkeeping of a broken device: log and go on
-                log.error("engine_cleanup_failed", device=self.device_id, request=req.request_id, error=str(e))
-        self._inflight.clear()
-        self._idle.set()  # a switch waiting for the steps in flight goes on, and fails (switch_role)
-        for _seq, fut in self._detaches:  # hand-offs waiting for a step boundary: the sequence stays here
-            if not fut.done():
-                fut.set_result(None)
-        for m in self._migrations:  # moves not begun: refused
-            if not m.fut.done():
-                m.fut.set_result(None)
-        self._detaches.clear()
-        self._migrations.clear()
-        while self._jobs:  # a transfer waiting for this device's worker fails instead of hanging
-            _fn, _args, fut = self._jobs.popleft()
-            if not fut.done():
-                fut.set_exception(RuntimeError(f"device {self.device_id} is down: {self.failure}"))
-        self._notify(self.down_listeners)
 
     def _postprocess(self, rec: _InFlight, outs: list[SeqOutput]) -> None:
         """Emit the step's tokens: ``outs`` are the engine's outputs, one per item in item order."""

@@ -22,6 +22,10 @@ from node.transport.local import copy_sharded_blocks
 
 log = structlog.get_logger("shiftnode.engine")
 
+COPY_GRACE_S = 5.0
+"""Seconds a stopping device lets its KV copy in flight end before aborting it (SIGTERM of the node).
+At a slow ``--link-gbps`` a copy can take minutes; the sequence's client is gone with the node anyway."""
+
 
 @dataclass(frozen=True)
 class MigrationRecord:
@@ -127,7 +131,8 @@ class KVMoves:
                 raise RuntimeError(f"device {dst.device_id} is down: {dst.failure}")
             report = await asyncio.get_running_loop().run_in_executor(self._executor, partial(
                 copy_sharded_blocks, self.kv_pools, m.src_blocks[reused:], dst.kv_pools,
-                m.dst_blocks[reused:], link_gbps=self.link_gbps, block_layer_bytes=self.block_layer_bytes))
+                m.dst_blocks[reused:], link_gbps=self.link_gbps, block_layer_bytes=self.block_layer_bytes,
+                abort=self._abort_copies))
             if dst.failure is not None:  # it went down during the copy: nothing would ever run it there
                 raise RuntimeError(f"device {dst.device_id} is down: {dst.failure}")
         except Exception as e:  # noqa: BLE001 - a failed copy leaves the sequence where it was
@@ -189,6 +194,16 @@ class KVMoves:
         self._migrations = keep
         if self._copies and (self._copier is None or self._copier.done()):
             self._copier = asyncio.get_running_loop().create_task(self._copy_loop(), name=f"copies-{self.device_id}")
+
+    async def abort_copies(self, grace_s: float) -> None:
+        """Let the overlapped copy in flight end within ``grace_s`` seconds, then make every copy of this
+        device stop at its next layer or link wait (``CopyAborted``: the move fails, its destination
+        blocks are freed), so the worker thread is free for the engine's stop. A copy whose request
+        already ended (on SIGTERM the server cancelled every handler first) is aborted at once."""
+        m = self._copying
+        if m is not None and not self._gone(m) and self._copier is not None and not self._copier.done():
+            await asyncio.wait([self._copier], timeout=grace_s)
+        self._abort_copies.set()
 
     async def _copy_loop(self) -> None:
         """Overlapped moves, one after another while this device's steps go on."""

@@ -232,9 +232,16 @@ class PooledDriver(Driver):
     def _fail_stranded(self) -> None:
         """No decode device and no peer reachable for ``DECODE_WAIT_S``: fail the waiting prompts and
         the prefilled sequences that cannot be handed off with 503 (``peer_refused`` when every peer
-        was refused, else ``peer_unavailable``), naming each peer's state and reason."""
-        code, states = self.node.peers.unusable(self.clock()) if self.node.peers else ("peer_unavailable", "no peers")
-        why = f"no decode peer reachable for {DECODE_WAIT_S:.0f} s: {states}"
+        was refused, else ``peer_unavailable``), naming each peer's state and reason; a node without
+        peers whose own decode devices are all down says so (``engine_down``, each device's failure)."""
+        down = "; ".join(f"{d}: {self.node.engine(d).failure}" for d in self.decode_ids)
+        if self.node.peers is None or not self.node.peers.peers:
+            code = "engine_down" if self.decode_ids else "peer_unavailable"
+            why = f"every decode device is down ({down})" if self.decode_ids else "no decode device and no peers"
+        else:
+            code, states = self.node.peers.unusable(self.clock())
+            why = f"no decode peer reachable for {DECODE_WAIT_S:.0f} s: {states}" + (
+                f"; every decode device of this node is down ({down})" if down else "")
         for req in list(self.pending):
             self.pending.remove(req)
             req.fail(why, status=503, code=code, retry_after_s=RETRY_AFTER_S)

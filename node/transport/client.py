@@ -21,6 +21,7 @@ from node.transport.protocol import (
     TransferRefuse, TransferRefused, TransportError, TransportTimeout, checksum, check_compatible,
     secret_bytes,
 )
+from node.transport.errors import not_kv_peer
 from node.transport.layers import Layers, LayerSource, payload_view, skip_blocks
 from node.transport.throttle import LinkThrottle, as_throttle
 from node.transport.wire import (
@@ -110,8 +111,11 @@ class KVClient:
             raise TransportTimeout(f"connect to {host}:{port} not done within {connect_timeout_s} s",
                                    "connect") from None
         try:
-            reply = await client_handshake(reader, writer, secret_b, node_id, layout, handshake_timeout_s,
-                                           max_header_bytes)
+            try:
+                reply = await client_handshake(reader, writer, secret_b, node_id, layout, handshake_timeout_s,
+                                               max_header_bytes)
+            except ProtocolError as exc:  # it answered, but not as a KV port (an HTTP port, say)
+                raise not_kv_peer(f"{host}:{port}", exc) from exc
             route = None
             if nixl is not None:  # only now: the server proved the secret, its metadata may be parsed
                 from node.transport.nixl_plane import query_route

@@ -13,7 +13,12 @@ class ProtocolError(TransportError):
 
 
 class FrameTooLarge(ProtocolError):
-    """A frame or payload is larger than the configured bound; the connection is dropped."""
+    """A frame or payload is larger than the configured bound; the connection is dropped. ``size``:
+    the length announced (bytes), when known."""
+
+    def __init__(self, message: str, size: int | None = None):
+        super().__init__(message)
+        self.size = size
 
 
 class PeerRefused(TransportError):
@@ -27,6 +32,22 @@ class PeerRefused(TransportError):
         super().__init__(message)
         if code:
             self.code = code
+
+
+class NotKVPeer(PeerRefused):
+    """The address answered, but not the shiftnode KV handshake (an HTTP port, another service): a
+    configuration mistake, reported as a refusal so ``/health`` and the logs name it."""
+
+    code = "not_shiftnode"
+
+
+def not_kv_peer(addr: str, exc: ProtocolError) -> NotKVPeer:
+    """The refusal for ``addr`` whose first answer to our ``Hello`` was not a KV frame (``exc``)."""
+    if isinstance(exc, FrameTooLarge) and exc.size is not None and exc.size.to_bytes(4, "big") == b"HTTP":
+        detail = "it answered in HTTP: that is a node's HTTP --port; --peers takes the peer's --kv-port"
+    else:
+        detail = f"its answer was not a KV frame: {exc}"
+    return NotKVPeer(f"peer {addr} did not answer the shiftnode KV handshake ({detail})")
 
 
 class AuthError(PeerRefused):

@@ -1,7 +1,8 @@
 """In-node KV transfer between two devices' caches (same process): layer by layer, in order.
 
 Each layer: gather the sequence's blocks on the source, move the packed buffer to the destination
-device (a device-to-device copy on CUDA), scatter it into the destination blocks, optionally read it
+device (a device-to-device copy on CUDA), scatter it into the destination blocks, wait until the
+write is done (:mod:`node.transport.pool_sync`: the engine reads on its own stream), optionally read it
 back and compare bit for bit (the in-process analogue of the wire CRC, stronger and device-side), pace
 it through an emulated link, then call ``on_layer(layer)``. Blocking: run it off the event loop
 (``asyncio.to_thread``) or on the device worker's thread.
@@ -9,6 +10,7 @@ it through an emulated link, then call ``on_layer(layer)``. Blocking: run it off
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -16,6 +18,7 @@ from typing import Callable
 import torch
 
 from shiftnode_kernels import reference
+import node.transport.pool_sync as pool_sync
 from node.transport.protocol import ChecksumMismatch, LayoutMismatch
 from node.transport.throttle import LinkThrottle, as_throttle
 
@@ -31,6 +34,11 @@ class LocalCopyReport:
     nbytes: int = 0
     layer_end_s: list[float] = field(default_factory=list)
     total_s: float = 0.0
+
+
+class CopyAborted(RuntimeError):
+    """The copy was stopped between layers (its ``abort`` event was set: the node is stopping); the
+    destination blocks hold part of the sequence and must be freed."""
 
 
 def _check(src_kv: torch.Tensor, src_blocks: list[int], dst_kv: torch.Tensor, dst_blocks: list[int]) -> None:
@@ -64,7 +72,8 @@ def copy_sequence_blocks(src_kv: torch.Tensor, src_blocks: list[int], dst_kv: to
                          block_layer_bytes: int | None = None,
                          gather: GatherFn = reference.gather_kv_blocks,
                          scatter: ScatterFn = reference.scatter_kv_blocks,
-                         fault_hook: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> LocalCopyReport:
+                         fault_hook: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+                         abort: threading.Event | None = None) -> LocalCopyReport:
     """Copy blocks ``src_blocks`` of ``src_kv`` into ``dst_blocks`` of ``dst_kv`` (same logical order),
     every layer in order. Caches: ``[num_layers, 2, num_blocks, block_size, Hkv, D]``, same dtype and
     geometry (block counts may differ). ``link_gbps``: None, Gb/s or a shared :class:`LinkThrottle`;
@@ -74,6 +83,8 @@ def copy_sequence_blocks(src_kv: torch.Tensor, src_blocks: list[int], dst_kv: to
     ``2 * block_size * kv_heads * head_dim * dtype_bytes``); None: the buffer's. ``gather``/``scatter``: the kernels'
     ops (default: the torch reference; a cache in host memory always uses the reference).
     ``fault_hook(layer, buffer) -> buffer``: tests only, alters the buffer after it was gathered.
+    ``abort``: once set, the copy stops before its next layer or during its link pacing
+    (``CopyAborted``), so a stopping node never waits for a slow link.
     Raises ``ChecksumMismatch`` (verification failed: the destination blocks hold garbage for that
     layer; free them), ``LayoutMismatch``, ``ValueError``.
     """
@@ -88,10 +99,13 @@ def copy_sequence_blocks(src_kv: torch.Tensor, src_blocks: list[int], dst_kv: to
     report = LocalCopyReport()
     t0 = time.monotonic()
     for layer in range(src_kv.shape[0]):
+        if abort is not None and abort.is_set():
+            raise CopyAborted(f"KV copy aborted before layer {layer}: the node is stopping")
         buf = gather(src_kv[layer, 0], src_kv[layer, 1], src_ids)  # [2, n, bs, Hkv, D]
         sent = buf.to(dst_kv.device, non_blocking=False)
         moved = fault_hook(layer, sent.clone()) if fault_hook is not None else sent
         scatter(moved, dst_kv[layer, 0], dst_kv[layer, 1], dst_ids)
+        pool_sync.sync_pool_writes(dst_kv)  # landed before the engine (its own stream) may read it
         if verify:
             back = (gather if dst_kv.device == src_kv.device else reference.gather_kv_blocks)(
                 dst_kv[layer, 0], dst_kv[layer, 1], dst_ids)
@@ -99,8 +113,8 @@ def copy_sequence_blocks(src_kv: torch.Tensor, src_blocks: list[int], dst_kv: to
                 raise ChecksumMismatch(f"layer {layer}: destination blocks differ from the source after the copy")
         nbytes = buf.numel() * buf.element_size() if block_layer_bytes is None else block_layer_bytes * len(src_blocks)
         report.nbytes += nbytes
-        if link is not None:
-            link.wait_sync(nbytes)
+        if link is not None and not link.wait_sync(nbytes, abort):
+            raise CopyAborted(f"KV copy aborted at layer {layer}: the node is stopping")
         report.layer_end_s.append(time.monotonic() - t0)
         if on_layer is not None:
             on_layer(layer)
@@ -125,7 +139,7 @@ def head_overlaps(num_kv_heads: int, src_degree: int, dst_degree: int) -> list[t
 
 def copy_sharded_blocks(src_pools: list[torch.Tensor], src_blocks: list[int], dst_pools: list[torch.Tensor],
                         dst_blocks: list[int], *, verify: bool = True, link_gbps: LinkThrottle | float | None = None,
-                        block_layer_bytes: int | None = None) -> LocalCopyReport:
+                        block_layer_bytes: int | None = None, abort: threading.Event | None = None) -> LocalCopyReport:
     """:func:`copy_sequence_blocks` between two tensor-parallel groups' pools, re-sharding the KV heads.
 
     ``src_pools``/``dst_pools``: each rank's pool in rank order (``[layers, 2, blocks, block_size,
@@ -142,7 +156,7 @@ def copy_sharded_blocks(src_pools: list[torch.Tensor], src_blocks: list[int], ds
     """
     if len(src_pools) == 1 and len(dst_pools) == 1:
         return copy_sequence_blocks(src_pools[0], src_blocks, dst_pools[0], dst_blocks, verify=verify,
-                                    link_gbps=link_gbps, block_layer_bytes=block_layer_bytes)
+                                    link_gbps=link_gbps, block_layer_bytes=block_layer_bytes, abort=abort)
     heads = src_pools[0].shape[4] * len(src_pools)
     if dst_pools[0].shape[4] * len(dst_pools) != heads or heads % len(src_pools) or heads % len(dst_pools):
         raise LayoutMismatch(["num_kv_heads"], f"sharded pools of {len(src_pools)} x {src_pools[0].shape[4]} and "
@@ -154,7 +168,7 @@ def copy_sharded_blocks(src_pools: list[torch.Tensor], src_blocks: list[int], ds
     for r, q, a, b in head_overlaps(heads, len(src_pools), len(dst_pools)):
         part = copy_sequence_blocks(
             src_pools[r][..., a - r * ks : b - r * ks, :], src_blocks, dst_pools[q][..., a - q * kt : b - q * kt, :],
-            dst_blocks, verify=verify, link_gbps=link,
+            dst_blocks, verify=verify, link_gbps=link, abort=abort,
             block_layer_bytes=None if block_layer_bytes is None else block_layer_bytes * (b - a) // heads)
         report.nbytes += part.nbytes
     report.total_s = time.monotonic() - t0

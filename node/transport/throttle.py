@@ -6,6 +6,7 @@ Share one :class:`LinkThrottle` between every sender that uses the same physical
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 
@@ -42,11 +43,16 @@ class LinkThrottle:
         if delay > 0:
             await asyncio.sleep(delay)
 
-    def wait_sync(self, nbytes: int) -> None:
-        """Blocking pacing (for the in-node copy, which runs off the event loop)."""
+    def wait_sync(self, nbytes: int, abort: threading.Event | None = None) -> bool:
+        """Blocking pacing (for the in-node copy, which runs off the event loop). With ``abort``, the
+        wait ends early once it is set; returns False then (True: the bytes count as sent)."""
         delay = self.take(nbytes)
         if delay > 0:
-            time.sleep(delay)
+            if abort is None:
+                time.sleep(delay)
+            elif abort.wait(delay):
+                return False
+        return True
 
 
 SLEEP_SLACK_S = 0.002  # credit a paced sender may catch up: sleeps overshoot, and per-chunk overshoots would add up

@@ -42,7 +42,7 @@ async def read_msg(reader: asyncio.StreamReader, max_header_bytes: int, timeout_
         async with asyncio.timeout(timeout_s):
             (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
             if n > max_header_bytes:
-                raise FrameTooLarge(f"frame of {n} bytes exceeds max_header_bytes {max_header_bytes}")
+                raise FrameTooLarge(f"frame of {n} bytes exceeds max_header_bytes {max_header_bytes}", n)
             body = await reader.readexactly(n)
     except TimeoutError:
         raise TransportTimeout(f"no frame within {timeout_s} s", stage) from None

@@ -19,15 +19,10 @@ from node.core.role_config import column_ranks
 from node.transport.protocol import Fingerprint
 from node.worker.engine_core import StepMsg, StepReply
 from node.worker.engine_messages import EngineDied, EngineError, Prepare, Reconfigure, StepAck, TPRank
+from node.worker.engine_messages import retrieved as _retrieved
 from node.worker.engine_process import EngineProcess, submit_from_thread
 
 log = structlog.get_logger("shiftnode.engine_group")
-
-
-def _retrieved(fut: asyncio.Future) -> None:
-    """Mark ``fut``'s exception as read (no "never retrieved" warning for a reply nobody awaits)."""
-    if not fut.cancelled():
-        fut.exception()
 
 
 class TPEngineGroup:

@@ -9,6 +9,14 @@ from node.transport.protocol import Fingerprint
 from node.worker.engine_core import StepMsg, StepReply
 
 
+def retrieved(fut) -> None:
+    """Mark an asyncio future's exception as read (a done callback): no "Future exception was never
+    retrieved" error for a reply nobody awaits any more (steps in flight behind the one a dead engine's
+    loop stopped at; a group's replies of ranks settled otherwise)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 class EngineDied(RuntimeError):
     """The device's engine process is gone (crashed, killed, or its pipe closed)."""
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from node.core.adaptive import AdaptiveScheduler, ChunkBudget
-from node.core.chunk_budget import chunk_budget, chunks_extra_s, step_limit_s
+from node.core.chunk_budget import chunk_budget, chunks_extra_s, chunks_s, efficient_chunk, gather_s, step_limit_s
 from node.core.cost import CostModel
 from node.core.roles import DeviceState, NodeSnapshot, Place, ResidentSeq, Role, RoleSchedulerConfig, SwitchRole, WaitingPrompt
 
@@ -127,19 +127,36 @@ def test_window_when_a_burst_is_cheaper_as_a_window():
 
 
 def test_window_when_ttft_is_at_risk_as_chunks():
-    """A 2,000-token prompt 60 ms old would take two mixed steps (~57 ms) as chunks, past half its 200 ms
-    TTFT SLO; a window (residents due in 12 ms: a forced one) serves it in ~47 ms."""
+    """A 2,000-token prompt 150 ms old would take two mixed steps (~57 ms) as chunks, past its 200 ms
+    TTFT SLO; a window (residents due in 12 ms: a forced one) serves it in ~47 ms, within it."""
     pol = AdaptiveScheduler(CFG, COST)
     now = 1.0
     st = dev(Role.MIXED, on_pace(4, now, 0.012))
     c, _ = pol.chunk_budget_of(st, now)
     assert 0 < c < 2000
-    out = pol.decide(now, NodeSnapshot((st,), (WaitingPrompt("p", 2000, now - 0.060, 100),)))
+    m = lambda n: COST.mixed_step_s(n, 4, 2000)  # noqa: E731
+    assert 0.150 + chunks_s(m, 2000, c) > 0.200 >= 0.150 + pol.pause_s + pol.prefill_s(2000)
+    out = pol.decide(now, NodeSnapshot((st,), (WaitingPrompt("p", 2000, now - 0.150, 100),)))
     assert switches(out) == [("d0", Role.PREFILL, "ttft")]
     assert [d.request_id for d in out if isinstance(d, Place)] == ["p"]
-    # a fresh prompt is not at risk yet: it goes in chunks
+    # a fresh prompt is not at risk: it goes in chunks
     out = pol.decide(now, NodeSnapshot((st,), (WaitingPrompt("p", 2000, now, 100),)))
     assert switches(out) == [] and any(isinstance(d, ChunkBudget) for d in out)
+
+
+def test_no_ttft_window_for_a_head_that_meets_its_slo_as_chunks():
+    """60 ms old, the same prompt is past half its TTFT SLO as chunks (~117 ms) but meets the SLO: a
+    window would serve it ~10 ms sooner and stall the four residents for ~50 ms, so it goes in chunks."""
+    pol = AdaptiveScheduler(CFG, COST)
+    now = 1.0
+    st = dev(Role.MIXED, on_pace(4, now, 0.012))
+    c, _ = pol.chunk_budget_of(st, now)
+    m = lambda n: COST.mixed_step_s(n, 4, 2000)  # noqa: E731
+    as_chunks = 0.060 + chunks_s(m, 2000, c)
+    assert CFG.ttft_urgency * 0.200 <= as_chunks <= 0.200 and 0.060 + pol.pause_s + pol.prefill_s(2000) < as_chunks
+    out = pol.decide(now, NodeSnapshot((st,), (WaitingPrompt("p", 2000, now - 0.060, 100),)))
+    assert switches(out) == [] and any(isinstance(d, ChunkBudget) for d in out)
+    assert [d.device_id for d in out if isinstance(d, Place)] == ["d0"]
 
 
 def test_an_idle_window_returns_to_the_decode_configuration():
@@ -157,3 +174,101 @@ def test_step_limit_formulas():
     assert chunk_budget(step, 0.0100999, 1000) == 0
     assert chunk_budget(step, 1.0, 64) == 64
 
+
+
+class Knee(CostModel, frozen=True, kw_only=True):
+    """Decode replays graphs; a mixed step runs eagerly: it costs at least the decode step plus a 10 ms
+    launch floor, then 20 us per prompt token, plus 2 ns per token squared (attention within the chunk).
+    Prompt tokens are cheapest per token at the knee, 500 tokens."""
+
+    def mixed_step_s(self, prompt_tokens: int, decode_seqs: int, context_tokens: int) -> float:
+        d = self.decode_step_s(decode_seqs, context_tokens)
+        if prompt_tokens <= 0 or decode_seqs <= 0:
+            return d if prompt_tokens <= 0 else CostModel.mixed_step_s(self, prompt_tokens, 0, 0)
+        return d + max(0.010, 2e-5 * prompt_tokens) + 2e-9 * prompt_tokens ** 2
+
+
+KNEE = Knee(**{f: getattr(COST, f) for f in COST.__struct_fields__})
+
+
+def test_the_chunk_is_the_knee_not_the_largest_that_fits():
+    """Under a 45 ms limit ~1,500 prompt tokens would fit, but past the knee a larger chunk buys no
+    prompt throughput and lengthens every resident's step: the budget is the knee (within the search
+    grid's 19 %). On the linear model a larger chunk is always cheaper per token: the limit."""
+    now = 1.0
+    st = dev(Role.DECODE, on_pace(4, now, T))
+    c, limit = AdaptiveScheduler(CFG, KNEE).chunk_budget_of(st, now)
+    m = lambda n: KNEE.mixed_step_s(n, 4, 2000)  # noqa: E731
+    c_limit = chunk_budget(m, limit, 2048 - 4)
+    assert c_limit > 1000 and 500 / 2 ** 0.25 <= c <= 500 * 2 ** 0.25
+    u = lambda n: (m(n) - m(0)) / n  # noqa: E731
+    assert u(c) < u(c_limit) and u(c) < u(100)
+    assert efficient_chunk(lambda n: COST.mixed_step_s(n, 4, 2000), 700) == 700
+    assert efficient_chunk(m, 0) == 0
+
+
+def test_a_partial_queue_gathers_until_full_or_g_old():
+    """A 128-token prompt on a device whose mixed steps pay a 10 ms eager penalty: mixing it at once would
+    pay the penalty for a quarter of a chunk. It waits in DECODE ("gather") until its wait reaches
+    G = 10 ms x (1 - 0.2) / 0.2 = 40 ms (the penalty's share of device time <= max_pause_share), or
+    until the queue fills the chunk."""
+    pol = AdaptiveScheduler(CFG, KNEE)
+    now = 1.0
+    res = on_pace(4, now, T)
+    G = gather_s(KNEE.mixed_step_s(1, 4, 2000) - KNEE.decode_step_s(4, 2000), CFG.max_pause_share)
+    assert math.isclose(G, 0.040, rel_tol=0.01)
+
+    def queued(tokens, age, role=Role.MIXED):
+        return dev(role, res, prefill_queue_tokens=tokens, prefill_queue_seqs=1, prefill_queue_oldest_s=now - age)
+
+    out = pol.decide(now, NodeSnapshot((queued(128, 0.010),)))
+    assert switches(out) == [("d0", Role.DECODE, "gather")] and not any(isinstance(d, ChunkBudget) for d in out)
+    assert pol.decide(now, NodeSnapshot((queued(128, 0.010, Role.DECODE),))) == []  # already decoding: stays
+    # a prompt placed now gathers too (its arrival, not the snapshot's, is the queue's oldest)
+    out = pol.decide(now, NodeSnapshot((dev(Role.MIXED, res),), (WaitingPrompt("p", 128, now, 100),)))
+    assert switches(out) == [("d0", Role.DECODE, "gather")] and [d.device_id for d in out if isinstance(d, Place)] == ["d0"]
+    # waited G: mix
+    out = pol.decide(now, NodeSnapshot((queued(128, G, Role.DECODE),)))
+    assert switches(out) == [("d0", Role.MIXED, "chunks_fit")]
+    # a full chunk: mix at once
+    c, _ = pol.chunk_budget_of(queued(128, 0.0), now)
+    out = pol.decide(now, NodeSnapshot((queued(c, 0.0, Role.DECODE),)))
+    assert switches(out) == [("d0", Role.MIXED, "chunks_fit")]
+    # one configuration, no eager penalty beyond a token's cost: G ~ 0, a prompt is never held
+    assert AdaptiveScheduler(CFG, COST).decide(now, NodeSnapshot((queued(128, 0.001, Role.DECODE),)))[0] == \
+        SwitchRole("d0", Role.MIXED, "chunks_fit")
+
+
+def test_a_prompt_that_waited_for_a_slot_is_placed_behind_a_short_queue():
+    """A prompt that already waited 300 ms for a sequence slot is past half its 200 ms TTFT SLO wherever it
+    goes; a device whose queue (1,000 tokens) plus it is served within the target from now takes it
+    (the target measured from its arrival fitted no device with queued work, and held the queue)."""
+    pol = AdaptiveScheduler(CFG, COST)
+    now = 1.0
+    st = dev(Role.MIXED, on_pace(4, now, T), prefill_queue_tokens=1000, prefill_queue_seqs=1,
+             prefill_queue_oldest_s=now - 0.010)
+    out = pol.decide(now, NodeSnapshot((st,), (WaitingPrompt("p", 500, now - 0.300, 100),
+                                               WaitingPrompt("q", 500, now - 0.010, 100))))
+    assert switches(out) == []
+    assert [(d.request_id, d.device_id) for d in out if isinstance(d, Place)] == [("p", "d0"), ("q", "d0")]
+
+
+def test_the_chunk_grows_past_the_knee_to_keep_up_with_a_backlog():
+    """c* carries a small queue; a 6,000-token queue would take ~15 knee-sized steps (~240 ms), past a
+    fifth of the 200 ms TTFT SLO, so the chunk grows to the smallest that serves it within 40 ms of work
+    — up to the step limit's c_L."""
+    pol = AdaptiveScheduler(CFG, KNEE)
+    now = 1.0
+    res = on_pace(4, now, T)
+    m = lambda n: KNEE.mixed_step_s(n, 4, 2000)  # noqa: E731
+
+    def budget(tokens):
+        st = dev(Role.MIXED, res, prefill_queue_tokens=tokens, prefill_queue_seqs=1, prefill_queue_oldest_s=now - 1)
+        return next(d.tokens for d in pol.decide(now, NodeSnapshot((st,))) if isinstance(d, ChunkBudget))
+
+    knee, _ = pol.chunk_budget_of(dev(Role.DECODE, res), now)
+    assert budget(knee) == knee  # a queue served at once at the knee
+    grown = budget(6000)
+    c_limit = chunk_budget(m, T, 2048 - 4)
+    assert knee < grown <= c_limit and chunks_s(m, 6000, knee) > 0.2 * 0.200
+    assert chunks_s(m, 6000, grown) <= 0.2 * 0.200 or grown == c_limit

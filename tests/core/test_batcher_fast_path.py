@@ -76,6 +76,7 @@ def _workload(cls, seed: int) -> list[tuple]:
                     [s.seq_id for s in plan.preempted], list(plan.registered)))
         sampled = [it.seq for it in plan.items if it.samples]
         b.commit(plan)
+        b.settle(plan)  # the step ran
         for s in sampled:
             s.token_ids.append(rng.randint(10, 99))
             if s.num_output >= s.params.max_tokens or len(s.token_ids) >= s.max_len:

@@ -30,6 +30,17 @@ PREFILL_PER_TOKEN_S, DECODE_STEP_S = 2e-5, 1e-3
 _KIND = {Role.PREFILL: StepKind.PREFILL, Role.DECODE: StepKind.DECODE, Role.MIXED: StepKind.MIXED}
 
 
+class EagerMixed(CostModel, frozen=True, kw_only=True):
+    """A step with prompt and decode work costs ``penalty_s`` more than the linear model (mixed steps run
+    eagerly, decode replays graphs): the adaptive policy gathers prompts, or windows when no chunk fits."""
+
+    penalty_s: float = 0.0
+
+    def mixed_step_s(self, prompt_tokens: int, decode_seqs: int, context_tokens: int) -> float:
+        base = CostModel.mixed_step_s(self, prompt_tokens, decode_seqs, context_tokens)
+        return base + (self.penalty_s if prompt_tokens > 0 and decode_seqs > 0 else 0.0)
+
+
 class _Dev:
     def __init__(self, device_id: str, blocks: int, block_size: int, max_seqs: int, budget: int, role: Role):
         self.id = device_id
@@ -54,6 +65,11 @@ class _Shell:
         self.pause_s = pause_ms / 1e3
         cost = CostModel(prefill_fixed_s=0.0, prefill_per_token_s=PREFILL_PER_TOKEN_S, decode_fixed_s=DECODE_STEP_S,
                          decode_per_seq_s=0.0, pause_s=self.pause_s)
+        self.penalty_s = 0.0
+        if adaptive:  # mixed steps as one configuration, or eager beside graph-replayed decode (gathering, windows)
+            cost = EagerMixed(**{f: getattr(cost, f) for f in cost.__struct_fields__},
+                              penalty_s=rng.choice([0.0, 0.002, 0.020]))
+            self.penalty_s = cost.penalty_s
         config = RoleSchedulerConfig(
             ttft_slo_ms=rng.choice([50, 500, 5000]), tpot_slo_ms=rng.choice([5, 50, 200]), reconfig_pause_ms=pause_ms,
             min_window_ms=rng.choice([1, 20]), max_window_ms=rng.choice([20, 200]), prefill_token_budget=budget,
@@ -131,6 +147,8 @@ class _Shell:
                         decodes = sum(1 for it in plan.items if it.seq.is_decoding)
                         d.busy_until_s = self.now + (DECODE_STEP_S if decodes else 0.0) + \
                             (plan.num_tokens - decodes) * PREFILL_PER_TOKEN_S
+                        if decodes and plan.num_tokens > decodes:  # a mixed step: eager (EagerMixed)
+                            d.busy_until_s += self.penalty_s
                         self.progress = True
 
     def _finish_step(self, d: _Dev) -> None:

@@ -173,6 +173,7 @@ class FakePool:
                 assert self.slots[s.block_ids[p // B]][p % B] == s.token_ids[p], f"{s.seq_id} read a foreign slot at {p}"
         sampled = [it.seq for it in plan.items if it.samples]
         b.commit(plan)
+        b.settle(plan)  # its reply came back: the blocks it filled are written
         for s in sampled:
             s.token_ids.append(sampled_token)
         b.ledger.check()
@@ -368,3 +369,26 @@ def test_no_sequence_ever_reads_another_conversations_content(seed):
     b.ledger.check()
     assert b.ledger.num_used == 0
     assert b.prefix_hit_tokens > 0
+
+
+def test_cached_blocks_keep_no_python_objects_per_block():
+    """Issue 32 (the soak's RSS growth): the cache kept a tuple of token-id ints per cached block
+    (~19 Python objects, ~0.7 KB), so a large pool's cache index grew the node by tens of MB as it
+    filled. Parents and token ids now live in storage allocated with the ledger: registering blocks
+    allocates no object per block beyond the caller's key (the dict's table is not a Python object)."""
+    import sys
+
+    n, bs = 2048, 16
+    led = BlockLedger(n, bs, prefix_caching=True)
+    blocks = led.allocate(n)
+    stream = list(range(1000, 1000 + n * bs))  # one long "prompt": block b holds stream[b*bs:(b+1)*bs]
+    keys = led.keys(stream, n, [])  # made before counting: the caller's objects
+    tokens = [stream[b * bs : (b + 1) * bs] for b in range(n)]
+    before = sys.getallocatedblocks()
+    for i, b in enumerate(blocks):
+        assert led.register(b, keys[i], keys[i - 1] if i else None, tokens[i])
+    assert (sys.getallocatedblocks() - before) / n < 0.5  # it kept two tuples per block (their ints are shared here)
+    led.free(blocks)
+    assert led.match(stream[: 3 * bs] + [7], 3 * bs + 1) == blocks[:3]  # hits are still confirmed by parent and tokens
+    assert led.match(stream[:bs] + [5] * bs, 2 * bs) == blocks[:1]
+    led.check()
