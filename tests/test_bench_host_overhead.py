@@ -51,6 +51,18 @@ def test_baseline_ratios_pair_each_round_with_its_own_baseline_run():
     assert against_baseline([c for c in cells if c.tree == "this"]) == []
 
 
+def test_baseline_ratios_pair_runs_of_the_same_api_processes():
+    def cell(tree, api, cpu):
+        return Cell("process", "zero", "1 col", 256, "greedy", wall_s=1.0, tokens=10_000, node_cpu_s=cpu,
+                    tree=tree, api_processes=api)
+
+    lines = against_baseline([cell("baseline", 1, 3.0), cell("this", 1, 2.4),  # one process: 0.80x
+                              cell("baseline", 2, 1.0), cell("this", 2, 0.5)])  # two front ends: 0.50x
+    assert len(lines) == 2
+    assert "api1" in lines[0] and "node CPU per token 0.80x" in lines[0]
+    assert "api2" in lines[1] and "node CPU per token 0.50x" in lines[1]
+
+
 def test_sampled_against_greedy_pairs_the_same_point_and_flags_the_target():
     def cell(model, sampling, steps, pair=0):
         return Cell("process", model, "1 col", 256, sampling, wall_s=2.0, tokens=1, steps=[steps], pair=pair)

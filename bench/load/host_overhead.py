@@ -275,6 +275,7 @@ def run_grid(args: argparse.Namespace, log_dir: Path) -> list[Cell]:
     checkout, alternating (baseline first), so both see the same phases of a noisy machine."""
     cells, t0 = [], time.monotonic()
     trees = [("baseline", args.baseline), ("this", None)] if args.baseline else [("this", None)]
+    base_api = bool(args.baseline) and "--api-processes" in (Path(args.baseline) / "node" / "cli.py").read_text()
     for layout in args.layouts:
         for (model, setup), points in grid(args.quick).items():
             if args.models and model not in args.models:
@@ -284,14 +285,15 @@ def run_grid(args: argparse.Namespace, log_dir: Path) -> list[Cell]:
                 continue
             folder = llama3_vocab_model(log_dir) if model == "llama3-vocab" else STORIES
             flags = ["--model", str(folder), *MODELS[model], *SETUPS[setup], "--engine-layout", layout]
-            # --api-processes values other than 1 run on this tree only (an older one may lack the flag)
-            runs = [(tree, repo, 1) for tree, repo in trees] + [("this", None, n) for n in args.api_processes if n != 1]
+            # --api-processes values other than 1 run on a baseline too where it has the flag (an older one lacks it)
+            runs = [(tree, repo, 1) for tree, repo in trees] + [(tree, repo, n) for n in args.api_processes if n != 1
+                                                                for tree, repo in trees if tree == "this" or base_api]
             if 1 not in args.api_processes:
                 runs = [r for r in runs if r[2] != 1]
             for pair in range(args.pairs if args.baseline or len(runs) > 1 else 1):
                 for tree, repo, api in runs:
                     log_path = log_dir / f"{tree}-{pair}-{layout}-api{api}-{model.replace(':', '')}-{setup.replace(' ', '')}.log"
-                    api_flags = ["--api-processes", str(api)] if tree == "this" else []
+                    api_flags = ["--api-processes", str(api)] if tree == "this" or base_api else []
                     print(f"# {time.monotonic() - t0:5.0f} s  {tree} {layout} {model} {setup}: {' '.join(flags + api_flags)}",
                           file=sys.stderr, flush=True)
                     try:

@@ -61,7 +61,10 @@ class _Sink:
         if type(delta) is not TokenDelta:  # an error made by RequestState.fail
             delta = TokenDelta.of(self.key, delta)
         delta.key = self.key
-        self.link.push(delta)
+        link = self.link  # FrontendLink.push inlined: this runs once per streamed token on the control loop
+        link.pending.append(delta)
+        if not link._scheduled:
+            link.schedule()
 
 
 class FrontendLink(FrameWriter, asyncio.Protocol):

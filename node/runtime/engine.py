@@ -56,7 +56,7 @@ class _InFlight:
     msg: StepMsg
     reply: asyncio.Future  # → StepReply
     sent_s: float
-    pending: list[tuple[Sequence, int]]  # sequences given a placeholder token, and its index
+    pending: list[tuple[Sequence, int, int]]  # sequences given a placeholder token, its index, the item's position
 
 
 class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
@@ -246,13 +246,14 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
         except BaseException:
             self.batcher.discard(plan)  # never sent: nothing will write the blocks it registered (node.core.ledger)
             raise
-        pending = []
-        for it in plan.items:
-            if it.samples:
-                seq = it.seq
-                seq.token_ids.append(PENDING)
+        pending = []  # (sequence, placeholder index, item position): read back by _complete
+        for pos, item in enumerate(msg.items):
+            if item.sample:
+                seq = plan.items[pos].seq
+                toks = seq.token_ids
+                pending.append((seq, len(toks), pos))
+                toks.append(PENDING)
                 seq.num_pending += 1
-                pending.append((seq, len(seq.token_ids) - 1))
         self._encoder.sent(msg)
         self.batcher.commit(plan)
         now = self.clock()
@@ -293,14 +294,12 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
                 self._idle.set()
         self._current_plan = rec.plan
         self.batcher.settle(rec.plan)  # after the fence: the blocks it filled are written (node.core.ledger)
-        outs: dict[str, SeqOutput] = {}
-        for it, out in zip(rec.msg.items, reply.outputs):
-            outs[it.seq_id] = out
-        for seq, index in rec.pending:
+        outs = reply.outputs  # one per item, in item order
+        for seq, index, pos in rec.pending:
             seq.num_pending -= 1
-            token = outs[seq.seq_id].token_id
-            if index < len(seq.token_ids) and seq.token_ids[index] == PENDING:
-                seq.token_ids[index] = token
+            toks = seq.token_ids
+            if index < len(toks) and toks[index] == PENDING:
+                toks[index] = outs[pos].token_id
         self.steps += 1
         self.busy_s += reply.busy_s
         self._postprocess(rec, outs)
@@ -311,7 +310,7 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
     def _settle_failed(self, rec: _InFlight) -> None:
         """A step failed: its placeholders go, the engine's state is rebuilt by the next message, the
         blocks it was to fill leave the prefix cache; its requests are failed by the caller."""
-        for seq, index in rec.pending:
+        for seq, index, _pos in rec.pending:
             seq.num_pending -= 1
             if index < len(seq.token_ids) and seq.token_ids[index] == PENDING:
                 del seq.token_ids[index:]
@@ -354,22 +353,24 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
                 log.error("engine_listener_failed", device=self.device_id, listener=getattr(listener, "__qualname__", repr(listener)),
                           error=f"{type(e).__name__}: {e}", exc_info=e)
 
-    def _postprocess(self, rec: _InFlight, outs: dict[str, SeqOutput]) -> None:
+    def _postprocess(self, rec: _InFlight, outs: list[SeqOutput]) -> None:
+        """Emit the step's tokens: ``outs`` are the engine's outputs, one per item in item order."""
         now = self.clock()
-        for it, item in zip(rec.plan.items, rec.msg.items):
+        by_seq = self._by_seq
+        for it, item, out in zip(rec.plan.items, rec.msg.items, outs):
+            entry = by_seq.get(item.seq_id)
+            if entry is None:  # the sequence left the device (aborted, finished) while the step ran
+                continue
             try:
-                self._postprocess_one(it, item.start, outs, now)
+                self._postprocess_one(it, item.start, out, entry, now)
             except Exception as e:  # noqa: BLE001 - one sequence's failure (detokenizer, stop logic) is its own
                 self._contain("postprocess", e, StepPlan(rec.plan.kind, [it]))
 
-    def _postprocess_one(self, it: ScheduledSeq, start: int, outs: dict[str, SeqOutput], now: float) -> None:
+    def _postprocess_one(self, it: ScheduledSeq, start: int, out: SeqOutput, entry: tuple[RequestState, int],
+                         now: float) -> None:
         """Emit one scheduled sequence's sampled token (already written over its placeholder)."""
         seq = it.seq
-        entry = self._by_seq.get(seq.seq_id)
-        if entry is None:
-            return
         req, i = entry
-        out = outs[seq.seq_id]
         if out.prompt_logprobs:  # rows start.. predict prompt tokens start+1..; idempotent on recompute
             req.prompt_logprobs[start : start + len(out.prompt_logprobs)] = out.prompt_logprobs
         if out.token_id is None:

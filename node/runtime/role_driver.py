@@ -236,13 +236,13 @@ class RoleDriver(Driver):
 
     # --- measurements ----------------------------------------------------------------------------------
     def _on_step(self, engine: DeviceEngine, plan: StepPlan, seconds: float) -> None:
-        resident = sum(1 for s in engine.batcher.running if s.is_decoding)
         cost = self.scheduler.cost
         if plan.kind is StepKind.PREFILL:
             # a group's step lasts its longest instance: that is what its prefill model is fitted to
             tokens = (cost.longest_instance_tokens([it.num_tokens for it in plan.items]) if isinstance(cost, GroupCost)
                       else plan.num_tokens)
             self._prefill.append((tokens, seconds))
+            resident = sum(1 for s in engine.batcher.running if s.is_decoding)  # a loop per sequence: PREFILL steps only
             if resident:
                 self.node.metrics.decode_stall.labels(device=engine.device_id, cause="prefill_window").inc(resident * seconds)
         elif plan.kind is StepKind.DECODE:

@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+import msgspec
 import structlog
 import torch
 
@@ -60,11 +61,15 @@ class StepInput:
     seqs: list[SeqInput]
 
 
-@dataclass
-class SeqOutput:
+class SeqOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A sequence's result of one step: the sampled token (None: the step did not sample), its
+    logprobs when asked, and prompt logprobs of the step's prompt rows. A positional struct with
+    defaults left off, so a plain token travels in a step's reply as ``[id]`` and decodes in C (the
+    node reads a reply of hundreds of them per step)."""
+
     token_id: int | None = None
     logprobs: TokenLogprobs | None = None
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = []
 
 
 class ModelRunner:
