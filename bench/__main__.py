@@ -56,6 +56,8 @@ GROUPS: tuple[Group, ...] = (
                                 "TTFT/TPOT, role timeline? (live nodes)"),
         Tool("studies.validate_sim", "Does the simulator predict the live node: TTFT/TPOT of the same "
                                      "workload, live and simulated, side by side?"),
+        Tool("studies.attainment", "Does one crossover cell meet its SLOs at given rates (a capacity search's "
+                                   "single probes: is a mode within 0.95x of a baseline's capacity)?"),
     ), ("studies.plots", "studies.timeline"), frozenset({"traffic", "load", "cost", "sim"})),
     Group("sim", "the discrete-event simulator, driving the node's own pure policies on a virtual clock", (
         Tool("sim", "How would a deployment (mode, devices, link, cost model) serve a workload? Simulated "
@@ -66,13 +68,15 @@ GROUPS: tuple[Group, ...] = (
         Tool("load.replay", "What TTFT, TPOT, ITL and goodput does a running node give a trace at a rate?"),
         Tool("load.host_overhead", "How much host (CPU) time does the node spend per decode step under "
                                    "streaming load, and is it better than a baseline checkout?"),
+        Tool("load.runner_step", "How long is the runner's decode step at batch 1 and 64, eager against "
+                                 "--compile inductor, and how long does the compilation take?"),
         Tool("load.soak", "Does a long mixed run with client aborts, a killed engine and a restarted peer leak "
                           "KV blocks, hang requests, grow memory or answer 5xx?"),
         Tool("load.fuzz", "Does any generated API request get a 5xx or hang? (the long run of the API fuzzer)"),
         Tool("load.restart", "When an engine is killed under greedy streams, how long do they pause, do they "
                              "end exactly, and how soon does the device serve again?"),
         Tool("load.membership", "How fast do peer sets follow a join, a kill -9 and a clean stop through etcd?"),
-    ), ("load.node_process", "load.etcd_server"), frozenset({"traffic"})),
+    ), ("load.node_process", "load.etcd_server", "load.host_compare"), frozenset({"traffic"})),
     Group("device", "one device, group or link below the serving loop: kernels, steps, switches, KV transfer", (
         Tool("device.kernels", "Is every Triton kernel right on this GPU, and how close to the copy and "
                                "matmul ceilings does it run?"),

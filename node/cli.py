@@ -79,6 +79,13 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
                         "step times")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly (default on CUDA with the triton backend: decode steps replay CUDA graphs)")
+    p.add_argument("--compile", default="none", choices=["none", "inductor"],
+                   help="inductor: torch.compile the model forward once per --compile-sizes bucket at start-up (CPU "
+                        "devices; steps of more tokens than the largest bucket, and CUDA devices, stay eager); "
+                        "none (default): eager steps. See docs/user-guide.md for when it pays")
+    p.add_argument("--compile-sizes", default=None, type=_sizes_arg, metavar="N,N,...",
+                   help="token-count buckets of --compile inductor, each compiled at start-up (default: "
+                        "1,2,4,...,256 up to --max-num-batched-tokens); a step is padded to the smallest that fits")
     p.add_argument("--log-format", default="console", choices=["console", "json"])
     p.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="streams send an event every N tokens (the first token and the end at once): fewer events "
@@ -210,6 +217,17 @@ def config_devices(a: argparse.Namespace) -> list[str]:
     return _device_list(a.devices or a.device or "cpu:0")
 
 
+def _sizes_arg(text: str) -> list[int]:
+    """argparse type of ``--compile-sizes``: ``"1,2,4"`` → ``[1, 2, 4]``."""
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated integers expected, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"token counts of at least 1 expected, got {text!r}")
+    return sizes
+
+
 def config_from_args(a: argparse.Namespace) -> NodeConfig:
     prefill, decode = _device_list(a.prefill_devices), _device_list(a.decode_devices)
     devices = config_devices(a)
@@ -221,7 +239,8 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         request_timeout_s=a.request_timeout_s or None,  # 0: no bound
         engine_restart_max=a.engine_restart_max, engine_restart_window_s=a.engine_restart_window_s,
         seed=a.seed, attention_backend=a.attention_backend, log_format=a.log_format, mode=a.mode,
-        enforce_eager=a.enforce_eager, engine_layout=a.engine_layout, prefix_caching=a.prefix_caching,
+        enforce_eager=a.enforce_eager, compile=a.compile, compile_sizes=a.compile_sizes,
+        engine_layout=a.engine_layout, prefix_caching=a.prefix_caching,
         tensor_parallel_size=a.tensor_parallel_size,
         decode_tp=a.decode_tp,
         prefill_tp=a.prefill_tp,

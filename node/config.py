@@ -54,6 +54,8 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     log_format: str = "console"
     attention_backend: str = "auto"  # auto | torch | cpu | triton
     enforce_eager: bool = False  # no CUDA-graph decode (graphs are used on CUDA with the triton backend otherwise)
+    compile: str = "none"  # none | inductor: torch.compile the forward per token-count bucket (CPU devices)
+    compile_sizes: list[int] | None = None  # the buckets of --compile (None: node.worker.compiled_forward's default)
     tensor_parallel_size: int = 1  # colocated: devices per engine, --devices grouped in consecutive runs of this many
     decode_tp: int = 1  # time-shared: devices per group, one instance in the decode role; pooled: the decode pool's degree
     prefill_tp: int = 1  # time-shared: devices per instance in the prefill role (divides decode_tp); pooled: the prefill pool's
@@ -159,6 +161,9 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (self.link_gbps is None or self.link_gbps > 0, "--link-gbps must be positive"),
             (self.reconfig_pause_ms >= 0 and self.ttft_slo_ms > 0 and self.tpot_slo_ms > 0, "pause and SLO values must be positive"),
             (0 < self.min_window_ms <= self.max_window_ms, "need 0 < --min-window-ms <= --max-window-ms"),
+            (self.compile in ("none", "inductor"), f"--compile must be none or inductor, got {self.compile!r}"),
+            (self.compile_sizes is None or (bool(self.compile_sizes) and min(self.compile_sizes) >= 1),
+             f"--compile-sizes must list token counts of at least 1, got {self.compile_sizes}"),
             (self.stream_interval >= 1, f"--stream-interval must be at least 1, got {self.stream_interval}"),
             (self.sse_keepalive_s > 0 and self.body_timeout_s > 0, "--sse-keepalive-s and --body-timeout-s must be positive"),
             (1 <= self.api_processes <= 64, f"--api-processes must be in [1, 64], got {self.api_processes}"),

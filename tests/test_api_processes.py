@@ -225,7 +225,7 @@ def test_a_refused_admission_is_the_same_503_in_the_front_end():
     from node.api.link_protocol import FrameReader, Job, Open
     from node.config import NodeConfig
     from node.core.sequence import SamplingParams
-    from node.runtime.admission import NodeDraining, QueueFullError
+    from node.runtime.admission import KVCapacityExceeded, NodeDraining, QueueFullError
     from node.worker.loader import load_model_info
 
     class Refusing:  # the control process's node, refusing as Node.check_admission does
@@ -268,6 +268,8 @@ def test_a_refused_admission_is_the_same_503_in_the_front_end():
     assert type(e) is QueueFullError and str(e) == answer.message and left == {}
     answer, e, _ = asyncio.run(go(NodeDraining("draining")))
     assert answer.refusal == "draining" and type(e) is NodeDraining
+    answer, e, _ = asyncio.run(go(KVCapacityExceeded("needs 40 KV blocks")))  # the handler's 400, not a 503
+    assert answer.refusal == "kv_capacity" and type(e) is KVCapacityExceeded
 
 
 def test_the_default_count_and_the_accepted_range():

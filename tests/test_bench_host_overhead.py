@@ -10,7 +10,7 @@ import time
 from support import require_shared
 
 from bench.load.host_compare import _tree_cpu_s, against_baseline, api_against_single, sampled_vs_greedy
-from bench.load.host_overhead import LLAMA3_VOCAB, STORIES, Cell, llama3_vocab_model
+from bench.load.host_overhead import LLAMA3_VOCAB, STORIES, Cell, _runner_ms, llama3_vocab_model, target
 
 
 def test_tree_cpu_counts_the_process_and_its_children_apart():
@@ -51,6 +51,18 @@ def test_baseline_ratios_pair_each_round_with_its_own_baseline_run():
     assert against_baseline([c for c in cells if c.tree == "this"]) == []
 
 
+def test_baseline_ratios_pair_runs_of_the_same_api_processes():
+    def cell(tree, api, cpu):
+        return Cell("process", "zero", "1 col", 256, "greedy", wall_s=1.0, tokens=10_000, node_cpu_s=cpu,
+                    tree=tree, api_processes=api)
+
+    lines = against_baseline([cell("baseline", 1, 3.0), cell("this", 1, 2.4),  # one process: 0.80x
+                              cell("baseline", 2, 1.0), cell("this", 2, 0.5)])  # two front ends: 0.50x
+    assert len(lines) == 2
+    assert "api1" in lines[0] and "node CPU per token 0.80x" in lines[0]
+    assert "api2" in lines[1] and "node CPU per token 0.50x" in lines[1]
+
+
 def test_sampled_against_greedy_pairs_the_same_point_and_flags_the_target():
     def cell(model, sampling, steps, pair=0):
         return Cell("process", model, "1 col", 256, sampling, wall_s=2.0, tokens=1, steps=[steps], pair=pair)
@@ -70,6 +82,19 @@ def test_llama3_vocab_model_is_stories_with_llama3s_vocabulary(tmp_path):
     assert cfg == base | {"vocab_size": LLAMA3_VOCAB} and LLAMA3_VOCAB == 128256
     assert (folder / "tokenizer.json").read_bytes() == (STORIES / "tokenizer.json").read_bytes()
     assert not list(folder.glob("*.safetensors"))
+
+
+def test_itl_p50_and_the_compiled_runner_step_beside_the_eager_one():
+    cell = Cell("process", "stories-c", "1 ts", 1, "greedy", wall_s=1.0, tokens=4, steps=[4],
+                gaps=[0.0004, 0.0005, 0.0009], startup_s=30.0)
+    assert cell.itl_p50_ms() == 0.5
+    runner = {("none", 1): 1.5, ("inductor", 1): 0.4, ("inductor", 64): 6.0}
+    assert _runner_ms(runner, cell) == 0.4
+    assert _runner_ms(runner, Cell("process", "stories", "1 ts", 1, "greedy")) == 1.5
+    assert _runner_ms(runner, Cell("process", "stories-c", "2 ts", 1, "greedy")) is None
+    assert target(cell, runner) == "ITL p50 <=0.8 ms: ok"
+    cell.gaps = [0.001, 0.002]
+    assert target(cell, runner) == "ITL p50 <=0.8 ms: MISS"
 
 
 def test_api_processes_are_compared_with_the_one_process_run_of_the_same_round():

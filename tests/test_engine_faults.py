@@ -111,6 +111,42 @@ def test_a_model_failure_and_a_raising_listener_are_contained():
     with_node(body)
 
 
+def test_a_step_that_fails_before_it_is_sent_leaves_no_block_it_registered_findable():
+    """Its prompt's full blocks were registered (pending) when the step was planned; nothing will ever
+    write them, so they leave the prefix cache (issue 33, item 3): the same prompt is computed again,
+    exactly."""
+    case = reference_cases()[1]  # a 12-token prompt: three full blocks of 4
+    prompt, expected = case["prompt_token_ids"], case["output_token_ids"][:20]
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+
+    async def run(node: Node, rid: str) -> tuple[list[int], list]:
+        ids, errors = [], []
+        async for _, d in node.generate(rid, prompt, params):
+            ids += d.token_ids
+            errors += [d] if d.error else []
+        return ids, errors
+
+    async def body(node: Node):
+        engine = node.engines[0]
+        real = engine._encoder.encode
+
+        def failing_for_bad(plan, held):
+            if any(it.seq.request_id == "bad" for it in plan.items):
+                raise RuntimeError("injected encoder fault")
+            return real(plan, held)
+
+        engine._encoder.encode = failing_for_bad
+        ids, errors = await run(node, "bad")
+        assert len(errors) == 1 and "injected encoder fault" in errors[0].error
+        await idle(node)
+        led = engine.batcher.ledger
+        assert [b for b in range(led.num_blocks) if led.is_pending(b)] == [] and led.num_cached == 0
+        led.check()
+        assert await run(node, "again") == (expected, [])
+
+    with_node(body, block_size=4)
+
+
 def test_a_failed_reconfiguration_still_completes_the_switch():
     expected = CASE["output_token_ids"][:40]
 

@@ -74,6 +74,14 @@ def test_a_request_no_empty_device_could_hold_is_a_400_not_a_hang():
         r = node.client.post("/v1/completions", json={"prompt": "Once upon a time " * 12, "max_tokens": 4, "n": 8})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["code"] == "kv_capacity_exceeded" and "KV" in r.json()["error"]["message"]
+        # streamed, the same answer before any event (it used to be a 200 whose stream held the error)
+        r = node.client.post("/v1/completions", json={"prompt": "Once upon a time " * 12, "max_tokens": 4, "n": 8,
+                                                      "stream": True})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "kv_capacity_exceeded"
+        r = node.client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Once upon a time " * 12}],
+                                                           "max_tokens": 4, "n": 8, "stream": True})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "kv_capacity_exceeded", r.text
         ok = node.client.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 4})
         assert ok.status_code == 200
         node.wait_idle()

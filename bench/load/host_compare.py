@@ -67,8 +67,8 @@ def against_baseline(cells: list[Cell]) -> list[str]:
     machine's phase), the median over rounds, each round's in brackets. CPU per token is the steadier
     figure on a shared machine: it does not depend on how much CPU the node was given."""
     out = []
-    key = lambda x: (x.layout, x.model, x.setup, x.concurrency, x.sampling)  # noqa: E731
-    ok = {(key(x), x.tree, x.pair): x for x in cells if x.wall_s and x.tokens and x.api_processes == 1}
+    key = lambda x: (x.layout, x.model, x.setup, x.concurrency, x.sampling, f"api{x.api_processes}")  # noqa: E731
+    ok = {(key(x), x.tree, x.pair): x for x in cells if x.wall_s and x.tokens}
     for k in dict.fromkeys(k for k, tree, _ in ok if tree == "baseline"):
         pairs = sorted(i for kk, tree, i in ok if kk == k and tree == "baseline")
         rounds = [(ok[(k, "this", i)], ok[(k, "baseline", i)]) for i in pairs if (k, "this", i) in ok]

@@ -8,7 +8,8 @@ Starts ``shiftnode serve`` subprocesses (:class:`bench.load.node_process.NodeSer
 device setup and drives closed-loop streaming load: ``c`` client tasks each send
 ``POST /v1/completions`` (``stream``, ``ignore_eos``, ``max_tokens`` fixed, ``return_token_ids`` so
 tokens are counted per chunk) back to back. Models: ``--benchmark-model zero`` (no compute),
-``--benchmark-model sleep:5`` (each step sleeps 5 ms), stories260k's real weights, and
+``--benchmark-model sleep:5`` (each step sleeps 5 ms), stories260k's real weights (``stories``, eager
+steps, and ``stories-c``, ``--compile inductor``), and
 ``llama3-vocab`` (stories260k's geometry with Llama-3's 128,256-token vocabulary, dummy weights: the
 sampler's case, at c=256 only); the benchmark models use stories260k's config and tokenizer, so
 detokenization is the same. Setups: one device and
@@ -18,8 +19,8 @@ refuses it gives an error row).
 
 The full grid is every model x setup x concurrency 1, 64, 256 (and 512 = 256 per device on two
 devices) x sampling. ``--quick`` (3–4 minutes on 2 CPUs, both layouts): zero on 1 and 2 devices
-colocated (c=1, 256 greedy and t0.8; 512), sleep:5 likewise at 256 per device, stories260k c=1,
-llama3-vocab at 256 greedy and t0.8.
+colocated (c=1, 256 greedy and t0.8; 512), sleep:5 likewise at 256 per device, stories and
+stories-c at c=1 and 64, llama3-vocab at 256 greedy and t0.8.
 
 Per cell, after ``--warmup`` seconds, the measured interval of ``--duration`` seconds is bounded by two
 ``GET /v1/node`` reads (each device's ``steps``). Columns (one table, all cells of the run):
@@ -28,10 +29,13 @@ Per cell, after ``--warmup`` seconds, the measured interval of ``--duration`` se
 * ``steps/s``: steps of all devices / wall. ``ms/step``: wall / steps, per device, averaged over
   devices (each device runs its steps one after another: this is the critical path).
 * ``host ms``: ``ms/step`` minus the runner's own step time: 0 for zero (its runner work is the
-  sampler only), 5 for sleep:5, and for stories260k at ``c=1`` a single-sequence decode forward +
-  logits + argmax measured in this process before the nodes start (``runner ms`` in the header).
+  sampler only), 5 for sleep:5, and for stories/stories-c on one device at c=1 and 64 the runner's
+  decode step at that batch, eager or compiled, measured in this process before the nodes start
+  (:mod:`bench.load.runner_step`, the table in the header, with each runner's build time: the compiled
+  one's is its compilation, which also fills inductor's on-disk cache the nodes then load from).
 * ``wait``: sleep:5 only, the share of wall time a device waits for the host: ``1 - steps*5ms/wall``.
-* ``ITL ms``: mean gap between a request's token chunks, per token, as the client sees it.
+* ``ITL ms``: mean gap between a request's token chunks, per token, as the client sees it; ``p50``
+  its median. ``start s``: the node's start-up, launch to healthy (compilation included).
 * ``node us/tok``, ``api us/tok``, ``eng us/tok``, ``all us/tok``: CPU time (user + system, ``/proc``)
   of the node's control process, of its API front ends (``--api-processes`` > 1, children named
   ``shiftnode-api-N``), of its engine processes, and of all of them, in the interval, per streamed
@@ -52,7 +56,8 @@ higher than one process). ``--concurrency`` keeps only the grid points of those 
 Targets (issue 11) are checked beside the figures: zero, one device, c=256: >= 30k tok/s; sleep:5 at
 256 sequences per device: >= 95 % of 200 steps/s per device; two devices >= 1.6x one device (same
 model, mode, sampling, 256 sequences per device); stories260k at c=1: ITL - runner step <= 1 ms;
-llama3-vocab at c=256: t0.8 / top-p 0.95 <= 1.2x greedy ms per step.
+llama3-vocab at c=256: t0.8 / top-p 0.95 <= 1.2x greedy ms per step; (issue 31) stories-c at c=1: ITL p50
+<= 0.8 ms.
 
 The client runs on the same machine as the node (uvloop + aiohttp, one process): on a small machine
 its own CPU use is part of what the figures show.
@@ -76,6 +81,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.load.host_compare import _cpu_by_role, _ok, against_baseline, api_against_single, sampled_vs_greedy, scaling
+from bench.load.runner_step import engine_threads, runner_steps, table as runner_table
 from bench.load.node_process import NodeServer, NodeUnavailable
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,7 +91,7 @@ SLEEP_MS = 5.0
 _IDS = re.compile(rb'"token_ids":\s*\[([^\]]*)\]')
 SAMPLING = {"greedy": {"temperature": 0.0}, "t0.8": {"temperature": 0.8, "top_p": 0.95}}
 MODELS = {"zero": ["--benchmark-model", "zero"], "sleep:5": ["--benchmark-model", f"sleep:{SLEEP_MS:g}"],
-          "stories": [], "llama3-vocab": ["--load-format", "dummy"]}
+          "stories": [], "stories-c": ["--compile", "inductor"], "llama3-vocab": ["--load-format", "dummy"]}
 LLAMA3_VOCAB = 128256
 """``llama3-vocab``: stories260k's geometry and tokenizer with Llama-3's vocabulary, dummy weights (a real
 forward; the LM head and the sampler work on 128,256 logits per row). Ids past the tokenizer's 512
@@ -108,6 +114,8 @@ class Cell:
     steps: list[int] = field(default_factory=list)  # per device, in the interval
     gap_s: float = 0.0  # sum of in-request chunk gaps in the interval
     gap_tokens: int = 0  # tokens of the chunks those gaps end at
+    gaps: list[float] = field(default_factory=list, repr=False)  # each in-request gap / its chunk's tokens (s)
+    startup_s: float | None = None  # the node's start-up (launch to healthy), compilation included
     requests: int = 0
     client_cpu_s: float = 0.0  # this (client) process's CPU time in the interval
     node_cpu_s: float = 0.0  # the node (control) process's CPU time (user + system, all threads) in the interval
@@ -132,6 +140,9 @@ class Cell:
 
     def itl_ms(self) -> float | None:
         return self.gap_s * 1e3 / self.gap_tokens if self.gap_tokens else None
+
+    def itl_p50_ms(self) -> float | None:
+        return statistics.median(self.gaps) * 1e3 if self.gaps else None
 
     def node_us_per_token(self) -> float | None:
         return self.node_cpu_s * 1e6 / self.tokens if self.tokens else None
@@ -183,6 +194,8 @@ class Load:
                     if last is not None and self._window(last):
                         cell.gap_s += now - last
                         cell.gap_tokens += n
+                        if len(cell.gaps) < 100_000:
+                            cell.gaps.append((now - last) / n)
                 last = now if n else last
         if self._window(time.perf_counter()):
             cell.requests += 1
@@ -225,38 +238,6 @@ async def _steps(session: aiohttp.ClientSession, url: str) -> tuple[list[int], f
     return [d["steps"] for d in st["devices"]], (t0 + time.perf_counter()) / 2
 
 
-# --- the runner's own step time (stories260k, one sequence) -----------------------------------------
-def runner_step_ms(folder: Path, context: int, runs: int = 200) -> float:
-    """Median ms of one single-sequence decode step of the real model at ``context`` tokens, in this
-    process on the CPU: forward + logits + argmax (what a batch-1 runner step computes)."""
-    import torch
-
-    from node.worker.loader import select_ops
-    from node.worker.model import AttentionMetadata
-    from node.worker.model_config import ModelConfig
-    from node.worker.weights import build_model
-
-    cfg = ModelConfig.from_folder(folder)
-    dev = torch.device("cpu")
-    model = build_model(cfg, folder=folder, load_format="safetensors", dtype=torch.float32, device=dev,
-                        max_positions=cfg.max_position_embeddings, ops=select_ops("auto", "cpu"))
-    bs = 16
-    blocks = -(-context // bs)
-    kv = torch.zeros(cfg.num_layers, 2, blocks, bs, cfg.num_kv_heads, cfg.head_dim)
-    meta = AttentionMetadata(slot_mapping=torch.tensor([context - 1]), block_tables=torch.arange(blocks, dtype=torch.int32)[None],
-                             seq_lens=torch.tensor([context], dtype=torch.int32),
-                             cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32), max_seqlen_q=1)
-    ids, pos = torch.tensor([5]), torch.tensor([context - 1])
-    times = []
-    with torch.inference_mode():
-        for i in range(runs + 20):
-            t0 = time.perf_counter()
-            int(model.compute_logits(model(ids, pos, kv, meta)).argmax(-1)[0])
-            if i >= 20:
-                times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
 # --- the grid ----------------------------------------------------------------------------------------
 def grid(quick: bool) -> dict[tuple[str, str], list[tuple[int, str]]]:
     """``(model, setup) -> [(concurrency, sampling), ...]``; a node is started per key (and layout)."""
@@ -265,7 +246,8 @@ def grid(quick: bool) -> dict[tuple[str, str], list[tuple[int, str]]]:
                 ("zero", "2 col"): [(512, "greedy")],
                 ("sleep:5", "1 col"): [(256, "greedy")],
                 ("sleep:5", "2 col"): [(512, "greedy")],
-                ("stories", "1 ts"): [(1, "greedy")],
+                ("stories", "1 ts"): [(1, "greedy"), (64, "greedy")],
+                ("stories-c", "1 ts"): [(1, "greedy"), (64, "greedy")],
                 ("llama3-vocab", "1 col"): [(256, "greedy"), (256, "t0.8")]}
     out = {("llama3-vocab", "1 col"): [(256, s) for s in SAMPLING]}  # what it is for: the sampler at 128k
     for model in (m for m in MODELS if m != "llama3-vocab"):
@@ -293,6 +275,7 @@ def run_grid(args: argparse.Namespace, log_dir: Path) -> list[Cell]:
     checkout, alternating (baseline first), so both see the same phases of a noisy machine."""
     cells, t0 = [], time.monotonic()
     trees = [("baseline", args.baseline), ("this", None)] if args.baseline else [("this", None)]
+    base_api = bool(args.baseline) and "--api-processes" in (Path(args.baseline) / "node" / "cli.py").read_text()
     for layout in args.layouts:
         for (model, setup), points in grid(args.quick).items():
             if args.models and model not in args.models:
@@ -302,20 +285,23 @@ def run_grid(args: argparse.Namespace, log_dir: Path) -> list[Cell]:
                 continue
             folder = llama3_vocab_model(log_dir) if model == "llama3-vocab" else STORIES
             flags = ["--model", str(folder), *MODELS[model], *SETUPS[setup], "--engine-layout", layout]
-            # --api-processes values other than 1 run on this tree only (an older one may lack the flag)
-            runs = [(tree, repo, 1) for tree, repo in trees] + [("this", None, n) for n in args.api_processes if n != 1]
+            # --api-processes values other than 1 run on a baseline too where it has the flag (an older one lacks it)
+            runs = [(tree, repo, 1) for tree, repo in trees] + [(tree, repo, n) for n in args.api_processes if n != 1
+                                                                for tree, repo in trees if tree == "this" or base_api]
             if 1 not in args.api_processes:
                 runs = [r for r in runs if r[2] != 1]
             for pair in range(args.pairs if args.baseline or len(runs) > 1 else 1):
                 for tree, repo, api in runs:
                     log_path = log_dir / f"{tree}-{pair}-{layout}-api{api}-{model.replace(':', '')}-{setup.replace(' ', '')}.log"
-                    api_flags = ["--api-processes", str(api)] if tree == "this" else []
+                    api_flags = ["--api-processes", str(api)] if tree == "this" or base_api else []
                     print(f"# {time.monotonic() - t0:5.0f} s  {tree} {layout} {model} {setup}: {' '.join(flags + api_flags)}",
                           file=sys.stderr, flush=True)
                     try:
-                        with NodeServer(flags + api_flags, log_path=log_path, startup_timeout_s=120, repo=repo) as node:
+                        with NodeServer(flags + api_flags, log_path=log_path, repo=repo,
+                                        startup_timeout_s=900 if "--compile" in flags else 120) as node:
                             for c, sampling in points:
-                                cell = Cell(layout, model, setup, c, sampling, tree=tree, pair=pair, api_processes=api)
+                                cell = Cell(layout, model, setup, c, sampling, tree=tree, pair=pair, api_processes=api,
+                                            startup_s=node.startup_s)
                                 body = {"max_tokens": args.max_tokens, "ignore_eos": True, "stream": True,
                                         "return_token_ids": True, **SAMPLING[sampling]}
                                 try:
@@ -334,8 +320,8 @@ def run_grid(args: argparse.Namespace, log_dir: Path) -> list[Cell]:
 
 def table(cells: list[Cell], runner_ms: float | None) -> str:
     head = (f"{'tree':8} {'layout':8} {'api':>3} {'model':8} {'devs':6} {'c':>4} {'sampling':8} {'tok/s':>8} {'steps/s':>8} "
-            f"{'ms/step':>8} {'host ms':>8} {'wait':>6} {'ITL ms':>7} {'node us/tok':>11} {'api us/tok':>10} "
-            f"{'eng us/tok':>10} {'all us/tok':>10} {'cli%':>5} {'err':>4}  target")
+            f"{'ms/step':>8} {'host ms':>8} {'wait':>6} {'ITL ms':>7} {'p50':>6} {'node us/tok':>11} {'api us/tok':>10} "
+            f"{'eng us/tok':>10} {'all us/tok':>10} {'cli%':>5} {'start s':>7} {'err':>4}  target")
     rows = [head, "-" * len(head)]
     for x in cells:
         if x.wall_s == 0:
@@ -343,29 +329,39 @@ def table(cells: list[Cell], runner_ms: float | None) -> str:
                         f"{x.sampling:8} ERROR: {x.error}")
             continue
         ms = x.ms_per_step()
-        runner = {"zero": 0.0, "sleep:5": SLEEP_MS}.get(x.model, runner_ms if x.concurrency == 1 else None)
+        runner = {"zero": 0.0, "sleep:5": SLEEP_MS}.get(x.model, _runner_ms(runner_ms, x))
         host = ms - runner if ms is not None and runner is not None else None
         wait = (statistics.mean(1 - s * SLEEP_MS / 1e3 / x.wall_s for s in x.steps)
                 if x.model == "sleep:5" and x.steps else None)
         rows.append(f"{x.tree:8} {x.layout:8} {x.api_processes:>3} {x.model:8} {x.setup:6} {x.concurrency:>4} {x.sampling:8} "
                     f"{x.tok_s():8.0f} {sum(x.steps) / x.wall_s:8.1f} {_f(ms, 8, 2)} {_f(host, 8, 2)} {_f(wait, 6, 3)} "
-                    f"{_f(x.itl_ms(), 7, 2)} {_f(x.node_us_per_token(), 11, 1)} {_f(x.api_us_per_token(), 10, 1)} "
-                    f"{_f(x.engine_us_per_token(), 10, 1)} {_f(x.total_us_per_token(), 10, 1)} "
-                    f"{100 * x.client_cpu_s / x.wall_s:5.0f} {x.errors:>4}  {target(x, runner_ms)}"
+                    f"{_f(x.itl_ms(), 7, 2)} {_f(x.itl_p50_ms(), 6, 2)} {_f(x.node_us_per_token(), 11, 1)} "
+                    f"{_f(x.api_us_per_token(), 10, 1)} {_f(x.engine_us_per_token(), 10, 1)} "
+                    f"{_f(x.total_us_per_token(), 10, 1)} {100 * x.client_cpu_s / x.wall_s:5.0f} "
+                    f"{_f(x.startup_s, 7, 1)} {x.errors:>4}  {target(x, runner_ms)}"
                     + (f"  [{x.error[:80]}]" if x.error else ""))
     rows += scaling(cells) + sampled_vs_greedy(cells) + against_baseline(cells) + api_against_single(cells)
     return "\n".join(rows)
 
 
-def target(x: Cell, runner_ms: float | None) -> str:
+def _runner_ms(runner_ms: dict | None, x: Cell) -> float | None:
+    """The in-process runner step of a stories cell's mode and batch (c = batch on one device), if measured."""
+    mode = "inductor" if x.model == "stories-c" else "none"
+    return (runner_ms or {}).get((mode, x.concurrency)) if x.devices == 1 else None
+
+
+def target(x: Cell, runner_ms: dict | None) -> str:
     per_dev = x.concurrency // x.devices
     if x.model == "zero" and x.devices == 1 and x.concurrency == 256:
         return f">=30000 tok/s: {_ok(x.tok_s() >= 30000)}"
     if x.model == "sleep:5" and per_dev == 256:
         rate = min(x.steps) / x.wall_s
         return f">=190 steps/s/dev: {_ok(rate >= 190)} ({rate:.0f})"
-    if x.model == "stories" and x.concurrency == 1 and runner_ms is not None and x.itl_ms() is not None:
-        extra = x.itl_ms() - runner_ms
+    if x.model == "stories-c" and x.concurrency == 1 and x.itl_p50_ms() is not None:
+        return f"ITL p50 <=0.8 ms: {_ok(x.itl_p50_ms() <= 0.8)}"
+    step = _runner_ms(runner_ms, x)
+    if x.model == "stories" and x.concurrency == 1 and step is not None and x.itl_ms() is not None:
+        extra = x.itl_ms() - step
         return f"ITL-runner <=1 ms: {_ok(extra <= 1.0)} ({extra:.2f})"
     return ""
 
@@ -415,16 +411,24 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.install()
     except ImportError:
         pass
-    runner_ms = runner_step_ms(STORIES, context=8 + a.max_tokens // 2)
+    import torch
+
+    torch.set_num_threads(engine_threads())  # as a one-device node's engine process runs its steps
+    steps = runner_steps(STORIES, 8 + a.max_tokens // 2, [1, 64], ["none", "inductor"], rounds=3)
+    runner_ms = steps["step_ms"]  # the compiled runner's build also fills inductor's cache for the nodes
     log_dir = Path(a.log_dir or tempfile.mkdtemp(prefix="host_overhead-"))
     t0 = time.monotonic()
     cells = run_grid(a, log_dir)
     print(f"host overhead: {a.max_tokens} tokens/request, {a.warmup:g} s warm-up + {a.duration:g} s measured per cell, "
-          f"{os.cpu_count()} CPUs, stories260k runner step (c=1, in-process) {runner_ms:.3f} ms; "
-          f"node logs in {log_dir}; {time.monotonic() - t0:.0f} s")
+          f"{os.cpu_count()} CPUs; node logs in {log_dir}; {time.monotonic() - t0:.0f} s")
+    print("stories260k runner decode step (in-process, ModelRunner.execute; stories-c = --compile inductor, "
+          "build s = start-up with compilation):")
+    print(runner_table(steps, [1, 64]))
     print(table(cells, runner_ms))
     if a.json:
-        Path(a.json).write_text(json.dumps({"runner_ms": runner_ms, "cells": [asdict(c) for c in cells]}, indent=1))
+        Path(a.json).write_text(json.dumps({"runner_ms": {f"{m} B={b}": v for (m, b), v in runner_ms.items()},
+                                            "build_s": steps["build_s"],
+                                            "cells": [asdict(c) | {"gaps": None} for c in cells]}, indent=1))
     return 0
 
 

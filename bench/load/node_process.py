@@ -48,6 +48,7 @@ class NodeServer:
         self.log_path = Path(log_path)
         self.env = {**os.environ, **(env or {})}
         self.startup_timeout_s = startup_timeout_s
+        self.startup_s: float | None = None  # seconds from the launch to the first healthy answer
         self.stop_timeout_s = stop_timeout_s
         self.proc: subprocess.Popen | None = None
 
@@ -62,13 +63,15 @@ class NodeServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.repo, env=self.env)
-        deadline = time.monotonic() + self.startup_timeout_s
+        t0 = time.monotonic()
+        deadline = t0 + self.startup_timeout_s
         try:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise NodeUnavailable(f"node exited with {self.proc.returncode}: {self.log_tail(1)}")
                 try:
                     if self.get_text("/health", timeout_s=2):
+                        self.startup_s = time.monotonic() - t0
                         return
                 except (OSError, urllib.error.URLError):
                     time.sleep(0.25)

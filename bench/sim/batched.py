@@ -123,6 +123,7 @@ class SimDevice:
         """End the oldest step in flight: its sampled tokens replace their placeholders; returns the
         sequences that got one."""
         step = self.inflight.popleft()
+        self.batcher.settle(step.plan)  # its blocks are written: transfers may reuse them (node.core.ledger)
         self.version += 1
         out = []
         for seq, index in step.pending:

@@ -11,8 +11,8 @@ Passed to :func:`bench.sim.run.simulate` as the cost model, it turns a :class:`S
   ``D/P`` instances at ``P = prefill_tp`` side by side with ``BatchConfig(max_batched_tokens =
   token_budget x D/P, max_item_tokens = token_budget)`` (``RoleConfig.step_budget`` / ``item_cap`` of
   :func:`node.core.role_config.time_shared_roles`), items spread by ``assign_instances``, the step the
-  longest instance plus its KV scatter (:class:`bench.sim.stepcost.GroupCost`). The policy's prefill
-  budget is the group step's. Moves of the imbalance fallback copy every device's share at once: the
+  longest instance plus its KV scatter (:class:`node.core.group_cost.GroupCost`). The policy's prefill
+  budget is the group step's (:func:`node.core.group_cost.group_policy`, as the live node's). Moves of the imbalance fallback copy every device's share at once: the
   group's link is ``D x link_gbps``.
 * **colocated** — ``devices / T`` instances at ``T = decode_tp``, MIXED steps at degree ``T``.
 * **pooled** (node scope) — ``prefill_devices / P`` prefill instances at ``P`` and ``(devices -
@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 
 from bench.cost.derive_cost import H200_NVLINK, HardwarePreset, derive_at
 from bench.sim.config import SimConfig
-from bench.sim.stepcost import GroupCost
+from node.core.group_cost import GroupCost, group_policy
+from node.core.role_config import time_shared_roles
 from node.core.roofline import RooflineCost, kv_scatter_s
 from node.plan import DTYPE_BYTES, Geometry, kv_bytes_per_token, param_count
 
@@ -143,17 +144,19 @@ class ParallelModel:
             blocks = self.instance_blocks(d, d, bs, budget, rows)
             return dataclasses.replace(cfg, devices=cfg.devices // d, kv_blocks=blocks, **plain), self.cost(d), None
         if cfg.mode in ("time-shared", "adaptive"):
-            inst = d // p
+            prefill = time_shared_roles(d, p, budget, rows)["prefill"]  # the node's role configuration
+            inst = prefill.instances
             blocks = self.instance_blocks(d, p, bs, budget, rows)
+            cost: RooflineCost | GroupCost = self.cost(d)
+            if inst > 1:
+                pre = self.cost(p)
+                scatter = kv_scatter_s(1, pre.kv_bytes_per_token, p, d, self.preset.link_Bps)
+                cost = GroupCost(prefill=pre, decode=cost, instances=inst, scatter_s_per_token=scatter, pause_s=cost.pause_s)
+            cost, step_budget = group_policy(cost, budget, prefill)  # what the live policy plans a group with
             out = dataclasses.replace(cfg, devices=cfg.devices // d, kv_blocks=blocks, link_gbps=cfg.link_gbps * d,
-                                      max_num_batched_tokens=budget * inst,
-                                      max_item_tokens=budget if inst > 1 else cfg.max_item_tokens, **plain)
-            if inst == 1:
-                return out, self.cost(d), None
-            pre = self.cost(p)
-            scatter = kv_scatter_s(1, pre.kv_bytes_per_token, p, d, self.preset.link_Bps)
-            return out, GroupCost(prefill=pre, decode=self.cost(d), instances=inst, scatter_s_per_token=scatter,
-                                  pause_s=self.cost(d).pause_s), None
+                                      max_num_batched_tokens=step_budget,
+                                      max_item_tokens=prefill.item_cap or cfg.max_item_tokens, **plain)
+            return out, cost, None
         if cfg.pool_scope != "node":
             raise ValueError("pooled mode at tensor-parallel degrees is modelled inside a node only")
         npre = cfg.num_prefill_devices

@@ -47,9 +47,9 @@ from node.core.cost import CostModel
 from node.core.roofline import RooflineCost
 from node.core.adaptive import AdaptiveScheduler, ChunkBudget
 from node.core.imbalance import ImbalanceConfig, ImbalancePolicy, Migrate
-from node.core.roles import (DeviceState, NodeSnapshot, Place, Reject, ResidentSeq, Role, RoleScheduler,
-                             RoleSchedulerConfig, SwitchRole, WaitingPrompt)
+from node.core.roles import NodeSnapshot, Place, Reject, Role, RoleScheduler, RoleSchedulerConfig, SwitchRole
 from node.core.sequence import SamplingParams, Sequence
+from node.core.snapshot import DeviceView, Placement, node_snapshot, waiting_prompt
 
 __all__ = ["NODE_EXPECTED_OUTPUT_TOKENS", "TICK_S", "TimeSharedSim", "simulate_time_shared"]
 
@@ -58,7 +58,6 @@ __all__ = ["NODE_EXPECTED_OUTPUT_TOKENS", "TICK_S", "TimeSharedSim", "simulate_t
 # asyncio side); ignore_eos requests never end on their own.
 NODE_EXPECTED_OUTPUT_TOKENS = 128
 TICK_S = 0.005  # the live driver's timer while work exists (node/runtime/driver.py TICK_S)
-CACHE_LOOKUPS = 64  # waiting prompts (oldest first) whose cached prefix the snapshot shows (as the driver)
 _KIND = {Role.PREFILL: StepKind.PREFILL, Role.DECODE: StepKind.DECODE, Role.MIXED: StepKind.MIXED}
 _FREE = frozenset({Role.DECODE, Role.MIXED})  # one configuration: switches between them are free and at once
 
@@ -123,57 +122,33 @@ class TimeSharedSim:
         self.moves_by_reason: dict[str, int] = {}  # completed moves per trigger (tpot, imbalance)
 
     # --- the policy's view -------------------------------------------------------------------
-    def _resident(self, s: Sequence, now: float, moving: bool) -> ResidentSeq:
-        return ResidentSeq(s.seq_id, s.first_token_s or now, s.num_output, s.num_computed,
-                           self._expected[s.seq_id], now if moving else self._moved_s.get(s.seq_id))
-
-    def snapshot(self, now: float) -> NodeSnapshot:
-        """What ``RoleDriver.snapshot`` shows the policies (see the module docstring)."""
-        residents: dict[str, list[ResidentSeq]] = {d.device_id: [] for d in self.devices}
-        incoming = dict.fromkeys(residents, 0)
+    def views(self, now: float) -> list[DeviceView]:
+        """The devices as :func:`node.core.snapshot.node_snapshot` reads them: each request placed on a
+        device with its reserve, a sequence being copied on its source (it counts on its destination)."""
+        copying: dict[str, list[Sequence]] = {d.device_id: [] for d in self.devices}
         for m in self._moves.values():
             if m.done_s < math.inf:  # copying: in neither batcher, on its destination for the policy
-                residents[m.dst.device_id].append(self._resident(m.seq, now, True))
-        queued: dict[str, int] = {}
-        reserved: dict[str, int] = {}
+                copying[m.src.device_id].append(m.seq)
+        out = []
         for d in self.devices:
             b = d.batcher
-            q, r = 0, 0
-            for s in b.running + b.waiting:
-                if s.num_output > 0 and s.is_decoding:  # only running sequences decode
-                    m = self._moves.get(s.seq_id)
-                    residents[m.dst.device_id if m else d.device_id].append(self._resident(s, now, m is not None))
-                    if m is not None:
-                        incoming[m.dst.device_id] += len(s.block_ids)
-                else:
-                    q += 1
-                r += max(0, self._reserve.get(s.seq_id, 0) - len(s.block_ids))
-            queued[d.device_id], reserved[d.device_id] = q, r
-        devices = []
-        for d in self.devices:
-            b, resident = d.batcher, residents[d.device_id]
-            pq = b.prefill_queue()
-            devices.append(DeviceState(
-                device_id=d.device_id, role=d.role, role_since_s=d.role_since_s, switching_to=d.switching_to,
-                switch_done_s=(d.switch_done_s if d.switch_done_s < math.inf else now + self.pause_s)
-                if d.switching else None,
-                busy_until_s=d.busy_until_s if d.plan is not None else now, resident=tuple(resident),
-                prefill_queue_tokens=pq.tokens, prefill_queue_seqs=queued[d.device_id],
-                kv_free_blocks=b.ledger.num_free, kv_reserved_blocks=reserved[d.device_id] + incoming[d.device_id],
-                kv_total_blocks=b.ledger.num_blocks, block_size=b.ledger.block_size,
-                seq_slots_free=b.config.max_num_seqs - len(resident) - queued[d.device_id],
-                prefill_queue_oldest_s=pq.oldest_arrival_s, prefill_runnable=pq.runnable))
-        waiting = []
-        for i, (r, s) in enumerate(self.waiting):
-            cached = {}
-            if i < CACHE_LOOKUPS and self.cfg.prefix_caching:
-                for d in self.devices:
-                    hit = len(d.batcher.cached_prefix(s)) * d.batcher.ledger.block_size
-                    if hit:
-                        cached[d.device_id] = hit
-            waiting.append(WaitingPrompt(r.request_id, r.prompt_tokens, r.arrival_s, self._expected[s.seq_id],
-                                         seqs=1, cached_tokens=cached))
-        return NodeSnapshot(tuple(devices), tuple(waiting))
+            placed = [Placement(self._reserve.get(s.seq_id, 0), (s,)) for s in b.running + b.waiting]
+            placed += [Placement(self._reserve.get(s.seq_id, 0), (s,)) for s in copying[d.device_id]]
+            out.append(DeviceView(
+                d.device_id, d.role, d.role_since_s, d.switching_to,
+                (d.switch_done_s if d.switch_done_s < math.inf else now + self.pause_s) if d.switching else None,
+                d.busy_until_s if d.plan is not None else now, b, tuple(placed)))
+        return out
+
+    def snapshot(self, now: float) -> NodeSnapshot:
+        """What ``RoleDriver.snapshot`` shows the policies: the same function
+        (:func:`node.core.snapshot.node_snapshot`) over this simulation's devices."""
+        batchers = {d.device_id: d.batcher for d in self.devices}
+        waiting = [waiting_prompt(r.request_id, [s], r.arrival_s, self._expected[s.seq_id], batchers, i)
+                   for i, (r, s) in enumerate(self.waiting)]
+        return node_snapshot(now, self.views(now), moving={k: m.dst.device_id for k, m in self._moves.items()},
+                             moved_s=self._moved_s, expected=lambda s: self._expected[s.seq_id], waiting=waiting,
+                             pause_s=self.pause_s)
 
     # --- the replay --------------------------------------------------------------------------
     def run(self, requests: list[SimRequest], *, until_s: float = math.inf, max_events: int = 50_000_000,

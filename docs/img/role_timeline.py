@@ -4,7 +4,7 @@ Sends 16 streaming requests in three bursts (0 s, 0.6-1.1 s, 1.5-2.1 s) to a run
 ``GET /v1/node`` and plots each device's roles with :func:`bench.studies.plots.role_timeline`. Run from the
 repository root, with the node of the README's tour on port 8000:
 
-    .venv/bin/shiftnode serve --model ../shared/models/stories260k --devices cpu:0,cpu:1 \\
+    .venv/bin/shiftnode serve --model ../shared/models/stories260k --devices cpu:0,cpu:1 --mode time-shared \\
         --reconfig-pause-ms 20 --ttft-slo-ms 1000 --tpot-slo-ms 100 &
     .venv/bin/python docs/img/role_timeline.py http://127.0.0.1:8000 docs/img/role-timeline.png
 """
@@ -17,7 +17,8 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.studies import plots
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the checkout's bench/ package
+from bench.studies import plots  # noqa: E402
 
 ANIMALS = ["cat", "dog", "bird", "girl", "boy", "tree"]
 

@@ -28,7 +28,7 @@ from aiohttp import web
 
 from node.api.frontend_metrics import apply
 from node.api.link_protocol import Admitted, Close, FrameReader, FrameWriter, MetricsDelta, Open, Ready, Step, frame
-from node.runtime.admission import EnginesDown, NodeDraining, QueueFullError
+from node.runtime.admission import EnginesDown, KVCapacityExceeded, NodeDraining, QueueFullError
 from node.runtime.interfaces import ApiNode
 from node.runtime.output import SeqDelta
 from node.runtime.request import RequestState
@@ -43,6 +43,8 @@ def refusal_kind(e: QueueFullError) -> str:
         return "draining"
     if isinstance(e, EnginesDown):
         return "engine_down"
+    if isinstance(e, KVCapacityExceeded):
+        return "kv_capacity"
     return "overloaded"
 
 
@@ -59,7 +61,10 @@ class _Sink:
         if type(delta) is not TokenDelta:  # an error made by RequestState.fail
             delta = TokenDelta.of(self.key, delta)
         delta.key = self.key
-        self.link.push(delta)
+        link = self.link  # FrontendLink.push inlined: this runs once per streamed token on the control loop
+        link.pending.append(delta)
+        if not link._scheduled:
+            link.schedule()
 
 
 class FrontendLink(FrameWriter, asyncio.Protocol):

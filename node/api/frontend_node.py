@@ -24,7 +24,7 @@ from node.api.link_protocol import Admitted, Close, Job, Open, Step, frame
 from node.config import NodeConfig
 from node.core.sequence import SamplingParams, Sequence
 from node.runtime.accounting import account
-from node.runtime.admission import EnginesDown, NodeDraining, QueueFullError
+from node.runtime.admission import EnginesDown, KVCapacityExceeded, NodeDraining, QueueFullError
 from node.runtime.output import OutputState, SeqDelta
 from node.runtime.request import RequestStats
 from node.runtime.token_output import TokenDelta
@@ -32,7 +32,8 @@ from node.worker.loader import LoadedModel
 
 log = structlog.get_logger("shiftnode.frontend")
 
-_REFUSALS = {"draining": NodeDraining, "engine_down": EnginesDown, "overloaded": QueueFullError}
+_REFUSALS = {"draining": NodeDraining, "engine_down": EnginesDown, "overloaded": QueueFullError,
+             "kv_capacity": KVCapacityExceeded}
 
 
 class FrontRequest:

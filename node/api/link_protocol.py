@@ -44,7 +44,7 @@ class Open(msgspec.Struct, tag=True, array_like=True):
 
 class Admitted(msgspec.Struct, tag=True, array_like=True):
     """The answer to :class:`Open`: ``refusal`` None (admitted), else ``draining``, ``engine_down`` or
-    ``overloaded`` with ``message`` (the API's 503)."""
+    ``overloaded`` with ``message`` (the API's 503), or ``kv_capacity`` (it can never fit: the API's 400)."""
 
     ticket: int
     refusal: str | None = None

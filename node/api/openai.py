@@ -27,7 +27,7 @@ from node.api.validate import chat_prompt, check_model, completion_prompts, reje
 from node.core.sequence import SamplingParams
 from node.protocol import ChatCompletionRequest, CompletionRequest, decode_request
 from node.runtime.delta_stream import DeltaStream
-from node.runtime.admission import EnginesDown, NodeDraining, QueueFullError
+from node.runtime.admission import EnginesDown, KVCapacityExceeded, NodeDraining, QueueFullError
 from node.runtime.interfaces import ApiNode
 from node.runtime.output import SeqDelta
 from node.runtime.request import RequestState
@@ -92,6 +92,8 @@ async def off_loop(fn, *args):
 
 
 def _queue_full(e: QueueFullError) -> APIError:
+    if isinstance(e, KVCapacityExceeded):
+        return APIError(400, str(e), code="kv_capacity_exceeded")
     if isinstance(e, NodeDraining):
         return APIError(503, str(e), code="draining", headers={"Retry-After": "1"})
     if isinstance(e, EnginesDown):

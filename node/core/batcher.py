@@ -20,7 +20,8 @@ tokens, so only the rest is computed. At most ``len(token_ids) - 1`` tokens are 
 the last one is always computed, since its logits give the next token (vLLM's rule). Sequences that
 want prompt logprobs compute their whole prompt. Every block that a planned step fills is registered
 in the cache at once, so a sequence admitted later in the same step reuses it (the step writes it
-before it reads it); :meth:`Batcher.discard` takes such registrations back if the step fails.
+before it reads it). Such blocks are *pending* (:mod:`node.core.ledger`) until the step's reply came
+back: :meth:`Batcher.settle` (it ran) or :meth:`Batcher.discard` (it failed), once per step.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class BatchConfig:
         return self.max_batched_tokens if cap is None else min(cap, self.max_batched_tokens)
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # new tokens computed this step: token_ids[num_computed : num_computed + num_tokens]
@@ -206,41 +207,55 @@ class Batcher:
         plan = StepPlan(kind)
         budget = self.config.max_batched_tokens
         if chunk_tokens is not None:
-            budget = self._schedule_decodes(plan, budget)
+            budget = self._schedule_running(plan, budget, decodes=True, prompts=False)
             budget = min(budget, max(0, chunk_tokens))
-        i = 0
-        while i < len(self.running) and budget > 0 and len(plan.items) < self.config.max_num_seqs:
-            seq = self.running[i]
-            if (kind is StepKind.DECODE and not seq.is_decoding) or (kind is StepKind.PREFILL and seq.is_decoding) \
-                    or (chunk_tokens is not None and seq.is_decoding) \
-                    or (seq.is_decoding and len(seq.token_ids) >= seq.max_len):  # its last token needs no KV: it ends
-                i += 1
-                continue
-            n = min(seq.num_uncomputed, budget, self.config.item_cap)
-            if not self._grow(seq, n, plan):
-                continue  # seq itself was preempted; running[i] is now the next one
-            plan.items.append(ScheduledSeq(seq, n))
-            self._register(seq, seq.num_computed + n, plan)
-            budget -= n
-            i += 1
+            budget = self._schedule_running(plan, budget, decodes=False, prompts=kind is not StepKind.DECODE)
+        else:
+            budget = self._schedule_running(plan, budget, decodes=kind is not StepKind.PREFILL,
+                                            prompts=kind is not StepKind.DECODE)
         if kind is not StepKind.DECODE and not plan.preempted:
             self._admit(plan, budget)
         return plan
 
-    def _schedule_decodes(self, plan: StepPlan, budget: int) -> int:
-        """Plan one token for every decoding sequence (arrival order, within the step's limits); the
-        budget left."""
+    def _schedule_running(self, plan: StepPlan, budget: int, decodes: bool, prompts: bool) -> int:
+        """Plan running sequences in arrival order within the step's limits: one token for each decoding
+        one (``decodes``) and the next chunk of each partial prefill (``prompts``); the budget left.
+
+        The hot path of a decode step at many streams: per sequence it only tests whether the sequence
+        decodes, whether its next token needs a new block, and whether it completes a block for the
+        prefix cache, with ``is_decoding``, ``_grow`` and ``_register`` inlined as those tests (the
+        calls run only when a block is needed or filled), so an unchanged decode batch costs a few
+        attribute reads per sequence."""
+        running = self.running
+        max_seqs = self.config.max_num_seqs
+        cap = self.config.item_cap
+        bs = self.ledger.block_size
+        caching = self.ledger.prefix_caching
+        items = plan.items
         i = 0
-        while i < len(self.running) and budget > 0 and len(plan.items) < self.config.max_num_seqs:
-            seq = self.running[i]
-            if not seq.is_decoding or len(seq.token_ids) >= seq.max_len:
+        while i < len(running) and budget > 0 and len(items) < max_seqs:
+            seq = running[i]
+            ntok = len(seq.token_ids)
+            done = seq.num_computed
+            if ntok - done == 1 and ntok > seq.prompt_len:  # seq.is_decoding
+                if not decodes or ntok >= seq.max_len:  # its last token needs no KV: it ends
+                    i += 1
+                    continue
+                n = 1
+            elif not prompts:
                 i += 1
                 continue
-            if not self._grow(seq, 1, plan):
-                continue  # seq itself was preempted; running[i] is now the next one
-            plan.items.append(ScheduledSeq(seq, 1))
-            self._register(seq, seq.num_computed + 1, plan)
-            budget -= 1
+            else:
+                n = min(ntok - done, budget, cap)
+            if -(-(done + n) // bs) > len(seq.block_ids):  # needs a block (ledger.blocks_for)
+                grown = self._grow(seq, n, plan)
+                items = plan.items  # a preemption rebuilds the list
+                if not grown:
+                    continue  # seq itself was preempted; running[i] is now the next one
+            items.append(ScheduledSeq(seq, n))
+            if caching and (done + n) // bs > seq.num_registered:  # may fill a block: offer it to the cache
+                self._register(seq, done + n, plan)
+            budget -= n
             i += 1
         return budget
 
@@ -310,7 +325,8 @@ class Batcher:
         short of its last token); changes nothing."""
         if not self._may_reuse(seq):
             return []
-        return self.ledger.match(seq.token_ids, len(seq.token_ids) - 1, seq.block_keys)
+        # pending blocks too: they are this device's own steps' (the ledger's fence invariant)
+        return self.ledger.match(seq.token_ids, len(seq.token_ids) - 1, seq.block_keys, pending=True)
 
     def _admission(self, seq: Sequence, budget: int) -> tuple[list[int], int, int] | None:
         """How the waiting head ``seq`` would start this step: (cached blocks it reuses, tokens it
@@ -350,14 +366,22 @@ class Batcher:
         keys = self.ledger.keys(seq.token_ids, full, seq.block_keys)
         for i in range(seq.num_registered, full):
             b = seq.block_ids[i]
-            if self.ledger.register(b, keys[i], keys[i - 1] if i else None, seq.token_ids[i * bs : (i + 1) * bs]):
+            if self.ledger.register(b, keys[i], keys[i - 1] if i else None, seq.token_ids[i * bs : (i + 1) * bs],
+                                    pending=True):
                 plan.registered.append(b)
         seq.num_registered = full
 
+    def settle(self, plan: StepPlan) -> None:
+        """The step of ``plan`` ran (its reply came back): the blocks it filled are written, findable
+        by moves and peers too (:meth:`BlockLedger.settle`)."""
+        self.ledger.settle(plan.registered, written=True)
+        plan.registered = []
+
     def discard(self, plan: StepPlan) -> None:
-        """The step of ``plan`` failed: the blocks it was to fill leave the prefix cache (their content
-        was never written). Call before freeing the step's sequences."""
-        self.ledger.forget(plan.registered)
+        """The step of ``plan`` failed (its reply came back with an error): the blocks it was to fill
+        leave the prefix cache (their content was never written). Call before freeing the step's
+        sequences."""
+        self.ledger.settle(plan.registered, written=False)
         plan.registered = []
 
     def commit(self, plan: StepPlan) -> None:

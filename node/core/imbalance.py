@@ -9,7 +9,8 @@ order, position counter unchanged), where it goes on decoding while its client's
 only the standard library and msgspec, like :mod:`node.core.roles`.
 
 Symbols (seconds unless noted), as in :mod:`node.core.roles`: ``T = slo_margin * tpot_slo_ms / 1e3``
-the per-token target; ``p = max(reconfig_pause_ms / 1e3, cost.pause_s)`` the switch pause;
+the per-token target; ``p = max(reconfig_pause_ms / 1e3, measured)`` the switch pause (``measured``:
+the snapshot's measured pause, else ``cost.pause_s``, as the role scheduler's);
 ``P(q)`` the chunked prefill time of ``q`` prompt tokens; ``d(n, k) = cost.decode_step_s(n, k)`` the
 decode step of ``n`` sequences holding ``k`` context tokens. A resident sequence whose first token came
 at ``f`` and which has ``m`` output tokens owes its next token by ``D = f + m*T``.
@@ -163,10 +164,12 @@ class ImbalancePolicy:
         self.cost = cost
         self.T = config.slo_margin * config.tpot_slo_ms / 1e3
         self.cooldown_s = config.cooldown_ms / 1e3
+        self.measured_pause_s: float | None = None  # the last snapshot's (NodeSnapshot.pause_s)
 
     @property
     def pause_s(self) -> float:
-        return max(self.config.reconfig_pause_ms / 1e3, self.cost.pause_s)
+        p = self.cost.pause_s if self.measured_pause_s is None else self.measured_pause_s
+        return max(self.config.reconfig_pause_ms / 1e3, p)
 
     def deadline_s(self, s: ResidentSeq) -> float:
         """When the sequence owes its next token: ``f + m*T`` (s)."""
@@ -227,6 +230,7 @@ class ImbalancePolicy:
     def decide(self, now_s: float, snapshot: NodeSnapshot, peers: tuple[DeviceState, ...] = ()) -> list[Migrate]:
         """Moves for this instant, ``tpot`` ones first (apply in order; each may be refused). ``peers``:
         peer nodes as DECODE-role devices (see the module docstring), tpot destinations of last resort."""
+        self.measured_pause_s = snapshot.pause_s
         if self.config.threshold <= 0 or self.config.max_moves <= 0 or len(snapshot.devices) + len(peers) < 2:
             return []
         devs = [_Dev(st, i) for i, st in enumerate(snapshot.devices)]

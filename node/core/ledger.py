@@ -19,8 +19,24 @@ exactly one of three states:
 
 Registration happens when the step that fills a block is *planned*, so sequences admitted later in
 the same step share it: the forward pass writes every new token's K/V of a layer before that layer
-attends, so such a block is never read before it is written. A step that fails :meth:`forget` s what
-it registered (its content was never written).
+attends, so such a block is never read before it is written.
+
+**Pending blocks and the fence.** A block registered by a planned step (``register(...,
+pending=True)``) is *pending* until that step's outcome is known. Invariant:
+
+* only the planner of the device's own step pipeline may match a pending block
+  (``match(..., pending=True)``, the batcher's admission): the steps it plans run after the writing
+  step on the same device, and a failed step fails every step in flight after it, so whoever reads the
+  block that way fails with its writer;
+* everyone else (a move's or a peer hand-off's reservation, :meth:`reserve`; the simulator's
+  transfers) matches only *written* blocks, so a sequence arriving from elsewhere never keeps a
+  reference to KV that a failed step did not write;
+* a pending block leaves that state only through :meth:`settle`, called exactly once per registering
+  step *after the fence* (its reply, success or failure, came back, so nothing can still write the
+  block): ``written=True`` makes it findable by everyone; ``written=False`` drops it from the cache,
+  and it becomes clean as soon as its holders (all of them failing with the step) free it. No other
+  path unregisters a pending block, so no block outlives its failed writer in the cache, and none stays
+  referenced by a sequence that did not fail with it.
 """
 
 from __future__ import annotations
@@ -73,6 +89,7 @@ class BlockLedger:
         # growth, issue 32).
         self._lru = BlockLRU(num_blocks if prefix_caching else 0)  # unreferenced, cached: oldest release first
         self._index = BlockIndex(num_blocks if prefix_caching else 0, block_size)
+        self._writers = [0] * num_blocks  # steps that registered the block and are not settled yet (pending)
         self.num_evictions = 0
 
     # --- counts ---------------------------------------------------------------------------------
@@ -101,6 +118,10 @@ class BlockLedger:
 
     def is_cached(self, block: int) -> bool:
         return self.prefix_caching and block in self._index
+
+    def is_pending(self, block: int) -> bool:
+        """The block is cached and a step that is to write it has not settled (:meth:`settle`)."""
+        return self.is_cached(block) and self._writers[block] > 0
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens: ``ceil(num_tokens / block_size)``."""
@@ -173,12 +194,15 @@ class BlockLedger:
             memo.append(block_key(memo[-1] if memo else None, token_ids[i * bs : (i + 1) * bs]))
         return memo
 
-    def match(self, token_ids: Seq[int], max_tokens: int, memo: list[bytes] | None = None) -> list[int]:
+    def match(self, token_ids: Seq[int], max_tokens: int, memo: list[bytes] | None = None,
+              pending: bool = False) -> list[int]:
         """Cached blocks holding the longest run of leading full blocks of ``token_ids[:max_tokens]``
         (``[]`` with caching off). Changes nothing; take them with :meth:`take`.
 
         ``memo``: the tokens' key list (see :meth:`keys`); keys are computed only as far as the match
-        goes. A candidate must also carry the same parent key and the same token ids.
+        goes. A candidate must also carry the same parent key and the same token ids. ``pending``:
+        pending blocks match too (only the device's own planner may ask: see the module docstring);
+        otherwise the match stops at the first pending block.
         """
         if not self.prefix_caching or not len(self._index):
             return []
@@ -191,14 +215,31 @@ class BlockLedger:
             b = index.find(key)
             if b is None or not index.confirms(b, parent, token_ids[i * bs : (i + 1) * bs]):
                 break
+            if not pending and self._writers[b]:
+                break  # its step may still fail: never hand it to a reader outside that step's pipeline
             out.append(b)
             parent = key
         return out
 
-    def register(self, block: int, key: bytes, parent: bytes | None, tokens: Seq[int]) -> bool:
+    def reserve(self, token_ids: Seq[int], max_tokens: int, num_blocks: int,
+                memo: list[bytes] | None = None) -> tuple[list[int], int] | None:
+        """Blocks for a sequence of ``num_blocks`` blocks arriving from elsewhere (a move, a peer
+        hand-off) whose first ``max_tokens`` tokens are computed: the *written* cached blocks of its
+        longest cached prefix (never pending ones: the module docstring's invariant), referenced now so
+        never evicted, then new ones; all or nothing. Returns ``(blocks, reused)``, the first
+        ``reused`` being the cached ones (their KV need not be sent), or ``None`` (nothing changed)."""
+        hits = self.match(token_ids, max_tokens, memo)[:num_blocks]
+        new = self.take(hits, num_blocks - len(hits))
+        if new is None:
+            return None
+        return hits + new, len(hits)
+
+    def register(self, block: int, key: bytes, parent: bytes | None, tokens: Seq[int], pending: bool = False) -> bool:
         """Make the referenced full ``block`` findable under ``key`` (its parent's key and its token
         ids confirm a hit). False, changing nothing, when caching is off, the block is already
         cached, or another block already holds this content (the first one stays the cached copy).
+        ``pending``: a planned step is still to write it; the caller must :meth:`settle` it once that
+        step's outcome is known (the module docstring's invariant). Without it, the content is written.
 
         Raises:
             LedgerError: the block is not referenced, or ``tokens`` is not one full block.
@@ -210,11 +251,24 @@ class BlockLedger:
         if not self.prefix_caching or self.is_cached(block) or self._index.find(key) is not None:
             return False
         self._index.add(block, key, parent, tokens)
+        if pending:
+            self._writers[block] += 1
         return True
+
+    def settle(self, blocks: Seq[int], written: bool) -> None:
+        """The step that registered ``blocks`` as pending has ended; call after its reply came back
+        (the fence: nothing writes them any more), once per step. ``written``: it succeeded, and they
+        become findable by every reader; else they leave the cache (:meth:`forget`)."""
+        for b in blocks:
+            if self._writers[b] > 0:
+                self._writers[b] -= 1
+        if not written:
+            self.forget(blocks)
 
     def forget(self, blocks: Seq[int]) -> None:
         """Drop ``blocks`` from the prefix cache (their content is not valid: the step that was to
-        write them failed). An unreferenced one becomes clean."""
+        write them failed; a pending block leaves through :meth:`settle`, which calls this). An
+        unreferenced one becomes clean."""
         for b in blocks:
             if not self.is_cached(b):
                 continue
@@ -236,8 +290,8 @@ class BlockLedger:
         for b, r in enumerate(self._refs):
             in_free, in_lru = b in free, self.prefix_caching and b in self._lru
             key = self._index.key(b) if self.prefix_caching else None
-            if r < 0:
-                raise LedgerError(f"block {b} has refcount {r}")
+            if r < 0 or self._writers[b] < 0:
+                raise LedgerError(f"block {b} has refcount {r}, {self._writers[b]} unsettled writers")
             if r > 0 and (in_free or in_lru):
                 raise LedgerError(f"block {b} has refcount {r} but is free")
             if r == 0 and in_free + in_lru != 1:

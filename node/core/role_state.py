@@ -103,10 +103,15 @@ class DeviceState(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class NodeSnapshot(msgspec.Struct, frozen=True):
-    """Devices (in a fixed order: it breaks ties) and the prompts waiting for placement."""
+    """Devices (in a fixed order: it breaks ties) and the prompts waiting for placement.
+
+    ``pause_s``: the switch pause measured so far (s), which the policy plans this decision with
+    (at least ``reconfig_pause_ms``); ``None``: its cost model's ``pause_s``.
+    """
 
     devices: tuple[DeviceState, ...]
     waiting: tuple[WaitingPrompt, ...] = ()
+    pause_s: float | None = None
 
 
 class SwitchRole(msgspec.Struct, frozen=True, tag="switch"):

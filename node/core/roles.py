@@ -154,7 +154,9 @@ class RoleScheduler(WindowMath):
     # --- the decision's parts (the adaptive policy, node.core.adaptive, reuses them) ----------------
     def _prepare(self, now_s: float, snapshot: NodeSnapshot) -> list[_Dev]:
         """Per-device working state; a prefill-role device's window start ``ws``, work start ``t0`` and
-        its per-window bounds (policy state dropped for devices that left PREFILL)."""
+        its per-window bounds (policy state dropped for devices that left PREFILL). The pause is the
+        snapshot's measured one from this decision on (:meth:`WindowMath.plan_pause`)."""
+        self.plan_pause(snapshot.pause_s)
         devs = [_Dev(st, i) for i, st in enumerate(snapshot.devices)]
         for dv in devs:
             if not dv.target or (not dv.holder and dv.q == 0):

@@ -4,7 +4,9 @@ whether a prompt is urgent, and how long a forced window may last. :class:`~node
 (the role state machine) decides with them.
 
 Symbols (seconds unless noted): ``T = slo_margin * tpot_slo_ms / 1e3`` the per-token target,
-``p = max(reconfig_pause_ms / 1e3, cost.pause_s)`` the switch pause, ``d`` the cost model's decode step
+``p = max(reconfig_pause_ms / 1e3, measured)`` the switch pause, ``measured`` the pause measured so far
+(:attr:`NodeSnapshot.pause_s <node.core.role_state.NodeSnapshot>`, else the cost model's ``pause_s``),
+taken anew at every decision (:meth:`WindowMath.plan_pause`), ``d`` the cost model's decode step
 for the device's resident batch, ``Wmax = max_window_ms / 1e3``, ``Wmin = min_window_ms / 1e3``,
 ``P(n)`` the chunked prefill time of ``n`` prompt tokens (:meth:`CostModel.prefill_s`).
 
@@ -68,10 +70,17 @@ class WindowMath:
         self.config = config
         self.cost = cost
         self.T = config.slo_margin * config.tpot_slo_ms / 1e3
-        self.pause_s = max(config.reconfig_pause_ms / 1e3, cost.pause_s)
         self.wmin = config.min_window_ms / 1e3
         self.wmax = config.max_window_ms / 1e3
-        share = min(max(config.max_pause_share, 1e-6), 1.0)
+        self.plan_pause(None)
+
+    def plan_pause(self, measured_s: float | None) -> None:
+        """Set the switch pause ``p`` (and the dwell ``max(Wmin, 2p(1 - s)/s)`` that bounds the pauses'
+        share ``s = max_pause_share``) for the next decision: ``max(reconfig_pause_ms / 1e3, m)`` with
+        ``m`` the pause measured so far, or the cost model's ``pause_s`` while none is (``None``)."""
+        p = self.cost.pause_s if measured_s is None else measured_s
+        self.pause_s = max(self.config.reconfig_pause_ms / 1e3, p)
+        share = min(max(self.config.max_pause_share, 1e-6), 1.0)
         self.dwell_s = max(self.wmin, 2 * self.pause_s * (1 - share) / share)
 
     # --- estimates ------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from typing import Callable
 
 import structlog
 
+from node.core.snapshot import CACHE_LOOKUPS, cached_tokens
 from node.runtime.request import RequestState
 
 from node.runtime.interfaces import DriverHost
@@ -19,7 +20,6 @@ log = structlog.get_logger("shiftnode.driver")
 TICK_S = 0.005  # re-decide at least this often while prompts wait or sequences are resident
 SAMPLES = 256  # most recent samples kept
 DEFAULT_EXPECTED_OUTPUT = 128  # tokens, until enough requests have finished to estimate it
-CACHE_LOOKUPS = 64  # pending prompts (oldest first) whose cached prefix is looked up per decision round
 
 
 class Driver:
@@ -72,15 +72,9 @@ class Driver:
         ``position``-th pending): what placement may count as not to compute there. Only the oldest
         ``CACHE_LOOKUPS`` pending prompts are looked up, since placement is FIFO and each lookup walks
         the prompt's blocks; the key memo lives on the sequence, so a prompt is hashed once."""
-        if position >= CACHE_LOOKUPS or not req.seqs:
+        if position >= CACHE_LOOKUPS:
             return {}
-        out = {}
-        for d in device_ids:
-            b = self.node.engine(d).batcher
-            hit = len(b.cached_prefix(req.seqs[0])) * b.ledger.block_size
-            if hit:
-                out[d] = hit * len(req.seqs)
-        return out
+        return cached_tokens(req.seqs, {d: self.node.engine(d).batcher for d in device_ids})
 
     def reserved_on(self, device_id: str) -> int:
         """Blocks promised on a device to its requests and not yet allocated there."""

@@ -42,7 +42,6 @@ from node.runtime.request import RequestState
 from node.runtime.switching import DeviceRole, SwitchRecord
 from node.runtime.step_encoder import StepEncoder
 from node.worker.engine_core import StepMsg, StepReply
-from node.worker.engine_messages import retrieved
 from node.worker.engine_process import EngineDied, EngineProcess, LocalEngine
 from node.worker.runner import SeqOutput
 
@@ -57,7 +56,7 @@ class _InFlight:
     msg: StepMsg
     reply: asyncio.Future  # → StepReply
     sent_s: float
-    pending: list[tuple[Sequence, int]]  # sequences given a placeholder token, and its index
+    pending: list[tuple[Sequence, int, int]]  # sequences given a placeholder token, its index, the item's position
 
 
 class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
@@ -231,25 +230,30 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
         """Encode ``plan`` as a diff, give each sampling sequence its placeholder token, advance the
         batcher as if the step ran (the next plan builds on it) and hand the message to the engine."""
         self._current_plan = plan
-        msg = self._encoder.encode(plan, self._by_seq)
-        rc = self.active_config
-        # one step, several instances; a group whose switch failed runs in the layout it is in (getattr: a group)
-        if (rc is not None and rc.instances > 1 and plan.kind is StepKind.PREFILL
-                and getattr(self.runner, "active_role", None) == "prefill"):
-            # a sequence reading a block another item writes now (a prefix hit registered this step) goes with it
-            units = shared_block_units([(it.seq.block_ids, m.start, m.num_tokens) for it, m in zip(plan.items, msg.items)],
-                                       self.batcher.ledger.block_size)
-            msg.instances = assign_instances([it.num_tokens for it in plan.items], rc.instances, units)
-            msg.rng_seed = self._rng.getrandbits(62)
-            self.kv_scatter_bytes += scatter_bytes(plan.num_tokens, self._kv_bytes_per_token, rc.tp_degree,
-                                                   rc.group_size)
-        pending = []
-        for it in plan.items:
-            if it.samples:
-                seq = it.seq
-                seq.token_ids.append(PENDING)
+        try:
+            msg = self._encoder.encode(plan, self._by_seq)
+            rc = self.active_config
+            # one step, several instances; a group whose switch failed runs in the layout it is in (getattr: a group)
+            if (rc is not None and rc.instances > 1 and plan.kind is StepKind.PREFILL
+                    and getattr(self.runner, "active_role", None) == "prefill"):
+                # a sequence reading a block another item writes now (a prefix hit registered this step) goes with it
+                units = shared_block_units([(it.seq.block_ids, m.start, m.num_tokens) for it, m in zip(plan.items, msg.items)],
+                                           self.batcher.ledger.block_size)
+                msg.instances = assign_instances([it.num_tokens for it in plan.items], rc.instances, units)
+                msg.rng_seed = self._rng.getrandbits(62)
+                self.kv_scatter_bytes += scatter_bytes(plan.num_tokens, self._kv_bytes_per_token, rc.tp_degree,
+                                                       rc.group_size)
+        except BaseException:
+            self.batcher.discard(plan)  # never sent: nothing will write the blocks it registered (node.core.ledger)
+            raise
+        pending = []  # (sequence, placeholder index, item position): read back by _complete
+        for pos, item in enumerate(msg.items):
+            if item.sample:
+                seq = plan.items[pos].seq
+                toks = seq.token_ids
+                pending.append((seq, len(toks), pos))
+                toks.append(PENDING)
                 seq.num_pending += 1
-                pending.append((seq, len(seq.token_ids) - 1))
         self._encoder.sent(msg)
         self.batcher.commit(plan)
         now = self.clock()
@@ -289,14 +293,13 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
             if not self._inflight:
                 self._idle.set()
         self._current_plan = rec.plan
-        outs: dict[str, SeqOutput] = {}
-        for it, out in zip(rec.msg.items, reply.outputs):
-            outs[it.seq_id] = out
-        for seq, index in rec.pending:
+        self.batcher.settle(rec.plan)  # after the fence: the blocks it filled are written (node.core.ledger)
+        outs = reply.outputs  # one per item, in item order
+        for seq, index, pos in rec.pending:
             seq.num_pending -= 1
-            token = outs[seq.seq_id].token_id
-            if index < len(seq.token_ids) and seq.token_ids[index] == PENDING:
-                seq.token_ids[index] = token
+            toks = seq.token_ids
+            if index < len(toks) and toks[index] == PENDING:
+                toks[index] = outs[pos].token_id
         self.steps += 1
         self.busy_s += reply.busy_s
         self._postprocess(rec, outs)
@@ -307,7 +310,7 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
     def _settle_failed(self, rec: _InFlight) -> None:
         """A step failed: its placeholders go, the engine's state is rebuilt by the next message, the
         blocks it was to fill leave the prefix cache; its requests are failed by the caller."""
-        for seq, index in rec.pending:
+        for seq, index, _pos in rec.pending:
             seq.num_pending -= 1
             if index < len(seq.token_ids) and seq.token_ids[index] == PENDING:
                 del seq.token_ids[index:]
@@ -350,61 +353,24 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
                 log.error("engine_listener_failed", device=self.device_id, listener=getattr(listener, "__qualname__", repr(listener)),
                           error=f"{type(e).__name__}: {e}", exc_info=e)
 
-    def _on_loop_done(self, task: asyncio.Task) -> None:
-        """The step loop ended other than by cancellation (it should not): the device is down. Its
-        requests fail and ``failure`` says why (``/health`` reports it)."""
-        if task.cancelled():
-            return
-        error = task.exception()
-        if isinstance(error, EngineDied):
-            self.failure = str(error)
-        else:
-            self.failure = f"step loop ended: {type(error).__name__}: {error}" if error else "step loop ended"
-        log.error("engine_down", device=self.device_id, reason=self.failure)
-        self.engine_died = isinstance(error, EngineDied)
-        if self.engine_died and self.orphan_listener is not None:
-            self._orphan_all()
-        for req in list(self.requests.values()):
-            req.fail(f"device {self.device_id} is down: {self.failure}", status=503, code="engine_down",
-                     retry_after_s=1.0)
-            try:  # nothing runs here any more: drop its sequences and blocks now, not at a next step
-                self._finish_request(req)
-            except Exception as e:  # noqa: BLE001 - bookkeeping of a broken device: log and go on
-                log.error("engine_cleanup_failed", device=self.device_id, request=req.request_id, error=str(e))
-        for rec in self._inflight:  # the steps behind the one the loop ended at: nobody awaits their replies
-            rec.reply.add_done_callback(retrieved)
-        self._inflight.clear()
-        self._idle.set()  # a switch waiting for the steps in flight goes on, and fails (switch_role)
-        for _seq, fut in self._detaches:  # hand-offs waiting for a step boundary: the sequence stays here
-            if not fut.done():
-                fut.set_result(None)
-        for m in self._migrations:  # moves not begun: refused
-            if not m.fut.done():
-                m.fut.set_result(None)
-        self._detaches.clear()
-        self._migrations.clear()
-        while self._jobs:  # a transfer waiting for this device's worker fails instead of hanging
-            _fn, _args, fut = self._jobs.popleft()
-            if not fut.done():
-                fut.set_exception(RuntimeError(f"device {self.device_id} is down: {self.failure}"))
-        self._notify(self.down_listeners)
-
-    def _postprocess(self, rec: _InFlight, outs: dict[str, SeqOutput]) -> None:
+    def _postprocess(self, rec: _InFlight, outs: list[SeqOutput]) -> None:
+        """Emit the step's tokens: ``outs`` are the engine's outputs, one per item in item order."""
         now = self.clock()
-        for it, item in zip(rec.plan.items, rec.msg.items):
+        by_seq = self._by_seq
+        for it, item, out in zip(rec.plan.items, rec.msg.items, outs):
+            entry = by_seq.get(item.seq_id)
+            if entry is None:  # the sequence left the device (aborted, finished) while the step ran
+                continue
             try:
-                self._postprocess_one(it, item.start, outs, now)
+                self._postprocess_one(it, item.start, out, entry, now)
             except Exception as e:  # noqa: BLE001 - one sequence's failure (detokenizer, stop logic) is its own
                 self._contain("postprocess", e, StepPlan(rec.plan.kind, [it]))
 
-    def _postprocess_one(self, it: ScheduledSeq, start: int, outs: dict[str, SeqOutput], now: float) -> None:
+    def _postprocess_one(self, it: ScheduledSeq, start: int, out: SeqOutput, entry: tuple[RequestState, int],
+                         now: float) -> None:
         """Emit one scheduled sequence's sampled token (already written over its placeholder)."""
         seq = it.seq
-        entry = self._by_seq.get(seq.seq_id)
-        if entry is None:
-            return
         req, i = entry
-        out = outs[seq.seq_id]
         if out.prompt_logprobs:  # rows start.. predict prompt tokens start+1..; idempotent on recompute
             req.prompt_logprobs[start : start + len(out.prompt_logprobs)] = out.prompt_logprobs
         if out.token_id is None:

@@ -124,13 +124,10 @@ class Residents:
         cached blocks of its longest cached prefix (:meth:`cached_blocks_of`; referenced now, so never
         evicted, and never written by the copy, since their tokens lie before ``num_computed``), then
         new ones. Returns ``(blocks, reused)`` — the first ``reused`` are the cached ones, which need
-        not be received — or ``(None, 0)`` when they do not fit."""
-        led = self.batcher.ledger
-        hits = self.cached_blocks_of(token_ids, num_computed, memo)[:num_blocks]
-        new = led.take(hits, num_blocks - len(hits))
-        if new is None:
-            return None, 0
-        return hits + new, len(hits)
+        not be received — or ``(None, 0)`` when they do not fit. Blocks a step in flight registered
+        are never reused (:meth:`BlockLedger.reserve`): that step may still fail to write them."""
+        got = self.batcher.ledger.reserve(token_ids, num_computed, num_blocks, memo)
+        return got if got is not None else (None, 0)
 
     def adopt(self, req: RequestState, index: int, seq: Sequence) -> None:
         """Take over a decoding sequence whose KV was just copied into this device's blocks. On a down

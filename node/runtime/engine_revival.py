@@ -15,6 +15,8 @@ import structlog
 
 from node.core.ledger import BlockLedger
 from node.core.sequence import PENDING
+from node.worker.engine_messages import retrieved
+from node.worker.engine_process import EngineDied
 
 log = structlog.get_logger("shiftnode.engine")
 
@@ -84,3 +86,43 @@ class Revival:
             await asyncio.get_running_loop().run_in_executor(self._executor, self.reconfigure, self.role.role)
         self.failure, self.engine_died = None, False
         self.start()
+
+    def _on_loop_done(self, task: asyncio.Task) -> None:
+        """The step loop ended other than by cancellation: the engine process died (its sequences go to
+        ``orphan_listener`` to be resumed elsewhere) or a bug ended the loop; the device is down. Its other
+        requests fail and ``failure`` says why (``/health`` reports it)."""
+        if task.cancelled():
+            return
+        error = task.exception()
+        if isinstance(error, EngineDied):
+            self.failure = str(error)
+        else:
+            self.failure = f"step loop ended: {type(error).__name__}: {error}" if error else "step loop ended"
+        log.error("engine_down", device=self.device_id, reason=self.failure)
+        self.engine_died = isinstance(error, EngineDied)
+        if self.engine_died and self.orphan_listener is not None:
+            self._orphan_all()
+        for req in list(self.requests.values()):
+            req.fail(f"device {self.device_id} is down: {self.failure}", status=503, code="engine_down",
+                     retry_after_s=1.0)
+            try:  # nothing runs here any more: drop its sequences and blocks now, not at a next step
+                self._finish_request(req)
+            except Exception as e:  # noqa: BLE001 - bookkeeping of a broken device: log and go on
+                log.error("engine_cleanup_failed", device=self.device_id, request=req.request_id, error=str(e))
+        for rec in self._inflight:  # the steps behind the one the loop ended at: nobody awaits their replies
+            rec.reply.add_done_callback(retrieved)
+        self._inflight.clear()
+        self._idle.set()  # a switch waiting for the steps in flight goes on, and fails (switch_role)
+        for _seq, fut in self._detaches:  # hand-offs waiting for a step boundary: the sequence stays here
+            if not fut.done():
+                fut.set_result(None)
+        for m in self._migrations:  # moves not begun: refused
+            if not m.fut.done():
+                m.fut.set_result(None)
+        self._detaches.clear()
+        self._migrations.clear()
+        while self._jobs:  # a transfer waiting for this device's worker fails instead of hanging
+            _fn, _args, fut = self._jobs.popleft()
+            if not fut.done():
+                fut.set_exception(RuntimeError(f"device {self.device_id} is down: {self.failure}"))
+        self._notify(self.down_listeners)

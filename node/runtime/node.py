@@ -22,11 +22,8 @@ import structlog
 
 from node.config import NodeConfig, benchmark_cost_path
 from node.core.sequence import SamplingParams
-from node.core.cost import CostModel
-from node.core.adaptive import AdaptiveScheduler
-from node.core.roles import RoleScheduler, RoleSchedulerConfig
 from node.core.pooled import PooledRouter
-from node.runtime.admission import EnginesDown, NodeDraining, QueueFullError
+from node.runtime.admission import EnginesDown, KVCapacityExceeded, NodeDraining, QueueFullError, kv_fit_error
 from node.runtime.engine import DeviceEngine
 from node.runtime.engine_supervisor import EngineSupervisor
 from node.runtime.moves import MigrationRecord
@@ -35,6 +32,7 @@ from node.runtime.kv_receiver import KVReceiver
 from node.runtime.peer_links import PeerLinks
 from node.runtime.pooled_driver import PooledDriver
 from node.runtime.role_driver import RoleDriver
+from node.runtime.role_policy import role_scheduler
 from node.runtime.metrics import NodeMetrics, request_outcome
 from node.runtime.accounting import account
 from node.runtime.node_status import node_status
@@ -48,10 +46,6 @@ from node.worker.engine_process import EngineProcess
 from node.worker.loader import LoadedModel, StartupError
 
 log = structlog.get_logger("shiftnode.node")
-
-
-# Starting point of the policy's cost model before the node has measured its own steps (CPU-sized).
-DEFAULT_CPU_COST = CostModel(prefill_fixed_s=0.002, prefill_per_token_s=2e-5, decode_fixed_s=0.002, decode_per_seq_s=1e-4)
 
 
 class Node:
@@ -94,19 +88,8 @@ class Node:
             self.receiver = KVReceiver(self, layout) if config.kv_port is not None else None
         timed = benchmark_cost_path(config.benchmark_model) is not None
         if config.role_policy:
-            policy = RoleSchedulerConfig(
-                ttft_slo_ms=config.ttft_slo_ms, tpot_slo_ms=config.tpot_slo_ms, reconfig_pause_ms=config.reconfig_pause_ms,
-                min_window_ms=config.min_window_ms, max_window_ms=config.max_window_ms,
-                prefill_token_budget=config.max_num_batched_tokens, stagger=config.stagger)
-            cost = msgspec.structs.replace(DEFAULT_CPU_COST, pause_s=config.reconfig_pause_ms / 1e3)
-            if config.policy_cost_model is not None:
-                from node.timed_cost import load_step_cost
-
-                start = load_step_cost(config.policy_cost_model)
-                cost = msgspec.structs.replace(start, pause_s=start.pause_s + config.reconfig_pause_ms / 1e3)
+            scheduler = role_scheduler(config)
             # timed devices take their cost model's time by construction: the policy plans with it unrefitted
-            scheduler = (AdaptiveScheduler(policy, cost, max_step_tokens=config.max_num_batched_tokens)
-                         if config.mode == "adaptive" else RoleScheduler(policy, cost))
             self.driver = RoleDriver(self, scheduler, time.monotonic, refit=not timed)
         elif config.mode == "pooled":
             self.driver = PooledDriver(self, PooledRouter(config.max_unsent), config.prefill_group_ids(),
@@ -278,9 +261,16 @@ class Node:
 
         Raises:
             NodeDraining, EnginesDown, QueueFullError: the node takes no request now (the API's 503).
+            KVCapacityExceeded: the request can never fit a device's KV cache (the API's 400).
         """
         m = self.metrics
         self.check_admission(1)
+        prefillers = self.config.prefill_group_ids() if self.config.mode == "pooled" else None
+        problem = kv_fit_error(len(prompt_ids), n, self.config.mode, self.config.block_size,
+                               [e.batcher.ledger.num_blocks for e in self.engines
+                                if prefillers is None or e.device_id in prefillers])
+        if problem:
+            raise KVCapacityExceeded(problem)
         req = RequestState(request_id, prompt_ids, params, n, self.tokenizer, self.eos_ids(),
                            self.max_model_len, time.monotonic(), stream=stream, index0=index0, detokenize=detokenize)
         m.prompt_tokens.inc(len(prompt_ids))

@@ -32,8 +32,9 @@ from node.core.batcher import StepKind, StepPlan
 from node.core.cost import CostModel, fit_cost_model
 from node.core.imbalance import ImbalanceConfig, ImbalancePolicy, Migrate
 from node.core.sequence import Sequence, SeqStatus
-from node.core.roles import (DeviceState, NodeSnapshot, Place, Reject, ResidentSeq, Role, RoleScheduler,
-                             SwitchRole, WaitingPrompt)
+from node.core.group_cost import GroupCost
+from node.core.roles import DeviceState, NodeSnapshot, Place, Reject, ResidentSeq, Role, RoleScheduler, SwitchRole
+from node.core.snapshot import DeviceView, Placement, node_snapshot, waiting_prompt
 from node.runtime.driver import SAMPLES, Driver
 from node.runtime.engine import DeviceEngine
 from node.runtime.peer_state import is_peer
@@ -199,64 +200,49 @@ class RoleDriver(Driver):
             self._switching.discard(d.device_id)
             self.kick()
 
-    def snapshot(self, now: float) -> NodeSnapshot:
-        """The policy's view of the node. A sequence whose move is under way counts on its destination
-        (cooling down), with the blocks the destination will allocate for it reserved there."""
-        engines = [e for e in self.node.engines if e.failure is None]  # a down device is out of the policy's view
-        residents: dict[str, list[ResidentSeq]] = {e.device_id: [] for e in engines}
-        incoming: dict[str, int] = {e.device_id: 0 for e in engines}  # blocks of moves not yet applied
-        queued: dict[str, tuple[int, int]] = {}
-        for e in engines:
-            q_tokens, q_seqs = 0, 0
-            for req in e.requests.values():
-                for s in req.seqs:
-                    if s.status is SeqStatus.FINISHED or s.device_id != e.device_id:
-                        continue
-                    if s.num_output > 0 and s.is_decoding:
-                        moving = s.seq_id in self._moving
-                        dst = self._moving.get(s.seq_id, e.device_id)
-                        if is_peer(dst) or dst not in residents:
-                            continue  # leaving the node (or for a device that went down)
-                        residents[dst].append(ResidentSeq(
-                            s.seq_id, s.first_token_s or now, s.num_output, s.num_computed, self.expected_output(req),
-                            now if moving else self._moved_s.get(s.seq_id)))
-                        if dst != e.device_id and s in e.batcher.running:  # not applied yet: dst allocates later
-                            incoming[dst] += len(s.block_ids)
-                    else:
-                        q_tokens += s.num_uncomputed
-                        q_seqs += 1
-            queued[e.device_id] = (q_tokens, q_seqs)
-        devices = []
-        for e in engines:
+    def views(self, now: float) -> list[DeviceView]:
+        """The node's live devices as :func:`node.core.snapshot.node_snapshot` reads them (a down device
+        is out of the policy's view): each request on a device with its placement reserve."""
+        out = []
+        for e in self.node.engines:
+            if e.failure is not None:
+                continue
             r = e.role
-            resident = residents[e.device_id]
-            q_tokens, q_seqs = queued[e.device_id]
             busy_until = now if e.step_started_s is None else max(now, e.step_started_s + e.last_step_s)
-            pq = e.batcher.prefill_queue()
-            devices.append(DeviceState(
-                device_id=e.device_id, role=r.role, role_since_s=r.since_s if r.role is not Role.SWITCHING else r.switch_started_s,
-                switching_to=r.switching_to, switch_done_s=r.switch_done_est_s, busy_until_s=busy_until,
-                resident=tuple(resident), prefill_queue_tokens=q_tokens, prefill_queue_seqs=q_seqs,
-                kv_free_blocks=e.batcher.ledger.num_free,
-                kv_reserved_blocks=self.reserved_on(e.device_id) + incoming[e.device_id],
-                kv_total_blocks=e.batcher.ledger.num_blocks, block_size=e.batcher.ledger.block_size,
-                seq_slots_free=e.batcher.config.max_num_seqs - len(resident) - q_seqs,
-                prefill_queue_oldest_s=pq.oldest_arrival_s, prefill_runnable=pq.runnable,
-            ))
-        ids = [e.device_id for e in engines]
-        waiting = tuple(
-            WaitingPrompt(req.request_id, len(req.prompt_ids) * len(req.seqs), req.stats.arrival_s,
-                          self.expected_output(req) * len(req.seqs), seqs=len(req.seqs),
-                          cached_tokens=self.cached_tokens(req, i, ids))
-            for i, req in enumerate(self.pending)
-        )
-        return NodeSnapshot(tuple(devices), waiting)
+            placed = tuple(Placement(self.reserve.get(req.request_id, 0),
+                                     tuple(s for s in req.seqs if s.device_id == e.device_id))
+                           for req in e.requests.values())
+            out.append(DeviceView(e.device_id, r.role, r.since_s if r.role is not Role.SWITCHING else r.switch_started_s,
+                                  r.switching_to, r.switch_done_est_s, busy_until, e.batcher, placed))
+        return out
+
+    def snapshot(self, now: float) -> NodeSnapshot:
+        """The policy's view of the node (:func:`node.core.snapshot.node_snapshot`, the simulator's too):
+        a sequence whose move is under way counts on its destination (cooling down), with the blocks the
+        destination will allocate for it reserved there; the pause is the mean measured one."""
+        views = self.views(now)
+        req_of = {s.seq_id: req for e in self.node.engines for req in e.requests.values() for s in req.seqs}
+        batchers = {v.device_id: v.batcher for v in views}
+        waiting = tuple(waiting_prompt(req.request_id, req.seqs, req.stats.arrival_s, self.expected_output(req),
+                                       batchers, i) for i, req in enumerate(self.pending))
+        return node_snapshot(now, views, moving=self._moving, moved_s=self._moved_s,
+                             expected=lambda s: self.expected_output(req_of[s.seq_id]), waiting=waiting,
+                             pause_s=self.measured_pause_s)
+
+    @property
+    def measured_pause_s(self) -> float | None:
+        """Mean of the recent measured switch pauses (s; free switches are none), or None before any."""
+        return sum(self._pauses) / len(self._pauses) if self._pauses else None
 
     # --- measurements ----------------------------------------------------------------------------------
     def _on_step(self, engine: DeviceEngine, plan: StepPlan, seconds: float) -> None:
-        resident = sum(1 for s in engine.batcher.running if s.is_decoding)
+        cost = self.scheduler.cost
         if plan.kind is StepKind.PREFILL:
-            self._prefill.append((plan.num_tokens, seconds))
+            # a group's step lasts its longest instance: that is what its prefill model is fitted to
+            tokens = (cost.longest_instance_tokens([it.num_tokens for it in plan.items]) if isinstance(cost, GroupCost)
+                      else plan.num_tokens)
+            self._prefill.append((tokens, seconds))
+            resident = sum(1 for s in engine.batcher.running if s.is_decoding)  # a loop per sequence: PREFILL steps only
             if resident:
                 self.node.metrics.decode_stall.labels(device=engine.device_id, cause="prefill_window").inc(resident * seconds)
         elif plan.kind is StepKind.DECODE:
@@ -268,7 +254,7 @@ class RoleDriver(Driver):
             if not prompt:
                 self._decode.append((len(decodes), ctx, seconds))
             else:  # the chunk's share: the step less the decode part's variable cost (CostModel.mixed_step_s)
-                cost = self.scheduler.cost
+                cost = cost.decode if isinstance(cost, GroupCost) else cost
                 share = seconds - (cost.decode_step_s(len(decodes), ctx) - getattr(cost, "decode_fixed_s", 0.0)
                                    if decodes else 0.0)
                 if share > 0:
@@ -291,8 +277,10 @@ class RoleDriver(Driver):
 
     def refit(self) -> None:
         """Refit the policy's cost model from the recent measured steps (keeps parts with few samples).
-        A roofline model (timed devices started from one) is kept as it is."""
-        base = self.scheduler.cost
+        A roofline model (timed devices started from one) is kept as it is; a group's model
+        (:class:`GroupCost`) gets its one fitted model as both its prefill instance's and its decode's."""
+        group = self.scheduler.cost if isinstance(self.scheduler.cost, GroupCost) else None
+        base = group.decode if group is not None else self.scheduler.cost
         if not isinstance(base, CostModel):  # a timed device's roofline model: kept (not of the linear fit's form)
             return
         prefill = list(self._prefill) if len({n for n, _ in self._prefill}) >= 3 else []
@@ -302,5 +290,7 @@ class RoleDriver(Driver):
         if fitted.prefill_per_token_s <= 0 and prefill:
             fitted = msgspec.structs.replace(fitted, prefill_fixed_s=0.0, prefill_per_token_s=sum(
                 s for _, s in prefill) / max(1, sum(n for n, _ in prefill)))
+        if group is not None:
+            fitted = msgspec.structs.replace(group, prefill=fitted, decode=fitted, pause_s=fitted.pause_s)
         self.scheduler.cost = self.imbalance.cost = fitted
 

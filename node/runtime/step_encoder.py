@@ -46,45 +46,66 @@ class StepEncoder:
     def __init__(self) -> None:
         self.known: dict[str, _Sent] = {}
         self._reset = True
+        self._msg: StepMsg | None = None  # the last message encoded, and the records of its sampling items
+        self._sampling: list[_Sent] = []
 
     def reset(self) -> None:
         self.known.clear()
         self._reset = True
 
     def encode(self, plan: StepPlan, held: dict) -> StepMsg:
-        """The message for ``plan``; ``held``: the sequence ids still on the device (a mapping)."""
+        """The message for ``plan``; ``held``: the sequence ids still on the device (a mapping).
+
+        The per-sequence work of a decode step whose sequences the engine already holds is one
+        :class:`StepItem` and two identity-plus-length tests (nothing changed: no diff); the sequences
+        that left are found by one set difference of the key views, not a loop per known sequence."""
         known = self.known
-        drop = [sid for sid in known if sid not in held]
+        drop = list(known.keys() - held.keys()) if len(known) else []
         for sid in drop:
             del known[sid]
         items, new, tokens, blocks = [], [], [], []
+        sampling = self._sampling = []
         for it in plan.items:
             s = it.seq
             sid = s.seq_id
             p = s.params
-            top = p.prompt_logprobs if (p.prompt_logprobs is not None and s.num_computed < s.prompt_len
-                                        and s.num_output == 0) else -1
-            items.append(StepItem(sid, s.num_computed, it.num_tokens, it.samples, top))
+            toks = s.token_ids
+            start = s.num_computed
+            n = it.num_tokens
+            sample = start + n == len(toks)  # it.samples
+            top = p.prompt_logprobs if (p.prompt_logprobs is not None and start < s.prompt_len
+                                        and len(toks) == s.prompt_len) else -1
+            items.append(StepItem(sid, start, n, sample, top))
             sent = known.get(sid)
             if sent is None:
-                new.append(NewSeq(sid, list(s.token_ids), s.prompt_len, p, list(s.block_ids)))
-                known[sid] = _Sent(s.token_ids, s.block_ids)
-                continue
-            d = _diff(s.token_ids, sent.tokens, sent.num_tokens)
-            if d is not None:
-                tokens.append(SeqTokens(sid, *d))
-                sent.tokens, sent.num_tokens = s.token_ids, len(s.token_ids)
-            d = _diff(s.block_ids, sent.blocks, sent.num_blocks)
-            if d is not None:
-                blocks.append(SeqBlocks(sid, *d))
-                sent.blocks, sent.num_blocks = s.block_ids, len(s.block_ids)
+                new.append(NewSeq(sid, list(toks), s.prompt_len, p, list(s.block_ids)))
+                sent = known[sid] = _Sent(toks, s.block_ids)
+            else:
+                if toks is not sent.tokens or len(toks) != sent.num_tokens:
+                    d = _diff(toks, sent.tokens, sent.num_tokens)
+                    if d is not None:
+                        tokens.append(SeqTokens(sid, *d))
+                        sent.tokens, sent.num_tokens = toks, len(toks)
+                bl = s.block_ids
+                if bl is not sent.blocks or len(bl) != sent.num_blocks:
+                    d = _diff(bl, sent.blocks, sent.num_blocks)
+                    if d is not None:
+                        blocks.append(SeqBlocks(sid, *d))
+                        sent.blocks, sent.num_blocks = bl, len(bl)
+            if sample:
+                sampling.append(sent)
         msg = StepMsg(items, new, tokens, blocks, drop, self._reset)
         self._reset = False
+        self._msg = msg
         return msg
 
     def sent(self, msg: StepMsg) -> None:
         """``msg`` went to the engine: each sampling item's token will be appended there (and here as
         a placeholder), so both sides' lengths advance by one."""
+        if msg is self._msg:  # the last encoded message (always, from the step loop): its samplers are known
+            for sent in self._sampling:
+                sent.num_tokens += 1
+            return
         known = self.known
         for it in msg.items:
             if it.sample:

@@ -1,7 +1,8 @@
 """In-node KV transfer between two devices' caches (same process): layer by layer, in order.
 
 Each layer: gather the sequence's blocks on the source, move the packed buffer to the destination
-device (a device-to-device copy on CUDA), scatter it into the destination blocks, optionally read it
+device (a device-to-device copy on CUDA), scatter it into the destination blocks, wait until the
+write is done (:mod:`node.transport.pool_sync`: the engine reads on its own stream), optionally read it
 back and compare bit for bit (the in-process analogue of the wire CRC, stronger and device-side), pace
 it through an emulated link, then call ``on_layer(layer)``. Blocking: run it off the event loop
 (``asyncio.to_thread``) or on the device worker's thread.
@@ -17,6 +18,7 @@ from typing import Callable
 import torch
 
 from shiftnode_kernels import reference
+import node.transport.pool_sync as pool_sync
 from node.transport.protocol import ChecksumMismatch, LayoutMismatch
 from node.transport.throttle import LinkThrottle, as_throttle
 
@@ -103,6 +105,7 @@ def copy_sequence_blocks(src_kv: torch.Tensor, src_blocks: list[int], dst_kv: to
         sent = buf.to(dst_kv.device, non_blocking=False)
         moved = fault_hook(layer, sent.clone()) if fault_hook is not None else sent
         scatter(moved, dst_kv[layer, 0], dst_kv[layer, 1], dst_ids)
+        pool_sync.sync_pool_writes(dst_kv)  # landed before the engine (its own stream) may read it
         if verify:
             back = (gather if dst_kv.device == src_kv.device else reference.gather_kv_blocks)(
                 dst_kv[layer, 0], dst_kv[layer, 1], dst_ids)

@@ -8,6 +8,7 @@ import warnings
 import torch
 
 from shiftnode_kernels import reference
+import node.transport.pool_sync as pool_sync
 from node.transport.protocol import DTYPE_BYTES, Fingerprint, Layout
 
 
@@ -50,9 +51,12 @@ def gather_layer(kv_cache: torch.Tensor, layer: int, block_ids: torch.Tensor | l
 
 def scatter_layer(buffer: torch.Tensor, kv_cache: torch.Tensor, layer: int,
                   block_ids: torch.Tensor | list[int]) -> None:
-    """Write ``buffer [2, n, block_size, Hkv, D]`` into blocks ``block_ids`` of one layer, in place."""
+    """Write ``buffer [2, n, block_size, Hkv, D]`` into blocks ``block_ids`` of one layer, in place;
+    returns once the write is done (:func:`~node.transport.pool_sync.sync_pool_writes`: the engine reads
+    the pool on its own stream)."""
     ids = torch.as_tensor(block_ids, dtype=torch.long, device=kv_cache.device)
     reference.scatter_kv_blocks(buffer.to(kv_cache.device), kv_cache[layer, 0], kv_cache[layer, 1], ids)
+    pool_sync.sync_pool_writes(kv_cache)
 
 
 def layer_from_bytes(data: bytes | bytearray | memoryview, layout: Layout, num_blocks: int) -> torch.Tensor:

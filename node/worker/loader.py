@@ -9,6 +9,7 @@ import structlog
 import torch
 
 from node.config import NodeConfig, benchmark_cost_path
+from node.worker.compiled_forward import CompiledForward, compile_sizes, compile_unsupported
 from node.worker.cuda_graphs import DecodeGraphs, decode_graphs_unsupported
 from node.worker.model_config import ModelConfig
 from node.worker.runner import (KVAlloc, ModelRunner, free_device_bytes, kv_bytes_per_token_per_rank, plan_kv_blocks,
@@ -196,7 +197,24 @@ def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: obj
                  decode_graphs="off (timed steps run eagerly)")
         return runner
     attach_decode_graphs(runner, config, info.max_model_len, ops, device_id)
+    attach_compiled_forward(runner, config, device_id)
     return runner
+
+
+def attach_compiled_forward(runner: ModelRunner, config: NodeConfig, device_id: str) -> None:
+    """``--compile inductor``: give ``runner`` a compiled forward per ``--compile-sizes`` bucket and
+    compile them all now, before the node serves (:mod:`node.worker.compiled_forward`); where it is not
+    supported (a CUDA device, a benchmark model, tensor parallelism) steps stay eager, with a warning."""
+    if config.compile == "none":
+        return
+    reason = compile_unsupported(runner.device, runner.model)
+    if reason is not None:
+        log.warning("compile_off", device=device_id, reason=reason)
+        return
+    sizes = compile_sizes(config.max_num_batched_tokens, config.compile_sizes)
+    runner.compiled = CompiledForward(runner.model, runner.kv_cache, sizes)
+    ms = runner.compiled.warm_all()
+    log.info("forward_compiled", device=device_id, backend=config.compile, sizes=list(sizes), ms=round(ms))
 
 
 def attach_decode_graphs(runner: ModelRunner, config: NodeConfig, max_model_len: int, ops: object,

@@ -112,7 +112,10 @@ class DecoderLayer(nn.Module):
         else:
             q, k = q.contiguous(), k.contiguous()
         ops.rotary_embedding(positions, q, k, cos_sin)
-        if isinstance(k_cache, tuple):  # KV heads owned by several devices' pools (node.worker.role_layouts)
+        fused = getattr(ops, "unified_attention", None)  # the compiled forward's custom op (node.worker.compiled_forward)
+        if fused is not None:
+            attn = fused(q, k, v, k_cache, v_cache, d**-0.5)
+        elif isinstance(k_cache, tuple):  # KV heads owned by several devices' pools (node.worker.role_layouts)
             attn = _attention_over_pools(q, k, v, k_cache, v_cache, meta, ops, d**-0.5)
         else:
             ops.reshape_and_cache(k, v.contiguous(), k_cache, v_cache, meta.slot_mapping)
@@ -238,6 +241,13 @@ class CausalLM(nn.Module):
         """``kv_cache``: ``[layers, 2, num_blocks, block_size, local_kv_heads, head_dim]``, or a tuple of
         ``g`` pools of ``local_kv_heads / g`` heads each, in head order (several devices' pools: a
         time-shared group's prefill layout, :mod:`node.worker.role_layouts`)."""
+        return self.hidden_states(input_ids, positions, kv_cache, meta, self.ops)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                      meta: AttentionMetadata | None, ops: Any) -> torch.Tensor:
+        """:meth:`forward` with explicit operators and no grad-mode context of its own (what
+        ``torch.compile`` traces: :mod:`node.worker.compiled_forward`, whose ``ops`` attend through a
+        custom op that reads the step's metadata from its context, ``meta`` None)."""
         x = self.embed_tokens(input_ids)
         residual = None
         pools = kv_cache if isinstance(kv_cache, tuple) else None
@@ -246,8 +256,8 @@ class CausalLM(nn.Module):
                 k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             else:
                 k_cache, v_cache = tuple(p[i, 0] for p in pools), tuple(p[i, 1] for p in pools)
-            x, residual = layer(x, residual, positions, k_cache, v_cache, meta, self.cos_sin, self.ops)
-        return self.ops.rms_norm(x, self.norm, self.cfg.rms_norm_eps, residual)[0]
+            x, residual = layer(x, residual, positions, k_cache, v_cache, meta, self.cos_sin, ops)
+        return ops.rms_norm(x, self.norm, self.cfg.rms_norm_eps, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -15,10 +15,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+import msgspec
 import structlog
 import torch
 
 from shiftnode_kernels import cpu_sampling_numba
+from node.worker.compiled_forward import CompiledForward
 from node.worker.cuda_graphs import DecodeGraphs
 from node.worker.model import AttentionMetadata, CausalLM
 from node.worker.model_config import ModelConfig
@@ -59,11 +61,15 @@ class StepInput:
     seqs: list[SeqInput]
 
 
-@dataclass
-class SeqOutput:
+class SeqOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A sequence's result of one step: the sampled token (None: the step did not sample), its
+    logprobs when asked, and prompt logprobs of the step's prompt rows. A positional struct with
+    defaults left off, so a plain token travels in a step's reply as ``[id]`` and decodes in C (the
+    node reads a reply of hundreds of them per step)."""
+
     token_id: int | None = None
     logprobs: TokenLogprobs | None = None
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = []
 
 
 class ModelRunner:
@@ -82,6 +88,8 @@ class ModelRunner:
 
     ``graphs`` (set by the loader, None for eager only): pure decode steps that fit a bucket replay a
     captured CUDA graph (:class:`~node.worker.cuda_graphs.DecodeGraphs`); every other step runs eagerly.
+    ``compiled`` (set by the loader for ``--compile inductor``, else None): steps whose token count fits a
+    compiled bucket run its graph (:class:`~node.worker.compiled_forward.CompiledForward`).
     ``pacer`` (set by the loader for ``--benchmark-model timed:PATH``, else None): makes every step
     last its modelled time (:class:`~node.worker.timed_step.StepPacer`).
     """
@@ -106,6 +114,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.graphs_error: str | None = None  # why a capture failed (graphs were then turned off)
         self.pacer: StepPacer | None = None
+        self.compiled: CompiledForward | None = None  # --compile inductor (node.worker.compiled_forward)
         # A time-shared group rank in its prefill layout: the pools of the devices whose KV heads it
         # computes, its own among them (node.worker.role_layouts); None: its own pool only.
         self.kv_views: tuple[torch.Tensor, ...] | None = None
@@ -163,7 +172,21 @@ class ModelRunner:
         return outputs
 
     def _forward(self, step: StepInput) -> torch.Tensor:
-        """The eager forward of any step → final hidden states ``[num_tokens, hidden]``."""
+        """The forward of any step → final hidden states ``[num_tokens, hidden]``: through a compiled
+        bucket when one fits (:attr:`compiled`), else eagerly."""
+        ids, pos, meta = self._pack(step)
+        if self.compiled is not None and self.kv_views is None:
+            hidden = self.compiled.run(ids, pos, meta)
+            if hidden is not None:
+                return hidden
+        dev = self.device
+        return self.model(
+            torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
+            self.kv_cache if self.kv_views is None else self.kv_views, meta,
+        )
+
+    def _pack(self, step: StepInput) -> tuple[list[int], list[int], AttentionMetadata]:
+        """A step's token ids and positions (lists, packed in sequence order) and its attention metadata."""
         dev = self.device
         bs = self.block_size
         ids: list[int] = []
@@ -188,10 +211,7 @@ class ModelRunner:
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
             max_seqlen_q=max(len(s.token_ids) for s in step.seqs),
         )
-        return self.model(
-            torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
-            self.kv_cache if self.kv_views is None else self.kv_views, meta,
-        )
+        return ids, pos, meta
 
 
 def kv_bytes_per_token_per_rank(cfg: ModelConfig, kv_dtype: torch.dtype, tp_degree: int = 1) -> int:

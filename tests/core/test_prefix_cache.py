@@ -173,6 +173,7 @@ class FakePool:
                 assert self.slots[s.block_ids[p // B]][p % B] == s.token_ids[p], f"{s.seq_id} read a foreign slot at {p}"
         sampled = [it.seq for it in plan.items if it.samples]
         b.commit(plan)
+        b.settle(plan)  # its reply came back: the blocks it filled are written
         for s in sampled:
             s.token_ids.append(sampled_token)
         b.ledger.check()

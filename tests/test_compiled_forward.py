@@ -1,0 +1,160 @@
+"""``--compile inductor``: the forward compiled per token-count bucket gives the greedy references
+exactly, pads steps into its bucket without writing padding to the KV pool, and leaves larger steps
+eager. One stories260k runner with a single bucket (8 tokens) is compiled once for the module: 20-45 s
+on the busy 2-core machine with a cold inductor cache, under 10 s with a warm one; the module's four
+tests then take a few seconds."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from node.cli import config_from_args, serve_parser
+from node.config import ConfigError, NodeConfig
+from node.core.sequence import SamplingParams
+from node.worker.compiled_forward import DEFAULT_COMPILE_SIZES, compile_sizes, compile_unsupported
+from node.worker.loader import build_runner, load_model_info, select_ops
+from node.worker.runner import ModelRunner, SeqInput, StepInput
+from node.worker.sampler import SampleRequest
+from shiftnode_kernels import reference
+from shiftnode_kernels.custom_ops import StepMetadata, step_metadata, unified_attention
+from support import STORIES, reference_cases, require_shared
+
+GREEDY = SamplingParams(max_tokens=256, temperature=0.0)
+BLOCKS_PER_SEQ = 32  # 512 positions / 16
+BUCKET = 8
+
+
+def _config(**kw) -> NodeConfig:
+    require_shared()
+    return NodeConfig(model=str(STORIES), kv_cache_memory_bytes=4 << 20, **kw)
+
+
+def _runner(config: NodeConfig) -> ModelRunner:
+    info = load_model_info(config)
+    return build_runner(config, info, "cpu:0", select_ops("auto", "cpu"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread, as a CPU engine process runs on this 2-core machine: two intra-op threads on a
+    busy machine make every parallel GEMM wait for a descheduled thread (100x slower steps)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def compiled(one_thread) -> ModelRunner:
+    runner = _runner(_config(compile="inductor", compile_sizes=[BUCKET]))
+    assert runner.compiled is not None and runner.compiled.sizes == (BUCKET,) and runner.compiled.warmed
+    assert not runner.kv_cache.any(), "compiling (padding-only warm-up runs) wrote to the KV pool"
+    return runner
+
+
+@pytest.fixture(scope="module")
+def eager() -> ModelRunner:
+    runner = _runner(_config())
+    assert runner.compiled is None
+    return runner
+
+
+def _seq(i: int, tokens: list[int], start: int, sample: bool = True) -> SeqInput:
+    blocks = list(range(1 + i * BLOCKS_PER_SEQ, 1 + (i + 1) * BLOCKS_PER_SEQ))
+    return SeqInput(f"s{i}", tokens, start, blocks, SampleRequest(GREEDY, [], 0, 0) if sample else None)
+
+
+def _prefill(runner: ModelRunner, i: int, prompt: list[int]) -> int:
+    """Prefill in chunks of at most :data:`BUCKET` tokens (chunked prefill); the first token."""
+    for at in range(0, len(prompt), BUCKET):
+        last = at + BUCKET >= len(prompt)
+        out = runner.execute(StepInput([_seq(i, prompt[at : at + BUCKET], at, sample=last)]))
+    return out[f"s{i}"].token_id
+
+
+def _generate(runner: ModelRunner, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """Each prompt prefilled alone, then all decoded together, greedily."""
+    outs = [[_prefill(runner, i, p)] for i, p in enumerate(prompts)]
+    for _ in range(new - 1):
+        step = StepInput([_seq(i, [o[-1]], len(p) + len(o) - 1) for i, (p, o) in enumerate(zip(prompts, outs))])
+        res = runner.execute(step)
+        for i, o in enumerate(outs):
+            o.append(res[f"s{i}"].token_id)
+    return outs
+
+
+def test_greedy_references_exact_through_padded_buckets(compiled):
+    cases = reference_cases()
+    prompts = [c["prompt_token_ids"] for c in cases]
+    assert len(cases) < BUCKET and any(len(p) > BUCKET for p in prompts)  # a padded decode batch; a chunked prompt
+    new = max(c["max_new_tokens"] for c in cases)
+    before = compiled.compiled.steps
+    outs = _generate(compiled, prompts, new)
+    for c, out in zip(cases, outs):
+        assert out[: c["max_new_tokens"]] == c["output_token_ids"], c["prompt"]
+    chunks = sum(-(-len(p) // BUCKET) for p in prompts)
+    assert compiled.compiled.steps - before == chunks + new - 1  # every step ran compiled
+    assert compiled.compiled.fallbacks == 0
+
+
+def test_mixed_step_compiled_and_larger_step_eager_match_eager_runner(compiled, eager):
+    cases = reference_cases()
+    p0, p1, p2 = (c["prompt_token_ids"] for c in cases[:3])
+    for r in (compiled, eager):
+        r.execute(StepInput([_seq(0, p0, 0)]))
+    first = cases[0]["output_token_ids"][0]
+    # A mixed step (one decode row and a prompt chunk, within the bucket), then one over the bucket.
+    mixed = StepInput([_seq(0, [first], len(p0)), _seq(1, p1[:4], 0, sample=False)])
+    larger = StepInput([_seq(1, p1[4:], 4), _seq(2, p2, 0)])
+    assert len(p1[4:]) + len(p2) > BUCKET
+    steps = compiled.compiled.steps
+    got = [{k: v.token_id for k, v in compiled.execute(s).items() if v.token_id is not None} for s in (mixed, larger)]
+    assert compiled.compiled.steps == steps + 1  # the larger step ran eagerly
+    want = [{k: v.token_id for k, v in eager.execute(s).items() if v.token_id is not None} for s in (mixed, larger)]
+    assert got == want
+    assert got[0]["s0"] == cases[0]["output_token_ids"][1]
+    assert got[1]["s1"] == cases[1]["output_token_ids"][0]
+    assert got[1]["s2"] == cases[2]["output_token_ids"][0]
+
+
+def test_unified_attention_writes_real_rows_only_and_zeroes_padding():
+    torch.manual_seed(0)
+    kc, vc = torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8)
+    q, k, v = torch.randn(3, 4, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    meta = StepMetadata(2, torch.tensor([5, 6]), torch.tensor([[1, 2]], dtype=torch.int32),
+                        torch.tensor([3], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32), 2)
+    kc.view(-1, 2, 8)[4] = torch.randn(2, 8)  # the cached first token of the sequence
+    vc.view(-1, 2, 8)[4] = torch.randn(2, 8)
+    kr, vr = kc.clone(), vc.clone()
+    reference.reshape_and_cache(k[:2], v[:2], kr, vr, meta.slot_mapping)
+    want = reference.paged_attention(q[:2], kr, vr, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, 2, 0.3)
+    with step_metadata(meta):
+        out = unified_attention(q, k, v, kc, vc, 0.3, "torch")
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)  # row 2 (padding) wrote nothing
+    torch.testing.assert_close(out[:2], want)
+    assert not out[2].any()
+    with pytest.raises(RuntimeError, match="step_metadata"):
+        unified_attention(q, k, v, kc, vc, 0.3, "torch")
+
+
+def test_flags_sizes_and_where_compile_applies():
+    p = argparse.ArgumentParser()
+    serve_parser(p.add_subparsers())
+    a = p.parse_args(["serve", "--compile", "inductor", "--compile-sizes", "1,8,64"])
+    cfg = config_from_args(a)
+    assert (cfg.compile, cfg.compile_sizes) == ("inductor", [1, 8, 64])
+    assert config_from_args(p.parse_args(["serve"])).compile == "none"
+    for bad in (["--compile", "jit"], ["--compile-sizes", "1,x"], ["--compile-sizes", "0"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(["serve", *bad])
+    with pytest.raises(ConfigError, match="--compile"):
+        NodeConfig(compile="jit").validate()
+    assert compile_sizes(2048) == DEFAULT_COMPILE_SIZES
+    assert compile_sizes(48, [64, 1, 8, 8, 32]) == (1, 8, 32)
+    assert compile_sizes(4, [8]) == (1,)
+    model = object()
+    assert "CPU" in compile_unsupported(torch.device("cuda", 0), model)
+    assert "benchmark" in compile_unsupported(torch.device("cpu"), model)
