@@ -43,8 +43,10 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence as Seq
+
+from node.core.block_index import BlockIndex, BlockLRU
 
 
 class LedgerError(RuntimeError):
@@ -79,16 +81,14 @@ class BlockLedger:
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self._free: deque[int] = deque(range(num_blocks))  # unreferenced, nothing cached
-        self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced, cached: oldest release first
         self._refs = [0] * num_blocks
-        self._key: list[bytes | None] = [None] * num_blocks
-        self._entries: dict[bytes, int] = {}  # key → block
-        # A cached block's parent key (a reference to that block's key object) and token ids, which
-        # confirm a hit: kept per block in storage allocated once, because a tuple of token-id ints
-        # per cached block (~0.7 KB with the dict entry) grew the process by tens of MB as a large
-        # pool's cache filled up (the soak's RSS growth, issue 32).
-        self._parent: list[bytes | None] = [None] * num_blocks
-        self._tokens = array("q", bytes(8 * num_blocks * block_size)) if prefix_caching else array("q")
+        # The cache index (key, parent key and token ids of each cached block) and the eviction order
+        # of the unreferenced cached blocks live in storage allocated here, sized by the pool: Python
+        # objects per cached block (a tuple of token ids, then a key, a dict slot and an OrderedDict
+        # entry) grew the node for most of an hour as a large pool's cache filled (the soak's RSS
+        # growth, issue 32).
+        self._lru = BlockLRU(num_blocks if prefix_caching else 0)  # unreferenced, cached: oldest release first
+        self._index = BlockIndex(num_blocks if prefix_caching else 0, block_size)
         self._writers = [0] * num_blocks  # steps that registered the block and are not settled yet (pending)
         self.num_evictions = 0
 
@@ -106,7 +106,7 @@ class BlockLedger:
     @property
     def num_cached(self) -> int:
         """Blocks findable in the prefix cache, referenced or not."""
-        return len(self._entries)
+        return len(self._index)
 
     @property
     def num_reclaimable(self) -> int:
@@ -117,11 +117,11 @@ class BlockLedger:
         return self._refs[block]
 
     def is_cached(self, block: int) -> bool:
-        return self._key[block] is not None
+        return self.prefix_caching and block in self._index
 
     def is_pending(self, block: int) -> bool:
         """The block is cached and a step that is to write it has not settled (:meth:`settle`)."""
-        return self._key[block] is not None and self._writers[block] > 0
+        return self.is_cached(block) and self._writers[block] > 0
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens: ``ceil(num_tokens / block_size)``."""
@@ -141,9 +141,8 @@ class BlockLedger:
             if self._free:
                 b = self._free.popleft()
             else:
-                b, _ = self._lru.popitem(last=False)
-                del self._entries[self._key[b]]
-                self._key[b] = self._parent[b] = None
+                b = self._lru.pop_oldest()
+                self._index.remove(b)
                 self.num_evictions += 1
             self._refs[b] = 1
             out.append(b)
@@ -159,10 +158,10 @@ class BlockLedger:
         if n + self.reuse_cost(cached) > self.num_free:
             return None
         for b in cached:
-            if self._key[b] is None:
+            if not self.is_cached(b):
                 raise LedgerError(f"block {b} is not cached")
             if self._refs[b] == 0:
-                del self._lru[b]  # referenced now: out of eviction's reach before allocate runs
+                self._lru.remove(b)  # referenced now: out of eviction's reach before allocate runs
             self._refs[b] += 1
         out = self.allocate(n)
         assert out is not None  # checked above
@@ -180,8 +179,8 @@ class BlockLedger:
                 raise LedgerError(f"block {b} freed but not allocated")
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                if self._key[b] is not None:
-                    self._lru[b] = None
+                if self.prefix_caching and b in self._index:
+                    self._lru.push(b)
                 else:
                     self._free.append(b)
 
@@ -205,17 +204,16 @@ class BlockLedger:
         pending blocks match too (only the device's own planner may ask: see the module docstring);
         otherwise the match stops at the first pending block.
         """
-        if not self.prefix_caching or not self._entries:
+        if not self.prefix_caching or not len(self._index):
             return []
-        bs = self.block_size
+        bs, index = self.block_size, self._index
         memo = [] if memo is None else memo
         out: list[int] = []
         parent = None
         for i in range(max(0, max_tokens) // bs):
             key = self.keys(token_ids, i + 1, memo)[i]
-            b = self._entries.get(key)
-            if b is None or self._parent[b] != parent or \
-                    self._tokens[b * bs : (b + 1) * bs] != array("q", token_ids[i * bs : (i + 1) * bs]):
+            b = index.find(key)
+            if b is None or not index.confirms(b, parent, token_ids[i * bs : (i + 1) * bs]):
                 break
             if not pending and self._writers[b]:
                 break  # its step may still fail: never hand it to a reader outside that step's pipeline
@@ -250,11 +248,9 @@ class BlockLedger:
             raise LedgerError(f"block {block} registered but not allocated")
         if len(tokens) != self.block_size:
             raise LedgerError(f"block {block} registered with {len(tokens)} tokens, not {self.block_size}")
-        if not self.prefix_caching or self._key[block] is not None or key in self._entries:
+        if not self.prefix_caching or self.is_cached(block) or self._index.find(key) is not None:
             return False
-        self._entries[key] = block
-        self._key[block], self._parent[block] = key, parent
-        self._tokens[block * self.block_size : (block + 1) * self.block_size] = array("q", tokens)
+        self._index.add(block, key, parent, tokens)
         if pending:
             self._writers[block] += 1
         return True
@@ -274,13 +270,11 @@ class BlockLedger:
         write them failed; a pending block leaves through :meth:`settle`, which calls this). An
         unreferenced one becomes clean."""
         for b in blocks:
-            key = self._key[b]
-            if key is None:
+            if not self.is_cached(b):
                 continue
-            del self._entries[key]
-            self._key[b] = self._parent[b] = None
+            self._index.remove(b)
             if self._refs[b] == 0:
-                del self._lru[b]
+                self._lru.remove(b)
                 self._free.append(b)
 
     def check(self) -> None:
@@ -294,7 +288,8 @@ class BlockLedger:
         if len(free) != len(self._free):
             raise LedgerError("a block is on the free list twice")
         for b, r in enumerate(self._refs):
-            in_free, in_lru, key = b in free, b in self._lru, self._key[b]
+            in_free, in_lru = b in free, self.prefix_caching and b in self._lru
+            key = self._index.key(b) if self.prefix_caching else None
             if r < 0 or self._writers[b] < 0:
                 raise LedgerError(f"block {b} has refcount {r}, {self._writers[b]} unsettled writers")
             if r > 0 and (in_free or in_lru):
@@ -305,9 +300,9 @@ class BlockLedger:
                 raise LedgerError(f"block {b} is clean but cached")
             if in_lru and key is None:
                 raise LedgerError(f"block {b} is reclaimable but not cached")
-            if key is not None and self._entries.get(key) != b:
+            if key is not None and self._index.find(key) != b:
                 raise LedgerError(f"block {b} has a key the cache index does not map to it")
-        if len(self._entries) != sum(k is not None for k in self._key):
+        if self.prefix_caching and not self._index.check():
             raise LedgerError("the cache index names a block that does not carry its key")
-        if not self.prefix_caching and self._entries:
-            raise LedgerError("blocks cached with prefix caching off")
+        if self.prefix_caching and len(self._lru) != sum(self._refs[b] == 0 for b in self._index.cached()):
+            raise LedgerError("the reclaimable list and the unreferenced cached blocks differ")

@@ -392,3 +392,36 @@ def test_cached_blocks_keep_no_python_objects_per_block():
     assert led.match(stream[: 3 * bs] + [7], 3 * bs + 1) == blocks[:3]  # hits are still confirmed by parent and tokens
     assert led.match(stream[:bs] + [5] * bs, 2 * bs) == blocks[:1]
     led.check()
+
+
+def test_the_cache_index_keeps_no_memory_per_cached_block():
+    """Issue 32 (the soak's RSS growth, continued): after the tuples went, each cached block still
+    kept its key (a ``bytes``), a ``dict`` slot and an ``OrderedDict`` entry, ~0.2 KB, so a 26k-block
+    pool's node kept growing for most of an hour of load as its cache filled. The index and the LRU
+    are now sized with the ledger: filling the cache, releasing it and evicting part of it keeps
+    nothing the caller's keys and block lists do not (they go with their sequences)."""
+    import tracemalloc
+
+    n, bs = 4096, 4
+    led = BlockLedger(n, bs, prefix_caching=True)
+    stream = list(range(n * bs))
+    tokens = [stream[b * bs : (b + 1) * bs] for b in range(n)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        blocks = led.allocate(n)
+        keys = led.keys(stream, n, [])
+        for i, b in enumerate(blocks):
+            assert led.register(b, keys[i], keys[i - 1] if i else None, tokens[i])
+        led.free(blocks)
+        assert led.num_cached == led.num_reclaimable == n
+        del keys, blocks
+        retained = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert retained / n < 4, f"{retained / n:.0f} bytes kept per cached block"
+    assert led.match(stream[: 3 * bs] + [7], 3 * bs + 1) == [0, 1, 2]  # still found, confirmed by parent and tokens
+    again = led.allocate(n // 2)  # evicts the least recently released: the tail of the "prompt" first
+    assert sorted(again) == list(range(n // 2, n)) and led.num_evictions == n // 2
+    assert led.match(stream, n * bs) == list(range(n // 2))
+    led.check()

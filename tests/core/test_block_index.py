@@ -1,0 +1,47 @@
+"""The prefix cache's preallocated index and LRU (node/core/block_index.py) against a dict and a list."""
+
+from __future__ import annotations
+
+import random
+
+from node.core.block_index import BlockIndex, BlockLRU
+
+
+def key(home: int, tag: int) -> bytes:
+    """A 16-byte key whose hash (first 8 bytes) is ``home``: few homes force long probe runs."""
+    return home.to_bytes(8, "little") + tag.to_bytes(8, "little")
+
+
+def test_index_agrees_with_a_dict_under_colliding_churn():
+    rng = random.Random(0)
+    n = 64
+    idx, model = BlockIndex(n, 2), {}  # key -> block
+    for step in range(4000):
+        free = [b for b in range(n) if b not in idx]
+        if free and (rng.random() < 0.55 or not model):
+            b, k = rng.choice(free), key(rng.randrange(6) * 37 + 120, step)  # homes wrap past the table's end
+            parent = None if rng.random() < 0.3 else key(1, step)
+            idx.add(b, k, parent, [step, b])
+            model[k] = (b, parent, [step, b])
+        else:
+            k = rng.choice(list(model))
+            b, _, _ = model.pop(k)
+            idx.remove(b)
+        assert len(idx) == len(model)
+        if step % 97 == 0:
+            assert idx.check()
+            for k, (b, parent, toks) in model.items():
+                assert idx.find(k) == b and idx.key(b) == k
+                assert idx.confirms(b, parent, toks) and not idx.confirms(b, key(2, 0), toks)
+                assert not idx.confirms(b, parent, [toks[0], toks[1] + 1])
+            assert idx.find(key(999, 0)) is None
+
+
+def test_lru_pops_in_release_order_and_unlinks_anywhere():
+    lru = BlockLRU(8)
+    for b in [5, 2, 7, 0]:
+        lru.push(b)
+    lru.remove(7)
+    assert 7 not in lru and 2 in lru and len(lru) == 3
+    lru.push(7)
+    assert [lru.pop_oldest() for _ in range(4)] == [5, 2, 0, 7] and len(lru) == 0
