@@ -56,6 +56,8 @@ GROUPS: tuple[Group, ...] = (
                                 "TTFT/TPOT, role timeline? (live nodes)"),
         Tool("studies.validate_sim", "Does the simulator predict the live node: TTFT/TPOT of the same "
                                      "workload, live and simulated, side by side?"),
+        Tool("studies.adaptive_cells", "Where does untuned adaptive stand against the best tuned baseline, cell by "
+                                       "cell (probes, and the heat map redrawn from them)?"),
         Tool("studies.attainment", "Does one crossover cell meet its SLOs at given rates (a capacity search's "
                                    "single probes: is a mode within 0.95x of a baseline's capacity)?"),
     ), ("studies.plots", "studies.timeline"), frozenset({"traffic", "load", "cost", "sim"})),

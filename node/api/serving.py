@@ -1,13 +1,12 @@
-"""Serving the application over HTTP: aiohttp's server, with TCP half-close kept open.
+"""Serving the application over HTTP until SIGINT/SIGTERM (``web.run_app``'s loop, on a TCP port or on the
+unix socket behind the API front-end processes).
 
-A client may shut the write side of its connection once its request is sent (``shutdown(SHUT_WR)``:
-a FIN, "I send nothing more") and go on reading the answer; HTTP/1.1 allows it (RFC 9112 §9.6 asks
-a server to read on until it has sent its response) and tools such as ``nc -N`` or ``curl`` behind
-some proxies do it. aiohttp's protocol answers the FIN by letting the transport close the
-connection, which cancels the request's handler: the stream was aborted as if the client had left.
-:class:`HalfCloseRequestHandler` keeps the connection open for writing while a request it has read
-in full is being answered, and closes it once that answer is sent. A client that really left is
-still seen: the next write to its socket fails (``ECONNRESET``/``EPIPE``), one or two steps later.
+A client's FIN ends its request, as in aiohttp and vLLM: the handler is cancelled and the request's KV
+freed at once. A client that only shuts its write side (TCP half-close, ``shutdown(SHUT_WR)``) and goes
+on reading looks the same on the wire until a write to it fails, which for a request still waiting
+(queued, or its KV on the way to a peer) may be seconds away; keeping such connections open held the
+work of clients that had left (the pooled and cross-node leak tests caught it), so half-closed clients
+are not served.
 """
 
 from __future__ import annotations
@@ -16,61 +15,8 @@ import asyncio
 from typing import Callable
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
 
-__all__ = ["HalfCloseRequestHandler", "NodeRunner", "run"]
-
-
-class HalfCloseRequestHandler(RequestHandler):
-    """aiohttp's HTTP/1.x protocol, keeping a half-closed connection open until its answer is sent."""
-
-    __slots__ = ("_answered",)
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._answered = 0  # requests whose answer ended (finish_response ran); _request_count: those read
-
-    async def finish_response(self, request, resp, start_time):
-        try:
-            return await super().finish_response(request, resp, start_time)
-        finally:
-            self._answered += 1
-
-    def eof_received(self) -> bool | None:
-        """The client sent FIN. Return True (keep the transport open for writing) while a request read
-        in full is unanswered (queued, about to start, or being answered); the connection then takes
-        no further request and closes after that answer (``close``). An idle connection, or one whose
-        request body was cut short (it can never be answered), closes now (None: the transport closes,
-        as aiohttp does)."""
-        if self._request_count <= self._answered:
-            return None
-        current = self._current_request
-        if current is not None and not current.content.is_eof():
-            return None
-        if any(not payload.is_eof() for _, payload in self._messages):
-            return None
-        self.close()
-        return True
-
-
-class _Server(web.Server):
-    """aiohttp's low-level server making :class:`HalfCloseRequestHandler` protocols."""
-
-    def __call__(self) -> RequestHandler:
-        return HalfCloseRequestHandler(self, loop=self._loop, **self._kwargs)
-
-
-class NodeRunner(web.AppRunner):
-    """``web.AppRunner`` whose connections use :class:`HalfCloseRequestHandler`."""
-
-    __slots__ = ()
-
-    async def _make_server(self) -> web.Server:
-        server = await super()._make_server()
-        # The application builds a plain Server (Application._make_handler, private); it has no
-        # slots, so giving it the subclass changes only which protocol it makes per connection.
-        server.__class__ = _Server
-        return server
+__all__ = ["run"]
 
 
 def run(app: web.Application, *, loop: asyncio.AbstractEventLoop, shutdown_timeout: float,
@@ -78,13 +24,12 @@ def run(app: web.Application, *, loop: asyncio.AbstractEventLoop, shutdown_timeo
         path: str | None = None) -> None:
     """Serve ``app`` on ``host:port`` (or the unix socket ``path``: behind the API front-end
     processes) until SIGINT/SIGTERM, as ``web.run_app`` does (the same runner
-    arguments as before: handler cancellation on a lost connection, no access log), with
-    :class:`NodeRunner`. Errors of the application's start-up (its ``cleanup_ctx``) propagate.
+    arguments as before: handler cancellation on a lost connection, no access log). Errors of the application's start-up (its ``cleanup_ctx``) propagate.
     ``shutdown_timeout``: seconds open requests get to end after the signal before their handlers are
     cancelled. Closes ``loop``."""
 
     async def serve() -> None:
-        runner = NodeRunner(app, handle_signals=True, handler_cancellation=True, access_log=None,
+        runner = web.AppRunner(app, handle_signals=True, handler_cancellation=True, access_log=None,
                             shutdown_timeout=shutdown_timeout)
         await runner.setup()
         try:
