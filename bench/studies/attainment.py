@@ -22,6 +22,12 @@ from bench.studies import crossover as X
 from bench.traffic.workload import build_workload
 
 
+def moves(stats: dict) -> dict:
+    """The imbalance fallback's completed moves per trigger and the KV they copied (GB)."""
+    out = {k: v for k, v in stats.items() if k.startswith("moves_")}
+    return {**out, "GB": round(stats.get("transfer_bytes", 0) / 1e9, 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.studies.attainment", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="1b")
@@ -46,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{a0.model} {a0.lengths} {a0.mode} {setting or ''} {rate:g} req/s ({len(wl.requests)} requests): "
               f"attainment {s.slo_attainment:.3f}, TTFT p50/p90 {s.ttft_ms.median:.0f}/{s.ttft_ms.p90:.0f} ms, "
               f"TPOT p50/p90 {s.tpot_ms.median:.1f}/{s.tpot_ms.p90:.1f} ms, switches "
-              f"{res.stats.get('switch_reasons', {})} ({time.time() - t:.0f} s)", flush=True)
+              f"{res.stats.get('switch_reasons', {})}, moves {moves(res.stats)} ({time.time() - t:.0f} s)", flush=True)
     return 0
 
 

@@ -33,7 +33,8 @@ keeps pace for everything it holds) and the destination has room (below). The co
 ``c = k_seq * local_transfer_s_per_token`` (the KV bytes at the node's ``--link-gbps``; 0 when copies are
 unthrottled), is added to ``t_dst``; and since the source runs no step while it copies, its window
 waits: local moves are made only while their copies, all together, leave the source's oldest queued
-prompt its first token within the TTFT SLO (``oldest + ttft_slo >= t0 + P(q) + sum c``).
+prompt its first token within the TTFT SLO (``oldest + ttft_slo >= t0 + P(q) + sum c``), and only when
+the move pays for the queueing its copy causes (``ImbalancePolicy._tpot_pays``).
 
 **Trigger "imbalance"** (decode loads across devices differ past ``threshold``). Among DECODE-role
 devices holding sequences, the *load* of a device is its estimated decode step ``L = d(n, k)`` (s) —
@@ -41,10 +42,10 @@ the time per token of every sequence on it — and the imbalance is ``L_max / L_
 ``L_min = 0`` counts as infinite). While it exceeds ``threshold``, one sequence moves from the most to
 the least loaded device: the one whose move gives the smallest ``max(L_src', L_dst')``, and only if that
 is below ``L_max`` (a strict improvement; a move that only swaps which device is the heavy one is never
-made) and it pays for its copy: the source runs no step for ``c`` (the copy, as above), and each of its
-next ``r`` steps (the moved sequence's expected remaining output, at least 1) is shorter by
-``L_max - L_src'``, so the move is made only when ``(L_max - L_src') * r > c`` (moves to peers are not
-charged so: their network send does not hold the source's steps). With ``threshold = 1`` sequences
+made) and it pays: the sequence-time it saves over the moved sequence's remaining ``r`` steps exceeds
+its copy ``c`` times every resident the copy stalls on both devices plus the destination's slower steps
+(:meth:`ImbalancePolicy.move_pays`; moves to peers are not charged so: their network send does not hold
+the source's steps). With ``threshold = 1`` sequences
 move once the slowest decoding device's step is more than twice the fastest's. Since a fixed part of
 the step (the weight read) is paid whatever the batch, small batches rarely differ that much; the
 trigger matters when KV reads (context) dominate the step.
@@ -226,6 +227,31 @@ class ImbalancePolicy:
         dst.kv -= need
         dst.slots -= 1
 
+    def move_pays(self, s: ResidentSeq, n_src: int, hi: float, after: float, n_dst: int, lo: float,
+                  dst_after: float) -> bool:
+        """Whether moving ``s`` from a source of ``n_src`` residents (step ``hi`` before, ``after`` without
+        ``s``) to a destination of ``n_dst`` (step ``lo`` before, ``dst_after`` with ``s``) saves more
+        sequence-time than it costs (s; the cost-aware rule of issue 27: a fallback that may not cost
+        goodput). Over the ``r = max(1, expected - output)`` steps left to ``s``::
+
+            saved = r * ((n_src - 1) * (hi - after) + (hi - dst_after))     every other source resident's
+                                                                             step is shorter; s's own too
+            cost  = r * n_dst * (dst_after - lo) + c * (n_src + n_dst)      every destination resident's
+                                                                             step is longer; and the copy
+                                                                             ``c = k_seq * local_transfer``
+                                                                             stalls both devices' residents
+                                                                             (and s) for ``c``
+
+        The move is made only if ``saved > cost``. The rule before charged the source's saving per step
+        against one copy, ``(hi - after) * r > c``: it ignored that every resident of both devices waits
+        the copy out and that the destination's residents slow down, so with a busy destination it moved
+        sequences that cost the node more queueing than they saved."""
+        r = max(1, s.expected_output_tokens - s.output_tokens)
+        c = s.context_tokens * self.config.local_transfer_s_per_token
+        saved = r * ((n_src - 1) * (hi - after) + (hi - dst_after))
+        cost = r * n_dst * (dst_after - lo) + c * (n_src + n_dst)
+        return saved > cost + EPS
+
     # --- the decision ---------------------------------------------------------------------------
     def decide(self, now_s: float, snapshot: NodeSnapshot, peers: tuple[DeviceState, ...] = ()) -> list[Migrate]:
         """Moves for this instant, ``tpot`` ones first (apply in order; each may be refused). ``peers``:
@@ -279,16 +305,44 @@ class ImbalancePolicy:
                 if len(out) >= self.config.max_moves:
                     return
                 copy_s = s.context_tokens * self.config.local_transfer_s_per_token
-                best = (self._soonest(s, local, t_src, now_s, copy_s) if copy_s <= slack + EPS else None) or self._soonest(
+                pays = self._tpot_pays(src, s, t_src, copy_s)
+                best = (self._soonest(s, local, t_src, now_s, copy_s, pays) if copy_s <= slack + EPS else None) or self._soonest(
                     s, remote, t_src, now_s, self.config.peer_overhead_ms / 1e3 + s.context_tokens * self.config.transfer_s_per_token)
                 if best is not None:
                     if best[2].local:
                         slack -= copy_s
                     self._move(s, src, best[2], best[3], "tpot", planned, out)
 
+    def _tpot_pays(self, src: _Dev, s: ResidentSeq, t_src: float, c: float):
+        """The cost-aware rule for a ``tpot`` move of ``s`` off prefill-side ``src`` with a local copy of
+        ``c`` s: a predicate of (destination, its step with ``s``, ``t_dst``). Over the ``r`` steps left
+        to ``s``, with ``n``/``qn`` the source's residents/queued prompts and ``m`` the destination's::
+
+            saved = (t_src - t_dst) + r * (n - 1 + qn) * dsrc    s's token sooner; after the window the
+                                                                 source's steps are shorter by dsrc
+            cost  = c * (n - 1 + qn + m) + r * m * ddst          the window (its residents and prompts)
+                                                                 and the destination's residents wait the
+                                                                 copy; the destination's steps grow by ddst
+
+        The old rule moved every late sequence a destination served sooner: on the 4 x H200 crossover
+        (8B wide prompts) its moves cut adaptive's SLO attainment from 0.89 to 0.56."""
+        st = src.st
+        r = max(1, s.expected_output_tokens - s.output_tokens)
+        n, qn = src.n, st.prefill_queue_seqs
+        k = src.ctx + st.prefill_queue_tokens + qn
+        dsrc = self.load_s(n + qn, k) - self.load_s(n + qn - 1, k - s.context_tokens)
+
+        def pays(dst: _Dev, step: float, t_dst: float) -> bool:
+            ddst = step - self.load_s(dst.n, dst.ctx)
+            saved = (t_src - t_dst) + r * (n - 1 + qn) * dsrc
+            cost = c * (n - 1 + qn + dst.n) + r * dst.n * ddst
+            return saved > cost + EPS
+        return pays
+
     def _soonest(self, s: ResidentSeq, dsts: list[_Dev], t_src: float, now_s: float,
-                 transfer_s: float) -> tuple[float, int, _Dev, int] | None:
-        """The destination whose next step with ``s`` ends first, if before ``t_src`` and within ``T``."""
+                 transfer_s: float, pays=None) -> tuple[float, int, _Dev, int] | None:
+        """The destination whose next step with ``s`` ends first, if before ``t_src`` and within ``T``
+        (and, given ``pays``, only one the move pays for)."""
         best: tuple[float, int, _Dev, int] | None = None
         for dst in dsts:
             need = self._fits(dst, s)
@@ -296,7 +350,7 @@ class ImbalancePolicy:
                 continue
             step = self.load_s(dst.n + 1, dst.ctx + s.context_tokens)
             t_dst = self._decode_start_s(dst.st, now_s) + transfer_s + step
-            if step > self.T + EPS or t_dst >= t_src - EPS:
+            if step > self.T + EPS or t_dst >= t_src - EPS or (pays is not None and not pays(dst, step, t_dst)):
                 continue
             if best is None or (t_dst, dst.idx) < best[:2]:
                 best = (t_dst, dst.idx, dst, need)
@@ -340,9 +394,8 @@ class ImbalancePolicy:
             peak = max(after, self.load_s(dst.n + 1, dst.ctx + s.context_tokens))
             if peak >= hi - EPS:
                 continue
-            copy_s = s.context_tokens * self.config.local_transfer_s_per_token if dst.local else 0.0
-            if copy_s > 0 and (hi - after) * max(1, s.expected_output_tokens - s.output_tokens) <= copy_s:
-                continue  # the source's stall while copying outweighs what the move saves it
+            if dst.local and not self.move_pays(s, src.n, hi, after, dst.n, lo, self.load_s(dst.n + 1, dst.ctx + s.context_tokens)):
+                continue  # the copy and the queueing it causes outweigh the step time the move saves
             key = (peak, s.context_tokens, s.request_id, s, need)
             if best is None or key[:3] < best[:3]:
                 best = key

@@ -308,7 +308,10 @@ def test_local_copies_may_not_push_the_sources_queue_past_its_ttft_slo():
     # p0's oldest queued prompt arrived 0.9 s ago (TTFT SLO 1 s) and its window prefills until
     # NOW + P(4000) = NOW + 84 ms: 16 ms of slack. A 300-token copy takes 30 ms at 1e-4 s/token, 3 ms at 1e-5.
     base = window_snapshot()
-    src = msgspec.structs.replace(base.devices[0], prefill_queue_oldest_s=NOW - 0.9)
+    # new-0 has 1,000 tokens to come, so that the 30 ms copy pays for itself (see the next test) and
+    # only the TTFT slack decides
+    long_lived = msgspec.structs.replace(base.devices[0].resident[0], expected_output_tokens=1000)
+    src = msgspec.structs.replace(base.devices[0], prefill_queue_oldest_s=NOW - 0.9, resident=(long_lived,))
     snap = NodeSnapshot((src, base.devices[1]))
     slow = policy(msgspec.structs.replace(CFG, local_transfer_s_per_token=1e-4, ttft_slo_ms=1000))
     assert slow.window_end_s(src, NOW) == pytest.approx(NOW + 0.084)
@@ -329,3 +332,40 @@ def test_an_imbalance_move_must_pay_for_its_copy():
     out = costly.decide(NOW, snap2)  # 950 more tokens each: the saving outweighs the copy
     assert out and all(m.reason == "imbalance" and m.dst_device == "d1" for m in out)
     assert policy(msgspec.structs.replace(CFG, max_moves=16)).decide(NOW, snap)  # free copies: moves as before
+
+
+def test_an_imbalance_move_must_pay_for_the_queueing_its_copy_causes():
+    # d0: 12 sequences of ~2,000 tokens (33.3 ms a step); d1: 20 short ones (10.2 ms). Moving one h
+    # (2,000 tokens, 100 tokens still to come) saves d0 2.1 ms a step, so the old rule moved it
+    # (2.1 ms * 100 > 20 ms copy at 1e-5 s/token). But its copy stalls all 32 residents 20 ms (640 ms of
+    # sequence-time) and each of d1's 20 steps grows by 2.1 ms: 44.1 ms * 100 saved < 42 ms * 100 + 640
+    # ms lost, so the cost-aware rule keeps it where it is (move_pays' docstring).
+    p = policy(msgspec.structs.replace(CFG, local_transfer_s_per_token=1e-5, max_moves=16))
+    heavy = [seq(f"h{i}", ctx=2000 + i, first=NOW - 2, out=50, expected=150) for i in range(12)]
+    busy = [seq(f"l{i}", ctx=10, first=NOW - 2, out=50) for i in range(20)]
+    snap = NodeSnapshot((dev("d0", Role.DECODE, heavy), dev("d1", Role.DECODE, busy)))
+    assert load_s(p, snap.devices[0]) > 3 * load_s(p, snap.devices[1])  # past the threshold
+    assert p.decide(NOW, snap) == []
+    # the same imbalance against an idle-ish destination (one resident) pays: 12 + 1 stalled, not 32
+    light = NodeSnapshot((snap.devices[0], dev("d1", Role.DECODE, busy[:1])))
+    out = p.decide(NOW, light)
+    assert out and all(m.reason == "imbalance" and m.src_device == "d0" for m in out)
+    # the rule on the same figures (s): 12 residents at 33.3 -> 31.2 ms; 20 at 10.2 -> 12.3 ms, or 1 at 8.2 -> 10.3 ms
+    assert p.move_pays(heavy[0], 12, 0.0333, 0.0312, 20, 0.0102, 0.0123) is False
+    assert p.move_pays(heavy[0], 12, 0.0333, 0.0312, 1, 0.0082, 0.0103) is True
+
+
+def test_a_tpot_move_must_pay_for_the_queueing_its_copy_causes():
+    # p0 (a window until ~NOW + 97 ms) holds new-0 (300 tokens, one token to come) and 4 queued prompts;
+    # d1 decodes 2 sequences. A 30 ms copy (1e-4 s/token) gets new-0 its token ~58 ms sooner, but holds
+    # the window's 4 prompts and d1's 2 residents 30 ms each (180 ms): no move (the old rule moved it).
+    # With 1,000 tokens to come, p0's later steps shorter for 4 sequences and d1's longer for 2 outweigh it.
+    snap = window_snapshot()
+    p = policy(msgspec.structs.replace(CFG, local_transfer_s_per_token=1e-4, ttft_slo_ms=5000))
+    assert p.decide(NOW, snap) == []
+    long_lived = msgspec.structs.replace(snap.devices[0].resident[0], expected_output_tokens=1000)
+    snap2 = NodeSnapshot((msgspec.structs.replace(snap.devices[0], resident=(long_lived,)), snap.devices[1]))
+    assert p.decide(NOW, snap2) == [Migrate("new-0", "p0", "d1", "tpot")]
+    # a cheap copy (3 ms) pays even for one token: ~85 ms sooner against 6 x 3 ms
+    assert policy(msgspec.structs.replace(CFG, local_transfer_s_per_token=1e-5, ttft_slo_ms=5000)).decide(NOW, snap) \
+        == [Migrate("new-0", "p0", "d1", "tpot")]
