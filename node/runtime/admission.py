@@ -1,4 +1,7 @@
-"""Why the node refuses a request now (the API answers each with 503 and ``Retry-After``)."""
+"""Why the node refuses a request now (the API answers each with 503 and ``Retry-After``, or 400 when it
+can never be served)."""
+
+from node.core.role_state import blocks_for
 
 
 class QueueFullError(RuntimeError):
@@ -31,7 +34,7 @@ def kv_fit_error(prompt_tokens: int, n: int, mode: str, block_size: int, device_
     if mode == "colocated" or not device_blocks:
         return None
     tokens = prompt_tokens * n + (n if mode == "pooled" else 1)
-    need = -(-tokens // block_size)
+    need = blocks_for(tokens, block_size)  # the policies' own rounding
     if need <= max(device_blocks):
         return None
     return (f"request cannot be served: its prompt ({prompt_tokens} tokens) times n ({n}) plus "
