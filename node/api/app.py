@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import importlib.metadata
 import math
@@ -21,6 +22,7 @@ from node.config import NodeConfig
 from node.api.openapi import openapi_document
 from node.protocol import PeerChange
 from node.runtime.health import node_health
+from node.runtime.memory import trim_periodically
 from node.runtime.node import Node
 from node.runtime.peer_state import split_addr
 
@@ -177,7 +179,9 @@ def create_app(config: NodeConfig, node: Node | None = None, prelaunched: dict |
         gc.collect()
         gc.freeze()
         gc.set_threshold(*GC_THRESHOLDS)
+        trimmer = asyncio.create_task(trim_periodically())  # freed native pages back to the OS (memory.py)
         yield
+        trimmer.cancel()
         await n.close()
 
     app.cleanup_ctx.append(node_ctx)

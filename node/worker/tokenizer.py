@@ -24,6 +24,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from node.worker.tokenizer_cache import bound_word_cache
+
 DEFAULT_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'system' %}{{ message['content'] }}\n\n"
     "{% elif message['role'] == 'user' %}User: {{ message['content'] }}\n"
@@ -57,6 +59,7 @@ class TextTokenizer:
         tok.no_truncation()  # transformers encodes without truncation or padding unless asked
         tok.no_padding()
         tok.encode_special_tokens = bool(config.get("split_special_tokens", False))
+        bound_word_cache(tok)  # whole prompts as cache keys grew the node by ~5 KB a prompt (tokenizer_cache.py)
         self.bos_token = _token_str(config.get("bos_token"))
         self.eos_token = _token_str(config.get("eos_token"))
         self.chat_template = chat_template
