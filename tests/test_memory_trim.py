@@ -7,8 +7,6 @@ from aiohttp.test_utils import TestServer
 import node.api.app as app_module
 from node.config import NodeConfig
 from node.runtime.memory import malloc_trim, trim_periodically
-from node.runtime.node import Node
-from support import STORIES
 
 
 def _rss_anon_kib() -> int:
@@ -56,9 +54,18 @@ def test_the_node_app_starts_the_trim_task(monkeypatch):
 
     monkeypatch.setattr(app_module, "trim_periodically", fake)
 
+    class Stand_in:  # what the app's start-up and cleanup call on a node; no model is loaded
+        def start(self):
+            pass
+
+        async def start_network(self):
+            pass
+
+        async def close(self):
+            pass
+
     async def go():
-        node = await Node.create(NodeConfig(model=str(STORIES)))
-        server = TestServer(app_module.create_app(node.config, node=node))
+        server = TestServer(app_module.create_app(NodeConfig(), node=Stand_in()))
         await server.start_server()
         await asyncio.sleep(0)
         await server.close()
