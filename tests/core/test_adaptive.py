@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from node.core.adaptive import AdaptiveScheduler, ChunkBudget
-from node.core.chunk_budget import chunk_budget, chunks_extra_s, chunks_s, efficient_chunk, gather_s, step_limit_s
+from node.core.chunk_budget import (chunk_budget, chunks_extra_s, chunks_s, efficient_chunk, gather_s, spacing_s,
+                                    step_limit_s)
 from node.core.cost import CostModel
 from node.core.roles import DeviceState, NodeSnapshot, Place, ResidentSeq, Role, RoleSchedulerConfig, SwitchRole, WaitingPrompt
 
@@ -88,23 +91,67 @@ def test_chunk_budget_is_capped_by_max_num_batched_tokens():
 
 
 class EagerMixed(CostModel, frozen=True, kw_only=True):
-    """Decode steps replay graphs; a step with any prompt token runs eagerly, 10 ms more."""
+    """Decode steps replay graphs; a step with any prompt token runs eagerly, ``penalty_s`` (10 ms) more."""
+
+    penalty_s: float = 0.010
 
     def mixed_step_s(self, prompt_tokens: int, decode_seqs: int, context_tokens: int) -> float:
         base = CostModel.mixed_step_s(self, prompt_tokens, decode_seqs, context_tokens)
-        return base + (0.010 if prompt_tokens > 0 and decode_seqs > 0 else 0.0)
+        return base + (self.penalty_s if prompt_tokens > 0 and decode_seqs > 0 else 0.0)
 
 
-def test_no_headroom_when_one_prompt_token_stretches_the_step_past_the_target():
-    """A 40 ms decode step whose mixed form costs 10 ms more exceeds T = 45 ms with any chunk: DECODE
-    ("no_headroom"), the queue waits for a window."""
-    cost = EagerMixed(**{f: getattr(COST, f) for f in COST.__struct_fields__} | {"decode_fixed_s": 0.0394})
+def test_no_headroom_when_even_the_window_bound_holds_no_mixed_step():
+    """A ~40 ms decode step whose mixed form costs 250 ms more, past the 200 ms window bound ``Wmax``
+    (and past T = 45 ms): no chunk fits, not even spaced, DECODE ("no_headroom"); the queue waits for a
+    window."""
+    cost = EagerMixed(**{f: getattr(COST, f) for f in COST.__struct_fields__} | {"decode_fixed_s": 0.0394}, penalty_s=0.25)
     pol = AdaptiveScheduler(CFG, cost)
     now = 1.0
     st = dev(Role.MIXED, on_pace(4, now, T), prefill_queue_tokens=500, prefill_queue_seqs=1, prefill_queue_oldest_s=now)
     assert pol.chunk_budget_of(st, now)[0] == 0
     out = pol.decide(now, NodeSnapshot((st,)))
     assert switches(out) == [("d0", Role.DECODE, "no_headroom")]
+    # a 10 ms penalty, but decode (44.6 ms) barely meets T: winning a mixed step back takes S > Wmax
+    cost = EagerMixed(**{f: getattr(COST, f) for f in COST.__struct_fields__} | {"decode_fixed_s": 0.0440})
+    d = cost.decode_step_s(4, 2000)
+    assert d < T and spacing_s(cost.mixed_step_s(1, 4, 2000), d, T) > CFG.max_window_ms / 1e3
+    assert switches(AdaptiveScheduler(CFG, cost).decide(now, NodeSnapshot((st,)))) == [("d0", Role.DECODE, "no_headroom")]
+
+
+def test_spaced_mixed_steps_where_no_chunk_fits_t_but_decode_does():
+    """A ~36 ms decode step whose mixed form costs 10 ms more: no chunk fits T = 45 ms, but the TPOT SLO
+    bounds the mean gap, so the device runs a mixed step of m > T and then decodes for
+    S = (m - T) d / (T - d) before the next ("spacing"): the cycle's mean gap is T (before: c = 0, and the
+    queue waited for a window that stops every resident)."""
+    cost = EagerMixed(**{f: getattr(COST, f) for f in COST.__struct_fields__} | {"decode_fixed_s": 0.0355})
+    pol = AdaptiveScheduler(CFG, cost)
+    now = 1.0
+    res = on_pace(4, now, T)
+    k = sum(r.context_tokens for r in res)
+    d = cost.decode_step_s(4, k)
+    assert d < T < cost.mixed_step_s(1, 4, k)  # decode meets T, no chunk does
+
+    def st(at, role, busy=0.0):
+        return dev(role, res, prefill_queue_tokens=1000, prefill_queue_seqs=2, prefill_queue_oldest_s=now - 1.0,
+                   busy_until_s=busy)
+
+    out = pol.decide(now, NodeSnapshot((st(now, Role.DECODE),)))
+    assert switches(out) == [("d0", Role.MIXED, "chunks_fit")]
+    c = next(x for x in out if isinstance(x, ChunkBudget)).tokens
+    assert c >= 1000 and cost.mixed_step_s(c, 4, k) <= CFG.max_window_ms / 1e3  # the whole queue, within Wmax
+    m = cost.mixed_step_s(1000, 4, k)
+    assert m > T
+    S = spacing_s(m, d, T)
+    assert math.isclose((m + S) / (1 + S / d), T)  # one mixed step and S / d decode steps: mean gap T
+    # the step has begun: decode until the spacing has passed
+    out = pol.decide(now + 0.001, NodeSnapshot((st(now + 0.001, Role.MIXED, busy=now + m),)))
+    assert switches(out) == [("d0", Role.DECODE, "spacing")] and not any(isinstance(x, ChunkBudget) for x in out)
+    t = now + m + S - 0.002
+    assert pol.decide(t, NodeSnapshot((st(t, Role.DECODE, busy=t - 0.001),))) == []
+    t = now + m + S + 0.001
+    assert switches(pol.decide(t, NodeSnapshot((st(t, Role.DECODE, busy=t - 0.001),)))) == [("d0", Role.MIXED, "chunks_fit")]
+    with pytest.raises(ValueError):
+        spacing_s(m, T, T)
 
 
 def test_window_when_a_burst_is_cheaper_as_a_window():
