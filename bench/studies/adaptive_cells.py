@@ -44,10 +44,11 @@ def bracket(probes: list[dict], target: float = TARGET) -> tuple[float, float | 
 def probe_tp(model: str, trace: str, tpot_ms: float, devices: int, rates: list[float],
              imbalance_threshold: float = 0.0, mode: str = "adaptive", tokens: int = 8192, decode_tp: int = 1,
              prefill_tp: int | None = None, min_requests: int = 300, max_duration_s: float = 30.0,
-             search_from: float | None = None, tolerance: float = 1.1) -> list[dict]:
+             search_from: float | None = None, tolerance: float = 1.1, prefill_devices: int = 0) -> list[dict]:
     """``mode`` (adaptive: untuned, ``tokens`` only its bound) on one tp_study cell at each rate, in groups
     (instances) of ``decode_tp`` devices with prefill degree ``prefill_tp`` (default: ``decode_tp`` in the
-    role modes, 1 otherwise: colocated's instances run at ``decode_tp``); runs
+    role modes, 1 otherwise: colocated's instances run at ``decode_tp``; pooled: ``prefill_devices`` of
+    the devices prefill); runs
     of >= ``min_requests`` requests, at most ``max_duration_s`` of arrivals (70B: 200, as the TP study).
     With ``search_from`` (req/s) the capacity is bisected from there instead (to ``tolerance``,
     :func:`bench.studies.crossover.capacity`), every run printed. Returns one dict per rate (a search:
@@ -62,7 +63,8 @@ def probe_tp(model: str, trace: str, tpot_ms: float, devices: int, rates: list[f
     pm = S.ParallelModel(S.load_config(S.MODELS[model]), S.PRESETS[a.preset])
     cfg = dataclasses.replace(S.base_config(a, mode, tpot_ms), max_num_batched_tokens=tokens,
                               imbalance_threshold=imbalance_threshold, decode_tp=decode_tp,
-                              prefill_tp=prefill_tp or (decode_tp if mode in ("adaptive", "time-shared") else 1))
+                              prefill_tp=prefill_tp or (decode_tp if mode in ("adaptive", "time-shared") else 1),
+                              **({"prefill_devices": prefill_devices} if prefill_devices else {}))
     pm.lower(cfg)  # DoesNotFit before any run
     run = S.Runner(a, pm, trace)
     out = []
@@ -143,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--tp", type=int, default=1, help="devices per group (instance): the decode degree")
     p.add_argument("--prefill-tp", type=int, default=None, help="prefill degree (default: --tp)")
+    p.add_argument("--prefill-devices", type=int, default=0, help="pooled: devices that prefill")
     p.add_argument("--min-requests", type=int, default=300)
     p.add_argument("--max-duration", type=float, default=30.0, help="seconds of arrivals at most (70B: 200)")
     q = sub.add_parser("plot", help="the heat map from the recorded cells")
@@ -160,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give --rates or --search")
     rates = [float(r) for r in a.rates.split(",")] if a.rates else []
     probe_tp(model, trace, float(tpot), int(devices), rates, a.imbalance_threshold, a.mode, a.max_num_batched_tokens,
-             a.tp, a.prefill_tp, a.min_requests, a.max_duration, a.search, a.tolerance)
+             a.tp, a.prefill_tp, a.min_requests, a.max_duration, a.search, a.tolerance, a.prefill_devices)
     print(f"({time.time() - t:.0f} s)", file=sys.stderr)
     return 0
 

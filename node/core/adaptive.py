@@ -89,9 +89,11 @@ class _Mix:
     start ``t0``, residents (``s`` holding ``k`` tokens), gathering time ``G`` and the arrival of its
     oldest queued prompt (None: none; prompts placed this round included); ``spacing``: True where no
     chunk fits ``L`` and the chunk is spaced instead (:func:`node.core.chunk_budget.spacing_s`; ``t0``
-    then the earliest start of the next mixed step)."""
+    then the earliest start of the next mixed step; ``hold``: a resident's own mean would not absorb the
+    step yet)."""
 
-    __slots__ = ("chunk", "limit_s", "t0", "s", "k", "gather_s", "oldest_s", "max_chunk", "knee", "spacing", "d")
+    __slots__ = ("chunk", "limit_s", "t0", "s", "k", "gather_s", "oldest_s", "max_chunk", "knee", "spacing", "d",
+                 "hold")
 
     def __init__(self, chunk: int, limit_s: float, t0: float, s: int, k: int, gather: float, oldest_s: float | None,
                  max_chunk: int = 0):
@@ -99,7 +101,7 @@ class _Mix:
         self.max_chunk = max_chunk  # c_L: the largest chunk within the step limit
         self.knee = chunk  # c*: what a queue gathers up to (the chunk itself may grow to keep up)
         self.gather_s, self.oldest_s = gather, oldest_s
-        self.spacing, self.d = False, 0.0
+        self.spacing, self.d, self.hold = False, 0.0, False
 
 
 class AdaptiveScheduler(RoleScheduler):
@@ -151,7 +153,20 @@ class AdaptiveScheduler(RoleScheduler):
             start, nxt = self._spaced.get(st.device_id, (-1.0, -1.0))
             if start + EPS < now_s:  # its last spaced step has begun: the next waits for the spacing
                 mix.t0 = max(t0, nxt)
+            # every resident must still meet its own mean: its remaining tokens at d after the step
+            allow = min(self._mean_budget_s(r, d) for r in st.resident) - mix.t0
+            mix.chunk = chunk_budget(m, allow, c)
+            mix.hold = mix.chunk == 0  # none fits yet: decode (each decode step wins T - d back)
+            mix.chunk = mix.chunk or c
         return mix
+
+    def _mean_budget_s(self, r, d: float) -> float:
+        """Latest end (s) of a step that leaves resident ``r`` within its mean token gap ``T`` if its other
+        tokens come every ``d``: ``f + (N - 1) T - (N - n - 1) d`` (``f`` first token, ``n`` tokens out,
+        ``N`` expected, at least ``n + 1``: an unknown length may end with the next token)."""
+        n = r.output_tokens
+        N = max(r.expected_output_tokens, n + 1)
+        return r.first_token_s + (N - 1) * self.T - (N - n - 1) * d
 
     def chunk_budget_of(self, st, now_s: float) -> tuple[int, float]:
         """``(c, L)`` of a device state (:mod:`node.core.chunk_budget`): its chunk budget (prompt tokens)
@@ -204,7 +219,7 @@ class AdaptiveScheduler(RoleScheduler):
             mix = mixes[dv.st.device_id]
             queued = dv.q > 0
             gathering = queued and self._gathering(now_s, dv, mix)
-            spacing = queued and mix.spacing and mix.t0 > max(now_s, dv.st.busy_until_s) + EPS
+            spacing = queued and mix.spacing and (mix.hold or mix.t0 > max(now_s, dv.st.busy_until_s) + EPS)
             want = Role.MIXED if queued and mix.chunk > 0 and not gathering and not spacing else Role.DECODE
             if dv.st.role is not want:
                 reason = ("chunks_fit" if want is Role.MIXED else "nothing_waits" if not queued

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 
 from node.core.adaptive import AdaptiveScheduler, ChunkBudget
@@ -152,6 +153,27 @@ def test_spaced_mixed_steps_where_no_chunk_fits_t_but_decode_does():
     assert switches(pol.decide(t, NodeSnapshot((st(t, Role.DECODE, busy=t - 0.001),)))) == [("d0", Role.MIXED, "chunks_fit")]
     with pytest.raises(ValueError):
         spacing_s(m, T, T)
+
+
+def test_a_spaced_step_waits_until_every_resident_can_win_it_back():
+    """As above, but one resident expects 2 tokens and has 1: its one gap could not absorb a step of
+    m > T, so the device decodes ("spacing") until it has gone."""
+    cost = EagerMixed(**{f: getattr(COST, f) for f in COST.__struct_fields__} | {"decode_fixed_s": 0.0355})
+    pol = AdaptiveScheduler(CFG, cost)
+    now = 1.0
+    short = ResidentSeq("short", now - 0.001, 1, 500, 2)
+    res = on_pace(3, now, T) + (short,)
+    k = sum(r.context_tokens for r in res)
+    d, m = cost.decode_step_s(4, k), cost.mixed_step_s(1, 4, k)
+    assert short.first_token_s + T < now + m  # f + (N - 1) T < the step's end + (N - n - 1) d
+    st = dev(Role.DECODE, res, prefill_queue_tokens=1000, prefill_queue_seqs=2, prefill_queue_oldest_s=now - 1.0)
+    out = pol.decide(now, NodeSnapshot((st,)))
+    assert switches(out) == [] and not any(isinstance(x, ChunkBudget) for x in out)  # stays in DECODE
+    out = pol.decide(now, NodeSnapshot((msgspec.structs.replace(st, role=Role.MIXED),)))
+    assert switches(out) == [("d0", Role.DECODE, "spacing")]
+    # without it the step goes ahead
+    st = msgspec.structs.replace(st, resident=res[:3])
+    assert switches(pol.decide(now, NodeSnapshot((st,)))) == [("d0", Role.MIXED, "chunks_fit")]
 
 
 def test_window_when_a_burst_is_cheaper_as_a_window():
