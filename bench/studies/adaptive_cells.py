@@ -58,7 +58,7 @@ def probe_tp(model: str, trace: str, tpot_ms: float, devices: int, rates: list[f
         bench.sim.parallel.DoesNotFit: the layout leaves no KV room (70B at degree 1)."""
     from bench.studies import tp_study as S
     a = S.parser().parse_args(["--devices", str(devices), "--min-requests", str(min_requests),
-                               "--max-duration", str(max_duration_s)])
+                               "--max-duration", str(max_duration_s), "--max-sim-s", str(max_duration_s + 300)])
     a.link_gbps = S.PRESETS[a.preset].link_Bps * 8 / 1e9
     pm = S.ParallelModel(S.load_config(S.MODELS[model]), S.PRESETS[a.preset])
     cfg = dataclasses.replace(S.base_config(a, mode, tpot_ms), max_num_batched_tokens=tokens,

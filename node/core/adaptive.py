@@ -161,12 +161,15 @@ class AdaptiveScheduler(RoleScheduler):
         return mix
 
     def _mean_budget_s(self, r, d: float) -> float:
-        """Latest end (s) of a step that leaves resident ``r`` within its mean token gap ``T`` if its other
-        tokens come every ``d``: ``f + (N - 1) T - (N - n - 1) d`` (``f`` first token, ``n`` tokens out,
-        ``N`` expected, at least ``n + 1``: an unknown length may end with the next token)."""
+        """Latest end (s) of a step that leaves resident ``r``'s mean token gap within the TPOT SLO ``τ`` if
+        its other tokens come every ``d``: ``f + (N - 1) τ - (N - n - 1) d`` (``f`` first token, ``n``
+        tokens out, ``N`` expected, at least ``n + 1``: an unknown length may end with the next token).
+        The SLO itself, not ``T``: ``d`` is already optimistic for later tokens only if no later step is
+        long, which the spacing ``S`` and this check on every later step see to (Azure conversation
+        trace, 70B at degree 8, 9 req/s: SLO attainment 0.84 with ``T``, TTFT-bound; 0.92 with ``τ``)."""
         n = r.output_tokens
         N = max(r.expected_output_tokens, n + 1)
-        return r.first_token_s + (N - 1) * self.T - (N - n - 1) * d
+        return r.first_token_s + (N - 1) * self.config.tpot_slo_ms / 1e3 - (N - n - 1) * d
 
     def chunk_budget_of(self, st, now_s: float) -> tuple[int, float]:
         """``(c, L)`` of a device state (:mod:`node.core.chunk_budget`): its chunk budget (prompt tokens)

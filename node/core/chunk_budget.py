@@ -61,7 +61,8 @@ the efficient chunk ``c*`` over ``[1, c_W]`` (``c_W``: the largest with ``M(c) <
 bound), then decodes at least ``S = (m - T) d / (T - d)`` seconds before the next (:func:`spacing_s`; where
 ``S > Wmax``, decode barely meets ``T`` and there is nothing to win back with: ``c = 0`` as before),
 and only while every resident would still meet its own mean with its remaining tokens at ``d`` (a
-step ends by ``f + (N - 1) T - (N - n - 1) d``, ``f`` its first token, ``n`` out, ``N`` expected: a
+step ends by ``f + (N - 1) τ - (N - n - 1) d``; ``τ`` the TPOT SLO, ``f`` its first token, ``n`` out,
+``N`` expected: a
 short-output request cannot win a long step back; Azure code trace, 70B at degree 4, TPOT 20 ms,
 0.54 req/s: SLO attainment 0.68 with the device's spacing alone, p90 TPOT 32 ms; 0.91 with this),
 instead of stopping every resident for a prefill window of the same tokens in the same configuration
