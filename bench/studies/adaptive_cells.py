@@ -98,7 +98,8 @@ def plot(cells_path: Path = CELLS, png: Path = FIGURE) -> Path:
     import numpy as np
 
     cells = json.loads(cells_path.read_text())["cells"]
-    rows = sorted({(c["model"], c["prompts"]) for c in cells}, key=lambda r: (r[0] != "1b", r[0], r[1].startswith("azure"), r[1]))
+    rows = sorted({(c["model"], c["prompts"]) for c in cells},
+                  key=lambda r: (float(r[0].rstrip("b")), r[1].startswith("azure"), r[1]))
     cols = sorted({(c["devices"], c["tpot_slo_ms"]) for c in cells})
     val = np.full((len(rows), len(cols)), np.nan)
     fig, ax = plt.subplots(figsize=(2.2 * len(cols) + 2.5, 0.8 * len(rows) + 1.6))
@@ -107,7 +108,7 @@ def plot(cells_path: Path = CELLS, png: Path = FIGURE) -> Path:
         b = c["baseline"]
         if "adaptive_capacity_rps" in c:  # both searched: the ratio of capacities
             val[i, j] = c["adaptive_capacity_rps"] / b["capacity_rps"]
-            txt = f"{val[i, j]:.2f}x (search)"
+            txt = f"{val[i, j]:.2f}x (search" + (f", adaptive {c['adaptive_setting']})" if "adaptive_setting" in c else ")")
         else:
             low, high = bracket(c["probes"])
             val[i, j] = low
@@ -122,7 +123,8 @@ def plot(cells_path: Path = CELLS, png: Path = FIGURE) -> Path:
     ax.set_yticks(range(len(rows)), [f"{m} {p}" for m, p in rows])
     ax.set_title("adaptive (untuned) / best tuned baseline, capacity at >= 90% SLO attainment\n"
                  "simulated H200 cost models; short/wide: roofline crossover, azure: the TP study's 8-device H200 preset\n"
-                 "bracket from probes at fractions of the baseline's capacity, or the ratio of two searches", fontsize=9)
+                 "bracket from probes at fractions of the baseline's capacity, or the ratio of two searches\n"
+                 "(70B: adaptive's policy untuned, its layout D:P the best of those run, as the baselines' degrees)", fontsize=9)
     fig.colorbar(im, ax=ax, label="lower end of the bracket")
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)

@@ -157,15 +157,15 @@ def test_spaced_mixed_steps_where_no_chunk_fits_t_but_decode_does():
 
 def test_a_spaced_step_waits_until_every_resident_can_win_it_back():
     """As above, but one resident expects 2 tokens and has 1: its one gap could not absorb a step of
-    m > T, so the device decodes ("spacing") until it has gone."""
+    m > τ (the TPOT SLO) now, so the device decodes ("spacing") until it has gone."""
     cost = EagerMixed(**{f: getattr(COST, f) for f in COST.__struct_fields__} | {"decode_fixed_s": 0.0355})
     pol = AdaptiveScheduler(CFG, cost)
     now = 1.0
-    short = ResidentSeq("short", now - 0.001, 1, 500, 2)
+    short = ResidentSeq("short", now - 0.010, 1, 500, 2)
     res = on_pace(3, now, T) + (short,)
     k = sum(r.context_tokens for r in res)
     d, m = cost.decode_step_s(4, k), cost.mixed_step_s(1, 4, k)
-    assert short.first_token_s + T < now + m  # f + (N - 1) T < the step's end + (N - n - 1) d
+    assert short.first_token_s + CFG.tpot_slo_ms / 1e3 < now + m  # f + (N - 1) τ < the step's end + (N - n - 1) d
     st = dev(Role.DECODE, res, prefill_queue_tokens=1000, prefill_queue_seqs=2, prefill_queue_oldest_s=now - 1.0)
     out = pol.decide(now, NodeSnapshot((st,)))
     assert switches(out) == [] and not any(isinstance(x, ChunkBudget) for x in out)  # stays in DECODE
