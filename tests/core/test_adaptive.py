@@ -262,6 +262,26 @@ def test_gathering_counts_from_the_last_mixed_phase_not_only_the_arrival():
     assert switches(out) == [("d0", Role.MIXED, "chunks_fit")]
 
 
+def test_a_refitted_model_with_no_negative_cost_does_not_hold_a_lone_prompt():
+    """The node's online refit (decode samples whose context grows with the batch, a loaded CPU): plain
+    least squares gives a negative per-context cost and so a decode step below zero, which the policy
+    reads as a large mixed-step penalty and gathers a prompt that arrives 10 ms after a mixed phase (by
+    staying in DECODE); the non-negative fit the node now uses leaves a token's cost as the penalty
+    (``G`` ~ 0.2 ms), and the prompt is mixed at once."""
+    from test_cost import _collinear_decode_samples
+
+    from node.core.cost import fit_cost_model
+
+    true, dec = _collinear_decode_samples()
+    now = 1.0
+    res = tuple(ResidentSeq(f"s{i}", now + 0.02, 10, 150, 200) for i in range(20))
+    queued = dev(Role.DECODE, res, prefill_queue_tokens=32, prefill_queue_seqs=1, prefill_queue_oldest_s=now - 0.002)
+    for nonneg, want in ((False, []), (True, [("d0", Role.MIXED, "chunks_fit")])):
+        pol = AdaptiveScheduler(CFG, fit_cost_model([], dec, base=true, nonneg=nonneg))
+        pol.decide(now - 0.010, NodeSnapshot((dev(Role.MIXED, res),)))  # it mixed 10 ms ago, then its queue drained
+        assert switches(pol.decide(now, NodeSnapshot((queued,)))) == want  # OLS: held in DECODE, gathering
+
+
 def test_a_prompt_that_waited_for_a_slot_is_placed_behind_a_short_queue():
     """A prompt that already waited 300 ms for a sequence slot is past half its 200 ms TTFT SLO wherever it
     goes; a device whose queue (1,000 tokens) plus it is served within the target from now takes it
