@@ -2,6 +2,7 @@
 single-process node's answers, free a gone client's KV, merge their metrics, and end streams with an
 error when the engine dies. One node serves every check (the engine kill last)."""
 
+import json
 import os
 import re
 import signal
@@ -11,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from support import STORIES, NodeProcess, reference_cases, require_shared, sse_events, stream
+from support import STORIES, NodeProcess, half_closed_post, reference_cases, require_shared, sse_events, stream
 
 KEY = "api-processes-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -141,6 +142,20 @@ def test_a_client_leaving_mid_stream_frees_its_kv(fe):
     s.close()
     st = fe.wait_idle()
     assert st["live_requests"] == 0
+
+
+def test_a_half_closed_client_gets_the_whole_answer(fe):
+    """A client that shuts its write side after the request is answered in full by a front end, whole or
+    streamed, as by one process (tests/test_half_close.py; the front ends serve with serving.NodeRunner)."""
+    case = reference_cases()[0]
+    body = {"prompt": case["prompt"], "max_tokens": 40, "temperature": 0, "return_token_ids": True}
+    interim, head, payload = half_closed_post(fe.port, body, headers=f"Authorization: Bearer {KEY}\r\n")
+    assert interim.startswith(b"HTTP/1.1 100 Continue") and head.startswith(b"HTTP/1.1 200 "), (interim, head)
+    assert json.loads(payload)["choices"][0]["token_ids"] == case["output_token_ids"][:40]
+    _, head, payload = half_closed_post(fe.port, {**body, "stream": True}, headers=f"Authorization: Bearer {KEY}\r\n")
+    events = sse_events(payload.decode().split("\n"))
+    assert [t for e in events[:-1] for t in e["choices"][0]["token_ids"]] == case["output_token_ids"][:40]
+    assert fe.wait_idle()["live_requests"] == 0
 
 
 def test_an_engine_killed_mid_stream_is_restarted_then_left_down(fe):
