@@ -247,9 +247,9 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
             self.batcher.discard(plan)  # never sent: nothing will write the blocks it registered (node.core.ledger)
             raise
         pending = []  # (sequence, placeholder index, item position): read back by _complete
-        for pos, item in enumerate(msg.items):
+        for pos, (it, item) in enumerate(zip(plan.items, msg.items)):
             if item.sample:
-                seq = plan.items[pos].seq
+                seq = it.seq
                 toks = seq.token_ids
                 pending.append((seq, len(toks), pos))
                 toks.append(PENDING)
