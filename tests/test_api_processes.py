@@ -168,8 +168,8 @@ def test_an_engine_killed_mid_stream_is_restarted_then_left_down(fe):
                                                              "temperature": 0, "return_token_ids": True}) as r:
         for line in r.iter_lines():
             lines.append(line)
-            if sum(x.startswith("data: ") for x in lines) == 5:
-                os.kill(pid, signal.SIGKILL)
+            if line.startswith("data: ") and sum(x.startswith("data: ") for x in lines) == 5:  # once (not again
+                os.kill(pid, signal.SIGKILL)  # on the blank line after it: the engine may be reaped by then)
     events = sse_events(lines)
     assert not any("error" in e for e in events[:-1]), events[-3:]
     assert [t for e in events[:-1] for t in e["choices"][0]["token_ids"]] == case["output_token_ids"][:48]
@@ -181,7 +181,7 @@ def test_an_engine_killed_mid_stream_is_restarted_then_left_down(fe):
                                                              "ignore_eos": True}) as r:
         for line in r.iter_lines():
             lines.append(line)
-            if sum(x.startswith("data: ") for x in lines) == 3:
+            if line.startswith("data: ") and sum(x.startswith("data: ") for x in lines) == 3:
                 os.kill(pid, signal.SIGKILL)
     events = sse_events(lines)
     assert events[-2]["error"]["code"] == "engine_down", events[-3:]
