@@ -66,6 +66,10 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
                         "in /health (a crash loop); 0: never restart (default: 5)")
     p.add_argument("--engine-restart-window-s", type=float, default=600.0,
                    help="the window (s) --engine-restart-max counts restarts in (default: 600)")
+    p.add_argument("--engine-start-timeout-s", type=float, default=600.0,
+                   help="a restarted engine that has not loaded its weights after this long (s) is killed, and the "
+                        "attempt counts as a failed start (backoff, then the next try or left down); 0: no bound "
+                        "(default: 600)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"])
     p.add_argument("--engine-layout", default="process", choices=["process", "thread"],
@@ -238,6 +242,7 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, max_queue=a.max_queue,
         request_timeout_s=a.request_timeout_s or None,  # 0: no bound
         engine_restart_max=a.engine_restart_max, engine_restart_window_s=a.engine_restart_window_s,
+        engine_start_timeout_s=a.engine_start_timeout_s,
         seed=a.seed, attention_backend=a.attention_backend, log_format=a.log_format, mode=a.mode,
         enforce_eager=a.enforce_eager, compile=a.compile, compile_sizes=a.compile_sizes,
         engine_layout=a.engine_layout, prefix_caching=a.prefix_caching,

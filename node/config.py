@@ -50,6 +50,8 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     # restarted this many times within engine_restart_window_s (a crash loop: left down); 0: never restart
     engine_restart_max: int = 5
     engine_restart_window_s: float = 600.0
+    # a restarted engine that has not loaded after this long (s) is killed and counts as a failed start; 0: no bound
+    engine_start_timeout_s: float = 600.0
     seed: int = 0
     log_format: str = "console"
     attention_backend: str = "auto"  # auto | torch | cpu | triton
@@ -118,6 +120,8 @@ class NodeConfig(msgspec.Struct, kw_only=True):
              f"--request-timeout-s must be positive (0: no bound), got {self.request_timeout_s}"),
             (self.engine_restart_max >= 0, f"--engine-restart-max must be at least 0 (0: never restart), got {self.engine_restart_max}"),
             (self.engine_restart_window_s > 0, f"--engine-restart-window-s must be positive, got {self.engine_restart_window_s}"),
+            (self.engine_start_timeout_s >= 0,
+             f"--engine-start-timeout-s must be at least 0 (0: no bound), got {self.engine_start_timeout_s}"),
             (self.max_model_len is None or self.max_model_len >= 2, f"--max-model-len must be at least 2, got {self.max_model_len}"),
             (1 <= self.block_size <= 1024, f"--block-size must be in [1, 1024], got {self.block_size}"),
             (self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "--kv-cache-memory must be positive"),

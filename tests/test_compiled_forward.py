@@ -140,6 +140,33 @@ def test_unified_attention_writes_real_rows_only_and_zeroes_padding():
         unified_attention(q, k, v, kc, vc, 0.3, "torch")
 
 
+def test_decode_steps_plan_once_per_step_on_the_cpu_backend():
+    """A pure decode step on the ``cpu`` backend: the first layer converts and checks the step's
+    metadata into a plan that the other layers reuse; K/V land in their slots, the output equals the
+    reference and padding rows are zeros."""
+    from shiftnode_kernels import cpu_decode_numba
+
+    assert cpu_decode_numba.available(), cpu_decode_numba._lazy.error  # Numba is a dependency
+    torch.manual_seed(1)
+    layers = [(torch.randn(6, 4, 2, 8), torch.randn(6, 4, 2, 8)) for _ in range(2)]
+    q, k, v = torch.randn(3, 4, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    # two sequences: contexts 6 (blocks 1, 3) and 1 (block 5); slots of their new tokens 13 and 20
+    meta = StepMetadata(2, torch.tensor([13, 20]), torch.tensor([[1, 3], [5, 0]], dtype=torch.int32),
+                        torch.tensor([6, 1], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32), 1)
+    plans = []
+    for kc, vc in layers:
+        kr, vr = kc.clone(), vc.clone()
+        reference.reshape_and_cache(k[:2], v[:2], kr, vr, meta.slot_mapping)
+        want = reference.paged_attention(q[:2], kr, vr, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, 1, 0.3)
+        with step_metadata(meta):
+            out = unified_attention(q, k, v, kc, vc, 0.3, "cpu")
+        plans.append(meta.decode_plan)
+        assert torch.equal(kc, kr) and torch.equal(vc, vr)
+        torch.testing.assert_close(out[:2], want, rtol=1e-5, atol=1e-6)
+        assert out.shape == q.shape and not out[2].any()
+    assert isinstance(plans[0], cpu_decode_numba.DecodePlan) and plans[1] is plans[0]
+
+
 def test_flags_sizes_and_where_compile_applies():
     p = argparse.ArgumentParser()
     serve_parser(p.add_subparsers())

@@ -83,7 +83,8 @@ def test_a_killed_engine_restarts_its_streams_resume_exactly_and_a_crash_loop_is
     try:
         pids = _pids(node)
         assert node.status()["devices"][0]["restart"] == {"restarts": 0, "restarts_in_window": 0, "max": 1,
-                                                           "window_s": 600.0, "outage": None}
+                                                           "window_s": 600.0, "start_timeout_s": 600.0,
+                                                           "outage": None}
 
         def kill():
             os.kill(pids["cpu:0"], signal.SIGKILL)
@@ -295,3 +296,57 @@ def test_the_restart_flags_default_to_5_in_600_s_and_bad_values_are_refused():
         parse("--engine-restart-max", "-1").validate()
     with pytest.raises(ConfigError, match="--engine-restart-window-s must be positive"):
         parse("--engine-restart-window-s", "0").validate()
+
+
+def test_a_restart_that_hangs_while_loading_is_stopped_and_counts_as_a_failed_start(monkeypatch):
+    """--engine-start-timeout-s: a restarted engine whose load never finishes is stopped after the bound
+    (which also ends the thread waiting for it), and the attempt is one more death of the device: the
+    next restart is planned with the doubled backoff, and /health says why."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import node.runtime.engine_supervisor as es
+    from node.config import NodeConfig
+
+    class HangingEngine:  # stands in for an engine process stuck while loading its weights
+        def __init__(self):
+            self.released, self.stopped = threading.Event(), False
+
+        def wait_ready(self):
+            self.released.wait(30)
+            raise RuntimeError("engine died before it was ready")
+
+        def stop(self):
+            self.stopped = True
+            self.released.set()
+
+    launched: list[HangingEngine] = []
+    monkeypatch.setattr(es, "launch_engine", lambda *a: launched.append(HangingEngine()) or launched[-1])
+
+    async def stop_runner():
+        pass
+
+    dev = SimpleNamespace(device_id="cpu:0", failure="killed", engine_died=True, down_listeners=[], runner=None,
+                          stop_runner=stop_runner)
+    sup = es.EngineSupervisor(NodeConfig(devices=["cpu:0"], engine_start_timeout_s=0.2), [dev])
+    planned = []
+
+    async def go():
+        real = sup._restart
+
+        async def restart(engine, delay_s):  # no backoff sleep in the test; the real restart otherwise
+            planned.append(delay_s)
+            if len(planned) == 1:
+                await real(engine, 0.0)
+
+        sup._restart = restart
+        t0 = time.monotonic()
+        [listener(dev) for listener in dev.down_listeners]
+        await asyncio.wait_for(sup._tasks["cpu:0"], 10)
+        return time.monotonic() - t0
+
+    took = asyncio.run(go())
+    assert 0.2 <= took < 5 and len(launched) == 1 and launched[0].stopped
+    assert planned == [1.0, 2.0]  # the hung start was a failed one: the next restart waits twice as long
+    assert "did not load within --engine-start-timeout-s 0.2" in dev.failure
+    assert sup.total["cpu:0"] == 1 and "restart 2 of 5" in sup.describe("cpu:0", time.monotonic())

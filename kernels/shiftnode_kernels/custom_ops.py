@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -53,6 +53,10 @@ class StepMetadata:
     seq_lens: torch.Tensor
     cu_seqlens_q: torch.Tensor
     max_seqlen_q: int
+    decode_plan: object = field(default=None, compare=False, repr=False)
+    """Set by the first layer of a pure decode step on the ``cpu`` backend: its
+    :class:`~shiftnode_kernels.cpu_decode_numba.DecodePlan` (False: none applies), reused by the
+    step's other layers."""
 
 
 _local = threading.local()  # each device's runner steps in its own thread
@@ -98,8 +102,18 @@ LIBRARY.define(
 def _unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, scale: float, backend: str) -> torch.Tensor:
     meta = _current()
-    ops = _backend_ops(backend)
     rows, n = query.shape[0], meta.num_tokens
+    if backend == "cpu" and meta.max_seqlen_q == 1 and n == meta.seq_lens.shape[0] and n:
+        # A pure decode step: the checks and conversions are done once per step, not per layer.
+        plan = meta.decode_plan
+        if plan is None:
+            plan = meta.decode_plan = _decode_plan(query, key, k_cache, meta) or False
+        if plan:
+            if n < rows:
+                query, key, value = query[:n], key[:n], value[:n]
+            out = plan.run(query.contiguous(), key.contiguous(), value.contiguous(), k_cache, v_cache, scale)
+            return out if n == rows else torch.cat((out, out.new_zeros((rows - n, *out.shape[1:]))))
+    ops = _backend_ops(backend)
     if n < rows:
         query, key, value = query[:n], key[:n], value[:n]
     if n:  # the backends' reshape_and_cache, minus their check for negative slots (there are none here)
@@ -114,6 +128,12 @@ def _unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         full[:n] = out
         return full
     return out
+
+
+def _decode_plan(query: torch.Tensor, key: torch.Tensor, k_cache: torch.Tensor, meta: StepMetadata):
+    from shiftnode_kernels import cpu_decode_numba
+
+    return cpu_decode_numba.plan_decode(query, key, k_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens)
 
 
 LIBRARY.impl("unified_attention", _unified_attention, "CompositeExplicitAutograd")

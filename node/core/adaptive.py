@@ -29,8 +29,9 @@ Each decision round, for every device in the decode configuration (switch reason
   waited that long for a sequence slot could go nowhere but to an empty queue, and held every prompt
   behind it), and the device runs **MIXED** with chunk budget ``c`` when it has queued prompt work,
   ``c > 0`` and the queue is not *gathering* — "chunks_fit" — else **DECODE**: "nothing_waits" (no
-  queued prompt work), "gather" (the queue is under ``c`` tokens and its oldest prompt has waited less
-  than ``G``: a mixed step now would pay the eager penalty for a partial chunk), "spacing" (no chunk
+  queued prompt work), "gather" (the queue is under ``c`` tokens, its oldest prompt has waited less
+  than ``G`` and the device ran MIXED less than ``G`` ago: a mixed step now would pay the eager penalty
+  for a partial chunk sooner than the penalty's share allows), "spacing" (no chunk
   fits ``L`` but decode alone meets ``T``, e.g. the 70B's ~36 ms eager mixed step against a 20 ms TPOT
   SLO: the device runs mixed steps of ``c*`` within ``Wmax`` longer than ``T`` and decodes
   ``S = (m - T) d / (T - d)`` between them, so the residents' mean token gap stays at ``T``;
@@ -42,6 +43,10 @@ window (no resident, nothing queued) also ends ("drained"): an empty device wait
 configuration, where a prompt costs no pause. A :class:`ChunkBudget` decision accompanies every device
 in (or entering) MIXED each round.
 
+**State.** The policy remembers, per device, the last decision instant at which the device was (or was
+sent) MIXED: gathering counts ``G`` from there, so mixed phases stay at least ``G`` apart while a prompt
+that arrives after a quiet spell of ``G`` is mixed at once (holding it would not save a mixed step).
+
 **Liveness.** A MIXED step runs every resident's decode token and at most ``c`` prompt tokens, so
 residents progress exactly as in DECODE. Gathering holds a queue at most ``G`` after its oldest
 prompt's arrival; spacing holds it at most ``S`` after its last mixed step. Where ``c = 0`` the queue's
@@ -52,6 +57,8 @@ a window, or a forced window), and outputs are bounded, so every sequence ends. 
 """
 
 from __future__ import annotations
+
+import math
 
 import msgspec
 
@@ -69,6 +76,7 @@ __all__ = ["AdaptiveScheduler", "ChunkBudget", "AdaptiveDecision"]
 # 0.1 -> 8B wide 0.92, 1B wide 0.67 (chunks grew where slots bound); 0.5 -> 8B wide 0.77 (prompts queued
 # ~0.5 s), 1B wide 0.94; 0.2 -> 0.89 and 0.93. A constant of the policy, not a per-workload knob.
 KEEP_UP_SHARE = 0.2
+INF = math.inf
 EFF_BUCKET = 1024  # context tokens: residents' contexts this close share one efficient chunk
 
 
@@ -120,6 +128,7 @@ class AdaptiveScheduler(RoleScheduler):
         self.share = min(max(config.max_pause_share, 1e-6), 1.0)
         self._eff: dict[tuple[int, int, int], int] = {}  # (s, k // EFF_BUCKET, c_L) -> c*: the grid search is dear
         self._spaced: dict[str, tuple[float, float]] = {}  # device -> (its last spaced mixed step's start, next start)
+        self._mixed_s: dict[str, float] = {}  # device -> last decision instant it was (or was sent) MIXED (s)
 
     # --- the formulas, on a device ---------------------------------------------------------------
     def _mix(self, dv: _Dev, now_s: float) -> _Mix:
@@ -221,9 +230,13 @@ class AdaptiveScheduler(RoleScheduler):
         for dv in mixing:
             mix = mixes[dv.st.device_id]
             queued = dv.q > 0
-            gathering = queued and self._gathering(now_s, dv, mix)
+            if dv.st.role is Role.MIXED:  # it has been running mixed steps until now
+                self._mixed_s[dv.st.device_id] = now_s
+            gathering = queued and self._gathering(now_s, dv, mix, self._mixed_s.get(dv.st.device_id, -INF))
             spacing = queued and mix.spacing and (mix.hold or mix.t0 > max(now_s, dv.st.busy_until_s) + EPS)
             want = Role.MIXED if queued and mix.chunk > 0 and not gathering and not spacing else Role.DECODE
+            if want is Role.MIXED:
+                self._mixed_s[dv.st.device_id] = now_s
             if dv.st.role is not want:
                 reason = ("chunks_fit" if want is Role.MIXED else "nothing_waits" if not queued
                           else "no_headroom" if mix.chunk <= 0 else "spacing" if spacing else "gather")
@@ -251,11 +264,13 @@ class AdaptiveScheduler(RoleScheduler):
                                           target_s - max(0.0, mix.t0 - now_s))
 
     @staticmethod
-    def _gathering(now_s: float, dv: _Dev, mix: _Mix) -> bool:
+    def _gathering(now_s: float, dv: _Dev, mix: _Mix, mixed_s: float) -> bool:
         """The queue waits for company: under one chunk ``c*`` (the knee, not the chunk grown to keep up),
-        its oldest prompt younger than ``G``."""
+        its oldest prompt younger than ``G``, and the device's last MIXED instant ``mixed_s`` (s) less
+        than ``G`` ago (a mixed step now would come sooner than ``G`` after the last one; after a quiet
+        spell of ``G`` holding the prompt would save no mixed step, only delay it)."""
         return (mix.gather_s > 0 and dv.q < mix.knee and mix.oldest_s is not None
-                and now_s - mix.oldest_s < mix.gather_s)
+                and now_s - mix.oldest_s < mix.gather_s and now_s - mixed_s < mix.gather_s)
 
     def _work_tokens(self, dv: _Dev, remaining: list[WaitingPrompt]) -> tuple[int, int, float | None]:
         """The device's own queued tokens plus the waiting prompts that fit its KV (up to ``Wmax`` of

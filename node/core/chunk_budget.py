@@ -47,8 +47,11 @@ prompts from 32 to 7,000 tokens on 4 simulated H200s at 127 req/s: SLO attainmen
 
 **Gathering.** A mixed step that carries fewer than ``c*`` tokens pays the whole eager penalty ``e`` for
 them. Like a role-switch pause, the penalty's share of device time is bounded by ``max_pause_share``
-``s``: a device holds a partial queue in DECODE until it fills ``c*`` or its oldest prompt has waited
-``G = e (1 - s) / s`` — so mixed steps are at least ``G`` apart and ``e / (G + e) <= s``. ``G = 0``
+``s``: a device holds a partial queue in DECODE until it fills ``c*``, or its oldest prompt has waited
+``G = e (1 - s) / s``, or ``G`` has passed since the device last ran MIXED — so mixed steps are at least
+``G`` apart and ``e / (G + e) <= s``, and a lone prompt after a quiet spell is not held for nothing
+(one CPU device, stories260k, 32-token prompts at 10 req/s: the node's refitted cost model gave ``G``
+near 100 ms, and a prompt arriving in DECODE waited a median 106 ms to be mixed, saving no mixed step). ``G = 0``
 where mixed steps cost no more than decode (one configuration, no graphs: the CPU node), so prompts
 there are never held. (1B 128-token prompts on 4 simulated H200s at 1,200 req/s: ``e`` ~ 4 ms, ``G``
 ~ 17 ms; SLO attainment 0.58 mixing every step, 1.00 gathering.)

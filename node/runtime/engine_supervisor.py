@@ -19,7 +19,8 @@ engine reloads in seconds, so the steps here are shorter). A device restarted
 ``--engine-restart-max`` times within the window is left down: a start that fails (the weights no
 longer load, the device is gone) or an engine that dies again at once would otherwise cycle for
 ever. The count uses only restarts within the window, so a device that dies once a day is always
-restarted. vLLM and SGLang do not restart an engine (the server exits); here the other devices
+restarted. A restart whose engine has not loaded within ``--engine-start-timeout-s`` is stopped and
+counts as a failed start. vLLM and SGLang do not restart an engine (the server exits); here the other devices
 keep serving meanwhile.
 
 Honesty. While a device is down :meth:`describe` says since when, why, and when the next try is
@@ -166,7 +167,7 @@ class EngineSupervisor:
             await engine.stop_runner()  # the dead processes reaped, their sockets closed
             _drop_pool(engine.runner)
             runner = await loop.run_in_executor(None, launch_engine, self.config, self.devices[d], "spawn")
-            await loop.run_in_executor(None, runner.wait_ready)
+            await self._wait_ready(runner)
             runner.attach(loop)
             await engine.revive(runner)
         except asyncio.CancelledError:
@@ -186,6 +187,30 @@ class EngineSupervisor:
         self.outages.pop(d, None)
         log.warning("engine_restarted", device=d, pid=engine.runner.pid, down_s=round(self.clock() - out.since_s, 3))
         self._notify(self.restart_listeners, engine)
+
+    async def _wait_ready(self, runner) -> None:
+        """Wait for a restarted engine to load, at most ``--engine-start-timeout-s`` (0: no bound).
+
+        Raises:
+            TimeoutError: it did not load in time. Its processes are stopped first (which also ends the
+                thread blocked in ``wait_ready``), so a start that hangs (a stuck driver, a weights
+                volume that stopped answering) is a failed start like any other, not a device
+                reported as "restarting now" for ever.
+        """
+        loop = asyncio.get_running_loop()
+        waiting = loop.run_in_executor(None, runner.wait_ready)
+        limit = self.config.engine_start_timeout_s
+        if not limit:
+            await waiting
+            return
+        done, _ = await asyncio.wait({waiting}, timeout=limit)
+        if done:
+            waiting.result()
+            return
+        await loop.run_in_executor(None, runner.stop)
+        with suppress(Exception):  # the stopped engine's wait ends with EngineDied: expected
+            await waiting
+        raise TimeoutError(f"the engine did not load within --engine-start-timeout-s {limit:g}")
 
     def _notify(self, listeners: list[Callable], engine: DeviceEngine) -> None:
         for listener in listeners:
@@ -222,7 +247,8 @@ class EngineSupervisor:
         and the current outage (null while up): reason, since (wall-clock s), next try (in s), state."""
         out = self.outages.get(device_id)
         body = {"restarts": self.total.get(device_id, 0), "restarts_in_window": len(self.recent(device_id)),
-                "max": self.max, "window_s": self.window_s, "outage": None}
+                "max": self.max, "window_s": self.window_s,
+                "start_timeout_s": self.config.engine_start_timeout_s, "outage": None}
         if out is not None:
             body["outage"] = {
                 "reason": out.reason, "since_wall_s": out.since_wall_s, "down_s": round(now - out.since_s, 3),

@@ -157,8 +157,11 @@ class ModelRunner:
         # Rows whose logits are needed: the last row of each sampling sequence.
         samplers = [(i, s) for i, s in enumerate(step.seqs) if s.sample is not None]
         if samplers:
-            rows = torch.tensor([cu[i + 1] - 1 for i, _ in samplers], device=dev)
-            logits = self.model.compute_logits(hidden[rows])
+            if len(samplers) == cu[-1]:  # a decode step: one row per sequence, every one sampled, in order
+                logits = self.model.compute_logits(hidden)
+            else:
+                rows = torch.tensor([cu[i + 1] - 1 for i, _ in samplers], device=dev)
+                logits = self.model.compute_logits(hidden[rows])
             tokens, logprobs = sample(logits, [s.sample for _, s in samplers], self.generator)
             for (_, s), token, lp in zip(samplers, tokens, logprobs):
                 out = outputs[s.seq_id]

@@ -308,6 +308,49 @@ def test_a_partial_queue_gathers_until_full_or_g_old():
         SwitchRole("d0", Role.MIXED, "chunks_fit")
 
 
+def test_gathering_counts_from_the_last_mixed_phase_not_only_the_arrival():
+    """Mixed steps need only be G apart: a lone prompt on a device that has not mixed for G is mixed at
+    once (holding it would save no mixed step); one that arrives 10 ms after a mixed phase gathers until
+    G after that phase (here 30 ms after its arrival), not G after its own arrival."""
+    pol = AdaptiveScheduler(CFG, KNEE)
+    res = on_pace(4, 1.0, T)
+    G = gather_s(KNEE.mixed_step_s(1, 4, 2000) - KNEE.decode_step_s(4, 2000), CFG.max_pause_share)
+
+    def queued(now, age, role=Role.DECODE):
+        return dev(role, res, prefill_queue_tokens=128, prefill_queue_seqs=1, prefill_queue_oldest_s=now - age)
+
+    # never mixed: the prompt 1 ms old is mixed now
+    assert switches(pol.decide(1.0, NodeSnapshot((queued(1.0, 0.001),)))) == [("d0", Role.MIXED, "chunks_fit")]
+    # a fresh policy that saw the device MIXED at t = 2.0 (its queue drained), then a prompt at 2.010
+    pol = AdaptiveScheduler(CFG, KNEE)
+    assert switches(pol.decide(2.0, NodeSnapshot((dev(Role.MIXED, res),)))) == [("d0", Role.DECODE, "nothing_waits")]
+    assert pol.decide(2.020, NodeSnapshot((queued(2.020, 0.010),))) == []  # 20 ms after the phase: gathers
+    assert pol.decide(2.0 + G - 0.001, NodeSnapshot((queued(2.0 + G - 0.001, G - 0.011),))) == []
+    t = 2.0 + G + 1e-6  # G after the phase (the prompt is younger than G)
+    out = pol.decide(t, NodeSnapshot((queued(t, G - 0.010),)))
+    assert switches(out) == [("d0", Role.MIXED, "chunks_fit")]
+
+
+def test_a_refitted_model_with_no_negative_cost_does_not_hold_a_lone_prompt():
+    """The node's online refit (decode samples whose context grows with the batch, a loaded CPU): plain
+    least squares gives a negative per-context cost and so a decode step below zero, which the policy
+    reads as a large mixed-step penalty and gathers a prompt that arrives 10 ms after a mixed phase (by
+    staying in DECODE); the non-negative fit the node now uses leaves a token's cost as the penalty
+    (``G`` ~ 0.2 ms), and the prompt is mixed at once."""
+    from test_cost import _collinear_decode_samples
+
+    from node.core.cost import fit_cost_model
+
+    true, dec = _collinear_decode_samples()
+    now = 1.0
+    res = tuple(ResidentSeq(f"s{i}", now + 0.02, 10, 150, 200) for i in range(20))
+    queued = dev(Role.DECODE, res, prefill_queue_tokens=32, prefill_queue_seqs=1, prefill_queue_oldest_s=now - 0.002)
+    for nonneg, want in ((False, []), (True, [("d0", Role.MIXED, "chunks_fit")])):
+        pol = AdaptiveScheduler(CFG, fit_cost_model([], dec, base=true, nonneg=nonneg))
+        pol.decide(now - 0.010, NodeSnapshot((dev(Role.MIXED, res),)))  # it mixed 10 ms ago, then its queue drained
+        assert switches(pol.decide(now, NodeSnapshot((queued,)))) == want  # OLS: held in DECODE, gathering
+
+
 def test_a_prompt_that_waited_for_a_slot_is_placed_behind_a_short_queue():
     """A prompt that already waited 300 ms for a sequence slot is past half its 200 ms TTFT SLO wherever it
     goes; a device whose queue (1,000 tokens) plus it is served within the target from now takes it
