@@ -136,6 +136,42 @@ def raw_stream(port: int, body: bytes) -> socket.socket:
     return s
 
 
+def half_closed_post(port: int, body: dict, path: str = "/v1/completions",
+                     headers: str = "") -> tuple[bytes, bytes, bytes]:
+    """POST ``body`` on a bare HTTP/1.1 socket, shut its write side (TCP half-close, as ``nc -N`` does) and
+    read until the node closes: (the interim 1xx responses, the final head, the body de-chunked if chunked).
+    ``headers``: extra header lines, each ending in CRLF."""
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{headers}"
+                  f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        s.shutdown(socket.SHUT_WR)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    interim = b""
+    while out.startswith(b"HTTP/1.1 1"):
+        block, _, out = out.partition(b"\r\n\r\n")
+        interim += block + b"\r\n\r\n"
+    head, _, payload = out.partition(b"\r\n\r\n")
+    if b"transfer-encoding: chunked" in head.lower():
+        payload = dechunk(payload)
+    return interim, head, payload
+
+
+def dechunk(body: bytes) -> bytes:
+    """An HTTP/1.1 chunked body's bytes; asserts the framing, down to the closing empty chunk."""
+    out = b""
+    while True:
+        size, _, rest = body.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            assert rest == b"\r\n", rest
+            return out
+        assert rest[n : n + 2] == b"\r\n"
+        out, body = out + rest[:n], rest[n + 2 :]
+
+
 def sse_events(lines) -> list:
     """Parse SSE ``data:`` lines into JSON objects; ``"[DONE]"`` stays a string. Asserts the shape."""
     events = []

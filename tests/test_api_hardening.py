@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from support import STORIES, NodeProcess
+from support import STORIES, NodeProcess, dechunk
 from test_api_errors import assert_error, post
 
 
@@ -154,18 +154,6 @@ def _raw_post(port: int, version: str, body: dict, connection: str = "close") ->
     return out
 
 
-def _dechunk(body: bytes) -> bytes:
-    out = b""
-    while True:
-        size, _, rest = body.partition(b"\r\n")
-        n = int(size, 16)
-        if n == 0:
-            assert rest == b"\r\n", rest
-            return out
-        assert rest[n : n + 2] == b"\r\n"
-        out, body = out + rest[:n], rest[n + 2 :]
-
-
 @pytest.mark.parametrize("version,connection", [("HTTP/1.1", "close"), ("HTTP/1.0", "close"), ("HTTP/1.0", "keep-alive")])
 def test_streams_are_framed_for_the_clients_http_version(stories_node, version, connection):
     """The SSE writer frames its own writes: HTTP/1.1 gets valid chunked encoding ending in the empty
@@ -177,7 +165,7 @@ def test_streams_are_framed_for_the_clients_http_version(stories_node, version, 
     assert head.split(b" ")[1] == b"200", head
     chunked = b"transfer-encoding: chunked" in head.lower()
     assert chunked == (version == "HTTP/1.1")
-    events = [line for line in (_dechunk(payload) if chunked else payload).decode().split("\n\n") if line]
+    events = [line for line in (dechunk(payload) if chunked else payload).decode().split("\n\n") if line]
     assert events[-1] == "data: [DONE]"
     parsed = [json.loads(e[len("data: "):]) for e in events[:-1]]
     assert sum(len(p["choices"]) for p in parsed) == 12 and parsed[-1]["usage"]["completion_tokens"] == 12

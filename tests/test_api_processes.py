@@ -2,6 +2,7 @@
 single-process node's answers, free a gone client's KV, merge their metrics, and end streams with an
 error when the engine dies. One node serves every check (the engine kill last)."""
 
+import json
 import os
 import re
 import signal
@@ -11,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from support import STORIES, NodeProcess, reference_cases, require_shared, sse_events, stream
+from support import STORIES, NodeProcess, half_closed_post, reference_cases, require_shared, sse_events, stream
 
 KEY = "api-processes-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -143,6 +144,20 @@ def test_a_client_leaving_mid_stream_frees_its_kv(fe):
     assert st["live_requests"] == 0
 
 
+def test_a_half_closed_client_gets_the_whole_answer(fe):
+    """A client that shuts its write side after the request is answered in full by a front end, whole or
+    streamed, as by one process (tests/test_half_close.py; the front ends serve with serving.NodeRunner)."""
+    case = reference_cases()[0]
+    body = {"prompt": case["prompt"], "max_tokens": 40, "temperature": 0, "return_token_ids": True}
+    interim, head, payload = half_closed_post(fe.port, body, headers=f"Authorization: Bearer {KEY}\r\n")
+    assert interim.startswith(b"HTTP/1.1 100 Continue") and head.startswith(b"HTTP/1.1 200 "), (interim, head)
+    assert json.loads(payload)["choices"][0]["token_ids"] == case["output_token_ids"][:40]
+    _, head, payload = half_closed_post(fe.port, {**body, "stream": True}, headers=f"Authorization: Bearer {KEY}\r\n")
+    events = sse_events(payload.decode().split("\n"))
+    assert [t for e in events[:-1] for t in e["choices"][0]["token_ids"]] == case["output_token_ids"][:40]
+    assert fe.wait_idle()["live_requests"] == 0
+
+
 def test_an_engine_killed_mid_stream_is_restarted_then_left_down(fe):
     """Last: the node has no device afterwards. The first kill is survived (restart, the stream goes on,
     exact); the second ends the stream with an error event, and the node answers 503."""
@@ -153,8 +168,8 @@ def test_an_engine_killed_mid_stream_is_restarted_then_left_down(fe):
                                                              "temperature": 0, "return_token_ids": True}) as r:
         for line in r.iter_lines():
             lines.append(line)
-            if sum(x.startswith("data: ") for x in lines) == 5:
-                os.kill(pid, signal.SIGKILL)
+            if line.startswith("data: ") and sum(x.startswith("data: ") for x in lines) == 5:  # once (not again
+                os.kill(pid, signal.SIGKILL)  # on the blank line after it: the engine may be reaped by then)
     events = sse_events(lines)
     assert not any("error" in e for e in events[:-1]), events[-3:]
     assert [t for e in events[:-1] for t in e["choices"][0]["token_ids"]] == case["output_token_ids"][:48]
@@ -166,7 +181,7 @@ def test_an_engine_killed_mid_stream_is_restarted_then_left_down(fe):
                                                              "ignore_eos": True}) as r:
         for line in r.iter_lines():
             lines.append(line)
-            if sum(x.startswith("data: ") for x in lines) == 3:
+            if line.startswith("data: ") and sum(x.startswith("data: ") for x in lines) == 3:
                 os.kill(pid, signal.SIGKILL)
     events = sse_events(lines)
     assert events[-2]["error"]["code"] == "engine_down", events[-3:]

@@ -25,6 +25,17 @@ goodput, SLO attainment, p90 TTFT, p90 TPOT, switches, transfers), ``results.jso
 and the plots ``goodput_vs_rate.png``, ``ttft_cdf.png``, ``tpot_cdf.png``,
 ``timeline_<mode>_r<rate>.png``. CPU devices run with ``OMP_NUM_THREADS=1`` per node process unless
 ``--omp-threads`` says otherwise (one torch thread per emulated device keeps step times stable).
+
+**Variants and interleaved rounds.** An entry ``MODE@N`` of ``--modes`` is ``MODE`` with
+``--max-num-batched-tokens N`` (its own row label, so one run can hold a budget grid:
+``--modes adaptive,colocated@64,colocated@256``); ``--mode-args`` apply by bare mode or by the whole entry.
+``--rounds K`` (K > 1) starts every entry's node first and keeps them all up (an idle node takes no CPU),
+then runs K rounds, each replaying every entry once per rate, the entries in turn (reversed on odd rounds,
+so no entry always runs first): every entry sees the same phase of a shared machine's load. Round ``k``
+replays the workload of ``--seed`` + ``k`` (the same requests for every entry of a round; new prompts each
+round, so a prefix cache does not carry hits from one round into the next). Rows carry
+their round (files ``<entry>_r<rate>_k<round>.json``); ``--baseline A[,B]`` adds a table of every other
+entry's p90 TTFT and p90 ITL over each baseline's in the same round and rate, per round and their median.
 """
 
 from __future__ import annotations
@@ -33,7 +44,9 @@ import argparse
 import asyncio
 import json
 import shlex
+import statistics
 import sys
+from contextlib import ExitStack
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -48,7 +61,7 @@ from bench.traffic.metrics import request_tpot_s
 from bench.traffic.traces import infinite_cache_hit_ratio
 from bench.traffic.workload import add_workload_args, build_workload, shared_dir, spec_from_args
 
-__all__ = ["counters", "node_args", "markdown_table", "main"]
+__all__ = ["counters", "split_entry", "node_args", "markdown_table", "ratio_table", "main"]
 
 COUNTERS = ("shiftnode_role_switches_total", "shiftnode_kv_transfers_total")
 
@@ -63,13 +76,29 @@ def counters(metrics_text: str) -> dict[str, float]:
     return out
 
 
-def node_args(a: argparse.Namespace, mode: str) -> list[str]:
-    """``shiftnode serve`` flags for one mode.
+def split_entry(entry: str) -> tuple[str, int | None]:
+    """A ``--modes`` entry → ``(mode, token budget or None)``: ``"colocated@256"`` → ``("colocated", 256)``.
+
+    Raises ValueError when the part after ``@`` is not a positive integer.
+    """
+    mode, at, budget = entry.partition("@")
+    if not at:
+        return mode, None
+    if not budget.isdigit() or int(budget) < 1:
+        raise ValueError(f"mode entry {entry!r}: the token budget after '@' must be a positive integer")
+    return mode, int(budget)
+
+
+def node_args(a: argparse.Namespace, entry: str) -> list[str]:
+    """``shiftnode serve`` flags for one ``--modes`` entry (``MODE`` or ``MODE@BUDGET``, see :func:`split_entry`).
 
     Pooled mode takes no ``--devices``: unless its ``--mode-args`` name the pools, the first half of
-    ``--devices`` (at least one) prefills and the rest decode, the simulator's default split.
+    ``--devices`` (at least one) prefills and the rest decode, the simulator's default split. An entry's
+    budget replaces ``--max-num-batched-tokens``; ``--mode-args`` keyed by the bare mode or the entry apply.
     """
-    extra = [x for v in a.mode_args or [] if v.partition("=")[0] == mode for x in shlex.split(v.partition("=")[2])]
+    mode, budget = split_entry(entry)
+    extra = [x for v in a.mode_args or [] if v.partition("=")[0] in (mode, entry)
+             for x in shlex.split(v.partition("=")[2])]
     if mode != "pooled":
         devices = ["--devices", a.devices]
     elif any(x.split("=")[0] in ("--prefill-devices", "--decode-devices") for x in extra):
@@ -84,7 +113,8 @@ def node_args(a: argparse.Namespace, mode: str) -> list[str]:
         args += ["--model", str(cfg.parent if cfg.is_file() else cfg), "--load-format", "dummy"]
     elif a.model:
         args += ["--model", a.model, "--load-format", a.load_format]
-    for flag, value in (("--reconfig-pause-ms", a.reconfig_pause_ms), ("--max-num-batched-tokens", a.max_num_batched_tokens)):
+    budget = budget if budget is not None else a.max_num_batched_tokens
+    for flag, value in (("--reconfig-pause-ms", a.reconfig_pause_ms), ("--max-num-batched-tokens", budget)):
         if value is not None:
             args += [flag, str(value)]
     return args + shlex.split(a.node_args or "") + extra
@@ -95,24 +125,50 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """The comparison table; unavailable modes get one row saying so, with the reason below."""
+    """The comparison table; unavailable modes get one row saying so, with the reason below. Rows of an
+    interleaved run (:func:`run_rounds`) give their round after the mode."""
     lines = ["| mode | rate (req/s) | requests ok/failed | goodput (req/s) | SLO attainment | prefix hit "
-             "(infinite cache) | p50 TTFT (ms) | p90 TTFT (ms) | p90 TPOT (ms) | switches | transfers |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "(infinite cache) | p50 TTFT (ms) | p90 TTFT (ms) | p90 TPOT (ms) | p90 ITL (ms) | switches | transfers |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     notes = []
     for r in rows:
         if not r["available"]:
             notes.append(f"- `{r['mode']}`: {r['reason']}")
-            lines.append(f"| {r['mode']} | {_fmt(r.get('rate'), 'g')} | not available | — | — | — | — | — | — | — | — |")
+            lines.append(f"| {r['mode']} | {_fmt(r.get('rate'), 'g')} | not available | — | — | — | — | — | — | — | — | — |")
             continue
         s = r["summary"]
         hit, inf = r.get("prefix_hit_rate"), r.get("infinite_hit_rate")
         hit_s = ("—" if hit is None else format(hit, ".1%")) + ("" if inf is None else f" ({inf:.1%})")
-        lines.append(f"| {r['mode']} | {r['rate']:g} | {s['completed']}/{s['failed']} | {s['goodput']:.2f} | "
+        label = r["mode"] if r.get("round") is None else f"{r['mode']} (round {r['round']})"
+        lines.append(f"| {label} | {r['rate']:g} | {s['completed']}/{s['failed']} | {s['goodput']:.2f} | "
                      f"{s['slo_attainment']:.1%} | {hit_s} | "
                      f"{s['ttft_ms']['median']:.0f} | {s['ttft_ms']['p90']:.0f} | {s['tpot_ms']['p90']:.1f} | "
+                     f"{s['itl_ms']['p90']:.1f} | "
                      f"{r['switches']:.0f} | {r['transfers']:.0f} |")
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+
+
+def ratio_table(rows: list[dict], baseline: str) -> str:
+    """Every other entry's p90 TTFT and p90 ITL over ``baseline``'s, in the same round and rate.
+
+    One line per (entry, rate): the median over rounds, then each round's ratios in brackets (TTFT/ITL).
+    Rounds where either run is unavailable are left out; an entry with none gets no line.
+    """
+    ok = {(r["mode"], r["rate"], r.get("round")): r["summary"] for r in rows if r["available"]}
+    lines = [f"| mode / {baseline} | rate (req/s) | p90 TTFT ratio | p90 ITL ratio | per round (TTFT/ITL) |",
+             "|---|---:|---:|---:|---|"]
+    for mode in dict.fromkeys(m for m, _, _ in ok if m != baseline):
+        for rate in dict.fromkeys(q for m, q, _ in ok if m == mode):
+            pairs = [(k, s, ok[(baseline, rate, k)]) for (m, q, k), s in ok.items()
+                     if m == mode and q == rate and (baseline, rate, k) in ok]
+            ttft = [s["ttft_ms"]["p90"] / b["ttft_ms"]["p90"] for _, s, b in pairs if b["ttft_ms"]["p90"]]
+            itl = [s["itl_ms"]["p90"] / b["itl_ms"]["p90"] for _, s, b in pairs if b["itl_ms"]["p90"]]
+            if not ttft or not itl:
+                continue
+            each = ", ".join(f"{s['ttft_ms']['p90'] / b['ttft_ms']['p90']:.2f}/{s['itl_ms']['p90'] / b['itl_ms']['p90']:.2f}"
+                             for _, s, b in pairs if b["ttft_ms"]["p90"] and b["itl_ms"]["p90"])
+            lines.append(f"| {mode} | {rate:g} | {statistics.median(ttft):.2f} | {statistics.median(itl):.2f} | {each} |")
+    return "\n".join(lines) + "\n"
 
 
 async def _server_info(url: str, vocab_size: int | None):
@@ -120,9 +176,11 @@ async def _server_info(url: str, vocab_size: int | None):
         return await fetch_server_info(s, url, vocab_size)
 
 
-def run_rate(node: NodeServer, a: argparse.Namespace, mode: str, rate: float, info, out: Path) -> dict:
+def run_rate(node: NodeServer, a: argparse.Namespace, mode: str, rate: float, info, out: Path,
+             round_: int | None = None) -> dict:
     """One replay at ``rate`` on a running node; the row (and the run's files). ``mode``: the row's
-    label (the node's mode, ``-nocache`` when its prefix cache is off)."""
+    label (the node's ``--modes`` entry, ``-nocache`` when its prefix cache is off); ``round_``: the round
+    of an interleaved run (:func:`run_rounds`), else None."""
     if not node.wait_idle(a.idle_timeout):
         print(f"bench.studies.compare: {mode} node not idle after {a.idle_timeout} s; running anyway", file=sys.stderr)
     wl = build_workload(spec_from_args(a, rate_rps=rate, max_model_len=info.max_model_len))
@@ -134,7 +192,7 @@ def run_rate(node: NodeServer, a: argparse.Namespace, mode: str, rate: float, in
     config = {"mode": mode, "rate": rate, "model": info.model, "workload": wl.describe(),
               "ttft_slo_ms": a.ttft_slo_ms, "tpot_slo_ms": a.tpot_slo_ms, "node_cmd": node.cmd}
     doc = result_json(res, config, wl.requests) | {"node_status": status, "counters": delta}
-    name = f"{mode}_r{rate:g}"
+    name = f"{mode}_r{rate:g}" + ("" if round_ is None else f"_k{round_}")
     (out / f"{name}.json").write_text(json.dumps(doc))
     t0 = res.node_clock_start_s
     t1 = res.node_clock_end_s or status.get("clock_s")
@@ -142,10 +200,11 @@ def run_rate(node: NodeServer, a: argparse.Namespace, mode: str, rate: float, in
         total = delta["shiftnode_role_switches_total"]
         shown = sum(len(switches_in(d.get("switches", []), t0, t1)) for d in status["devices"])
         note = "" if shown >= total else f" (the node kept the last {shown} of {total:.0f} switches)"
-        plots.role_timeline(status, t0, t1, out / f"timeline_{name}.png",
-                            title=f"{mode}, {rate:g} req/s: device roles{note}")
+        if round_ is None or round_ == 0:  # an interleaved run draws its first round's timelines
+            plots.role_timeline(status, t0, t1, out / f"timeline_{name}.png",
+                                title=f"{mode}, {rate:g} req/s: device roles{note}")
     ok = [r for r in res.records if r.success]
-    return {"mode": mode, "rate": rate, "available": True, "summary": res.summary.as_dict(),
+    return {"mode": mode, "rate": rate, "round": round_, "available": True, "summary": res.summary.as_dict(),
             "prefix_hit_rate": res.prefix_hit_rate,
             "infinite_hit_rate": infinite_cache_hit_ratio(wl.requests)[1] if any(r.hash_ids for r in wl.requests) else None,
             "switches": delta["shiftnode_role_switches_total"], "transfers": delta["shiftnode_kv_transfers_total"],
@@ -176,12 +235,43 @@ def run_mode(a: argparse.Namespace, mode: str, rates: list[float], out: Path, ca
     return rows
 
 
+def run_rounds(a: argparse.Namespace, entries: list[str], rates: list[float], out: Path, rounds: int) -> list[dict]:
+    """``rounds`` interleaved rounds: every entry's node up at once, each round replaying every entry in
+    turn at every rate (the order reversed on odd rounds; round ``k`` uses seed ``a.seed + k``). A node that will not start gives one 'not
+    available' row; one that dies gives such a row for each replay it misses."""
+    env = {"OMP_NUM_THREADS": str(a.omp_threads)} if a.omp_threads else {}
+    rows: list[dict] = []
+    with ExitStack() as stack:
+        nodes: dict[str, tuple[NodeServer, object]] = {}
+        for entry in entries:
+            try:
+                node = stack.enter_context(NodeServer(node_args(a, entry), log_path=out / f"node_{entry}.log",
+                                                      env=env, startup_timeout_s=a.startup_timeout))
+                nodes[entry] = (node, asyncio.run(_server_info(node.url, a.vocab_size)))
+            except NodeUnavailable as e:
+                rows.append({"mode": entry, "rate": None, "available": False, "reason": str(e)})
+        for k in range(rounds):
+            ak = argparse.Namespace(**{**vars(a), "seed": a.seed + k})  # fresh prompts: no cache hits across rounds
+            for entry in (list(nodes) if k % 2 == 0 else list(reversed(nodes))):
+                node, info = nodes[entry]
+                for rate in rates:
+                    if not node.alive():
+                        rows.append({"mode": entry, "rate": rate, "round": k, "available": False,
+                                     "reason": f"node exited during the run: {node.log_tail()}"})
+                        continue
+                    print(f"bench.studies.compare: round {k}, {entry} at {rate:g} req/s", file=sys.stderr)
+                    rows.append(run_rate(node, ak, entry, rate, info, out, round_=k))
+    return rows
+
+
 def write_plots(rows: list[dict], a: argparse.Namespace, out: Path) -> None:
     ok = [r for r in rows if r["available"]]
     points: dict[str, list[tuple[float, float]]] = {}
     ttft: dict[float, dict[str, list[float]]] = {}
     tpot: dict[float, dict[str, list[float]]] = {}
     for r in ok:
+        if r.get("round"):  # interleaved runs plot their first round
+            continue
         points.setdefault(r["mode"], []).append((r["rate"], r["summary"]["goodput"]))
         ttft.setdefault(r["rate"], {})[r["mode"]] = r["ttft_ms"]
         tpot.setdefault(r["rate"], {})[r["mode"]] = r["tpot_ms"]
@@ -193,7 +283,12 @@ def write_plots(rows: list[dict], a: argparse.Namespace, out: Path) -> None:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.studies.compare", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--modes", default="time-shared,colocated,pooled", help="comma-separated node modes")
+    ap.add_argument("--modes", default="time-shared,colocated,pooled",
+                    help="comma-separated node modes; MODE@N: that mode with --max-num-batched-tokens N")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="K > 1: every node up at once, K interleaved rounds of every mode at every rate")
+    ap.add_argument("--baseline", default=None,
+                    help="comma-separated --modes entries: add p90 TTFT and ITL ratios over each, per round")
     ap.add_argument("--devices", default="cpu:0,cpu:1")
     ap.add_argument("--model", default=None, help="model folder (default: stories260k from the shared folder)")
     ap.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
@@ -225,19 +320,31 @@ def main(argv: list[str] | None = None) -> int:
     if a.omp_threads is None and all(d.strip().startswith("cpu") for d in a.devices.split(",")):
         a.omp_threads = 1
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    try:
+        for m in modes:
+            split_entry(m)
+    except ValueError as e:
+        parser().error(str(e))
+    if a.rounds > 1 and a.prefix_caching != "on":
+        parser().error("--rounds runs each node with its prefix cache on; --prefix-caching off/both needs --rounds 1")
     rates = [float(r) for r in a.rates.split(",") if r.strip()]
     stamp = datetime.now(timezone.utc)
     out = Path(a.out) if a.out else REPO / "bench" / "out" / stamp.strftime("%Y%m%dT%H%M%SZ")
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     caches = {"on": [True], "off": [False], "both": [True, False]}[a.prefix_caching]
-    for mode in modes:
-        for cache in caches:
-            rows += run_mode(a, mode, rates, out, cache)
+    if a.rounds > 1:
+        rows = run_rounds(a, modes, rates, out, a.rounds)
+    else:
+        for mode in modes:
+            for cache in caches:
+                rows += run_mode(a, mode, rates, out, cache)
     write_plots(rows, a, out)
     args = argv if argv is not None else sys.argv[1:]
     command = "python -m bench.studies.compare " + " ".join(shlex.quote(x) for x in args)
     table = markdown_table(rows)
+    for base in (b.strip() for b in (a.baseline or "").split(",") if b.strip()):
+        table += "\n" + ratio_table(rows, base)
     (out / "results.md").write_text(f"Command: `{command}`\n\nDate: {stamp.isoformat(timespec='seconds')}\n\n{table}")
     slim = [{k: v for k, v in r.items() if k not in ("ttft_ms", "tpot_ms")} for r in rows]
     (out / "results.json").write_text(json.dumps({"command": command, "date": stamp.isoformat(), "rows": slim}, indent=1))

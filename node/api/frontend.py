@@ -37,6 +37,7 @@ from node.api.errors import error_response
 from node.api.frontend_node import FrontNode
 from node.api.link_protocol import Admitted, FrameReader, FrameWriter, Ready, Step, frame
 from node.api.openai import NODE_KEY, chat_completions, completions
+from node.api.serving import NodeRunner
 from node.config import NodeConfig
 
 log = structlog.get_logger("shiftnode.frontend")
@@ -120,8 +121,8 @@ async def _serve(config: NodeConfig, info, index: int, paths: "FrontendPaths", p
             await asyncio.sleep(0.05)
     front = FrontNode(config, info, index, link.send)
     link.front = front
-    runner = web.AppRunner(frontend_app(config, front, paths.http), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=1)  # a client's FIN ends its request (serving.py says why)
+    runner = NodeRunner(frontend_app(config, front, paths.http), handler_cancellation=True, access_log=None,
+                        shutdown_timeout=1)  # a half-closed client is probed, not dropped (serving.py)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port, reuse_port=True).start()
     gc.collect()

@@ -10,9 +10,10 @@ Deltas leave in one :class:`~node.api.link_protocol.Step` frame per front end pe
 stream here is a :class:`_Sink` whose ``push`` appends to its link's batch, and the first push after
 a write schedules one ``loop.call_soon`` that encodes the whole batch once the step's
 post-processing has pushed everything and writes it with the admissions answered meanwhile, in one
-system call (:class:`~node.api.link_protocol.FrameWriter`). The control loop's work per token is one small struct
-(:class:`~node.runtime.token_output.TokenDelta`, made by the sequence's output state) and its msgpack
-encoding.
+system call (:class:`~node.api.link_protocol.FrameWriter`). The control loop's work per plain token
+(not a choice's first, no logprobs, ends nothing) is three ints appended to the link's current run
+(:meth:`_Sink.plain`); any other token is a small struct (:class:`~node.runtime.token_output.TokenDelta`,
+made by the sequence's output state).
 """
 
 from __future__ import annotations
@@ -61,10 +62,23 @@ class _Sink:
         if type(delta) is not TokenDelta:  # an error made by RequestState.fail
             delta = TokenDelta.of(self.key, delta)
         delta.key = self.key
-        link = self.link  # FrontendLink.push inlined: this runs once per streamed token on the control loop
+        link = self.link  # FrontendLink.push inlined
         link.pending.append(delta)
+        link.run = None  # later plain tokens start a new run: the frame keeps the order of production
         if not link._scheduled:
             link.schedule()
+
+    def plain(self, index: int, token_id: int) -> None:
+        """A plain token of choice ``index`` (no text, logprobs or end; not the choice's first): three
+        ints appended to the link's current run (``RequestState.plain``; once per streamed token)."""
+        link = self.link
+        run = link.run
+        if run is None:
+            run = link.run = []
+            link.pending.append(run)
+            if not link._scheduled:
+                link.schedule()
+        run += (self.key, index, token_id)
 
 
 class FrontendLink(FrameWriter, asyncio.Protocol):
@@ -76,7 +90,8 @@ class FrontendLink(FrameWriter, asyncio.Protocol):
         self.server = server
         self.reader = FrameReader()
         self.reqs: dict[int, RequestState] = {}  # the front end's key → the request
-        self.pending: list[TokenDelta] = []
+        self.pending: list[TokenDelta | list[int]] = []  # this step's deltas and runs of plain tokens, in order
+        self.run: list[int] | None = None  # the last entry of ``pending`` when it is a run (see Step)
         self.pid: int | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:
@@ -141,13 +156,14 @@ class FrontendLink(FrameWriter, asyncio.Protocol):
 
     def push(self, wd: TokenDelta) -> None:
         self.pending.append(wd)
+        self.run = None
         self.schedule()
 
     def last_frame(self) -> bytes | None:
         """Every delta pushed since the last flush, as one :class:`Step` (after any :class:`Admitted`)."""
         if not self.pending:
             return None
-        items, self.pending = self.pending, []
+        items, self.pending, self.run = self.pending, [], None
         return frame(Step(items))
 
     def connection_lost(self, exc: Exception | None) -> None:

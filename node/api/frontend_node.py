@@ -60,6 +60,20 @@ class FrontRequest:
         self.stats = RequestStats(arrival_s=now_s, prompt_tokens=len(prompt_ids))
         self.device: str | None = None  # where choice 0 runs, as its first token says
 
+    def on_plain(self, index: int, token_id: int) -> None:
+        """:meth:`on_wire` of a plain token (a run's entry in a :class:`Step`): what a
+        ``TokenDelta(key, index, [token_id])`` gives, without making one."""
+        i = index - self.index0
+        if self.ended[i]:
+            return
+        self.seqs[i].token_ids.append(token_id)
+        out = self.outputs[i]
+        d = out.on_token(token_id, None)
+        d.index = index
+        if out.finish_reason is not None:  # a stop string (on_token set the delta's finish_reason)
+            self.ended[i] = True
+        self.stream.push(d)
+
     def on_wire(self, wd: TokenDelta) -> None:
         """Turn the control loop's delta into the client's (text added, a stop string's end applied)
         and push it to the request's stream."""
@@ -197,6 +211,12 @@ class FrontNode:
     def on_step(self, m: Step) -> None:
         requests = self.requests
         for wd in m.deltas:
+            if type(wd) is list:  # a run of plain tokens: key, index, token id, ...
+                for j in range(0, len(wd), 3):
+                    r = requests.get(wd[j])
+                    if r is not None:
+                        r.on_plain(wd[j + 1], wd[j + 2])
+                continue
             r = requests.get(wd.key)
             if r is not None:
                 r.on_wire(wd)

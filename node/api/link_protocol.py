@@ -63,9 +63,11 @@ class Close(msgspec.Struct, tag=True, array_like=True):
 
 
 class Step(msgspec.Struct, tag=True, array_like=True):
-    """Every delta one step produced for the requests of one front end."""
+    """Every token one step produced for the requests of one front end, in production order: a
+    :class:`TokenDelta`, or a run of plain tokens (not a choice's first, no logprobs, ending nothing)
+    as flat ``[key, index, token id, key, index, token id, ...]`` (no object per token on either side)."""
 
-    deltas: list[TokenDelta]
+    deltas: list[TokenDelta | list[int]]
 
 
 class HistogramDelta(msgspec.Struct, array_like=True):

@@ -11,12 +11,18 @@ HTTP/1.0 clients get the bytes unframed, the body ending when the connection clo
 does for them too). Nothing waits for the client to read: a slow reader's events queue in the
 transport, a few hundred bytes per token and at most the request's ``max_tokens`` of them (aiohttp's
 own writer would wait above 64 KiB, and the deltas would queue in the request's DeltaStream instead).
+
+Once the headers are out, the writer registers :meth:`SSEWriter.probe` as the request's liveness probe
+(:func:`node.api.serving.set_probe`): the connection of a client that sent FIN is probed with SSE
+comments until ``[DONE]``, so that a client that left is noticed (node/api/serving.py).
 """
 
 from __future__ import annotations
 
 import msgspec
 from aiohttp import HttpVersion11, web
+
+from node.api.serving import set_probe
 
 _encode = msgspec.json.Encoder().encode
 
@@ -32,6 +38,7 @@ class SSEWriter:
             "X-Accel-Buffering": "no",  # proxies must not buffer the stream
         })
         self._chunked = request.version == HttpVersion11
+        self._ended = False  # [DONE] written: nothing more may follow
 
     async def prepare(self) -> None:
         """Send the status line and headers."""
@@ -40,6 +47,7 @@ class SSEWriter:
         else:  # the close ends the body; say so, or a keep-alive HTTP/1.0 client waits for more
             self.response.force_close()
         await self.response.prepare(self.request)
+        set_probe(self.request, self.probe)
 
     def send_many(self, payloads: list[dict]) -> None:
         """All ``payloads`` as consecutive events, in one write (nothing for an empty list)."""
@@ -52,8 +60,15 @@ class SSEWriter:
     def comment(self, text: str) -> None:
         self._write(f": {text}\n\n".encode())
 
+    def probe(self) -> None:
+        """An empty SSE comment (``: ``), which clients skip: probes a half-closed connection's client
+        (node/api/serving.py); nothing once the stream has ended."""
+        if not self._ended:
+            self._write(b": \n\n")
+
     async def done(self) -> None:
         """The ``[DONE]`` event and the end of the body."""
+        self._ended = True
         self._write(b"data: [DONE]\n\n")
         await self.response.write_eof()
 

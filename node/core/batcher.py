@@ -29,6 +29,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import msgspec
+
 from node.core.ledger import BlockLedger
 from node.core.sequence import Sequence, SeqStatus
 
@@ -68,8 +70,9 @@ class BatchConfig:
         return self.max_batched_tokens if cap is None else min(cap, self.max_batched_tokens)
 
 
-@dataclass(slots=True)
-class ScheduledSeq:
+class ScheduledSeq(msgspec.Struct, gc=False):
+    """One sequence of a step: a struct made in C (a fifth of a dataclass's cost; untracked by the GC)."""
+
     seq: Sequence
     num_tokens: int  # new tokens computed this step: token_ids[num_computed : num_computed + num_tokens]
 

@@ -9,8 +9,9 @@ vLLM keeps one preallocated block object per block and its free queue as an intr
 
 * :class:`BlockIndex`: key -> block by open addressing with linear probing over an ``array`` of
   block ids (capacity a power of two >= 2x the pool, so probes stay short), deletion by backward
-  shift (no tombstones to pile up under churn); each block's key, parent key and token ids in flat
-  arrays, so a hit is confirmed by parent and tokens without any per-block object.
+  shift (no tombstones to pile up under churn); each block's key, its hash (the key's first 8 bytes,
+  which a probe compares before the key), parent key and token ids in flat arrays, so a hit is
+  confirmed by parent and tokens without any per-block object.
 * :class:`BlockLRU`: the unreferenced cached blocks, least recently released first, as a doubly
   linked list through two ``array`` s of block ids (O(1) push, pop-oldest and unlink).
 """
@@ -26,7 +27,7 @@ _NONE = -1
 
 class BlockIndex:
     """Key -> block map of the cached blocks of a ``num_blocks`` x ``block_size`` pool, with each
-    cached block's key, parent key and token ids. Memory: ``8 * capacity + num_blocks * (33 + 8 *
+    cached block's key, parent key and token ids. Memory: ``4 * capacity + num_blocks * (41 + 8 *
     block_size)`` bytes, all allocated here (capacity: the power of two >= ``2 * num_blocks``).
 
     Keys are :data:`KEY_BYTES`-byte digests (uniform bits), so their first 8 bytes are the hash.
@@ -37,6 +38,7 @@ class BlockIndex:
         cap = 1 << max(1, (2 * num_blocks - 1).bit_length())
         self._mask = cap - 1
         self._slots = array("i", [_NONE]) * cap  # block whose key hashed here (or probed on), or -1
+        self._hashes = array("Q", bytes(8 * num_blocks))  # each cached block's hash: a probe compares ints first
         self._keys = bytearray(KEY_BYTES * num_blocks)
         self._parents = bytearray(KEY_BYTES * num_blocks)
         self._flags = bytearray(num_blocks)  # bit 0: cached; bit 1: has a parent
@@ -50,9 +52,6 @@ class BlockIndex:
         """Whether ``block`` is cached."""
         return bool(self._flags[block] & 1)
 
-    def _home(self, key: bytes | bytearray) -> int:
-        return int.from_bytes(key[:8], "little") & self._mask
-
     def key(self, block: int) -> bytes | None:
         """The key ``block`` is cached under, or None (a fresh ``bytes``: not kept by the index)."""
         if not self._flags[block] & 1:
@@ -61,10 +60,11 @@ class BlockIndex:
 
     def find(self, key: bytes) -> int | None:
         """The block cached under ``key``, or None."""
-        slots, keys, mask = self._slots, self._keys, self._mask
-        i = self._home(key)
+        slots, hashes, mask = self._slots, self._hashes, self._mask
+        h = int.from_bytes(key[:8], "little")
+        i = h & mask
         while (b := slots[i]) != _NONE:
-            if keys[b * KEY_BYTES : (b + 1) * KEY_BYTES] == key:
+            if hashes[b] == h and self._keys[b * KEY_BYTES : (b + 1) * KEY_BYTES] == key:
                 return b
             i = (i + 1) & mask
         return None
@@ -82,25 +82,37 @@ class BlockIndex:
 
     def add(self, block: int, key: bytes, parent: bytes | None, tokens: Seq[int]) -> None:
         """Cache ``block`` under ``key`` (not cached yet, and no other block under ``key``: the
-        caller checks with :meth:`find`)."""
+        caller checks with :meth:`find`, or calls :meth:`insert`)."""
+        if not self.insert(block, key, parent, tokens):
+            raise KeyError(f"a block is already cached under this key (adding block {block})")
+
+    def insert(self, block: int, key: bytes, parent: bytes | None, tokens: Seq[int]) -> bool:
+        """Cache ``block`` (not cached yet) under ``key`` unless a block is already cached under it
+        (then False, changing nothing): :meth:`find` and :meth:`add` in one probe (the key, if there,
+        is in the run of slots before the first empty one, where it is added)."""
+        slots, hashes, mask = self._slots, self._hashes, self._mask
+        h = int.from_bytes(key[:8], "little")
+        i = h & mask
+        while (b := slots[i]) != _NONE:
+            if hashes[b] == h and self._keys[b * KEY_BYTES : (b + 1) * KEY_BYTES] == key:
+                return False
+            i = (i + 1) & mask
+        slots[i] = block
+        hashes[block] = h
         o, bs = block * KEY_BYTES, self.block_size
         self._keys[o : o + KEY_BYTES] = key
         if parent is not None:
             self._parents[o : o + KEY_BYTES] = parent
-        self._flags[block] = 1 | (2 if parent is not None else 0)
+        self._flags[block] = 3 if parent is not None else 1
         self._tokens[block * bs : (block + 1) * bs] = array("q", tokens)
-        slots, mask = self._slots, self._mask
-        i = self._home(key)
-        while slots[i] != _NONE:
-            i = (i + 1) & mask
-        slots[i] = block
         self._len += 1
+        return True
 
     def remove(self, block: int) -> None:
         """Uncache ``block`` (cached). Backward-shift deletion: the entries after the emptied slot in
         its probe run move back when their home slot allows, so every key stays reachable."""
-        slots, keys, mask = self._slots, self._keys, self._mask
-        i = self._home(keys[block * KEY_BYTES : block * KEY_BYTES + 8])
+        slots, hashes, mask = self._slots, self._hashes, self._mask
+        i = hashes[block] & mask
         while slots[i] != block:
             i = (i + 1) & mask
         j = i
@@ -109,7 +121,7 @@ class BlockIndex:
             b = slots[j]
             if b == _NONE:
                 break
-            h = self._home(keys[b * KEY_BYTES : b * KEY_BYTES + 8])
+            h = hashes[b] & mask
             if (j - h) & mask >= (j - i) & mask:  # b's home is at or before the hole: move it back
                 slots[i] = b
                 i = j

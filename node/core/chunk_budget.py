@@ -47,11 +47,33 @@ prompts from 32 to 7,000 tokens on 4 simulated H200s at 127 req/s: SLO attainmen
 
 **Gathering.** A mixed step that carries fewer than ``c*`` tokens pays the whole eager penalty ``e`` for
 them. Like a role-switch pause, the penalty's share of device time is bounded by ``max_pause_share``
-``s``: a device holds a partial queue in DECODE until it fills ``c*`` or its oldest prompt has waited
-``G = e (1 - s) / s`` — so mixed steps are at least ``G`` apart and ``e / (G + e) <= s``. ``G = 0``
+``s``: a device holds a partial queue in DECODE until it fills ``c*``, or its oldest prompt has waited
+``G = e (1 - s) / s``, or ``G`` has passed since the device last ran MIXED — so mixed steps are at least
+``G`` apart and ``e / (G + e) <= s``, and a lone prompt after a quiet spell is not held for nothing
+(one CPU device, stories260k, 32-token prompts at 10 req/s: the node's refitted cost model gave ``G``
+near 100 ms, and a prompt arriving in DECODE waited a median 106 ms to be mixed, saving no mixed step). ``G = 0``
 where mixed steps cost no more than decode (one configuration, no graphs: the CPU node), so prompts
 there are never held. (1B 128-token prompts on 4 simulated H200s at 1,200 req/s: ``e`` ~ 4 ms, ``G``
 ~ 17 ms; SLO attainment 0.58 mixing every step, 1.00 gathering.)
+
+**Spacing** (where no chunk fits ``T`` but decode alone does: ``M(1) > T > d``, e.g. the 70B's eager
+floor, ~36 ms, against a TPOT SLO of 20 ms). The SLO bounds each request's *mean* token gap, not every
+gap: a mixed step of ``m > T`` followed by decode steps of ``d < T`` keeps the mean at ``T`` when
+``m - T`` is won back, ``(m - T) / (T - d)`` decode steps later. So the device runs a mixed step of
+the efficient chunk ``c*`` over ``[1, c_W]`` (``c_W``: the largest with ``M(c) <= Wmax``, the window
+bound), then decodes at least ``S = (m - T) d / (T - d)`` seconds before the next (:func:`spacing_s`; where
+``S > Wmax``, decode barely meets ``T`` and there is nothing to win back with: ``c = 0`` as before),
+and only while every resident would still meet its own mean with its remaining tokens at ``d`` (a
+step ends by ``f + (N - 1) τ - (N - n - 1) d``; ``τ`` the TPOT SLO, ``f`` its first token, ``n`` out,
+``N`` expected: a
+short-output request cannot win a long step back; Azure code trace, 70B at degree 4, TPOT 20 ms,
+0.54 req/s: SLO attainment 0.68 with the device's spacing alone, p90 TPOT 32 ms; 0.91 with this),
+instead of stopping every resident for a prefill window of the same tokens in the same configuration
+(a window at ``P = D`` costs about ``M(c) - d`` too, and gives the residents no token). Chunked
+prefill tuned this way wins where the SLO's mean allows (70B, conversation trace, 8 simulated
+H200s at degree 8, TPOT 20 ms: colocated at 4,096 tokens holds a p90 TPOT of 19.5 ms with 171 ms
+mixed steps, where the windows the adaptive policy opened instead, ``c = 0``, gave 0.60 SLO
+attainment at 8.3 req/s).
 
 **Chunks or a window.** Serving ``Q`` queued prompt tokens as chunks of ``c`` costs the device, on top
 of the decode steps it runs anyway, ``E_chunks = floor(Q/c) (M(c) - d) + (M(Q mod c) - d)``; as a prefill
@@ -67,8 +89,8 @@ import math
 
 from node.core.cost import tokens_within
 
-__all__ = ["step_limit_s", "chunk_budget", "efficient_chunk", "keep_up_chunk", "gather_s", "chunks_s", "chunks_extra_s",
-           "window_extra_s"]
+__all__ = ["step_limit_s", "chunk_budget", "efficient_chunk", "keep_up_chunk", "gather_s", "spacing_s", "chunks_s",
+           "chunks_extra_s", "window_extra_s"]
 
 GRID_RATIO = 2 ** 0.25  # the efficient chunk's search grid: chunks 19 % apart
 
@@ -146,6 +168,19 @@ def gather_s(penalty_s: float, share: float) -> float:
     if not 0 < share <= 1:
         raise ValueError("share must be in (0, 1]")
     return max(0.0, penalty_s) * (1 - share) / share
+
+
+def spacing_s(step_s: float, decode_s: float, T: float) -> float:
+    """``S = (m - T) d / (T - d)``: seconds of decode steps (of ``d = decode_s``) that win back a mixed
+    step of ``m = step_s`` longer than the per-token target ``T`` (s), so the mean gap stays <= ``T``
+    (0 when ``m <= T``).
+
+    Raises:
+        ValueError: ``decode_s >= T`` (decode alone misses ``T``: nothing can be won back).
+    """
+    if decode_s >= T:
+        raise ValueError("decode_s must be below T")
+    return max(0.0, step_s - T) * decode_s / (T - decode_s)
 
 
 def chunks_s(mixed_step_s, tokens: int, chunk: int) -> float:

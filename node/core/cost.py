@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["CostModel", "fit_cost_model", "least_squares", "tokens_within"]
+__all__ = ["CostModel", "fit_cost_model", "least_squares", "nonneg_least_squares", "tokens_within"]
 
 
 class CostModel(msgspec.Struct, frozen=True, kw_only=True):
@@ -147,6 +147,7 @@ def fit_cost_model(
     *,
     quadratic: bool = False,
     base: CostModel | None = None,
+    nonneg: bool = False,
 ) -> CostModel:
     """Calibrate a :class:`CostModel` from measured steps.
 
@@ -156,18 +157,54 @@ def fit_cost_model(
         pause_samples_s: measured role-switch pauses (s); their mean becomes ``pause_s``.
         quadratic: also fit the ``tokens**2`` prefill term.
         base: coefficients kept for any part without samples.
+        nonneg: keep every fitted coefficient >= 0 (:func:`nonneg_least_squares`). The node's online
+            refit needs it: its decode samples have context growing with batch (nearly collinear
+            columns), and on a loaded CPU plain least squares returned, e.g., +3.4 ms per sequence and
+            -48 us per context token, a decode step of -73 ms at 20 sequences, which the adaptive
+            policy read as a 73 ms mixed-step penalty (and so gathered prompts for ~300 ms).
     """
+    solve = nonneg_least_squares if nonneg else least_squares
     out = base or CostModel()
     fields: dict[str, float] = {}
     if prefill_samples:
         rows = [[1.0, float(n)] + ([float(n) * n] if quadratic else []) for n, _ in prefill_samples]
-        coef = least_squares(rows, [s for _, s in prefill_samples])
+        coef = solve(rows, [s for _, s in prefill_samples])
         fields.update(prefill_fixed_s=coef[0], prefill_per_token_s=coef[1],
                       prefill_per_token2_s=coef[2] if quadratic else 0.0)
     if decode_samples:
         rows = [[1.0, float(b), float(k)] for b, k, _ in decode_samples]
-        coef = least_squares(rows, [s for _, _, s in decode_samples])
+        coef = solve(rows, [s for _, _, s in decode_samples])
         fields.update(decode_fixed_s=coef[0], decode_per_seq_s=coef[1], decode_per_context_token_s=coef[2])
     if pause_samples_s:
         fields["pause_s"] = sum(pause_samples_s) / len(pause_samples_s)
     return msgspec.structs.replace(out, **fields)
+
+
+def nonneg_least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """Least squares with every coefficient >= 0: ``argmin_{x >= 0} |A x - y|^2`` (pure Python).
+
+    Exact for the few columns of a cost model: the constrained optimum is the unconstrained least-squares
+    fit on its own support, so every subset of columns is fitted (:func:`least_squares`) and the
+    feasible fit of least squared residual is kept (all zeros when none is feasible).
+
+    Raises:
+        ValueError: no samples, or more than 6 columns (2**n subsets).
+    """
+    if not rows:
+        raise ValueError("no samples")
+    n = len(rows[0])
+    if n > 6:
+        raise ValueError("nonneg_least_squares enumerates column subsets: at most 6 columns")
+    best, best_sse = [0.0] * n, sum(y * y for y in ys)
+    for mask in range(1, 1 << n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        coef = least_squares([[r[j] for j in cols] for r in rows], ys)
+        if min(coef) < 0:
+            continue
+        x = [0.0] * n
+        for j, c in zip(cols, coef):
+            x[j] = c
+        sse = sum((sum(a * b for a, b in zip(r, x)) - y) ** 2 for r, y in zip(rows, ys))
+        if sse < best_sse:
+            best, best_sse = x, sse
+    return best

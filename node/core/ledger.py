@@ -57,7 +57,7 @@ def block_key(parent: bytes | None, tokens: Seq[int]) -> bytes:
     """Cache key of a full block: BLAKE2b (16-byte digest) over the parent block's key (none for the
     first block) and the block's token ids as signed 64-bit integers."""
     h = hashlib.blake2b(parent or b"", digest_size=16)
-    h.update(array("q", tokens).tobytes())
+    h.update(array("q", tokens))
     return h.digest()
 
 
@@ -248,9 +248,8 @@ class BlockLedger:
             raise LedgerError(f"block {block} registered but not allocated")
         if len(tokens) != self.block_size:
             raise LedgerError(f"block {block} registered with {len(tokens)} tokens, not {self.block_size}")
-        if not self.prefix_caching or self.is_cached(block) or self._index.find(key) is not None:
+        if not self.prefix_caching or block in self._index or not self._index.insert(block, key, parent, tokens):
             return False
-        self._index.add(block, key, parent, tokens)
         if pending:
             self._writers[block] += 1
         return True

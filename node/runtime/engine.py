@@ -247,9 +247,9 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
             self.batcher.discard(plan)  # never sent: nothing will write the blocks it registered (node.core.ledger)
             raise
         pending = []  # (sequence, placeholder index, item position): read back by _complete
-        for pos, item in enumerate(msg.items):
+        for pos, (it, item) in enumerate(zip(plan.items, msg.items)):
             if item.sample:
-                seq = plan.items[pos].seq
+                seq = it.seq
                 toks = seq.token_ids
                 pending.append((seq, len(toks), pos))
                 toks.append(PENDING)
@@ -354,7 +354,9 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
                           error=f"{type(e).__name__}: {e}", exc_info=e)
 
     def _postprocess(self, rec: _InFlight, outs: list[SeqOutput]) -> None:
-        """Emit the step's tokens: ``outs`` are the engine's outputs, one per item in item order."""
+        """Emit the step's tokens (``outs``: the engine's, in item order). A plain token (not a choice's
+        first, no logprobs, ends nothing: short of ``max_len``, not in ``TokenOutputState.enders``) of a
+        stream with a columnar path (``RequestState.plain``: API front ends) goes there as ``(index, id)``."""
         now = self.clock()
         by_seq = self._by_seq
         for it, item, out in zip(rec.plan.items, rec.msg.items, outs):
@@ -362,6 +364,15 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
             if entry is None:  # the sequence left the device (aborted, finished) while the step ran
                 continue
             try:
+                (req, i), tok = entry, out.token_id
+                if (req.plain is not None and tok is not None and out.logprobs is None and not out.prompt_logprobs
+                        and req.started[i]):
+                    seq, position, o = it.seq, item.start + it.num_tokens, req.outputs[i]
+                    if (position != seq.prompt_len and position + 1 < seq.max_len and o.finish_reason is None
+                            and tok not in o.enders and seq.first_token_s is not None):
+                        seq.last_token_s = now
+                        req.plain(i + req.index0, tok)
+                        continue
                 self._postprocess_one(it, item.start, out, entry, now)
             except Exception as e:  # noqa: BLE001 - one sequence's failure (detokenizer, stop logic) is its own
                 self._contain("postprocess", e, StepPlan(rec.plan.kind, [it]))

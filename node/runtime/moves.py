@@ -182,7 +182,7 @@ class KVMoves:
         """Begin every queued overlapped move whose sequence is in no step in flight, and hand it to
         the copier task (the others wait: the blocking ones for a step boundary, the overlapped ones for
         their sequence's last step to end)."""
-        if not any(m.overlap for m in self._migrations):
+        if not self._migrations or not any(m.overlap for m in self._migrations):
             return
         busy = {it.seq.seq_id for r in self._inflight for it in r.plan.items}
         keep = []

@@ -56,7 +56,11 @@ class RequestState:
         # Logprobs of prompt tokens 1..L-1 (token 0 has none), filled as prefill chunks run.
         self.prompt_logprobs: list[TokenLogprobs | None] = [None] * max(len(prompt_ids) - 1, 0)
         self.finished = [False] * n
-        self._started = [False] * n  # a delta of the choice was emitted
+        self.started = [False] * n  # a delta of the choice was emitted
+        # The stream's columnar path for a plain token (no text, logprobs or end, not a choice's first):
+        # ``plain(stream index, token id)`` (:class:`~node.api.frontend_link._Sink`); None: every token
+        # is a delta through :meth:`emit`.
+        self.plain = None if detokenize else getattr(self.stream, "plain", None)
         self.cancelled = False  # the client is gone: no device may adopt this request's sequences
         # Consumer side, per choice: the end reason once its last delta was taken, first and last
         # token times (s, monotonic) and tokens taken (the node's TTFT/ITL/TPOT metrics).
@@ -77,8 +81,8 @@ class RequestState:
         i = delta.index
         if delta.finish_reason is not None or delta.error is not None:
             self.finished[i] = True
-        if not self._started[i]:
-            self._started[i] = True
+        if not self.started[i]:
+            self.started[i] = True
             if self.params.prompt_logprobs is not None:
                 delta.prompt_logprobs = list(self.prompt_logprobs)
         delta.index = i + self.index0

@@ -285,7 +285,7 @@ class RoleDriver(Driver):
             return
         prefill = list(self._prefill) if len({n for n, _ in self._prefill}) >= 3 else []
         decode = list(self._decode) if len({(b, k) for b, k, _ in self._decode}) >= 4 else []
-        fitted = fit_cost_model(prefill, decode, list(self._pauses), base=base)
+        fitted = fit_cost_model(prefill, decode, list(self._pauses), base=base, nonneg=True)  # no negative step costs
         # A noisy fit must not produce negative per-token costs: fall back to the mean cost per token.
         if fitted.prefill_per_token_s <= 0 and prefill:
             fitted = msgspec.structs.replace(fitted, prefill_fixed_s=0.0, prefill_per_token_s=sum(

@@ -68,17 +68,16 @@ class StepEncoder:
         for it in plan.items:
             s = it.seq
             sid = s.seq_id
-            p = s.params
             toks = s.token_ids
             start = s.num_computed
             n = it.num_tokens
             sample = start + n == len(toks)  # it.samples
-            top = p.prompt_logprobs if (p.prompt_logprobs is not None and start < s.prompt_len
-                                        and len(toks) == s.prompt_len) else -1
-            items.append(StepItem(sid, start, n, sample, top))
+            # prompt logprobs: a prompt chunk of a sequence with no output yet (params not read for a decode)
+            top = s.params.prompt_logprobs if start < s.prompt_len == len(toks) else None
+            items.append(StepItem(sid, start, n, sample, -1 if top is None else top))
             sent = known.get(sid)
             if sent is None:
-                new.append(NewSeq(sid, list(toks), s.prompt_len, p, list(s.block_ids)))
+                new.append(NewSeq(sid, list(toks), s.prompt_len, s.params, list(s.block_ids)))
                 sent = known[sid] = _Sent(toks, s.block_ids)
             else:
                 if toks is not sent.tokens or len(toks) != sent.num_tokens:

@@ -60,11 +60,15 @@ class TokenOutputState:
         eos_token_ids: ids that end generation unless ``ignore_eos``.
     """
 
-    __slots__ = ("seq", "eos", "finish_reason")
+    __slots__ = ("seq", "eos", "enders", "finish_reason")
 
     def __init__(self, seq: Sequence, eos_token_ids: list[int]):
         self.seq = seq
         self.eos = frozenset(eos_token_ids)
+        # ids that may end the sequence by themselves (EOS unless ignore_eos, stop_token_ids): a token not
+        # in it, short of ``seq.max_len``, ends nothing (the control loop's test for a plain token)
+        p = seq.params
+        self.enders = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos)
         self.finish_reason: str | None = None
 
     def replay(self, output_ids: list[int]) -> None:

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import math
 
+import msgspec
+import pytest
+
 from node.core.adaptive import AdaptiveScheduler, ChunkBudget
-from node.core.chunk_budget import chunk_budget, chunks_extra_s, chunks_s, efficient_chunk, gather_s, step_limit_s
+from node.core.chunk_budget import (chunk_budget, chunks_extra_s, chunks_s, efficient_chunk, gather_s, spacing_s,
+                                    step_limit_s)
 from node.core.cost import CostModel
 from node.core.roles import DeviceState, NodeSnapshot, Place, ResidentSeq, Role, RoleSchedulerConfig, SwitchRole, WaitingPrompt
 
@@ -88,23 +92,88 @@ def test_chunk_budget_is_capped_by_max_num_batched_tokens():
 
 
 class EagerMixed(CostModel, frozen=True, kw_only=True):
-    """Decode steps replay graphs; a step with any prompt token runs eagerly, 10 ms more."""
+    """Decode steps replay graphs; a step with any prompt token runs eagerly, ``penalty_s`` (10 ms) more."""
+
+    penalty_s: float = 0.010
 
     def mixed_step_s(self, prompt_tokens: int, decode_seqs: int, context_tokens: int) -> float:
         base = CostModel.mixed_step_s(self, prompt_tokens, decode_seqs, context_tokens)
-        return base + (0.010 if prompt_tokens > 0 and decode_seqs > 0 else 0.0)
+        return base + (self.penalty_s if prompt_tokens > 0 and decode_seqs > 0 else 0.0)
 
 
-def test_no_headroom_when_one_prompt_token_stretches_the_step_past_the_target():
-    """A 40 ms decode step whose mixed form costs 10 ms more exceeds T = 45 ms with any chunk: DECODE
-    ("no_headroom"), the queue waits for a window."""
-    cost = EagerMixed(**{f: getattr(COST, f) for f in COST.__struct_fields__} | {"decode_fixed_s": 0.0394})
+def test_no_headroom_when_even_the_window_bound_holds_no_mixed_step():
+    """A ~40 ms decode step whose mixed form costs 250 ms more, past the 200 ms window bound ``Wmax``
+    (and past T = 45 ms): no chunk fits, not even spaced, DECODE ("no_headroom"); the queue waits for a
+    window."""
+    cost = EagerMixed(**{f: getattr(COST, f) for f in COST.__struct_fields__} | {"decode_fixed_s": 0.0394}, penalty_s=0.25)
     pol = AdaptiveScheduler(CFG, cost)
     now = 1.0
     st = dev(Role.MIXED, on_pace(4, now, T), prefill_queue_tokens=500, prefill_queue_seqs=1, prefill_queue_oldest_s=now)
     assert pol.chunk_budget_of(st, now)[0] == 0
     out = pol.decide(now, NodeSnapshot((st,)))
     assert switches(out) == [("d0", Role.DECODE, "no_headroom")]
+    # a 10 ms penalty, but decode (44.6 ms) barely meets T: winning a mixed step back takes S > Wmax
+    cost = EagerMixed(**{f: getattr(COST, f) for f in COST.__struct_fields__} | {"decode_fixed_s": 0.0440})
+    d = cost.decode_step_s(4, 2000)
+    assert d < T and spacing_s(cost.mixed_step_s(1, 4, 2000), d, T) > CFG.max_window_ms / 1e3
+    assert switches(AdaptiveScheduler(CFG, cost).decide(now, NodeSnapshot((st,)))) == [("d0", Role.DECODE, "no_headroom")]
+
+
+def test_spaced_mixed_steps_where_no_chunk_fits_t_but_decode_does():
+    """A ~36 ms decode step whose mixed form costs 10 ms more: no chunk fits T = 45 ms, but the TPOT SLO
+    bounds the mean gap, so the device runs a mixed step of m > T and then decodes for
+    S = (m - T) d / (T - d) before the next ("spacing"): the cycle's mean gap is T (before: c = 0, and the
+    queue waited for a window that stops every resident)."""
+    cost = EagerMixed(**{f: getattr(COST, f) for f in COST.__struct_fields__} | {"decode_fixed_s": 0.0355})
+    pol = AdaptiveScheduler(CFG, cost)
+    now = 1.0
+    res = on_pace(4, now, T)
+    k = sum(r.context_tokens for r in res)
+    d = cost.decode_step_s(4, k)
+    assert d < T < cost.mixed_step_s(1, 4, k)  # decode meets T, no chunk does
+
+    def st(at, role, busy=0.0):
+        return dev(role, res, prefill_queue_tokens=1000, prefill_queue_seqs=2, prefill_queue_oldest_s=now - 1.0,
+                   busy_until_s=busy)
+
+    out = pol.decide(now, NodeSnapshot((st(now, Role.DECODE),)))
+    assert switches(out) == [("d0", Role.MIXED, "chunks_fit")]
+    c = next(x for x in out if isinstance(x, ChunkBudget)).tokens
+    assert c >= 1000 and cost.mixed_step_s(c, 4, k) <= CFG.max_window_ms / 1e3  # the whole queue, within Wmax
+    m = cost.mixed_step_s(1000, 4, k)
+    assert m > T
+    S = spacing_s(m, d, T)
+    assert math.isclose((m + S) / (1 + S / d), T)  # one mixed step and S / d decode steps: mean gap T
+    # the step has begun: decode until the spacing has passed
+    out = pol.decide(now + 0.001, NodeSnapshot((st(now + 0.001, Role.MIXED, busy=now + m),)))
+    assert switches(out) == [("d0", Role.DECODE, "spacing")] and not any(isinstance(x, ChunkBudget) for x in out)
+    t = now + m + S - 0.002
+    assert pol.decide(t, NodeSnapshot((st(t, Role.DECODE, busy=t - 0.001),))) == []
+    t = now + m + S + 0.001
+    assert switches(pol.decide(t, NodeSnapshot((st(t, Role.DECODE, busy=t - 0.001),)))) == [("d0", Role.MIXED, "chunks_fit")]
+    with pytest.raises(ValueError):
+        spacing_s(m, T, T)
+
+
+def test_a_spaced_step_waits_until_every_resident_can_win_it_back():
+    """As above, but one resident expects 2 tokens and has 1: its one gap could not absorb a step of
+    m > τ (the TPOT SLO) now, so the device decodes ("spacing") until it has gone."""
+    cost = EagerMixed(**{f: getattr(COST, f) for f in COST.__struct_fields__} | {"decode_fixed_s": 0.0355})
+    pol = AdaptiveScheduler(CFG, cost)
+    now = 1.0
+    short = ResidentSeq("short", now - 0.010, 1, 500, 2)
+    res = on_pace(3, now, T) + (short,)
+    k = sum(r.context_tokens for r in res)
+    d, m = cost.decode_step_s(4, k), cost.mixed_step_s(1, 4, k)
+    assert short.first_token_s + CFG.tpot_slo_ms / 1e3 < now + m  # f + (N - 1) τ < the step's end + (N - n - 1) d
+    st = dev(Role.DECODE, res, prefill_queue_tokens=1000, prefill_queue_seqs=2, prefill_queue_oldest_s=now - 1.0)
+    out = pol.decide(now, NodeSnapshot((st,)))
+    assert switches(out) == [] and not any(isinstance(x, ChunkBudget) for x in out)  # stays in DECODE
+    out = pol.decide(now, NodeSnapshot((msgspec.structs.replace(st, role=Role.MIXED),)))
+    assert switches(out) == [("d0", Role.DECODE, "spacing")]
+    # without it the step goes ahead
+    st = msgspec.structs.replace(st, resident=res[:3])
+    assert switches(pol.decide(now, NodeSnapshot((st,)))) == [("d0", Role.MIXED, "chunks_fit")]
 
 
 def test_window_when_a_burst_is_cheaper_as_a_window():
@@ -237,6 +306,49 @@ def test_a_partial_queue_gathers_until_full_or_g_old():
     # one configuration, no eager penalty beyond a token's cost: G ~ 0, a prompt is never held
     assert AdaptiveScheduler(CFG, COST).decide(now, NodeSnapshot((queued(128, 0.001, Role.DECODE),)))[0] == \
         SwitchRole("d0", Role.MIXED, "chunks_fit")
+
+
+def test_gathering_counts_from_the_last_mixed_phase_not_only_the_arrival():
+    """Mixed steps need only be G apart: a lone prompt on a device that has not mixed for G is mixed at
+    once (holding it would save no mixed step); one that arrives 10 ms after a mixed phase gathers until
+    G after that phase (here 30 ms after its arrival), not G after its own arrival."""
+    pol = AdaptiveScheduler(CFG, KNEE)
+    res = on_pace(4, 1.0, T)
+    G = gather_s(KNEE.mixed_step_s(1, 4, 2000) - KNEE.decode_step_s(4, 2000), CFG.max_pause_share)
+
+    def queued(now, age, role=Role.DECODE):
+        return dev(role, res, prefill_queue_tokens=128, prefill_queue_seqs=1, prefill_queue_oldest_s=now - age)
+
+    # never mixed: the prompt 1 ms old is mixed now
+    assert switches(pol.decide(1.0, NodeSnapshot((queued(1.0, 0.001),)))) == [("d0", Role.MIXED, "chunks_fit")]
+    # a fresh policy that saw the device MIXED at t = 2.0 (its queue drained), then a prompt at 2.010
+    pol = AdaptiveScheduler(CFG, KNEE)
+    assert switches(pol.decide(2.0, NodeSnapshot((dev(Role.MIXED, res),)))) == [("d0", Role.DECODE, "nothing_waits")]
+    assert pol.decide(2.020, NodeSnapshot((queued(2.020, 0.010),))) == []  # 20 ms after the phase: gathers
+    assert pol.decide(2.0 + G - 0.001, NodeSnapshot((queued(2.0 + G - 0.001, G - 0.011),))) == []
+    t = 2.0 + G + 1e-6  # G after the phase (the prompt is younger than G)
+    out = pol.decide(t, NodeSnapshot((queued(t, G - 0.010),)))
+    assert switches(out) == [("d0", Role.MIXED, "chunks_fit")]
+
+
+def test_a_refitted_model_with_no_negative_cost_does_not_hold_a_lone_prompt():
+    """The node's online refit (decode samples whose context grows with the batch, a loaded CPU): plain
+    least squares gives a negative per-context cost and so a decode step below zero, which the policy
+    reads as a large mixed-step penalty and gathers a prompt that arrives 10 ms after a mixed phase (by
+    staying in DECODE); the non-negative fit the node now uses leaves a token's cost as the penalty
+    (``G`` ~ 0.2 ms), and the prompt is mixed at once."""
+    from test_cost import _collinear_decode_samples
+
+    from node.core.cost import fit_cost_model
+
+    true, dec = _collinear_decode_samples()
+    now = 1.0
+    res = tuple(ResidentSeq(f"s{i}", now + 0.02, 10, 150, 200) for i in range(20))
+    queued = dev(Role.DECODE, res, prefill_queue_tokens=32, prefill_queue_seqs=1, prefill_queue_oldest_s=now - 0.002)
+    for nonneg, want in ((False, []), (True, [("d0", Role.MIXED, "chunks_fit")])):
+        pol = AdaptiveScheduler(CFG, fit_cost_model([], dec, base=true, nonneg=nonneg))
+        pol.decide(now - 0.010, NodeSnapshot((dev(Role.MIXED, res),)))  # it mixed 10 ms ago, then its queue drained
+        assert switches(pol.decide(now, NodeSnapshot((queued,)))) == want  # OLS: held in DECODE, gathering
 
 
 def test_a_prompt_that_waited_for_a_slot_is_placed_behind_a_short_queue():

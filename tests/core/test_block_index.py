@@ -45,3 +45,16 @@ def test_lru_pops_in_release_order_and_unlinks_anywhere():
     assert 7 not in lru and 2 in lru and len(lru) == 3
     lru.push(7)
     assert [lru.pop_oldest() for _ in range(4)] == [5, 2, 0, 7] and len(lru) == 0
+
+
+def test_insert_refuses_a_key_already_cached_in_one_probe():
+    """``insert`` is find-then-add in one probe: a key already cached (even behind colliding ones, and
+    after a removal shifted the run back) is refused and nothing changes; a new one is added."""
+    idx = BlockIndex(8, 2)
+    keys = [key(5, t) for t in range(4)]  # one home: a probe run of four
+    for b, k in enumerate(keys):
+        assert idx.insert(b, k, None, [b, b])
+    idx.remove(1)  # backward shift: keys[2], keys[3] move up the run
+    assert not idx.insert(6, keys[3], None, [9, 9]) and 6 not in idx and len(idx) == 3
+    assert idx.find(keys[3]) == 3 and idx.confirms(3, None, [3, 3])
+    assert idx.insert(6, keys[1], key(1, 0), [9, 9]) and idx.find(keys[1]) == 6 and idx.check()

@@ -42,3 +42,48 @@ def test_least_squares_overdetermined():
     ys = [1.1, 2.9, 5.1, 6.9]
     a, b = least_squares([[1.0, x] for x in xs], ys)
     assert a == pytest.approx(1.06) and b == pytest.approx(1.96)
+
+
+def _collinear_decode_samples(seed: int = 5) -> tuple[CostModel, list[tuple[int, int, float]]]:
+    """Decode steps as a loaded CPU node measures them: context grows with the batch (32-token prompts,
+    ~96 tokens cached a sequence), and each step is late by an exponential delay of mean 4 ms."""
+    import random
+
+    rng = random.Random(seed)
+    true = CostModel(prefill_fixed_s=0.003, prefill_per_token_s=5e-5, decode_fixed_s=0.003, decode_per_seq_s=5e-5,
+                     decode_per_context_token_s=4e-6)
+    samples = []
+    for _ in range(60):
+        b = rng.randint(2, 12)
+        k = b * 96 + rng.randint(-2, 2)
+        samples.append((b, k, true.decode_step_s(b, k) + rng.expovariate(1 / 0.004)))
+    return true, samples
+
+
+def test_nonneg_fit_keeps_step_costs_physical():
+    true, dec = _collinear_decode_samples()
+    ols = fit_cost_model([], dec, base=true)
+    assert ols.decode_per_context_token_s < 0 and ols.decode_step_s(20, 3000) < 0  # what the online refit used to get
+    fit = fit_cost_model([], dec, base=true, nonneg=True)
+    assert min(fit.decode_fixed_s, fit.decode_per_seq_s, fit.decode_per_context_token_s) >= 0
+    assert 0.005 < fit.decode_step_s(20, 3000) < 0.05
+    # noise-free samples of a non-negative model: the same coefficients as plain least squares
+    exact = [(b, k, true.decode_step_s(b, k)) for b, k in ((1, 100), (8, 4000), (32, 9000), (64, 70000))]
+    got = fit_cost_model([(n, true.prefill_step_s(n)) for n in (16, 128, 512)], exact, nonneg=True)
+    for f in ("prefill_fixed_s", "prefill_per_token_s", "decode_fixed_s", "decode_per_seq_s", "decode_per_context_token_s"):
+        assert getattr(got, f) == pytest.approx(getattr(true, f), rel=1e-6)
+
+
+def test_nonneg_least_squares_is_the_constrained_optimum():
+    from node.core.cost import nonneg_least_squares
+
+    # y = 1 + 2x - 0.5z on points where dropping z is best: the optimum puts z at 0 and refits the rest
+    rows = [[1.0, x, z] for x, z in ((0, 0), (1, 1), (2, 0), (3, 2), (4, 1))]
+    ys = [1 + 2 * r[1] - 0.5 * r[2] for r in rows]
+    x = nonneg_least_squares(rows, ys)
+    assert min(x) >= 0 and x[2] == 0.0
+    sse = lambda v: sum((sum(a * b for a, b in zip(r, v)) - y) ** 2 for r, y in zip(rows, ys))  # noqa: E731
+    for trial in ([x[0] + 0.01, x[1], 0.0], [x[0], x[1] - 0.01, 0.0], [x[0], x[1], 0.01]):
+        assert sse(x) <= sse(trial)
+    with pytest.raises(ValueError):
+        nonneg_least_squares([], [])

@@ -82,6 +82,7 @@ class _Shell:
         self.finished: list[Sequence] = []
         self.progress = False
         self.roles_seen: set[Role] = set()  # roles some step ran in
+        self.reasons: set[str] = set()  # switch reasons the policy gave
 
     # --- the policy's view ------------------------------------------------------------------------
     def snapshot(self) -> NodeSnapshot:
@@ -110,6 +111,7 @@ class _Shell:
             if isinstance(dec, ChunkBudget):
                 next(x for x in self.devs if x.id == dec.device_id).chunk = dec.tokens
             elif isinstance(dec, SwitchRole):
+                self.reasons.add(dec.reason)
                 d = next(x for x in self.devs if x.id == dec.device_id)
                 if d.role is Role.SWITCHING or d.role is dec.to_role:
                     continue
@@ -239,12 +241,16 @@ def test_adaptive_every_workload_finishes_with_progress_at_every_round(chunk):
 
 
 def test_adaptive_cases_use_every_role():
-    """The adaptive cases do exercise MIXED steps and PREFILL windows, not only one of them."""
-    kinds = set()
-    for seed in range(40):
+    """The adaptive cases do exercise MIXED steps and PREFILL windows, not only one of them, and the
+    holds of the decode configuration (gathering, spacing)."""
+    kinds, reasons = set(), set()
+    for seed in range(80):
         shell = run_case(seed, adaptive=True)
         kinds |= shell.roles_seen
+        reasons |= shell.reasons
     assert {Role.MIXED, Role.PREFILL, Role.DECODE} <= kinds
+    # spaced mixed steps (a 20 ms penalty against T = 4.5 or 45 ms; seed 57 switches for it)
+    assert {"chunks_fit", "gather", "spacing", "no_headroom"} <= reasons, reasons
 
 
 def test_preemption_under_kv_pressure_is_exercised():
