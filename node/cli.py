@@ -359,7 +359,7 @@ def run_serve(config: NodeConfig) -> int:
         from node.api.frontend_link import link_ctx
         from node.api.openai import NODE_KEY
 
-        app.cleanup_ctx.append(link_ctx(frontends.paths.link, frontends.procs, NODE_KEY))
+        app.cleanup_ctx.append(link_ctx(frontends.paths.link, frontends.procs, NODE_KEY, frontends.respawn))
         where = {"path": frontends.paths.http}
     try:
         serving.run(app, **where, loop=loop, shutdown_timeout=5,

@@ -158,6 +158,33 @@ def test_a_half_closed_client_gets_the_whole_answer(fe):
     assert fe.wait_idle()["live_requests"] == 0
 
 
+def test_a_killed_front_end_is_reaped_reported_and_started_again(fe):
+    """kill -9 of one front end: it is reaped (no zombie), dropped from /v1/node's list, /health says the
+    node is degraded and why, and a new front end is started that serves beside the other."""
+    deadline = time.monotonic() + 30
+    while len(pids := fe.status()["api_processes"]) < 2:  # both listen (the node answers once one does)
+        assert time.monotonic() < deadline, pids
+        time.sleep(0.05)
+    os.kill(pids[0], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    seen = []
+    while time.monotonic() < deadline:
+        code, body = fe.health()
+        seen.append(body)
+        listed = fe.status()["api_processes"]
+        if body == {"status": "ok"} and len(listed) == 2 and pids[0] not in listed:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"no new front end within 30 s: {seen[-3:]}")
+    said = [r for b in seen for r in b.get("reasons", [])]
+    assert any(re.match(rf"API front end [01] down: pid {pids[0]} exited", r) for r in said), seen[:5]
+    assert not os.path.exists(f"/proc/{pids[0]}")  # reaped
+    for _ in range(4):  # both listeners answer (connections are spread over them)
+        r = fe.client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4}, headers={"Connection": "close"})
+        assert r.status_code == 200, r.text
+
+
 def test_an_engine_killed_mid_stream_is_restarted_then_left_down(fe):
     """Last: the node has no device afterwards. The first kill is survived (restart, the stream goes on,
     exact); the second ends the stream with an error event, and the node answers 503."""

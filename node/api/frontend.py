@@ -11,7 +11,8 @@ engines; it admits requests and sends each front end the tokens of its requests 
 process's own aiohttp application on a unix socket, so it answers exactly as with one process.
 
 A front end ends when its link to the control process closes (the node stopped or died): its open
-streams end with a 503 ``engine_down`` error event, and it exits. It ignores SIGINT (a terminal's
+streams end with a 503 ``engine_down`` error event, and it exits. A front end that dies while the node
+runs is reaped and started again (:func:`~node.api.frontend_link.link_ctx`, :meth:`Frontends.respawn`). It ignores SIGINT (a terminal's
 Ctrl-C reaches the whole process group; the control process's shutdown closes the links).
 """
 
@@ -162,9 +163,11 @@ class FrontendPaths:
 
 
 class Frontends:
-    """The forked front-end processes of a node; :meth:`stop` ends them."""
+    """The front-end processes of a node (forked at start; :meth:`respawn` starts one that exited
+    again); :meth:`stop` ends them."""
 
     def __init__(self, config: NodeConfig, count: int):
+        self.config = config
         folder = tempfile.mkdtemp(prefix="shiftnode-api-")
         self.paths = FrontendPaths(folder, os.path.join(folder, "link.sock"), os.path.join(folder, "http.sock"))
         ctx = multiprocessing.get_context("fork")
@@ -172,6 +175,19 @@ class Frontends:
                                   name=f"shiftnode-api-{i}", daemon=True) for i in range(count)]
         for p in self.procs:
             p.start()
+
+    def respawn(self, index: int) -> int:
+        """Start front end ``index`` again (its process exited; it was reaped). Returns the new pid.
+
+        Spawned, not forked: the control process now runs its event loop, threads and engine links,
+        which a forked child would inherit. The new process loads the tokenizer, connects to the link
+        socket and listens on the port with ``SO_REUSEPORT`` beside the others, as the first did."""
+        ctx = multiprocessing.get_context("spawn")
+        p = ctx.Process(target=frontend_main, args=(self.config, index, self.paths, os.getpid()),
+                        name=f"shiftnode-api-{index}", daemon=True)
+        p.start()
+        self.procs[index] = p
+        return p.pid
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Wait for the front ends to leave (their links are closed by now), then terminate what remains."""

@@ -169,6 +169,8 @@ class FrontendLink(FrameWriter, asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         """The front end is gone (exited, or the node is closing): its requests end, their KV is freed."""
         self.server.links.discard(self)
+        if self.pid in self.server.pids:  # GET /v1/node lists the front ends that serve
+            self.server.pids.remove(self.pid)
         if not self.server.closing:
             log.error("frontend_exited", pid=self.pid, requests=len(self.reqs), error=str(exc) if exc else None)
         reqs, self.reqs = self.reqs, {}
@@ -217,14 +219,42 @@ class LinkServer:
             os.unlink(self.path)
 
 
-def link_ctx(path: str, procs: list, node_key: web.AppKey):
+RESPAWN_BACKOFF_S = 1.0  # wait before restarting a front end that exited; doubles per restart within the window
+RESPAWN_BACKOFF_MAX_S = 30.0
+RESPAWN_WINDOW_S = 300.0  # restarts of one front end older than this no longer lengthen the wait
+WATCH_S = 0.5  # how often the front ends' processes are polled (which also reaps one that exited)
+
+
+def link_ctx(path: str, procs: list, node_key: web.AppKey, respawn=None):
     """An aiohttp ``cleanup_ctx`` entry (append it after the node's): open the link socket once the node
     runs, close it (ending the front ends) before the node closes. The server is kept at ``app[LINK_KEY]``.
 
-    ``procs`` (the front ends' ``multiprocessing.Process`` objects) are watched until all listen: one
-    that exits first (it could not load the tokenizer or bind the port) stops the node (SIGTERM to this
-    process), which would otherwise run without a listener. One that exits later is logged (see
-    :meth:`FrontendLink.connection_lost`); the others go on serving the port."""
+    ``procs`` (the front ends' ``multiprocessing.Process`` objects, by index) are watched: one that
+    exits before all listen (it could not load the tokenizer or bind the port) stops the node (SIGTERM
+    to this process), which would otherwise run without a listener. One that exits later (killed,
+    crashed) is reaped, its requests end (:meth:`FrontendLink.connection_lost`) and it is started again
+    by ``respawn(index)`` after a backoff (:data:`RESPAWN_BACKOFF_S` doubling per restart within
+    :data:`RESPAWN_WINDOW_S`, at most :data:`RESPAWN_BACKOFF_MAX_S`); meanwhile the others serve the
+    port and ``/health`` says the node is degraded (``node.api_down``)."""
+    restarts: dict[int, list[float]] = {}
+
+    async def revive(node, i: int, p) -> None:
+        loop = asyncio.get_running_loop()
+        recent = restarts.setdefault(i, [])
+        recent[:] = [t for t in recent if t > loop.time() - RESPAWN_WINDOW_S]
+        delay = min(RESPAWN_BACKOFF_MAX_S, RESPAWN_BACKOFF_S * 2 ** len(recent))
+        what = f"pid {p.pid} exited (exit code {p.exitcode})"
+        log.error("api_process_exited", index=i, pid=p.pid, exitcode=p.exitcode, restart_in_s=delay)
+        node.api_down[i] = f"{what}; restarting in {delay:g} s"
+        await asyncio.sleep(delay)
+        recent.append(loop.time())
+        pid = await loop.run_in_executor(None, respawn, i)
+        node.api_down[i] = f"{what}; restarting now (pid {pid})"
+        while pid not in node.api_pids and procs[i].exitcode is None:  # until it listens, or dies again
+            await asyncio.sleep(0.05)
+        if pid in node.api_pids:
+            del node.api_down[i]
+            log.warning("api_process_restarted", index=i, pid=pid)
 
     async def watch(server: LinkServer) -> None:
         while not server.all_ready.is_set():
@@ -235,6 +265,20 @@ def link_ctx(path: str, procs: list, node_key: web.AppKey):
                 return
             with suppress(TimeoutError):
                 await asyncio.wait_for(server.all_ready.wait(), 0.5)
+        node = server.node
+        reviving: dict[int, asyncio.Task] = {}
+        try:
+            while True:
+                await asyncio.sleep(WATCH_S)
+                for i, p in enumerate(procs):
+                    task = reviving.get(i)
+                    if task is not None and not task.done():
+                        continue
+                    if p.exitcode is not None and respawn is not None and not server.closing:
+                        reviving[i] = asyncio.create_task(revive(node, i, p), name=f"api-respawn-{i}")
+        finally:
+            for task in reviving.values():
+                task.cancel()
 
     async def ctx(app: web.Application):
         server = LinkServer(app[node_key], path, len(procs))

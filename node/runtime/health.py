@@ -65,6 +65,7 @@ def node_health(node: StateSource, now: float | None = None) -> Health:
             reasons.append(f"engine {e.device_id} stalled: a step has run for {now - started:.0f} s")
     if len(down) == len(node.engines):
         fatal.append("every engine is down or stalled")
+    reasons += [f"API front end {i} down: {why}" for i, why in sorted(getattr(node, "api_down", {}).items())]
     if node.draining:
         reasons.append("draining: the node takes no new requests")
     ready = 0

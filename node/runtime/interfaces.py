@@ -142,6 +142,7 @@ class StateSource(EngineSet, Protocol):
     receiver: Inbound | None
     driver: Any  # the placement driver, or None (colocated); read by attribute where present
     draining: bool
+    api_down: dict[int, str]  # --api-processes > 1: front ends that exited, by index (node.api.frontend_link)
     live: dict[str, RequestState]
     supervisor: Any  # node.runtime.engine_supervisor.EngineSupervisor (restarts); read with getattr
 
@@ -171,6 +172,7 @@ class ApiNode(Protocol):
     peers: Any  # node.runtime.peer_links.PeerLinks or None: add() / remove()
     started_wall_s: float
     api_pids: list[int]  # --api-processes > 1: the front ends' pids (GET /v1/node)
+    api_down: dict[int, str]  # --api-processes > 1: front ends that exited and are being restarted
 
     def new_request_id(self, prefix: str) -> str:
         """A fresh request id (``cmpl-…``, ``chatcmpl-…``)."""

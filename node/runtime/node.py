@@ -73,6 +73,7 @@ class Node:
         self.live: dict[str, RequestState] = {}  # request id → state, from admission until its last delta
         self.timed_out = 0  # requests ended by --request-timeout-s
         self.api_pids: list[int] = []  # --api-processes > 1: the front ends' pids, as they become ready
+        self.api_down: dict[int, str] = {}  # --api-processes > 1: front ends that exited, by index → what next
         self.peers: PeerLinks | None = None
         self.receiver: KVReceiver | None = None
         self.membership: Membership | None = None  # --etcd
