@@ -47,3 +47,22 @@ def test_a_groups_refit_fits_the_longest_instance_and_keeps_the_group():
     assert cost.prefill.prefill_per_token_s == pytest.approx(1e-5) and cost.prefill is cost.decode
     assert driver.imbalance.cost is cost
     assert driver.measured_pause_s == pytest.approx(0.02)
+
+
+def test_one_configuration_refits_prompt_costs_on_the_decode_fixed_cost():
+    """A node whose prompt and decode steps are one forward configuration (same degree, no decode graphs:
+    the CPU node) refits its prompt costs on the decode fixed cost: prompt-chunk shares 3 ms above it by
+    noise give no mixed-step penalty (the adaptive policy would hold prompts for it)."""
+    config = NodeConfig(mode="adaptive", devices=DEVICES[:1])
+    roles = config.role_configs()
+    assert not roles["decode"].cuda_graphs and roles["prefill"].tp_degree == roles["decode"].tp_degree
+    node = SimpleNamespace(config=SimpleNamespace(imbalance_threshold=0.0, link_gbps=0.0), engines=[])
+    for one, penalty in ((False, 0.003), (True, 0.0)):
+        driver = RoleDriver(node, role_scheduler(config), lambda: 0.0, one_configuration=one)
+        for s, k in ((1, 40), (4, 300), (16, 900), (32, 2500), (8, 100)):
+            driver._decode.append((s, k, 0.002 + 5e-5 * s + 1e-6 * k))
+        for n in (32, 64, 96, 128):
+            driver._prefill.append((n, 0.005 + 2e-5 * n))
+        driver.refit()
+        cost = driver.scheduler.cost
+        assert cost.prefill_fixed_s - cost.decode_fixed_s == pytest.approx(penalty, abs=1e-6)

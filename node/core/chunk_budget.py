@@ -51,9 +51,10 @@ them. Like a role-switch pause, the penalty's share of device time is bounded by
 ``G = e (1 - s) / s``, or ``G`` has passed since the device last ran MIXED — so mixed steps are at least
 ``G`` apart and ``e / (G + e) <= s``, and a lone prompt after a quiet spell is not held for nothing
 (one CPU device, stories260k, 32-token prompts at 10 req/s: the node's refitted cost model gave ``G``
-near 100 ms, and a prompt arriving in DECODE waited a median 106 ms to be mixed, saving no mixed step). ``G = 0``
-where mixed steps cost no more than decode (one configuration, no graphs: the CPU node), so prompts
-there are never held. (1B 128-token prompts on 4 simulated H200s at 1,200 req/s: ``e`` ~ 4 ms, ``G``
+near 100 ms, and a prompt arriving in DECODE waited a median 106 ms to be mixed, saving no mixed step). Where
+prompt and decode steps are one forward configuration (no decode graphs, one degree: the CPU node),
+``e`` is one prompt token's cost (the node's refit gives both one fixed cost: ``fit_cost_model``'s
+``shared_fixed``), so ``G`` is microseconds and prompts there are not held. (1B 128-token prompts on 4 simulated H200s at 1,200 req/s: ``e`` ~ 4 ms, ``G``
 ~ 17 ms; SLO attainment 0.58 mixing every step, 1.00 gathering.)
 
 **Spacing** (where no chunk fits ``T`` but decode alone does: ``M(1) > T > d``, e.g. the 70B's eager

@@ -148,6 +148,7 @@ def fit_cost_model(
     quadratic: bool = False,
     base: CostModel | None = None,
     nonneg: bool = False,
+    shared_fixed: bool = False,
 ) -> CostModel:
     """Calibrate a :class:`CostModel` from measured steps.
 
@@ -162,19 +163,30 @@ def fit_cost_model(
             columns), and on a loaded CPU plain least squares returned, e.g., +3.4 ms per sequence and
             -48 us per context token, a decode step of -73 ms at 20 sequences, which the adaptive
             policy read as a 73 ms mixed-step penalty (and so gathered prompts for ~300 ms).
+        shared_fixed: prompt and decode steps run one execution configuration (no decode graphs: a
+            prompt row is one more row of the same forward pass), so they share one fixed cost: the
+            prefill intercept is the decode one (fitted, or ``base``'s) and only the per-token terms
+            are fitted to ``step - a_d``. Two intercepts fitted apart differ by noise, and
+            ``max(a_p, a_d) - a_d`` then reads as a mixed-step penalty that is not there (the adaptive
+            policy's gathering time ``G`` grows with it: node.core.chunk_budget.gather_s).
     """
     solve = nonneg_least_squares if nonneg else least_squares
     out = base or CostModel()
     fields: dict[str, float] = {}
-    if prefill_samples:
-        rows = [[1.0, float(n)] + ([float(n) * n] if quadratic else []) for n, _ in prefill_samples]
-        coef = solve(rows, [s for _, s in prefill_samples])
-        fields.update(prefill_fixed_s=coef[0], prefill_per_token_s=coef[1],
-                      prefill_per_token2_s=coef[2] if quadratic else 0.0)
     if decode_samples:
         rows = [[1.0, float(b), float(k)] for b, k, _ in decode_samples]
         coef = solve(rows, [s for _, _, s in decode_samples])
         fields.update(decode_fixed_s=coef[0], decode_per_seq_s=coef[1], decode_per_context_token_s=coef[2])
+    if prefill_samples and shared_fixed:
+        a = fields.get("decode_fixed_s", out.decode_fixed_s)
+        rows = [[float(n)] + ([float(n) * n] if quadratic else []) for n, _ in prefill_samples]
+        coef = solve(rows, [s - a for _, s in prefill_samples])
+        fields.update(prefill_fixed_s=a, prefill_per_token_s=coef[0], prefill_per_token2_s=coef[1] if quadratic else 0.0)
+    elif prefill_samples:
+        rows = [[1.0, float(n)] + ([float(n) * n] if quadratic else []) for n, _ in prefill_samples]
+        coef = solve(rows, [s for _, s in prefill_samples])
+        fields.update(prefill_fixed_s=coef[0], prefill_per_token_s=coef[1],
+                      prefill_per_token2_s=coef[2] if quadratic else 0.0)
     if pause_samples_s:
         fields["pause_s"] = sum(pause_samples_s) / len(pause_samples_s)
     return msgspec.structs.replace(out, **fields)

@@ -91,7 +91,9 @@ class Node:
         if config.role_policy:
             scheduler = role_scheduler(config)
             # timed devices take their cost model's time by construction: the policy plans with it unrefitted
-            self.driver = RoleDriver(self, scheduler, time.monotonic, refit=not timed)
+            roles = config.role_configs()
+            one = (not roles["decode"].cuda_graphs and roles["prefill"].tp_degree == roles["decode"].tp_degree)
+            self.driver = RoleDriver(self, scheduler, time.monotonic, refit=not timed, one_configuration=one)
         elif config.mode == "pooled":
             self.driver = PooledDriver(self, PooledRouter(config.max_unsent), config.prefill_group_ids(),
                                        config.decode_group_ids(), time.monotonic)

@@ -50,10 +50,14 @@ REFIT_EVERY = 32  # steps between refits of the cost model
 class RoleDriver(Driver):
     """Applies the role scheduler's decisions to the node's devices."""
 
-    def __init__(self, node: DriverHost, scheduler: RoleScheduler, clock: Callable[[], float], *, refit: bool = True):
+    def __init__(self, node: DriverHost, scheduler: RoleScheduler, clock: Callable[[], float], *, refit: bool = True,
+                 one_configuration: bool = False):
         super().__init__(node, clock)
         self.scheduler = scheduler
         self.refits = refit  # False: the policy keeps the cost model it was given (timed devices: it is exact)
+        # prompt and decode steps run one forward configuration (same degree, no decode graphs): the refit
+        # gives them one fixed cost (fit_cost_model's shared_fixed), so noise reads as no mixed-step penalty
+        self.one_configuration = one_configuration
         self._switching: set[str] = set()
         self._prefill: deque[tuple[int, float]] = deque(maxlen=SAMPLES)
         self._decode: deque[tuple[int, int, float]] = deque(maxlen=SAMPLES)
@@ -285,7 +289,8 @@ class RoleDriver(Driver):
             return
         prefill = list(self._prefill) if len({n for n, _ in self._prefill}) >= 3 else []
         decode = list(self._decode) if len({(b, k) for b, k, _ in self._decode}) >= 4 else []
-        fitted = fit_cost_model(prefill, decode, list(self._pauses), base=base, nonneg=True)  # no negative step costs
+        fitted = fit_cost_model(prefill, decode, list(self._pauses), base=base, nonneg=True,  # no negative step costs
+                                shared_fixed=self.one_configuration)
         # A noisy fit must not produce negative per-token costs: fall back to the mean cost per token.
         if fitted.prefill_per_token_s <= 0 and prefill:
             fitted = msgspec.structs.replace(fitted, prefill_fixed_s=0.0, prefill_per_token_s=sum(

@@ -87,3 +87,23 @@ def test_nonneg_least_squares_is_the_constrained_optimum():
         assert sse(x) <= sse(trial)
     with pytest.raises(ValueError):
         nonneg_least_squares([], [])
+
+
+def test_one_configuration_shares_one_fixed_cost_so_no_mixed_penalty_appears():
+    """Without decode graphs a prompt row is one more row of the same forward pass: fitted apart, the
+    prefill intercept came out above the decode one by noise (here +3 ms), and ``M(1) - d`` read as a
+    3 ms mixed-step penalty (the adaptive policy then holds prompts for ``G = e (1 - s) / s``). With
+    ``shared_fixed`` the prefill intercept is the decode one and ``M(1) - d`` is one prompt token's cost."""
+    from node.core.chunk_budget import gather_s
+
+    a, b_seq, b_ctx, b_tok = 0.002, 50e-6, 1e-6, 20e-6
+    decode = [(s, k, a + b_seq * s + b_ctx * k) for s, k in ((1, 40), (4, 300), (16, 900), (32, 2500), (8, 100))]
+    noisy = [(n, a + 0.003 + b_tok * n) for n in (32, 64, 96, 128)]  # the chunk shares, 3 ms too high
+    apart = fit_cost_model(noisy, decode, nonneg=True)
+    shared = fit_cost_model(noisy, decode, nonneg=True, shared_fixed=True)
+    d = shared.decode_step_s(8, 400)
+    assert apart.mixed_step_s(1, 8, 400) - d == pytest.approx(0.003 + b_tok, rel=1e-3)
+    assert shared.prefill_fixed_s == pytest.approx(a) and shared.decode_fixed_s == pytest.approx(a)
+    e = shared.mixed_step_s(1, 8, 400) - d
+    assert 0 < e < 0.0002  # one prompt token's share of the noise, not a 3 ms floor
+    assert gather_s(e, 0.1) < 0.002 < gather_s(apart.mixed_step_s(1, 8, 400) - d, 0.1)
