@@ -22,6 +22,7 @@ import asyncio
 import os
 import signal
 from contextlib import suppress
+from typing import Callable
 
 import msgspec
 import structlog
@@ -225,7 +226,7 @@ RESPAWN_WINDOW_S = 300.0  # restarts of one front end older than this no longer 
 WATCH_S = 0.5  # how often the front ends' processes are polled (which also reaps one that exited)
 
 
-def link_ctx(path: str, procs: list, node_key: web.AppKey, respawn=None):
+def link_ctx(path: str, procs: list, node_key: web.AppKey, respawn: Callable[[int], int]):
     """An aiohttp ``cleanup_ctx`` entry (append it after the node's): open the link socket once the node
     runs, close it (ending the front ends) before the node closes. The server is kept at ``app[LINK_KEY]``.
 
@@ -274,7 +275,7 @@ def link_ctx(path: str, procs: list, node_key: web.AppKey, respawn=None):
                     task = reviving.get(i)
                     if task is not None and not task.done():
                         continue
-                    if p.exitcode is not None and respawn is not None and not server.closing:
+                    if p.exitcode is not None and not server.closing:
                         reviving[i] = asyncio.create_task(revive(node, i, p), name=f"api-respawn-{i}")
         finally:
             for task in reviving.values():

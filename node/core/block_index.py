@@ -58,16 +58,22 @@ class BlockIndex:
             return None
         return bytes(self._keys[block * KEY_BYTES : (block + 1) * KEY_BYTES])
 
-    def find(self, key: bytes) -> int | None:
-        """The block cached under ``key``, or None."""
+    def _probe(self, key: bytes) -> tuple[int, int, int]:
+        """``(hash, slot, block)``: the slot of the block cached under ``key`` and that block, or the
+        first empty slot of ``key``'s probe run and ``_NONE`` (where ``key`` would be added)."""
         slots, hashes, mask = self._slots, self._hashes, self._mask
         h = int.from_bytes(key[:8], "little")
         i = h & mask
         while (b := slots[i]) != _NONE:
             if hashes[b] == h and self._keys[b * KEY_BYTES : (b + 1) * KEY_BYTES] == key:
-                return b
+                break
             i = (i + 1) & mask
-        return None
+        return h, i, b
+
+    def find(self, key: bytes) -> int | None:
+        """The block cached under ``key``, or None."""
+        b = self._probe(key)[2]
+        return None if b == _NONE else b
 
     def confirms(self, block: int, parent: bytes | None, tokens: Seq[int]) -> bool:
         """Whether cached ``block`` was registered with this parent key and these token ids."""
@@ -90,15 +96,11 @@ class BlockIndex:
         """Cache ``block`` (not cached yet) under ``key`` unless a block is already cached under it
         (then False, changing nothing): :meth:`find` and :meth:`add` in one probe (the key, if there,
         is in the run of slots before the first empty one, where it is added)."""
-        slots, hashes, mask = self._slots, self._hashes, self._mask
-        h = int.from_bytes(key[:8], "little")
-        i = h & mask
-        while (b := slots[i]) != _NONE:
-            if hashes[b] == h and self._keys[b * KEY_BYTES : (b + 1) * KEY_BYTES] == key:
-                return False
-            i = (i + 1) & mask
-        slots[i] = block
-        hashes[block] = h
+        h, i, b = self._probe(key)
+        if b != _NONE:
+            return False
+        self._slots[i] = block
+        self._hashes[block] = h
         o, bs = block * KEY_BYTES, self.block_size
         self._keys[o : o + KEY_BYTES] = key
         if parent is not None:
