@@ -28,7 +28,7 @@ from node.worker.cuda_graphs import (
     graph_decode_splits, pack_decode_batch, pick_bucket,
 )
 from node.worker.engine_core import EngineCore
-from node.worker.engine_process import LocalEngine
+from node.worker.local_engine import LocalEngine
 from node.worker.loader import DEFAULT_MODEL_CONFIG, attach_decode_graphs
 from node.worker.model_config import ModelConfig
 from node.worker.runner import ModelRunner, SeqInput, StepInput

@@ -303,7 +303,7 @@ def _switches(runner, device_id: str):
     from node.runtime.engine import DeviceEngine
     from node.runtime.switching import DeviceRole
     from node.worker.engine_core import EngineCore
-    from node.worker.engine_process import LocalEngine
+    from node.worker.local_engine import LocalEngine
 
     async def go():
         role = DeviceRole(device_id, Role.PREFILL, time.monotonic(), 0.0)

@@ -42,7 +42,8 @@ from node.runtime.request import RequestState
 from node.runtime.switching import DeviceRole, SwitchRecord
 from node.runtime.step_encoder import StepEncoder
 from node.worker.engine_core import StepMsg, StepReply
-from node.worker.engine_process import EngineDied, EngineProcess, LocalEngine
+from node.worker.engine_process import EngineDied, EngineProcess
+from node.worker.local_engine import LocalEngine
 from node.worker.runner import SeqOutput
 
 log = structlog.get_logger("shiftnode.engine")

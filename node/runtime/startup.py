@@ -18,7 +18,8 @@ from node.runtime.switching import DeviceRole
 from node.transport.protocol import Fingerprint
 from node.worker.engine_core import EngineCore
 from node.worker.engine_group import launch_engine
-from node.worker.engine_process import EngineProcess, LocalEngine
+from node.worker.engine_process import EngineProcess
+from node.worker.local_engine import LocalEngine
 from node.worker.loader import LoadedModel, StartupError, build_runner, load_model_info, select_ops
 
 log = structlog.get_logger("shiftnode.node")

@@ -16,7 +16,7 @@ The engine appends every token it samples to its own copy of the sequence, so a 
 costs the node nothing beyond the item itself: the message is O(changes), not O(context).
 
 :class:`EngineCore` is the same object in both engine layouts (``--engine-layout``): called in the
-engine's own thread of the node's process (``thread``, :class:`~node.worker.engine_process.LocalEngine`)
+engine's own thread of the node's process (``thread``, :class:`~node.worker.local_engine.LocalEngine`)
 or inside the device's engine process (:mod:`node.worker.engine_process`).
 """
 

@@ -66,7 +66,6 @@ import torch
 
 from node.config import NodeConfig
 from node.transport.protocol import Fingerprint
-from node.worker.engine_core import EngineCore, StepMsg
 from node.worker.engine_main import engine_main
 from node.worker.engine_messages import (
     EngineDied, EngineError, Failed, GetFingerprint, PeerPools, Prepare, Ready, Reply, Shutdown, TPRank,
@@ -368,35 +367,3 @@ class EngineProcess:
             raise EngineError(reply.message, reply.kind)
         return reply.value
 
-
-class LocalEngine:
-    """The ``thread`` layout: the same :class:`EngineCore`, run by a thread of the node's process."""
-
-    method = "thread"
-    pid = None
-    stopping = False
-
-    def __init__(self, core: EngineCore):
-        self.core = core
-        self.runner = core.runner
-        self.kv_cache = core.kv_cache
-        self.num_blocks = core.num_blocks
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-
-    def submit(self, msg: StepMsg) -> concurrent.futures.Future:
-        return self._pool.submit(self.core.step, msg)
-
-    def async_submit(self, msg: StepMsg) -> asyncio.Future:
-        """:meth:`submit` as an asyncio future of the running loop."""
-        return asyncio.wrap_future(self._pool.submit(self.core.step, msg))
-
-    def prepare_decode(self) -> float:
-        return self._pool.submit(self.core.prepare_decode).result()
-
-    def fingerprint(self, config: NodeConfig, info: Any) -> Fingerprint:
-        from node.transport.fingerprint import node_fingerprint
-
-        return node_fingerprint(config, info, self.runner.model)
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        self._pool.shutdown(wait=True)
