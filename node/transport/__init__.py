@@ -58,7 +58,8 @@ Times in :class:`SeqState` are durations (``age_s``, ``first_token_age_s``) meas
 never clock readings, since the two nodes' clocks are unrelated.
 """
 
-from node.transport.client import KVClient, SendReport, TransferUnconfirmed
+from node.transport.client import KVClient, SendReport
+from node.transport.errors import TransferUnconfirmed
 from node.transport.protocol import (
     PROTOCOL_VERSION, AuthError, ChecksumMismatch, Fingerprint, FrameTooLarge, Layout, LayoutMismatch, PeerRefused,
     ProtocolError, SeqState, TransferAborted, TransferOffer, TransferRefused, TransportError, TransportTimeout,

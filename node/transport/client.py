@@ -21,7 +21,7 @@ from node.transport.protocol import (
     TransferRefuse, TransferRefused, TransportError, TransportTimeout, checksum, check_compatible,
     secret_bytes,
 )
-from node.transport.errors import not_kv_peer
+from node.transport.errors import TransferUnconfirmed, not_kv_peer
 from node.transport.layers import Layers, LayerSource, payload_view, skip_blocks
 from node.transport.throttle import LinkThrottle, as_throttle
 from node.transport.wire import (
@@ -35,11 +35,6 @@ BytesLike = bytes | bytearray | memoryview
 FaultHook = Callable[[int, memoryview], BytesLike]
 
 _CRC_THREAD_BYTES = 4 << 20  # above this, the CRC runs in a thread (zlib releases the GIL)
-
-
-class TransferUnconfirmed(TransportError):
-    """Every layer and ``TransferDone`` were sent but ``TransferCommitted`` never came back: the
-    receiver may or may not have adopted the sequence (its ``on_done`` may have run)."""
 
 
 @dataclass

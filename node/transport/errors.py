@@ -99,3 +99,8 @@ def timeout_stage(exc: BaseException | None) -> str | None:
         exc = exc.__cause__ or exc.__context__
         seen += 1
     return None
+
+
+class TransferUnconfirmed(TransportError):
+    """Every layer and ``TransferDone`` were sent but ``TransferCommitted`` never came back: the
+    receiver may or may not have adopted the sequence (its ``on_done`` may have run)."""
