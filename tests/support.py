@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -134,6 +136,31 @@ def raw_stream(port: int, body: bytes) -> socket.socket:
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     return s
+
+
+def post_concurrently(node: "NodeProcess", path: str, bodies: list[dict], workers: int) -> list[httpx.Response]:
+    """POST each of ``bodies`` to ``path`` from ``workers`` threads, each with its own ``httpx.Client``,
+    answers in order. One sync client shared by tens of threads has failed a read with EBADF on a loaded
+    2-core CI machine (a pooled socket closed under another thread's read): a client per thread, as a
+    load generator's workers have, keeps that out of the node's tests."""
+    local = threading.local()
+    clients: list[httpx.Client] = []
+    lock = threading.Lock()
+
+    def post(body: dict) -> httpx.Response:
+        client = getattr(local, "client", None)
+        if client is None:
+            client = local.client = httpx.Client(base_url=node.url, timeout=120)
+            with lock:
+                clients.append(client)
+        return client.post(path, json=body)
+
+    try:
+        with cf.ThreadPoolExecutor(workers) as pool:
+            return list(pool.map(post, bodies))
+    finally:
+        for client in clients:
+            client.close()
 
 
 def half_closed_post(port: int, body: dict, path: str = "/v1/completions",

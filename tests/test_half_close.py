@@ -36,6 +36,8 @@ def test_a_half_closed_client_gets_the_whole_answer(stories_node):
     interim, head, payload = half_closed_post(stories_node.port, body)
     assert interim.startswith(b"HTTP/1.1 100 Continue\r\n\r\n") and head.startswith(b"HTTP/1.1 200 "), (interim, head)
     assert json.loads(payload)["choices"][0]["token_ids"] == ref
+    # the connection closes after this answer, and the answer says so: a pooling client will not reuse it
+    assert re.search(rb"(?i)(^|\r\n)connection: *close(\r\n|$)", head), head
     _, head, payload = half_closed_post(stories_node.port, {**body, "stream": True})
     assert head.startswith(b"HTTP/1.1 200 "), head
     assert _stream_ids(sse_events(payload.decode().split("\n"))) == ref

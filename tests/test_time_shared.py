@@ -1,13 +1,12 @@
 """Time-shared node on two emulated devices: same greedy outputs as one device, visible role switches,
 overload answered with 503 + Retry-After, nothing leaked (issue: time-shared node; SCHED-LOAD cases)."""
 
-import concurrent.futures as cf
 import time
 
 import httpx
 import pytest
 
-from support import STORIES, NodeProcess, reference_cases
+from support import STORIES, NodeProcess, post_concurrently, reference_cases
 from test_metrics import scrape
 
 PROMPTS = [c["prompt"] for c in reference_cases()] + ["Tom had a red", "The sun was", "A bird", "Sara and her mom"]
@@ -20,8 +19,7 @@ def bodies(k: int) -> list[dict]:
 
 
 def run(node: NodeProcess, reqs: list[dict], workers: int) -> list[httpx.Response]:
-    with cf.ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(lambda b: node.client.post("/v1/completions", json=b), reqs))
+    return post_concurrently(node, "/v1/completions", reqs, workers)
 
 
 @pytest.fixture

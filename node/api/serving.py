@@ -27,7 +27,8 @@ its KV freed as for any disconnect. The probe is
 
 An HTTP/1.0 request cannot be probed before its response (no 1xx for HTTP/1.0, RFC 9110 §15.2), and a
 request whose body was cut short can never be answered: their FIN still closes the connection at once,
-as in aiohttp. Once the requests read before the FIN are answered, the connection closes.
+as in aiohttp. Once the requests read before the FIN are answered, the connection closes; the last
+response says so (``Connection: close``) when its head goes out after the FIN.
 """
 
 from __future__ import annotations
@@ -131,6 +132,18 @@ def set_probe(request: web.BaseRequest, probe: Callable[[], None]) -> None:
         protocol._response_probe = probe
 
 
+async def _announce_close(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    """``Connection: close`` on the last response of a connection whose client sent FIN: the connection
+    closes after it (RFC 9112 section 9.6: a server that will close says so), so a client or proxy that
+    pools connections opens a new one for its next request instead of writing it into one about to close.
+    A response whose head went out before the FIN cannot say it."""
+    protocol = request.protocol
+    if isinstance(protocol, HalfCloseRequestHandler) and protocol._eof and not protocol._messages:
+        response.force_close()
+        # on_response_prepare runs after aiohttp has computed the head's headers, before it writes them
+        response.headers["Connection"] = "close"
+
+
 class _Server(web.Server):
     """aiohttp's low-level server making :class:`HalfCloseRequestHandler` protocols."""
 
@@ -145,6 +158,8 @@ class NodeRunner(web.AppRunner):
     __slots__ = ()
 
     async def _make_server(self) -> web.Server:
+        if _announce_close not in self.app.on_response_prepare:  # before super() freezes the app's signals
+            self.app.on_response_prepare.append(_announce_close)
         server = await super()._make_server()
         # The application builds a plain Server (Application._make_handler, private); it has no slots,
         # so giving it the subclass changes only which protocol it makes per connection.
