@@ -83,7 +83,7 @@ GROUPS: tuple[Group, ...] = (
         Tool("device.kernels", "Is every Triton kernel right on this GPU, and how close to the copy and "
                                "matmul ceilings does it run?"),
         Tool("device.e2e", "How fast is the model runner on one GPU: load, role switch, decode and prefill "
-                           "steps against their floors?"),
+                           "steps against their floors, eager and compiled (--compile inductor)?"),
         Tool("device.cpu_attention", "How does the CPU attention path compare with the torch reference, "
                                      "alone and in a serving node?"),
         Tool("device.sampler", "What does a sampler step cost on the CPU, greedy against sampled settings?"),
@@ -91,7 +91,7 @@ GROUPS: tuple[Group, ...] = (
                                  "degree 1 and 2?"),
         Tool("device.transfer", "How fast does KV move between two processes, NIXL against TCP, and how busy "
                                 "does it keep the event loop?"),
-    ), (), frozenset({"traffic", "load"})),
+    ), ("device.e2e_compiled",), frozenset({"traffic", "load"})),
     Group("cost", "where the step cost models of bench/cost_models/ come from", (
         Tool("cost.calibrate", "What are a model's step times on this machine, fitted as a cost model?"),
         Tool("cost.calibrate_node", "What step costs does a client see through a running node's API, fitted "

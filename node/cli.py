@@ -85,11 +85,13 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="run every step eagerly (default on CUDA with the triton backend: decode steps replay CUDA graphs)")
     p.add_argument("--compile", default="none", choices=["none", "inductor"],
                    help="inductor: torch.compile the model forward once per --compile-sizes bucket at start-up (CPU "
-                        "devices; steps of more tokens than the largest bucket, and CUDA devices, stay eager); "
-                        "none (default): eager steps. See docs/user-guide.md for when it pays")
+                        "and CUDA devices; steps of more tokens than the largest bucket stay eager, and on CUDA "
+                        "pure decode steps keep their CUDA graphs); none (default): eager steps. See "
+                        "docs/user-guide.md for when it pays")
     p.add_argument("--compile-sizes", default=None, type=_sizes_arg, metavar="N,N,...",
-                   help="token-count buckets of --compile inductor, each compiled at start-up (default: "
-                        "1,2,4,...,256 up to --max-num-batched-tokens); a step is padded to the smallest that fits")
+                   help="token-count buckets of --compile inductor, each compiled at start-up (default, up to "
+                        "--max-num-batched-tokens: 1,2,4,...,256 on CPU, 16,64,256,512,1024,2048 on CUDA); a step is "
+                        "padded to the smallest that fits")
     p.add_argument("--log-format", default="console", choices=["console", "json"])
     p.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="streams send an event every N tokens (the first token and the end at once): fewer events "

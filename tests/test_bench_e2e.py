@@ -31,6 +31,12 @@ def test_quick_run_survives_a_crashed_child(tmp_path):
     assert by[("decode", "decode B=1 eager")]["ms"] > 0
     assert all(by[("sanity", n)]["ok"] for s, n in by if s == "sanity")
     assert by[("prefill", "prefill 1 x 128 tokens")]["flops"] > 0
+    # the compiled section (last): one bucket, prefill and mixed steps timed both ways and checked
+    assert by[("compiled", "compile bucket 32")]["s"] > 0
+    for kind in ("prefill", "mixed"):
+        assert by[("compiled", f"{kind} 32 compiled")]["ok"] and by[("compiled", f"{kind} 32 eager")]["ms"] > 0
+        check = by[("compiled", f"{kind} 32 check")]
+        assert check["ok"] and check["rows_checked"] == 32 and check["rel_err"] < 1e-4
     assert {"copy", "matmul"} <= {n for s, n in by if s == "ceilings"} and data["ceilings"]["gbps"] > 0
     text = md.read_text()
     assert text.startswith("# Benchmark results\n\nearlier section\n\n## ") and "— end to end on cpu" in text
@@ -68,6 +74,18 @@ def test_table_floors_use_the_measured_ceilings():
     assert rows["prefill"][3] == f"{ideal:.2f} ms" and rows["prefill"][4] == f"{100 * ideal / 100:.0f}%"
     assert rows["greedy"][5] == "FAIL" and "tokens differ" in rows["greedy"][6]
     assert table_rows(recs[2:3], {})[0][3:5] == ["—", "—"]  # no ceiling measured: no floor
+    base = {"section": "compiled", "ok": True, "kind": "mixed", "tokens": 512, "flops": 2 * 7e9 * 512,
+            "floor_bytes": 16e9, "shape": "32 decode rows"}
+    comp = [{**base, "name": "mixed 512 eager", "mode": "eager", "ms": 20.0},
+            {**base, "name": "mixed 512 compiled", "mode": "compiled", "ms": 8.0},
+            {"section": "compiled", "name": "mixed 512 check", "ok": False, "mode": "check", "rows_checked": 256,
+             "matching": 255, "rel_err": 0.004, "first_diff_row": 7, "first_diff_gap_nats": 0.5, "error": "not a tie"}]
+    rows = {r[1]: r for r in table_rows(comp, {"gbps": 4000.0, "tflops": 650.0})}
+    floor = max(2 * 7e9 * 512 / 650e12 * 1e3, 4.0)  # compute 11.0 ms against 16 GB at 4000 GB/s
+    assert rows["mixed 512 compiled"][2:5] == ["8.00 ms", f"{floor:.2f} ms", f"{100 * floor / 8:.0f}%"]
+    assert "2.50x vs eager" in rows["mixed 512 compiled"][6]
+    assert rows["mixed 512 check"][2] == "255/256 rows' tokens equal" and "first differing row 7" in rows["mixed 512 check"][6]
+    assert rows["mixed 512 check"][5] == "FAIL"
 
 
 def test_switch_section_switches_through_the_engine():

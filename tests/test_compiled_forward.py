@@ -14,11 +14,13 @@ import torch
 from node.cli import config_from_args, serve_parser
 from node.config import ConfigError, NodeConfig
 from node.core.sequence import SamplingParams
-from node.worker.compiled_forward import DEFAULT_COMPILE_SIZES, compile_sizes, compile_unsupported
+from node.worker.compiled_forward import (DEFAULT_COMPILE_SIZES, DEFAULT_CUDA_COMPILE_SIZES, CompiledForward,
+                                         compile_sizes, compile_unsupported, inductor_options, traced_ops)
 from node.worker.loader import build_runner, load_model_info, select_ops
 from node.worker.runner import ModelRunner, SeqInput, StepInput
 from node.worker.sampler import SampleRequest
 from shiftnode_kernels import reference
+from shiftnode_kernels.ops import get_ops
 from shiftnode_kernels.custom_ops import StepMetadata, step_metadata, unified_attention
 from support import STORIES, reference_cases, require_shared
 
@@ -182,6 +184,91 @@ def test_flags_sizes_and_where_compile_applies():
     assert compile_sizes(2048) == DEFAULT_COMPILE_SIZES
     assert compile_sizes(48, [64, 1, 8, 8, 32]) == (1, 8, 32)
     assert compile_sizes(4, [8]) == (1,)
+    assert compile_sizes(4096, None, "cuda") == DEFAULT_CUDA_COMPILE_SIZES
+    assert compile_sizes(512, None, "cuda") == (16, 64, 256, 512)
     model = object()
-    assert "CPU" in compile_unsupported(torch.device("cuda", 0), model)
     assert "benchmark" in compile_unsupported(torch.device("cpu"), model)
+    assert "benchmark" in compile_unsupported(torch.device("cuda", 0), model)
+    assert "CPU and CUDA" in compile_unsupported(torch.device("meta"), model)
+
+
+def test_cuda_devices_are_supported_with_their_own_options(eager):
+    """A degree-1 model compiles on CUDA too (no CUDA needed to decide it), with inductor options valid
+    there: no C++ wrapper nor CPU thread grain, no CUDA graphs of inductor's own."""
+    assert compile_unsupported(torch.device("cuda", 0), eager.model) is None
+    assert compile_unsupported(torch.device("cpu"), eager.model) is None
+    cpu, cuda = inductor_options(torch.device("cpu")), inductor_options(torch.device("cuda", 0))
+    assert cpu["cpp_wrapper"] and "cpp.min_chunk_size" in cpu
+    assert cuda == {"size_asserts": False, "triton.cudagraphs": False}
+    ops = get_ops("torch")
+    on_cuda, on_cpu = traced_ops(ops, "cuda"), traced_ops(get_ops("cpu"), "cpu")
+    assert (on_cuda.rms_norm, on_cuda.rotary_embedding, on_cuda.silu_and_mul) == (
+        reference.rms_norm, reference.rotary_embedding, reference.silu_and_mul)
+    assert on_cpu.backend == "cpu" and on_cpu.rotary_embedding is not reference.rotary_embedding
+
+
+@pytest.fixture(scope="module")
+def cuda_path(one_thread) -> ModelRunner:
+    """A runner whose compiled forward traces what a CUDA device traces: the torch reference elementwise
+    operators, attention through the Triton kernels (run by Triton's interpreter here, as the tests set
+    ``TRITON_INTERPRET=1``)."""
+    runner = _runner(_config())
+    runner.compiled = CompiledForward(runner.model, runner.kv_cache, (BUCKET,), ops=traced_ops(get_ops("triton"), "cuda"))
+    runner.compiled.warm_all()
+    assert runner.compiled.warmed and set(runner.compiled.compile_ms_by_size) == {BUCKET}
+    return runner
+
+
+def test_cuda_operator_path_gives_the_greedy_references(cuda_path):
+    """Chunked prefill (the Triton prefill kernel, ``max_seqlen_q > 1``), padded decode batches and a
+    mixed step (two decode rows beside a whole 6-token prompt, ``max_seqlen_q`` 6) through the CUDA
+    path's graph give the greedy references exactly."""
+    cases = reference_cases()
+    prompts = [c["prompt_token_ids"] for c in cases]
+    steps = cuda_path.compiled.steps
+    outs = _generate(cuda_path, prompts, 4)
+    for c, out in zip(cases, outs):
+        assert out == c["output_token_ids"][:4], c["prompt"]
+    last = cases[3]["prompt_token_ids"]
+    assert len(last) == BUCKET - 2
+    mixed = StepInput([_seq(0, [outs[0][3]], len(prompts[0]) + 3), _seq(1, [outs[1][3]], len(prompts[1]) + 3),
+                       _seq(4, last, 0)])
+    got = {k: v.token_id for k, v in cuda_path.execute(mixed).items()}
+    assert got == {"s0": cases[0]["output_token_ids"][4], "s1": cases[1]["output_token_ids"][4],
+                   "s4": cases[3]["output_token_ids"][0]}
+    chunks = sum(-(-len(p) // BUCKET) for p in prompts)
+    assert cuda_path.compiled.steps - steps == chunks + 3 + 1 and cuda_path.compiled.fallbacks == 0
+
+
+def test_fake_attention_output_is_contiguous_as_every_backends_is():
+    """Inductor plans the attention output's consumers from the fake kernel's strides (and on CUDA no
+    size assertion checks them): they must be the real kernels' contiguous ones, also for a query that
+    is dense but permuted."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(3, 4, 8).transpose(0, 1)  # [4, 3, 8], dense, not contiguous
+        k = v = torch.empty(4, 1, 8)
+        kc = vc = torch.empty(2, 4, 1, 8)
+        out = unified_attention(q, k, v, kc, vc, 0.3, "torch")
+    assert out.shape == q.shape and out.is_contiguous()
+
+
+def test_a_failed_compile_leaves_a_cuda_device_eager_and_stops_a_cpu_start(monkeypatch, eager):
+    """On CUDA a compile that raises is logged and the steps stay eager (the node still starts, as after
+    a failed decode-graph capture); on the CPU it still stops the start-up, as before."""
+    import types
+
+    from node.worker import loader
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("inductor broke")
+
+    monkeypatch.setattr(loader, "CompiledForward", broken)
+    runner = types.SimpleNamespace(device=torch.device("cuda", 0), model=eager.model, kv_cache=eager.kv_cache,
+                                   compiled=None, compiled_error=None)
+    loader.attach_compiled_forward(runner, _config(compile="inductor"), "cuda:0")
+    assert runner.compiled is None and "inductor broke" in runner.compiled_error
+    runner.device = torch.device("cpu")
+    with pytest.raises(RuntimeError, match="inductor broke"):
+        loader.attach_compiled_forward(runner, _config(compile="inductor"), "cpu:0")

@@ -18,6 +18,10 @@ kernels, decode CUDA graphs attached as ``shiftnode serve`` would). Sections, in
   that fills its bucket, and a padded one).
 * ``prefill``: one 4096-token prompt against ``2 * params * tokens / matmul rate`` (params: the decoder
   layers' weights; the LM head runs on one row).
+* ``compiled``: the forward compiled per token-count bucket (``--compile inductor``) against eager on
+  prefill and mixed steps of 64/512/2048 tokens, compile time per bucket, and compiled vs eager hidden
+  states and greedy tokens (:mod:`bench.device.e2e_compiled`). Last, so that a slow compile costs only
+  its own results.
 
 Times are CUDA-event medians of >= 20 runs after warm-up (wall clock on the CPU).
 
@@ -45,7 +49,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-SECTIONS = ["ceilings", "load", "switch", "decode", "sanity", "prefill"]
+from bench.device import e2e_compiled
+
+SECTIONS = ["ceilings", "load", "switch", "decode", "sanity", "prefill", "compiled"]
 NEAR_TIE_NATS = 0.1  # a greedy divergence where eager's top-2 logprobs are closer than this is rounding noise
 REPORT_RESERVE_S = 8.0  # kept back from the child for the report
 
@@ -99,6 +105,9 @@ class Profile:
     sanity_batches: tuple[int, ...] = (64, 5)  # one fills its bucket, one is padded
     sanity_steps: int = 16
     sanity_prompt: tuple[int, int] = (16, 48)  # prompt lengths (tokens), inclusive range
+    compiled_buckets: tuple[int, ...] = (64, 512, 2048)
+    compiled_mixed_rows: int = 32  # decode rows of a mixed step, beside a prompt chunk filling the bucket
+    compiled_mixed_ctx: int = 1024
     iters: int = 20
     warmup: int = 3
     copy_bytes: int = 4 << 30
@@ -116,7 +125,7 @@ class Profile:
         decode = max(self.decode_batches) * -(-self.decode_ctx // bs)
         sanity = max(self.sanity_batches) * -(-(self.sanity_prompt[1] + self.sanity_steps + 1) // bs)
         prefill = -(-self.prefill_tokens // bs)
-        return 1 + max(decode, sanity, prefill, -(-self.max_model_len // bs))
+        return 1 + max(decode, sanity, prefill, e2e_compiled.num_blocks(self), -(-self.max_model_len // bs))
 
 
 def make_profile(device: str, quick: bool) -> Profile:
@@ -126,7 +135,8 @@ def make_profile(device: str, quick: bool) -> Profile:
     return Profile(device=device, model=TINY, dtype="float32" if device == "cpu" else "bfloat16",
                    backend="triton" if device == "cuda" else "torch", max_model_len=512, max_num_seqs=8,
                    decode_batches=(1, 4), decode_ctx=64, prefill_tokens=128, sanity_batches=(4, 3), sanity_steps=4,
-                   sanity_prompt=(5, 20), iters=3, warmup=1, copy_bytes=16 << 20, matmul_n=256)
+                   sanity_prompt=(5, 20), iters=3, warmup=1, copy_bytes=16 << 20, matmul_n=256,
+                   compiled_buckets=(32,), compiled_mixed_rows=4, compiled_mixed_ctx=64)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -507,9 +517,13 @@ def sec_prefill(p: Profile, state: dict) -> Iterator[dict]:
               attn_flops=attn, layer_params=params, **t)
 
 
+def sec_compiled(p: Profile, state: dict) -> Iterator[dict]:
+    yield from e2e_compiled.section(p, get_runner(p, state), sys.modules[__name__])
+
+
 SECTION_FNS: dict[str, Callable[[Profile, dict], Iterator[dict]]] = {
     "ceilings": sec_ceilings, "load": sec_load, "switch": sec_switch, "decode": sec_decode, "sanity": sec_sanity,
-    "prefill": sec_prefill,
+    "prefill": sec_prefill, "compiled": sec_compiled,
 }
 
 
@@ -645,7 +659,9 @@ def ceilings_of(records: list[dict]) -> dict:
 def table_rows(records: list[dict], ceil: dict) -> list[list[str]]:
     """One row per record: section, case, measured, floor/ideal, % of it, check, note."""
     gbps, tflops = ceil.get("gbps"), ceil.get("tflops")
-    eager_ms = {r["batch"]: r["ms"] for r in records if r.get("mode") == "eager" and r.get("ms")}
+    eager_ms = {r["batch"]: r["ms"] for r in records if r.get("mode") == "eager" and r.get("ms") and "batch" in r}
+    compiled_eager = {r["name"].rsplit(" ", 1)[0]: r["ms"] for r in records
+                      if r.get("section") == "compiled" and r.get("mode") == "eager" and r.get("ms")}
     rows = []
     for r in records:
         sec, measured, ref, pct, note = r.get("section", "?"), "—", "—", "—", ""
@@ -684,6 +700,8 @@ def table_rows(records: list[dict], ceil: dict) -> list[list[str]]:
                 ref, pct = f"{ideal:.2f} ms", f"{100 * ideal / r['ms']:.0f}%"
             note = (f"{r['flops'] / r['ms'] / 1e9:.0f} TFLOP/s on 2·{r['layer_params'] / 1e9:.2f}B·tokens; "
                     f"attention adds {r['attn_flops'] / 1e12:.1f} TFLOP (not in the ideal)")
+        elif sec == "compiled":
+            measured, ref, pct, note = e2e_compiled.table_row(r, gbps, tflops, compiled_eager)
         check = "ok" if r.get("ok") else "FAIL"
         if r.get("error"):
             note = (note + "; " if note else "") + str(r["error"])[:300]

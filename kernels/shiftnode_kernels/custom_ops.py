@@ -141,7 +141,10 @@ LIBRARY.impl("unified_attention", _unified_attention, "CompositeExplicitAutograd
 
 @torch.library.register_fake("shiftnode::unified_attention")
 def _unified_attention_fake(query, key, value, k_cache, v_cache, scale, backend):
-    return torch.empty_like(query)
+    # Contiguous, as every backend's result is (not ``empty_like``, which keeps a dense permuted
+    # query's strides): inductor plans the consumers' indexing from these strides, and with
+    # ``size_asserts`` off a mismatch would go unnoticed.
+    return query.new_empty(query.shape)
 
 
 def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

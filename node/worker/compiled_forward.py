@@ -21,15 +21,23 @@ kernels per layer and calls the GEMMs directly, so a step is a short list of ker
   run under ``torch.compiler.set_stance("fail_on_recompile")``: a step that would need a new graph
   raises instead, is logged once and runs eagerly. Each instance compiles its own copy of the traced
   function, so its graphs are told apart by input shape alone and only those guards run per call.
-* **Inductor options** (:data:`INDUCTOR_OPTIONS`): the C++ wrapper, no per-call size assertions, and
-  OpenMP regions only at ATen's grain.
+* **Inductor options** (:func:`inductor_options`): on the CPU (:data:`INDUCTOR_OPTIONS`) the C++
+  wrapper, no per-call size assertions, and OpenMP regions only at ATen's grain; on CUDA
+  (:data:`CUDA_INDUCTOR_OPTIONS`) no size assertions and inductor's own CUDA graphs off.
+* **Operators traced** (:func:`traced_ops`): on the CPU the backend's elementwise operators; on CUDA
+  the torch references of RMSNorm, RoPE and SwiGLU (:mod:`shiftnode_kernels.reference`), which
+  inductor fuses into Triton kernels of its own; the hand-written Triton launchers are never traced.
+  Attention is the backend's (``triton`` on CUDA by default) inside the opaque op in both cases.
 * Grad mode: the graphs are traced and run under ``no_grad`` outside inference mode (inductor's
   functionalisation of the pool's in-place update refuses inference tensors), so the step's input
   tensors are made there too.
 
-Supported: CPU devices, degree-1 models (no tensor parallelism), one KV pool (not a time-shared
-group's multi-pool prefill layout, which runs eagerly). On CUDA the decode CUDA graphs
-(:mod:`node.worker.cuda_graphs`) remain the way to avoid launch overhead.
+Supported: CPU and CUDA devices, degree-1 models (no tensor parallelism), one KV pool (not a
+time-shared group's multi-pool prefill layout, which runs eagerly). On CUDA a pure decode step that
+fits a decode CUDA graph (:mod:`node.worker.cuda_graphs`) still replays that graph (the runner tries
+the graphs first); the compiled buckets serve the other steps (prefill, mixed, larger decode batches).
+Inductor's ``reduce-overhead`` mode (its own CUDA graphs) is not used: a replay would not see the
+metadata that reaches the attention op out of band.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ import torch
 
 from node.worker.cuda_graphs import pick_bucket
 from node.worker.model import AttentionMetadata, CausalLM
+from shiftnode_kernels import reference
 from shiftnode_kernels.custom_ops import StepMetadata, step_metadata, unified_attention
 
 log = structlog.get_logger("shiftnode.compiled_forward")
@@ -53,7 +62,16 @@ COMPILE_MODES = ("none", "inductor")
 """The values of ``--compile``."""
 
 DEFAULT_COMPILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-"""Token-count buckets compiled by default (capped by ``--max-num-batched-tokens``)."""
+"""Token-count buckets compiled by default on a CPU device (capped by ``--max-num-batched-tokens``)."""
+
+DEFAULT_CUDA_COMPILE_SIZES = (16, 64, 256, 512, 1024, 2048)
+"""Token-count buckets compiled by default on a CUDA device (capped by ``--max-num-batched-tokens``):
+prefill and mixed steps, whose eager forward is launch-bound up to about 2048 tokens of an 8B model
+(issue 31); pure decode steps replay the decode CUDA graphs instead. Not tuned on a GPU yet."""
+
+CUDA_COMPILE_BUDGET_S = 300.0
+"""Start-up compile time allowed on a CUDA device: once compiling the buckets so far took longer, the
+larger ones are left out (their steps run eagerly; logged). Buckets compile in ascending order."""
 
 PARALLEL_GRAIN = 32768
 """Elements per thread below which a generated C++ kernel runs on one thread (inductor's
@@ -69,17 +87,32 @@ inputs are built here); and a C++ wrapper instead of the Python one that calls t
 Python-level calls per step were a third of a compiled stories260k step; measured here at batch 1,
 under load: 0.61 ms against 0.77-0.92 ms; compiling a bucket takes about 1.5x longer)."""
 
+CUDA_INDUCTOR_OPTIONS = {"size_asserts": False, "triton.cudagraphs": False}
+"""Inductor options of every bucket on CUDA: no per-call size assertions (as on the CPU), and no CUDA
+graphs of inductor's own (the attention metadata is read out of band, so a replay would reuse a stale
+step's). No C++ wrapper: on CUDA it lengthens the compile (a C++ build per graph)."""
+
+
+def inductor_options(device: torch.device) -> dict:
+    """The inductor options for buckets on ``device``: a copy of :data:`INDUCTOR_OPTIONS` on the CPU,
+    of :data:`CUDA_INDUCTOR_OPTIONS` elsewhere."""
+    return dict(INDUCTOR_OPTIONS if device.type == "cpu" else CUDA_INDUCTOR_OPTIONS)
+
+
 _COMPILE_LOCK = threading.Lock()  # dynamo compiles one graph at a time per process
 
 
-def compile_sizes(max_num_batched_tokens: int, sizes: Sequence[int] | None = None) -> tuple[int, ...]:
-    """The buckets to compile: ``sizes`` (default :data:`DEFAULT_COMPILE_SIZES`) at most
-    ``max_num_batched_tokens``, ascending, without duplicates; at least ``(1,)``.
+def compile_sizes(max_num_batched_tokens: int, sizes: Sequence[int] | None = None,
+                  device_type: str = "cpu") -> tuple[int, ...]:
+    """The buckets to compile: ``sizes`` (default :data:`DEFAULT_COMPILE_SIZES`, or
+    :data:`DEFAULT_CUDA_COMPILE_SIZES` for ``device_type == "cuda"``) at most ``max_num_batched_tokens``,
+    ascending, without duplicates; at least ``(1,)``.
 
     Raises:
         ValueError: a size below 1.
     """
-    sizes = DEFAULT_COMPILE_SIZES if sizes is None else tuple(sizes)
+    default = DEFAULT_CUDA_COMPILE_SIZES if device_type == "cuda" else DEFAULT_COMPILE_SIZES
+    sizes = default if sizes is None else tuple(sizes)
     if any(int(s) < 1 for s in sizes):
         raise ValueError(f"compile sizes must be at least 1, got {list(sizes)}")
     out = sorted({int(s) for s in sizes if int(s) <= max_num_batched_tokens})
@@ -88,8 +121,8 @@ def compile_sizes(max_num_batched_tokens: int, sizes: Sequence[int] | None = Non
 
 def compile_unsupported(device: torch.device, model: Any) -> str | None:
     """None when the forward can be compiled here, else why not."""
-    if device.type != "cpu":
-        return f"--compile inductor runs on CPU devices in this version ({device} uses its decode CUDA graphs)"
+    if device.type not in ("cpu", "cuda"):
+        return f"--compile inductor runs on CPU and CUDA devices, not {device}"
     if not isinstance(model, CausalLM):
         return "a benchmark model has no forward to compile"
     if model.tp.degree != 1 or model.layout.held_degree != 1:
@@ -110,6 +143,17 @@ class AttentionOpOps:
     def unified_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         return unified_attention(q, k, v, k_cache, v_cache, scale, self.backend)
+
+
+def traced_ops(ops: Any, device_type: str) -> AttentionOpOps:
+    """The operators to trace for a model whose eager operators are ``ops`` (a
+    :class:`~shiftnode_kernels.ops.KernelOps`): attention through the opaque op with ``ops``' backend;
+    the elementwise operators ``ops``' own on the CPU, the torch references on CUDA (inductor generates
+    fused Triton kernels from them; dynamo does not trace hand-written Triton launchers reliably)."""
+    backend = getattr(ops, "backend", "torch")
+    if device_type == "cpu":
+        return AttentionOpOps(backend, ops.rms_norm, ops.rotary_embedding, ops.silu_and_mul)
+    return AttentionOpOps(backend, reference.rms_norm, reference.rotary_embedding, reference.silu_and_mul)
 
 
 def _hidden(model: CausalLM, ops: AttentionOpOps, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -140,53 +184,87 @@ class CompiledForward:
 
     Args:
         model: a degree-1 :class:`CausalLM` (its parameters are set to ``requires_grad=False``:
-            serving never trains, and a traced view of a parameter that requires grad is refused).
+            serving never trains, and a traced view of a parameter that requires grad is refused; the
+            weight views are rebuilt on the same storage, so captured decode graphs stay valid).
         kv_cache: ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``, never reallocated.
         sizes: token-count buckets (see :func:`compile_sizes`).
-        mode: ``torch.compile`` mode (``None``: inductor's default).
+        mode: ``torch.compile`` mode (``None``: inductor's default; never ``reduce-overhead``, see the
+            module doc).
+        ops: the operators to trace (None: :func:`traced_ops` of the model's operators and device).
+        budget_s: :meth:`warm_all` stops compiling further buckets once it took longer than this
+            (None: no limit; the loader passes :data:`CUDA_COMPILE_BUDGET_S` on CUDA).
 
     Counters: ``steps`` (steps run compiled), ``fallbacks`` (steps that needed a recompile and ran
-    eagerly), ``compile_ms`` (time spent in :meth:`warm_all`).
+    eagerly), ``compile_ms`` (time spent in :meth:`warm_all`), ``compile_ms_by_size`` (per bucket).
     """
 
-    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, sizes: Sequence[int], mode: str | None = None):
-        ops = model.ops
-        backend = getattr(ops, "backend", "torch")
+    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, sizes: Sequence[int], mode: str | None = None,
+                 ops: AttentionOpOps | None = None, budget_s: float | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.device
         self.sizes = tuple(sorted(sizes))
-        self.ops = AttentionOpOps(backend, ops.rms_norm, ops.rotary_embedding, ops.silu_and_mul)
+        self.ops = ops if ops is not None else traced_ops(model.ops, self.device.type)
+        self.budget_s = budget_s
         model.requires_grad_(False)
         model.set_tensor_parallel(model.tp)  # rebuild the weight views without autograd
         self._fn = torch.compile(_own_code(_hidden), backend="inductor", fullgraph=True, dynamic=False, mode=mode,
-                                 options=INDUCTOR_OPTIONS)
+                                 options=inductor_options(self.device))
         self._ready: set[int] = set()
         self.steps = 0
         self.fallbacks = 0
         self.compile_ms = 0.0
+        self.compile_ms_by_size: dict[int, float] = {}
 
     @property
     def warmed(self) -> bool:
         return len(self._ready) == len(self.sizes)
 
+    @property
+    def ready_sizes(self) -> tuple[int, ...]:
+        """The buckets compiled so far (ascending)."""
+        return tuple(sorted(self._ready))
+
     def warm_all(self) -> float:
-        """Compile (or load from inductor's cache) every bucket, running each once over padding only
-        (no KV slot is written). Returns the time it took in ms."""
+        """Compile (or load from inductor's cache) every bucket in ascending order (:meth:`warm`) until
+        :attr:`budget_s` is spent: larger buckets are then left out (:attr:`warmed` False; their steps run
+        eagerly; logged). Returns the time it took in ms."""
         t0 = time.perf_counter()
-        empty = StepMetadata(0, torch.zeros(0, dtype=torch.int64), torch.zeros((0, 1), dtype=torch.int32),
-                             torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 0)
+        for t in self.sizes:
+            if self.budget_s is not None and time.perf_counter() - t0 > self.budget_s:
+                log.warning("compile_budget_spent", budget_s=self.budget_s, compiled=self.ready_sizes,
+                            left_out=[s for s in self.sizes if s not in self._ready])
+                break
+            self.warm(t)
+        return (time.perf_counter() - t0) * 1e3
+
+    def warm(self, size: int) -> float:
+        """Compile (or load) the graph of bucket ``size`` (one of :attr:`sizes`) by running it once over
+        padding only (no KV slot is written). Returns the time it took in ms (0.0 if it was ready).
+
+        Raises:
+            ValueError: ``size`` is not a bucket.
+        """
+        if size not in self.sizes:
+            raise ValueError(f"{size} is not a bucket of {self.sizes}")
+        if size in self._ready:
+            return 0.0
+        t0 = time.perf_counter()
+        dev = self.device
+        empty = StepMetadata(0, torch.zeros(0, dtype=torch.int64, device=dev),
+                             torch.zeros((0, 1), dtype=torch.int32, device=dev), torch.zeros(0, dtype=torch.int32, device=dev),
+                             torch.zeros(1, dtype=torch.int32, device=dev), 0)
         with _COMPILE_LOCK:
             _raise_recompile_limit(len(self.sizes) + 1)
-            for t in self.sizes:
-                if t in self._ready:
-                    continue
-                with torch.inference_mode(False), torch.no_grad(), step_metadata(empty):
-                    # two tensors: dynamo guards on aliasing, and a step's ids and positions never alias
-                    ids, pos = (torch.zeros(t, dtype=torch.int64, device=self.device) for _ in range(2))
-                    self._fn(self.model, self.ops, ids, pos, self.kv_cache)
-                self._ready.add(t)
+            with torch.inference_mode(False), torch.no_grad(), step_metadata(empty):
+                # two tensors: dynamo guards on aliasing, and a step's ids and positions never alias
+                ids, pos = (torch.zeros(size, dtype=torch.int64, device=dev) for _ in range(2))
+                self._fn(self.model, self.ops, ids, pos, self.kv_cache)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
         ms = (time.perf_counter() - t0) * 1e3
+        self._ready.add(size)
+        self.compile_ms_by_size[size] = ms
         self.compile_ms += ms
         return ms
 

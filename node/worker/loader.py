@@ -9,7 +9,7 @@ import structlog
 import torch
 
 from node.config import NodeConfig, benchmark_cost_path
-from node.worker.compiled_forward import CompiledForward, compile_sizes, compile_unsupported
+from node.worker.compiled_forward import CUDA_COMPILE_BUDGET_S, CompiledForward, compile_sizes, compile_unsupported
 from node.worker.cuda_graphs import DecodeGraphs, decode_graphs_unsupported
 from node.worker.model_config import ModelConfig
 from node.worker.runner import (KVAlloc, ModelRunner, free_device_bytes, kv_bytes_per_token_per_rank, plan_kv_blocks,
@@ -204,17 +204,32 @@ def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: obj
 def attach_compiled_forward(runner: ModelRunner, config: NodeConfig, device_id: str) -> None:
     """``--compile inductor``: give ``runner`` a compiled forward per ``--compile-sizes`` bucket and
     compile them all now, before the node serves (:mod:`node.worker.compiled_forward`); where it is not
-    supported (a CUDA device, a benchmark model, tensor parallelism) steps stay eager, with a warning."""
+    supported (a benchmark model, tensor parallelism) steps stay eager, with a warning. On CUDA the
+    decode graphs attached before keep the pure decode steps that fit them, the compile time is bounded
+    by :data:`~node.worker.compiled_forward.CUDA_COMPILE_BUDGET_S`, and a compile that fails is logged
+    (``compile_failed``, the reason in ``runner.compiled_error``) and leaves the steps eager."""
     if config.compile == "none":
         return
     reason = compile_unsupported(runner.device, runner.model)
     if reason is not None:
         log.warning("compile_off", device=device_id, reason=reason)
         return
-    sizes = compile_sizes(config.max_num_batched_tokens, config.compile_sizes)
-    runner.compiled = CompiledForward(runner.model, runner.kv_cache, sizes)
-    ms = runner.compiled.warm_all()
-    log.info("forward_compiled", device=device_id, backend=config.compile, sizes=list(sizes), ms=round(ms))
+    cuda = runner.device.type == "cuda"
+    sizes = compile_sizes(config.max_num_batched_tokens, config.compile_sizes, runner.device.type)
+    try:
+        runner.compiled = CompiledForward(runner.model, runner.kv_cache, sizes,
+                                          budget_s=CUDA_COMPILE_BUDGET_S if cuda else None)
+        ms = runner.compiled.warm_all()
+    except Exception as e:
+        if not cuda:
+            raise
+        # A compile that fails on CUDA must not stop the node (as a failed decode-graph capture): eager steps.
+        log.exception("compile_failed", device=device_id, error=str(e)[:500])
+        runner.compiled = None
+        runner.compiled_error = f"{type(e).__name__}: {e}"
+        return
+    log.info("forward_compiled", device=device_id, backend=config.compile, sizes=list(runner.compiled.ready_sizes),
+             ms=round(ms), bucket_ms={t: round(v) for t, v in runner.compiled.compile_ms_by_size.items()})
 
 
 def attach_decode_graphs(runner: ModelRunner, config: NodeConfig, max_model_len: int, ops: object,

@@ -115,6 +115,7 @@ class ModelRunner:
         self.graphs_error: str | None = None  # why a capture failed (graphs were then turned off)
         self.pacer: StepPacer | None = None
         self.compiled: CompiledForward | None = None  # --compile inductor (node.worker.compiled_forward)
+        self.compiled_error: str | None = None  # why the compile failed on CUDA (steps then run eagerly)
         # A time-shared group rank in its prefill layout: the pools of the devices whose KV heads it
         # computes, its own among them (node.worker.role_layouts); None: its own pool only.
         self.kv_views: tuple[torch.Tensor, ...] | None = None
