@@ -66,12 +66,13 @@ DEFAULT_COMPILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 DEFAULT_CUDA_COMPILE_SIZES = (16, 64, 256, 512, 1024, 2048)
 """Token-count buckets compiled by default on a CUDA device (capped by ``--max-num-batched-tokens``):
-prefill and mixed steps, whose eager forward is launch-bound up to about 2048 tokens of an 8B model
-(issue 31); pure decode steps replay the decode CUDA graphs instead. Not tuned on a GPU yet."""
+prefill and mixed steps, whose eager forward issue 31 found launch-bound on an H200 for an 8B model;
+pure decode steps replay the decode CUDA graphs instead. Not tuned on a GPU yet."""
 
 CUDA_COMPILE_BUDGET_S = 300.0
 """Start-up compile time allowed on a CUDA device: once compiling the buckets so far took longer, the
-larger ones are left out (their steps run eagerly; logged). Buckets compile in ascending order."""
+larger ones are left out (their steps run eagerly; ``compile_budget_spent`` is logged). Buckets compile in
+ascending order."""
 
 PARALLEL_GRAIN = 32768
 """Elements per thread below which a generated C++ kernel runs on one thread (inductor's
