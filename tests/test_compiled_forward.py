@@ -211,9 +211,10 @@ def test_cuda_devices_are_supported_with_their_own_options(eager):
 def cuda_path(one_thread) -> ModelRunner:
     """A runner whose compiled forward traces what a CUDA device traces: the torch reference elementwise
     operators, attention through the Triton kernels (run by Triton's interpreter here, as the tests set
-    ``TRITON_INTERPRET=1``)."""
+    ``TRITON_INTERPRET=1``), with CUDA's inductor options (the Python wrapper calls the attention op)."""
     runner = _runner(_config())
-    runner.compiled = CompiledForward(runner.model, runner.kv_cache, (BUCKET,), ops=traced_ops(get_ops("triton"), "cuda"))
+    runner.compiled = CompiledForward(runner.model, runner.kv_cache, (BUCKET,), ops=traced_ops(get_ops("triton"), "cuda"),
+                                      options=inductor_options(torch.device("cuda", 0)))
     runner.compiled.warm_all()
     assert runner.compiled.warmed and set(runner.compiled.compile_ms_by_size) == {BUCKET}
     return runner

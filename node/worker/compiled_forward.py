@@ -194,13 +194,14 @@ class CompiledForward:
         ops: the operators to trace (None: :func:`traced_ops` of the model's operators and device).
         budget_s: :meth:`warm_all` stops compiling further buckets once it took longer than this
             (None: no limit; the loader passes :data:`CUDA_COMPILE_BUDGET_S` on CUDA).
+        options: inductor options (None: :func:`inductor_options` of the pool's device).
 
     Counters: ``steps`` (steps run compiled), ``fallbacks`` (steps that needed a recompile and ran
     eagerly), ``compile_ms`` (time spent in :meth:`warm_all`), ``compile_ms_by_size`` (per bucket).
     """
 
     def __init__(self, model: CausalLM, kv_cache: torch.Tensor, sizes: Sequence[int], mode: str | None = None,
-                 ops: AttentionOpOps | None = None, budget_s: float | None = None):
+                 ops: AttentionOpOps | None = None, budget_s: float | None = None, options: dict | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.device
@@ -210,7 +211,7 @@ class CompiledForward:
         model.requires_grad_(False)
         model.set_tensor_parallel(model.tp)  # rebuild the weight views without autograd
         self._fn = torch.compile(_own_code(_hidden), backend="inductor", fullgraph=True, dynamic=False, mode=mode,
-                                 options=inductor_options(self.device))
+                                 options=inductor_options(self.device) if options is None else options)
         self._ready: set[int] = set()
         self.steps = 0
         self.fallbacks = 0
