@@ -66,3 +66,39 @@ def test_one_configuration_refits_prompt_costs_on_the_decode_fixed_cost():
         driver.refit()
         cost = driver.scheduler.cost
         assert cost.prefill_fixed_s - cost.decode_fixed_s == pytest.approx(penalty, abs=1e-6)
+
+
+def test_the_adaptive_driver_skips_the_snapshot_while_every_device_only_decodes():
+    """The snapshot walks every sequence of the node; at each step's end of a decode-only node the adaptive
+    policy would decide nothing (AdaptiveScheduler.quiet_when_decoding), so the driver does not build it."""
+    from node.core.roles import Role
+
+    class Built(Exception):
+        pass
+
+    def snapshot(now):
+        raise Built
+
+    decoding = SimpleNamespace(is_decoding=True)
+    batcher = SimpleNamespace(running=[decoding] * 3, waiting=[])
+    engine = SimpleNamespace(device_id="cpu:0", failure=None, batcher=batcher, role=SimpleNamespace(role=Role.DECODE),
+                             step_listeners=[], switch_listeners=[], migration_listeners=[])
+    node = SimpleNamespace(config=SimpleNamespace(imbalance_threshold=0.0, link_gbps=0.0), engines=[engine],
+                           draining=False)
+    driver = RoleDriver(node, role_scheduler(NodeConfig(mode="adaptive", devices=DEVICES[:1])), lambda: 0.0)
+    driver.snapshot = snapshot
+    driver.tick()  # quiet: no snapshot
+    for change in (lambda: batcher.running.append(SimpleNamespace(is_decoding=False)),  # a prompt in progress
+                   lambda: batcher.waiting.append(object()),  # a prompt queued on the device
+                   lambda: driver.pending.append(object()),  # a prompt not yet placed
+                   lambda: setattr(engine.role, "role", Role.MIXED)):
+        change()
+        with pytest.raises(Built):
+            driver.tick()
+        batcher.running[3:], batcher.waiting[:], driver.pending[:], engine.role.role = [], [], [], Role.DECODE
+        driver.tick()
+    # the two-role policy parks idle devices in PREFILL: it always decides
+    driver = RoleDriver(node, role_scheduler(NodeConfig(mode="time-shared", devices=DEVICES[:1])), lambda: 0.0)
+    driver.snapshot = snapshot
+    with pytest.raises(Built):
+        driver.tick()

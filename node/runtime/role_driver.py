@@ -91,6 +91,8 @@ class RoleDriver(Driver):
 
     # --- one decision round --------------------------------------------------------------------------
     def tick(self) -> None:
+        if getattr(self.scheduler, "quiet_when_decoding", False) and self._only_decoding():
+            return  # the policy would decide nothing (AdaptiveScheduler.quiet_when_decoding)
         now = self.clock()
         snap = self.snapshot(now)
         if self.node.draining:
@@ -128,6 +130,19 @@ class RoleDriver(Driver):
                     self.pending.remove(req)
                     req.fail(f"request cannot be served: {d.reason} (its prompt times n, plus one token, must fit "
                              f"one device's KV cache even when empty)", status=400, code="kv_capacity_exceeded")
+
+    def _only_decoding(self) -> bool:
+        """No waiting prompt, no move to consider (fallback off, not draining, no switch under way), and
+        every live device in DECODE holding decoding sequences only: checked without the snapshot."""
+        if self.pending or self._switching or self.node.draining or self.imbalance.config.threshold > 0:
+            return False
+        for e in self.node.engines:
+            if e.failure is not None:  # down: out of the policy's view
+                continue
+            b = e.batcher
+            if e.role is None or e.role.role is not Role.DECODE or b.waiting or not all(s.is_decoding for s in b.running):
+                return False
+        return True
 
     def _peers(self, now: float) -> tuple[DeviceState, ...]:
         """Ready peer nodes as DECODE-role devices: each one's roomiest device, from its last report."""

@@ -384,3 +384,21 @@ def test_the_chunk_grows_past_the_knee_to_keep_up_with_a_backlog():
     c_limit = chunk_budget(m, T, 2048 - 4)
     assert knee < grown <= c_limit and chunks_s(m, 6000, knee) > 0.2 * 0.200
     assert chunks_s(m, 6000, grown) <= 0.2 * 0.200 or grown == c_limit
+
+
+def test_quiet_when_decoding_means_no_decision():
+    """AdaptiveScheduler.quiet_when_decoding (a driver then skips the snapshot): with nothing waiting and
+    every device in DECODE with no queued prompt work, decide() returns nothing, whatever the residents'
+    pace, the devices' KV, slots, step in flight or time in the role."""
+    import random
+
+    rng = random.Random(5)
+    pol = AdaptiveScheduler(CFG, COST)
+    assert pol.quiet_when_decoding
+    for _ in range(300):
+        now = rng.uniform(0.5, 50.0)
+        devs = tuple(dev(Role.DECODE, on_pace(rng.randrange(0, 64), now, rng.uniform(-0.5, 0.5)), device_id=f"d{i}",
+                         since=rng.uniform(0.0, now), busy_until_s=now + rng.uniform(-0.01, 0.02),
+                         kv_free_blocks=rng.randrange(0, 4000), seq_slots_free=rng.randrange(0, 8))
+                     for i in range(rng.randrange(1, 5)))
+        assert pol.decide(now, NodeSnapshot(devs, pause_s=rng.choice([None, 0.005, 0.2]))) == []
