@@ -78,7 +78,8 @@ GROUPS: tuple[Group, ...] = (
         Tool("load.restart", "When an engine is killed under greedy streams, how long do they pause, do they "
                              "end exactly, and how soon does the device serve again?"),
         Tool("load.membership", "How fast do peer sets follow a join, a kill -9 and a clean stop through etcd?"),
-    ), ("load.node_process", "load.etcd_server", "load.host_compare"), frozenset({"traffic"})),
+    ), ("load.node_process", "load.etcd_server", "load.host_compare", "load.host_cells", "load.stream_client"),
+        frozenset({"traffic"})),
     Group("device", "one device, group or link below the serving loop: kernels, steps, switches, KV transfer", (
         Tool("device.kernels", "Is every Triton kernel right on this GPU, and how close to the copy and "
                                "matmul ceilings does it run?"),

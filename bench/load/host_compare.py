@@ -1,6 +1,6 @@
 """bench.load.host_overhead's comparisons and CPU readings: per-process CPU time from ``/proc``, and the
-summary lines that pair cells of one run (old against new tree, front ends against one process, two
-devices against one, sampled against greedy)."""
+summary lines that pair cells of one run (old against new tree, front ends against one process, tok/s
+against ``--api-processes`` as a fraction of linear, two devices against one, sampled against greedy)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import os
 import statistics
 from typing import TYPE_CHECKING
 
+from bench.load.host_cells import _ok
+
 if TYPE_CHECKING:
-    from bench.load.host_overhead import Cell
+    from bench.load.host_cells import Cell
 
 
 def _tree_cpu_s(pid: int | None) -> tuple[float, float]:
@@ -71,7 +73,8 @@ def against_baseline(cells: list[Cell]) -> list[str]:
     ok = {(key(x), x.tree, x.pair): x for x in cells if x.wall_s and x.tokens}
     for k in dict.fromkeys(k for k, tree, _ in ok if tree == "baseline"):
         pairs = sorted(i for kk, tree, i in ok if kk == k and tree == "baseline")
-        rounds = [(ok[(k, "this", i)], ok[(k, "baseline", i)]) for i in pairs if (k, "this", i) in ok]
+        rounds = [(ok[(k, "this", i)], ok[(k, "baseline", i)]) for i in pairs
+                  if (k, "this", i) in ok and ok[(k, "baseline", i)].node_us_per_token()]  # no CPU read: no ratio
         if not rounds:
             continue
         cpu = [t.node_us_per_token() / b.node_us_per_token() for t, b in rounds]
@@ -102,8 +105,49 @@ def api_against_single(cells: list[Cell]) -> list[str]:
         tok = [t.tok_s() / o.tok_s() for t, o in rounds]
         out.append(f"--api-processes {api} vs 1 ({' '.join(map(str, k))}, {len(rounds)} rounds): control loop "
                    f"{ctl:.1f} vs {ctl1:.1f} us/token (target <= 5: {_ok(ctl <= 5)}), whole node {tot:.1f} vs "
-                   f"{tot1:.1f} us/token ({tot / tot1:.2f}x, target <= 1: {_ok(tot <= tot1)}), tok/s "
+                   f"{tot1:.1f} us/token ({tot / tot1 if tot1 else float('nan'):.2f}x, target <= 1: {_ok(tot <= tot1)}), tok/s "
                    f"{med(tok):.2f}x [{' '.join(f'{r:.2f}' for r in tok)}]")
+    return out
+
+
+def api_scaling_rows(cells: list[Cell]) -> list[dict]:
+    """Per grid point run (this tree) with ``--api-processes`` 1 and more: for each value ``n`` the median
+    over rounds of tok/s, its fraction of linear ``tok(n) / (n * tok(1))``, the control process's and the
+    whole node's CPU per token (us) and the clients' CPU (% of one core, summed; the busiest process's),
+    with issue 31's targets: >= 0.7 of linear up to 4 processes, the control loop <= 5 us per token."""
+    med = statistics.median
+    key = lambda x: (x.layout, x.model, x.setup, x.concurrency, x.sampling)  # noqa: E731
+    ok = [x for x in cells if x.wall_s and x.tokens and x.tree == "this"]
+    rows = []
+    for k in dict.fromkeys(key(x) for x in ok):
+        by_n = {n: [x for x in ok if key(x) == k and x.api_processes == n] for n in sorted({x.api_processes for x in ok})}
+        by_n = {n: xs for n, xs in by_n.items() if xs}
+        if 1 not in by_n or len(by_n) < 2:
+            continue
+        one = med(x.tok_s() for x in by_n[1])
+        for n, xs in by_n.items():
+            tok, ctl = med(x.tok_s() for x in xs), med(x.node_us_per_token() for x in xs)
+            frac = tok / (n * one) if one else 0.0
+            rows.append({"point": " ".join(map(str, k)), "api_processes": n, "rounds": len(xs), "tok_s": tok,
+                         "of_linear": frac, "control_us_per_token": ctl,
+                         "whole_us_per_token": med(x.total_us_per_token() for x in xs),
+                         "client_cpu_pct": med(100 * x.client_cpu_s / x.wall_s for x in xs),
+                         "client_cpu_max_pct": med(100 * x.client_cpu_max_s / x.wall_s for x in xs),
+                         "client_processes": xs[0].client_processes,
+                         "linear_ok": frac >= 0.7 if 1 < n <= 4 else None, "control_ok": ctl <= 5.0})
+    return rows
+
+
+def api_scaling(cells: list[Cell]) -> list[str]:
+    """:func:`api_scaling_rows` as lines, one per grid point and ``--api-processes`` value."""
+    out = []
+    for r in api_scaling_rows(cells):
+        lin = f" (target >= 0.7: {_ok(r['linear_ok'])})" if r["linear_ok"] is not None else ""
+        out.append(f"scaling ({r['point']}) --api-processes {r['api_processes']:>2}: {r['tok_s']:8.0f} tok/s, "
+                   f"{r['of_linear']:.2f} of linear{lin}; control loop {r['control_us_per_token']:.1f} us/token "
+                   f"(target <= 5: {_ok(r['control_ok'])}); whole node {r['whole_us_per_token']:.1f} us/token; "
+                   f"clients {r['client_cpu_pct']:.0f}% CPU in {r['client_processes']} process(es) (busiest "
+                   f"{r['client_cpu_max_pct']:.0f}%); {r['rounds']} round(s)")
     return out
 
 
@@ -136,7 +180,3 @@ def sampled_vs_greedy(cells: list[Cell]) -> list[str]:
             out.append(f"t0.8/top-p 0.95 vs greedy per step ({t.tree}, {t.layout}, {t.model}, {t.setup}, c={t.concurrency}): "
                        f"{r:.2f}x{goal}")
     return out
-
-
-def _ok(b: bool) -> str:
-    return "ok" if b else "MISS"

@@ -1,13 +1,15 @@
 """The node's own (host) overhead per decode step, under streaming load (issue 11).
 
-    python -m bench.load.host_overhead [--quick] [--layouts thread,process] [--duration S] [--json PATH]
+    python -m bench.load.host_overhead [--quick | --scaling] [--layouts thread,process] [--duration S] [--json PATH]
                                   [--models zero,...] [--baseline DIR [--pairs N]]
-                                  [--api-processes 1,2] [--concurrency 256]
+                                  [--api-processes 1,2] [--concurrency 256] [--client-processes K|auto]
+                                  [--time-limit S]
 
 Starts ``shiftnode serve`` subprocesses (:class:`bench.load.node_process.NodeServer`) for each model and
-device setup and drives closed-loop streaming load: ``c`` client tasks each send
-``POST /v1/completions`` (``stream``, ``ignore_eos``, ``max_tokens`` fixed, ``return_token_ids`` so
-tokens are counted per chunk) back to back. Models: ``--benchmark-model zero`` (no compute),
+device setup and drives closed-loop streaming load (:mod:`bench.load.stream_client`): ``c`` client tasks
+each send ``POST /v1/completions`` (``stream``, ``ignore_eos``, ``max_tokens`` fixed,
+``return_token_ids`` so tokens are counted per chunk) back to back, split over ``--client-processes``
+processes (default 1; ``auto``: a quarter of the cores, 1 to 8). Models: ``--benchmark-model zero`` (no compute),
 ``--benchmark-model sleep:5`` (each step sleeps 5 ms), stories260k's real weights (``stories``, eager
 steps, and ``stories-c``, ``--compile inductor``), and
 ``llama3-vocab`` (stories260k's geometry with Llama-3's 128,256-token vocabulary, dummy weights: the
@@ -41,7 +43,8 @@ Per cell, after ``--warmup`` seconds, the measured interval of ``--duration`` se
   ``shiftnode-api-N``), of its engine processes, and of all of them, in the interval, per streamed
   token. On a shared machine whose speed drifts this is
   steadier than tok/s, and it says what the node's own path costs whatever CPU it was given.
-* ``cli%``: the client's own CPU use in the interval (100 = one core): near 100 the client limits.
+* ``cli%``: the client processes' CPU use in the interval, summed (100 = one core), ``K`` of them: near
+  ``100 * K`` the clients limit (the JSON has the busiest one's too, ``client_cpu_max_s``).
 
 ``--baseline DIR`` runs every node of the grid from another checkout as well (``git worktree add
 /tmp/base <rev>``), ``--pairs`` times each, alternating with this one, and prints per grid point
@@ -51,7 +54,18 @@ their median: an old-against-new comparison measured side by side in one run.
 ``--api-processes 1,2`` runs every node of the grid with each value, alternating per round
 (``--pairs``), and prints per grid point the control process's CPU per token against the one-process
 node's and the whole node's (issue 31: the control loop at 5 us per token or less, the whole node no
-higher than one process). ``--concurrency`` keeps only the grid points of those client counts.
+higher than one process), and per grid point tok/s at each value as a fraction of linear, ``tok/s(N) /
+(N x tok/s(1))``. ``--concurrency`` keeps only the grid points of those client counts.
+
+``--scaling`` (issue 31) is one grid point only: zero, one device, colocated, ``--engine-layout process``,
+greedy and t0.8 at c=1024 (or ``--concurrency``), each node with ``--api-processes 1,2,4,8`` (or the
+given values), ``--pairs 1``, ``--client-processes auto``, 2 s warm-up + 5 s measured per cell, and
+``--time-limit 150``: a node whose cells (estimated at warm-up + measured + 1.5 s each) would end past
+it is not started but an error row, so the run ends near the limit at worst (a node's start-up is
+capped by what is left; about 90 s in all where every node starts in a few seconds). Its summary lines give tok/s per value, the fraction of linear (target:
+>= 0.7 up to 4) and the control loop's CPU per token (target: <= 5 us, greedy and sampled). The table and
+the JSON (rewritten after every cell) come out whatever fails: a node that does not start or a cell that
+fails is an error row; SIGTERM (``timeout``) stops the nodes and prints what was measured.
 
 Targets (issue 11) are checked beside the figures: zero, one device, c=256: >= 30k tok/s; sleep:5 at
 256 sequences per device: >= 95 % of 200 steps/s per device; two devices >= 1.6x one device (same
@@ -59,36 +73,33 @@ model, mode, sampling, 256 sequences per device); stories260k at c=1: ITL - runn
 llama3-vocab at c=256: t0.8 / top-p 0.95 <= 1.2x greedy ms per step; (issue 31) stories-c at c=1: ITL p50
 <= 0.8 ms.
 
-The client runs on the same machine as the node (uvloop + aiohttp, one process): on a small machine
-its own CPU use is part of what the figures show.
+The clients run on the same machine as the node (uvloop + aiohttp): on a small machine their own CPU
+use is part of what the figures show; with too few client processes for the node's speed they limit it.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import random
-import re
-import statistics
+import resource
+import signal
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
-import aiohttp
-
-from bench.load.host_compare import _cpu_by_role, _ok, against_baseline, api_against_single, sampled_vs_greedy, scaling
+from bench.load.host_cells import HEAD, SLEEP_MS, Cell, row
+from bench.load.host_compare import (against_baseline, api_against_single, api_scaling, api_scaling_rows,
+                                     sampled_vs_greedy, scaling)
 from bench.load.runner_step import engine_threads, runner_steps, table as runner_table
 from bench.load.node_process import NodeServer, NodeUnavailable
+from bench.load.stream_client import auto_processes, run_load
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = Path(os.environ.get("SHIFTNODE_SHARED", REPO.parent / "shared"))
 STORIES = SHARED / "models" / "stories260k"
-SLEEP_MS = 5.0
-_IDS = re.compile(rb'"token_ids":\s*\[([^\]]*)\]')
 SAMPLING = {"greedy": {"temperature": 0.0}, "t0.8": {"temperature": 0.8, "top_p": 0.95}}
 MODELS = {"zero": ["--benchmark-model", "zero"], "sleep:5": ["--benchmark-model", f"sleep:{SLEEP_MS:g}"],
           "stories": [], "stories-c": ["--compile", "inductor"], "llama3-vocab": ["--load-format", "dummy"]}
@@ -96,151 +107,19 @@ LLAMA3_VOCAB = 128256
 """``llama3-vocab``: stories260k's geometry and tokenizer with Llama-3's vocabulary, dummy weights (a real
 forward; the LM head and the sampler work on 128,256 logits per row). Ids past the tokenizer's 512
 decode to nothing: the text is empty, the token counts are real."""
+CELL_OVERHEAD_S = 1.5
+"""Seconds a cell takes beyond its warm-up and measured time (client processes started, streams ended),
+for ``--time-limit``'s estimate of whether a node's cells still fit."""
 SETUPS = {"1 ts": ["--devices", "cpu:0"], "1 col": ["--devices", "cpu:0", "--mode", "colocated"],
           "2 ts": ["--devices", "cpu:0,cpu:1"], "2 col": ["--devices", "cpu:0,cpu:1", "--mode", "colocated"]}
 
 
-@dataclass
-class Cell:
-    """One measured load point. Times in seconds unless the name says ms."""
-
-    layout: str
-    model: str
-    setup: str
-    concurrency: int
-    sampling: str
-    wall_s: float = 0.0
-    tokens: int = 0
-    steps: list[int] = field(default_factory=list)  # per device, in the interval
-    gap_s: float = 0.0  # sum of in-request chunk gaps in the interval
-    gap_tokens: int = 0  # tokens of the chunks those gaps end at
-    gaps: list[float] = field(default_factory=list, repr=False)  # each in-request gap / its chunk's tokens (s)
-    startup_s: float | None = None  # the node's start-up (launch to healthy), compilation included
-    requests: int = 0
-    client_cpu_s: float = 0.0  # this (client) process's CPU time in the interval
-    node_cpu_s: float = 0.0  # the node (control) process's CPU time (user + system, all threads) in the interval
-    engine_cpu_s: float = 0.0  # its engine processes' CPU time in the interval
-    api_cpu_s: float = 0.0  # its API front-end processes' CPU time (--api-processes > 1) in the interval
-    api_processes: int = 1  # the node's --api-processes
-    tree: str = "this"  # which checkout ran the node: "this" or "baseline" (--baseline)
-    pair: int = 0  # with --baseline: which of the --pairs rounds
-    errors: int = 0
-    error: str | None = None  # the node did not start (or the cell failed), why
-
-    @property
-    def devices(self) -> int:
-        return int(self.setup.split()[0])
-
-    def tok_s(self) -> float:
-        return self.tokens / self.wall_s if self.wall_s else 0.0
-
-    def ms_per_step(self) -> float | None:
-        per = [self.wall_s * 1e3 / s for s in self.steps if s]
-        return statistics.mean(per) if per else None
-
-    def itl_ms(self) -> float | None:
-        return self.gap_s * 1e3 / self.gap_tokens if self.gap_tokens else None
-
-    def itl_p50_ms(self) -> float | None:
-        return statistics.median(self.gaps) * 1e3 if self.gaps else None
-
-    def node_us_per_token(self) -> float | None:
-        return self.node_cpu_s * 1e6 / self.tokens if self.tokens else None
-
-    def engine_us_per_token(self) -> float | None:
-        return self.engine_cpu_s * 1e6 / self.tokens if self.tokens else None
-
-    def api_us_per_token(self) -> float | None:
-        return self.api_cpu_s * 1e6 / self.tokens if self.tokens else None
-
-    def total_us_per_token(self) -> float | None:
-        """The whole node's CPU per streamed token: control process, front ends and engines."""
-        return (self.node_cpu_s + self.api_cpu_s + self.engine_cpu_s) * 1e6 / self.tokens if self.tokens else None
-
-
-# --- the client ------------------------------------------------------------------------------------
-class Load:
-    """``c`` closed-loop streaming clients; counts tokens whose chunk arrives inside ``[t_a, t_b]``."""
-
-    def __init__(self, url: str, body: dict, concurrency: int, vocab: int, seed: int = 0, pid: int | None = None):
-        self.url, self.body, self.c = url, body, concurrency
-        self.pid = pid  # the node's process: its and its children's CPU time are read at both ends
-        self.rng = random.Random(seed)
-        self.vocab = vocab
-        self.t_a = self.t_b = float("inf")
-        self.cell: Cell | None = None
-        self.stop = False
-
-    def _window(self, t: float) -> bool:
-        return self.t_a <= t <= self.t_b
-
-    async def _one(self, session: aiohttp.ClientSession) -> None:
-        body = {**self.body, "prompt": [1] + [self.rng.randrange(3, self.vocab) for _ in range(7)]}
-        cell, last = self.cell, None
-        async with session.post(self.url + "/v1/completions", json=body) as r:
-            if r.status != 200:
-                cell.errors += 1
-                cell.error = cell.error or f"HTTP {r.status}: {(await r.text())[:160]}"
-                await asyncio.sleep(0.05)
-                return
-            async for line in r.content:
-                m = _IDS.search(line)
-                if not m:
-                    continue
-                n = m.group(1).count(b",") + 1 if m.group(1).strip() else 0
-                now = time.perf_counter()
-                if n and self._window(now):
-                    cell.tokens += n
-                    if last is not None and self._window(last):
-                        cell.gap_s += now - last
-                        cell.gap_tokens += n
-                        if len(cell.gaps) < 100_000:
-                            cell.gaps.append((now - last) / n)
-                last = now if n else last
-        if self._window(time.perf_counter()):
-            cell.requests += 1
-
-    async def _worker(self, session: aiohttp.ClientSession) -> None:
-        while not self.stop:
-            try:
-                await self._one(session)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-                self.cell.errors += 1
-                self.cell.error = self.cell.error or f"{type(e).__name__}: {e}"
-                await asyncio.sleep(0.05)
-
-    async def run(self, cell: Cell, warmup_s: float, duration_s: float) -> None:
-        self.cell = cell
-        conn = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as s:
-            workers = [asyncio.create_task(self._worker(s)) for _ in range(self.c)]
-            await asyncio.sleep(warmup_s)
-            before, self.t_a = await _steps(s, self.url)
-            cpu0, node0 = time.process_time(), _cpu_by_role(self.pid)
-            await asyncio.sleep(duration_s)
-            cell.client_cpu_s = time.process_time() - cpu0
-            node1 = _cpu_by_role(self.pid)
-            cell.node_cpu_s, cell.api_cpu_s, cell.engine_cpu_s = (b - a for a, b in zip(node0, node1))
-            after, self.t_b = await _steps(s, self.url)
-            self.stop = True
-            for w in workers:
-                w.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
-        cell.wall_s = self.t_b - self.t_a
-        cell.steps = [b - a for a, b in zip(before, after)]
-
-
-async def _steps(session: aiohttp.ClientSession, url: str) -> tuple[list[int], float]:
-    """Each device's ``steps`` from ``GET /v1/node``, and the midpoint of the read (perf_counter s)."""
-    t0 = time.perf_counter()
-    async with session.get(url + "/v1/node") as r:
-        st = await r.json()
-    return [d["steps"] for d in st["devices"]], (t0 + time.perf_counter()) / 2
-
-
 # --- the grid ----------------------------------------------------------------------------------------
-def grid(quick: bool) -> dict[tuple[str, str], list[tuple[int, str]]]:
-    """``(model, setup) -> [(concurrency, sampling), ...]``; a node is started per key (and layout)."""
+def grid(quick: bool, scaling_c: list[int] | None = None) -> dict[tuple[str, str], list[tuple[int, str]]]:
+    """``(model, setup) -> [(concurrency, sampling), ...]``; a node is started per key (and layout).
+    ``scaling_c`` (``--scaling``): zero, one device, colocated, at those client counts, greedy and t0.8."""
+    if scaling_c:
+        return {("zero", "1 col"): [(c, s) for c in scaling_c for s in SAMPLING]}
     if quick:
         return {("zero", "1 col"): [(1, "greedy"), (256, "greedy"), (256, "t0.8")],
                 ("zero", "2 col"): [(512, "greedy")],
@@ -270,17 +149,18 @@ def llama3_vocab_model(root: Path) -> Path:
     return folder
 
 
-def run_grid(args: argparse.Namespace, log_dir: Path) -> list[Cell]:
+def run_grid(args: argparse.Namespace, log_dir: Path, done=lambda cells: None) -> list[Cell]:
     """Every grid point for each layout; with ``--baseline``, each node runs ``--pairs`` times for each
-    checkout, alternating (baseline first), so both see the same phases of a noisy machine."""
+    checkout, alternating (baseline first), so both see the same phases of a noisy machine. ``done(cells)``
+    runs after each cell (the JSON so far); past ``--time-limit`` the nodes left become error rows."""
     cells, t0 = [], time.monotonic()
     trees = [("baseline", args.baseline), ("this", None)] if args.baseline else [("this", None)]
     base_api = bool(args.baseline) and "--api-processes" in (Path(args.baseline) / "node" / "cli.py").read_text()
     for layout in args.layouts:
-        for (model, setup), points in grid(args.quick).items():
+        for (model, setup), points in grid(args.quick, args.scaling_c).items():
             if args.models and model not in args.models:
                 continue
-            points = [pt for pt in points if not args.concurrency or pt[0] in args.concurrency]
+            points = [pt for pt in points if args.scaling_c or not args.concurrency or pt[0] in args.concurrency]
             if not points:
                 continue
             folder = llama3_vocab_model(log_dir) if model == "llama3-vocab" else STORIES
@@ -292,144 +172,174 @@ def run_grid(args: argparse.Namespace, log_dir: Path) -> list[Cell]:
                 runs = [r for r in runs if r[2] != 1]
             for pair in range(args.pairs if args.baseline or len(runs) > 1 else 1):
                 for tree, repo, api in runs:
+                    tags = dict(tree=tree, pair=pair, api_processes=api, client_processes=args.client_processes)
+                    left = args.time_limit - (time.monotonic() - t0) if args.time_limit else None
+                    need = len(points) * (args.warmup + args.duration + CELL_OVERHEAD_S)  # the node's cells, start aside
+                    if left is not None and left < need + 5:
+                        cells.append(Cell(layout, model, setup, 0, "-", **tags, error="skipped: --time-limit reached"))
+                        done(cells)
+                        continue
                     log_path = log_dir / f"{tree}-{pair}-{layout}-api{api}-{model.replace(':', '')}-{setup.replace(' ', '')}.log"
                     api_flags = ["--api-processes", str(api)] if tree == "this" or base_api else []
                     print(f"# {time.monotonic() - t0:5.0f} s  {tree} {layout} {model} {setup}: {' '.join(flags + api_flags)}",
                           file=sys.stderr, flush=True)
+                    timeout = 900 if "--compile" in flags else args.startup_timeout
                     try:
                         with NodeServer(flags + api_flags, log_path=log_path, repo=repo,
-                                        startup_timeout_s=900 if "--compile" in flags else 120) as node:
+                                        startup_timeout_s=min(timeout, left - need) if left is not None else timeout) as node:
                             for c, sampling in points:
-                                cell = Cell(layout, model, setup, c, sampling, tree=tree, pair=pair, api_processes=api,
-                                            startup_s=node.startup_s)
-                                body = {"max_tokens": args.max_tokens, "ignore_eos": True, "stream": True,
-                                        "return_token_ids": True, **SAMPLING[sampling]}
-                                try:
-                                    asyncio.run(Load(node.url, body, c, vocab=512, pid=node.proc.pid).run(
-                                        cell, args.warmup, args.duration))
-                                except Exception as e:  # noqa: BLE001 - one bad cell must not lose the table
-                                    cell.error = f"{type(e).__name__}: {e}"
-                                cells.append(cell)
+                                cells.append(_measure(args, node, Cell(layout, model, setup, c, sampling, **tags,
+                                                                       startup_s=node.startup_s)))
+                                print(f"#   {row(cells[-1], None)}", file=sys.stderr, flush=True)
+                                done(cells)
                                 if not node.alive():
                                     raise NodeUnavailable(f"node exited: {node.log_tail(2)}")
                     except NodeUnavailable as e:
-                        cells.append(Cell(layout, model, setup, 0, "-", tree=tree, pair=pair, api_processes=api,
-                                          error=str(e)[:300]))
+                        cells.append(Cell(layout, model, setup, 0, "-", **tags, error=str(e)[:300]))
+                        done(cells)
     return cells
 
 
-def table(cells: list[Cell], runner_ms: float | None) -> str:
-    head = (f"{'tree':8} {'layout':8} {'api':>3} {'model':8} {'devs':6} {'c':>4} {'sampling':8} {'tok/s':>8} {'steps/s':>8} "
-            f"{'ms/step':>8} {'host ms':>8} {'wait':>6} {'ITL ms':>7} {'p50':>6} {'node us/tok':>11} {'api us/tok':>10} "
-            f"{'eng us/tok':>10} {'all us/tok':>10} {'cli%':>5} {'start s':>7} {'err':>4}  target")
-    rows = [head, "-" * len(head)]
-    for x in cells:
-        if x.wall_s == 0:
-            rows.append(f"{x.tree:8} {x.layout:8} {x.api_processes:>3} {x.model:8} {x.setup:6} {x.concurrency:>4} "
-                        f"{x.sampling:8} ERROR: {x.error}")
-            continue
-        ms = x.ms_per_step()
-        runner = {"zero": 0.0, "sleep:5": SLEEP_MS}.get(x.model, _runner_ms(runner_ms, x))
-        host = ms - runner if ms is not None and runner is not None else None
-        wait = (statistics.mean(1 - s * SLEEP_MS / 1e3 / x.wall_s for s in x.steps)
-                if x.model == "sleep:5" and x.steps else None)
-        rows.append(f"{x.tree:8} {x.layout:8} {x.api_processes:>3} {x.model:8} {x.setup:6} {x.concurrency:>4} {x.sampling:8} "
-                    f"{x.tok_s():8.0f} {sum(x.steps) / x.wall_s:8.1f} {_f(ms, 8, 2)} {_f(host, 8, 2)} {_f(wait, 6, 3)} "
-                    f"{_f(x.itl_ms(), 7, 2)} {_f(x.itl_p50_ms(), 6, 2)} {_f(x.node_us_per_token(), 11, 1)} "
-                    f"{_f(x.api_us_per_token(), 10, 1)} {_f(x.engine_us_per_token(), 10, 1)} "
-                    f"{_f(x.total_us_per_token(), 10, 1)} {100 * x.client_cpu_s / x.wall_s:5.0f} "
-                    f"{_f(x.startup_s, 7, 1)} {x.errors:>4}  {target(x, runner_ms)}"
-                    + (f"  [{x.error[:80]}]" if x.error else ""))
-    rows += scaling(cells) + sampled_vs_greedy(cells) + against_baseline(cells) + api_against_single(cells)
+def _measure(args: argparse.Namespace, node: NodeServer, cell: Cell) -> Cell:
+    """One grid point against a running node (:func:`bench.load.stream_client.run_load`), into ``cell``;
+    a failure becomes the cell's error."""
+    body = {"max_tokens": args.max_tokens, "ignore_eos": True, "stream": True, "return_token_ids": True,
+            **SAMPLING[cell.sampling]}
+    try:
+        r = run_load(node.url, body, cell.concurrency, processes=args.client_processes, warmup_s=args.warmup,
+                     duration_s=args.duration, node_pid=node.proc.pid, vocab=512)
+    except Exception as e:  # noqa: BLE001 - one bad cell must not lose the table
+        cell.error = f"{type(e).__name__}: {e}"
+        return cell
+    k = r.counts
+    cell.wall_s, cell.steps, (cell.node_cpu_s, cell.api_cpu_s, cell.engine_cpu_s) = r.wall_s, r.steps, r.cpu
+    cell.steps_wall_s, cell.node_read_s = r.steps_wall_s, r.read_s
+    cell.tokens, cell.gap_s, cell.gap_tokens, cell.gaps, cell.requests = k.tokens, k.gap_s, k.gap_tokens, k.gaps, k.requests
+    cell.client_cpu_s, cell.client_cpu_max_s, cell.client_processes = k.cpu_s, k.cpu_max_s, k.processes
+    cell.errors, cell.error = k.errors, k.error
+    return cell
+
+
+def table(cells: list[Cell], runner_ms: dict | None) -> str:
+    """Every cell's row, then the summary lines that pair cells (:mod:`bench.load.host_compare`)."""
+    rows = [HEAD, "-" * len(HEAD), *(row(x, runner_ms) for x in cells)]
+    rows += (scaling(cells) + sampled_vs_greedy(cells) + against_baseline(cells) + api_against_single(cells)
+             + api_scaling(cells))
     return "\n".join(rows)
-
-
-def _runner_ms(runner_ms: dict | None, x: Cell) -> float | None:
-    """The in-process runner step of a stories cell's mode and batch (c = batch on one device), if measured."""
-    mode = "inductor" if x.model == "stories-c" else "none"
-    return (runner_ms or {}).get((mode, x.concurrency)) if x.devices == 1 else None
-
-
-def target(x: Cell, runner_ms: dict | None) -> str:
-    per_dev = x.concurrency // x.devices
-    if x.model == "zero" and x.devices == 1 and x.concurrency == 256:
-        return f">=30000 tok/s: {_ok(x.tok_s() >= 30000)}"
-    if x.model == "sleep:5" and per_dev == 256:
-        rate = min(x.steps) / x.wall_s
-        return f">=190 steps/s/dev: {_ok(rate >= 190)} ({rate:.0f})"
-    if x.model == "stories-c" and x.concurrency == 1 and x.itl_p50_ms() is not None:
-        return f"ITL p50 <=0.8 ms: {_ok(x.itl_p50_ms() <= 0.8)}"
-    step = _runner_ms(runner_ms, x)
-    if x.model == "stories" and x.concurrency == 1 and step is not None and x.itl_ms() is not None:
-        extra = x.itl_ms() - step
-        return f"ITL-runner <=1 ms: {_ok(extra <= 1.0)} ({extra:.2f})"
-    return ""
-
-
-def _f(v: float | None, width: int, digits: int) -> str:
-    return f"{v:{width}.{digits}f}" if v is not None else f"{'-':>{width}}"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.load.host_overhead", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a reduced grid (about 2-3 minutes)")
-    p.add_argument("--layouts", default="thread,process", help="comma-separated --engine-layout values to run")
+    p.add_argument("--scaling", action="store_true", help="issue 31's grid point: zero, one device, colocated, "
+                   "greedy and t0.8 at --concurrency (default 1024), --api-processes 1,2,4,8, --client-processes auto, "
+                   "--pairs 1, --engine-layout process, --time-limit 150 unless given")
+    p.add_argument("--layouts", default=None, help="comma-separated --engine-layout values to run (default thread,process)")
     p.add_argument("--engine-layout", default=None, help="run this one layout (overrides --layouts)")
-    p.add_argument("--duration", type=float, default=None, help="measured seconds per cell (default 2 quick, 6)")
+    p.add_argument("--duration", type=float, default=None, help="measured seconds per cell (default 2 quick, 5 scaling, 6)")
     p.add_argument("--warmup", type=float, default=None, help="seconds of load before measuring (default 1 quick, 2)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per request (ignore_eos)")
-    p.add_argument("--json", default=None, help="write the cells as JSON here")
+    p.add_argument("--json", default=None, help="write the cells as JSON here (rewritten after every cell)")
     p.add_argument("--log-dir", default=None, help="node logs (default: a temporary folder)")
     p.add_argument("--baseline", default=None, metavar="DIR",
                    help="another checkout (e.g. 'git worktree add /tmp/base <rev>') whose node runs every grid point "
                         "too, alternating with this one")
-    p.add_argument("--pairs", type=int, default=3, help="with --baseline or several --api-processes: rounds of each "
-                   "node (default 3)")
-    p.add_argument("--concurrency", default=None, help="only grid points of these client counts, comma-separated")
-    p.add_argument("--api-processes", default="1", help="comma-separated --api-processes values: each grid node runs "
-                   "with each, alternating per round (default 1)")
+    p.add_argument("--pairs", type=int, default=None, help="with --baseline or several --api-processes: rounds of each "
+                   "node (default 3; 1 with --scaling)")
+    p.add_argument("--concurrency", default=None, help="only grid points of these client counts, comma-separated "
+                   "(with --scaling: the client counts to run)")
+    p.add_argument("--api-processes", default=None, help="comma-separated --api-processes values: each grid node runs "
+                   "with each, alternating per round (default 1; 1,2,4,8 with --scaling)")
+    p.add_argument("--client-processes", default=None, help="load client processes the streams are split over, or "
+                   f"'auto' (a quarter of the cores, 1-8: {auto_processes()} here); default 1 (auto with --scaling)")
+    p.add_argument("--time-limit", type=float, default=None, help="seconds: a node whose cells would end past it is "
+                   "not started (an error row) (default none; 150 with --scaling)")
+    p.add_argument("--startup-timeout", type=float, default=120.0, help="seconds for a node to become healthy "
+                   "(--compile nodes: 900)")
     p.add_argument("--models", default=None, help=f"only these models of the grid, comma-separated ({', '.join(MODELS)})")
     a = p.parse_args(argv)
-    a.models = [m.strip() for m in a.models.split(",")] if a.models else None
-    a.api_processes = [int(x) for x in a.api_processes.split(",") if x.strip()]
+    sc = a.scaling
+    a.models = [m.strip() for m in a.models.split(",")] if a.models else (["zero"] if sc else None)
+    a.api_processes = [int(x) for x in (a.api_processes or ("1,2,4,8" if sc else "1")).split(",") if x.strip()]
     a.concurrency = [int(x) for x in a.concurrency.split(",")] if a.concurrency else None
+    a.scaling_c = (a.concurrency or [1024]) if sc else None
+    cp = a.client_processes or ("auto" if sc else "1")
+    a.client_processes = auto_processes() if cp == "auto" else int(cp) if cp.isdigit() and int(cp) >= 1 else None
+    if a.client_processes is None:
+        p.error("--client-processes: a positive number or 'auto'")
     if a.models and not set(a.models) <= set(MODELS):
         p.error(f"--models: one of {', '.join(MODELS)}")
+    a.pairs = a.pairs or (1 if sc else 3)
     if a.pairs < 1:
         p.error("--pairs must be at least 1")
     if a.baseline and not (Path(a.baseline) / "node" / "cli.py").is_file():
         p.error(f"--baseline {a.baseline}: not a shiftnode checkout (no node/cli.py)")
-    a.layouts = [a.engine_layout] if a.engine_layout else [x.strip() for x in a.layouts.split(",") if x.strip()]
-    a.duration = a.duration or (2.0 if a.quick else 6.0)
+    layouts = a.engine_layout or a.layouts or ("process" if sc else "thread,process")
+    a.layouts = [x.strip() for x in layouts.split(",") if x.strip()]
+    a.duration = a.duration or (2.0 if a.quick else 5.0 if sc else 6.0)
     a.warmup = a.warmup or (1.0 if a.quick else 2.0)
-    if not (STORIES / "model.safetensors").is_file():
+    a.time_limit = a.time_limit or (150.0 if sc else None)
+    if not (STORIES / "config.json").is_file() or (not sc and not (STORIES / "model.safetensors").is_file()):
         print(f"stories260k not found at {STORIES} (set SHIFTNODE_SHARED)", file=sys.stderr)
         return 2
+    _raise_open_files()  # 1,024 streams: a socket each in the client and in the node (children inherit the limit)
+    signal.signal(signal.SIGTERM, _terminated)  # a `timeout` still stops the nodes and prints what was measured
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    import torch
+    steps = {"step_ms": {}, "build_s": {}}
+    if any(m in (a.models or MODELS) for m in ("stories", "stories-c")):
+        import torch
 
-    torch.set_num_threads(engine_threads())  # as a one-device node's engine process runs its steps
-    steps = runner_steps(STORIES, 8 + a.max_tokens // 2, [1, 64], ["none", "inductor"], rounds=3)
+        torch.set_num_threads(engine_threads())  # as a one-device node's engine process runs its steps
+        steps = runner_steps(STORIES, 8 + a.max_tokens // 2, [1, 64], ["none", "inductor"], rounds=3)
     runner_ms = steps["step_ms"]  # the compiled runner's build also fills inductor's cache for the nodes
     log_dir = Path(a.log_dir or tempfile.mkdtemp(prefix="host_overhead-"))
-    t0 = time.monotonic()
-    cells = run_grid(a, log_dir)
-    print(f"host overhead: {a.max_tokens} tokens/request, {a.warmup:g} s warm-up + {a.duration:g} s measured per cell, "
-          f"{os.cpu_count()} CPUs; node logs in {log_dir}; {time.monotonic() - t0:.0f} s")
-    print("stories260k runner decode step (in-process, ModelRunner.execute; stories-c = --compile inductor, "
-          "build s = start-up with compilation):")
-    print(runner_table(steps, [1, 64]))
-    print(table(cells, runner_ms))
-    if a.json:
-        Path(a.json).write_text(json.dumps({"runner_ms": {f"{m} B={b}": v for (m, b), v in runner_ms.items()},
-                                            "build_s": steps["build_s"],
-                                            "cells": [asdict(c) | {"gaps": None} for c in cells]}, indent=1))
-    return 0
+    t0, cells = time.monotonic(), []
+
+    def done(so_far: list[Cell]) -> None:
+        cells[:] = so_far
+        if a.json:
+            Path(a.json).write_text(json.dumps({
+                "runner_ms": {f"{m} B={b}": v for (m, b), v in runner_ms.items()}, "build_s": steps["build_s"],
+                "cpus": _cores(), "client_processes": a.client_processes, "api_scaling": api_scaling_rows(so_far),
+                "cells": [asdict(c) | {"gaps": None} for c in so_far]}, indent=1))
+
+    interrupted = False
+    try:
+        done(run_grid(a, log_dir, done))
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the nodes are stopped; what was measured is printed below
+        interrupted = True
+    finally:
+        print(f"host overhead: {a.max_tokens} tokens/request, {a.warmup:g} s warm-up + {a.duration:g} s measured per "
+              f"cell, {_cores()} CPUs, {a.client_processes} client process(es); node logs in {log_dir}; "
+              f"{time.monotonic() - t0:.0f} s")
+        if runner_ms:
+            print("stories260k runner decode step (in-process, ModelRunner.execute; stories-c = --compile inductor, "
+                  "build s = start-up with compilation):")
+            print(runner_table(steps, [1, 64]))
+        print(table(cells, runner_ms) + ("\ninterrupted: the cells above are all that was measured" if interrupted
+                                         else ""), flush=True)
+    return 130 if interrupted else 0
+
+
+def _cores() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _raise_open_files() -> None:
+    """The soft limit on open files up to the hard one (a 1,024 default cannot hold 1,024 streams)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 65536), hard))
+
+
+def _terminated(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 if __name__ == "__main__":

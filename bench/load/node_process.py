@@ -3,7 +3,8 @@
 ``with NodeServer([...serve flags...], log_path=...) as node:`` starts ``python -m node.cli serve``
 on a free loopback port and waits for ``GET /health`` (``repo``: run another checkout's ``node``
 package, e.g. a ``git worktree`` of an older commit: ``python -m`` imports from the working directory
-first); a node that exits first raises
+first; the child's ``PYTHONPATH`` is the checkout and its ``kernels`` folder, then the caller's, so an
+uninstalled copy runs too); a node that exits first raises
 :class:`NodeUnavailable` with the tail of its log (an unknown ``--mode`` ends that way), one that is
 not healthy in ``startup_timeout_s`` seconds raises it too. Leaving the block terminates the process
 (SIGTERM, then SIGKILL after ``stop_timeout_s``). Stdlib only (``urllib``), so it needs no event loop.
@@ -47,6 +48,10 @@ class NodeServer:
         self.repo = Path(repo) if repo is not None else REPO  # the checkout whose ``node`` package runs (the cwd)
         self.log_path = Path(log_path)
         self.env = {**os.environ, **(env or {})}
+        # the checkout's own packages first (``node`` and ``kernels/shiftnode_kernels``; not pip-installed where
+        # the project runs from a copy), then the caller's path (wheels installed elsewhere, e.g. /tmp/site)
+        path = [str(self.repo), str(self.repo / "kernels")] + [p for p in self.env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        self.env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
         self.startup_timeout_s = startup_timeout_s
         self.startup_s: float | None = None  # seconds from the launch to the first healthy answer
         self.stop_timeout_s = stop_timeout_s
