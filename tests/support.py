@@ -77,7 +77,7 @@ class NodeProcess:
                 if httpx.get(self.url + "/health", timeout=1).status_code in (200, 503):
                     break
             except httpx.HTTPError:
-                time.sleep(0.2)
+                time.sleep(0.05)  # a refused connection costs microseconds: poll often
             if time.monotonic() >= self.deadline:
                 self.close()
                 raise RuntimeError(f"node did not start in {self.timeout_s}s:\n{self.logs()}")

@@ -52,7 +52,10 @@ def build_model(
     """
     with torch.device("meta"):
         model = CausalLM(cfg, dtype, torch.device("meta"), max_positions, ops, layout)
-    model = model.to_empty(device=device)
+    # Fresh contiguous storage per tensor (every parameter and buffer is contiguous), as ``to_empty``
+    # gives, without its ``empty_like`` on meta tensors, whose Python decomposition imports sympy
+    # (~0.4 s in every engine process).
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.cos_sin = rope_cos_sin_cache(rope_inv_freq(cfg).to(device), max_positions)
     if load_format == "dummy":
         _randomise(model, seed)
