@@ -323,7 +323,6 @@ def run_serve(config: NodeConfig) -> int:
 
     import uvloop
     from node.api import serving
-
     from node.log import configure_logging
     from node.worker.loader import StartupError
     from node.worker.model_config import ModelConfigError
@@ -353,7 +352,6 @@ def run_serve(config: NodeConfig) -> int:
         frontends = launch_frontends(config, config.api_processes)
     prelaunched = prelaunch(config)  # forked now: before the event loop and any torch work in this process
     from node.api.app import create_app  # after the fork: its imports overlap the engines' start-up
-
     loop = uvloop.new_event_loop()
     asyncio.set_event_loop(loop)
     app = create_app(config, prelaunched=prelaunched)

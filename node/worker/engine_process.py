@@ -34,7 +34,8 @@ after the destination's steps that were in flight when its blocks were taken
 
 Start. Engines for CPU devices are forked by ``shiftnode serve`` before the event loop starts
 (:func:`prelaunch`): the child shares the already imported modules, so it starts in milliseconds,
-and the parent has not yet run any parallel torch work that a fork would break. CUDA devices, and
+and the parent has not yet run any parallel torch work that a fork would break; the node imports its
+HTTP application only after the fork, so those imports overlap the engines' start-up. CUDA devices, and
 nodes created inside a process that has already computed (tests), spawn a fresh interpreter.
 
 Tensor-parallel groups (``--tensor-parallel-size D``, ``--decode-tp``/``--prefill-tp``). A group of ``D`` devices is one device of the
