@@ -6,15 +6,12 @@ stop strings of every length that span tokens, start mid-token, or never occur.
 """
 
 import random
-from pathlib import Path
 
 import pytest
 
 from node.core.sequence import SamplingParams, Sequence
 from node.runtime.output import OutputState
-
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-STORIES = SHARED / "models" / "stories260k"
+from support import STORIES
 
 
 @pytest.fixture(scope="module")
