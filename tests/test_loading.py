@@ -1,7 +1,10 @@
 """Checkpoint loading: sharded files, clear errors for bad folders, and the KV start-up check."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ from node.config import NodeConfig
 from node.worker.loader import StartupError, build_runner, load_model_info
 from node.worker.model_config import ModelConfig, ModelConfigError
 from node.worker.weights import WeightLoadError, build_model
-from support import STORIES, NodeProcess, require_shared
+from support import REPO, STORIES, NodeProcess, require_shared
 
 
 def _copy(tmp_path):
@@ -74,3 +77,14 @@ def test_refuses_kv_budget_below_one_sequence():
 def test_cli_reports_startup_error_and_exits(tmp_path):
     with pytest.raises(RuntimeError, match="cannot start: .*fewer than one max-length sequence"):
         NodeProcess("--model", str(STORIES), "--kv-cache-memory", "100000", timeout_s=60)
+
+
+def test_building_a_model_does_not_import_sympy():
+    """Every engine process builds its model: allocating the meta-built modules must not run torch's
+    Python decompositions (``to_empty``'s ``empty_like`` on meta tensors imports sympy, ~0.4 s a process)."""
+    require_shared()
+    code = ("import sys, torch\nfrom test_loading import _load, STORIES\n_load(STORIES)\n"
+            "assert 'sympy' not in sys.modules, 'building the model imported sympy'\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "kernels"), str(REPO / "tests")])}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
