@@ -226,3 +226,14 @@ def test_pooled_hand_offs_avoid_a_dead_decode_device():
         assert error["code"] == "engine_down" and "cpu:1" in error["message"] and "cpu:2" in error["message"], r.text
     finally:
         node.close()
+
+
+def test_engine_threads_leave_a_core_to_the_control_loop_and_each_front_end():
+    from node.config import NodeConfig
+    from node.worker.engine_process import engine_threads
+
+    assert engine_threads(NodeConfig(devices=["cpu:0"]), 2) == 1
+    assert engine_threads(NodeConfig(devices=["cpu:0"]), 16) == 15
+    assert engine_threads(NodeConfig(devices=["cpu:0"], api_processes=8), 16) == 7
+    assert engine_threads(NodeConfig(devices=["cpu:0", "cpu:1"], api_processes=4), 16) == 5
+    assert engine_threads(NodeConfig(devices=["cpu:0"], api_processes=4), 4) == 1  # never below one

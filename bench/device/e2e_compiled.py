@@ -13,10 +13,16 @@ time). Then, per bucket ``T``:
 each timed as ``ModelRunner.execute`` eagerly and compiled (decode graphs off in both; a compiled
 timing fails if a step fell back to eager), with the roofline floor ``max(2 * layer params * T / matmul
 rate, (weights without the embedding + KV read) / copy bandwidth)`` beside it (the table computes it
-from the ``ceilings`` section), and a check: the compiled final hidden states against the eager ones
-(relative error <= :data:`MAX_REL_ERR`, never NaN) and the greedy token of up to :data:`CHECK_ROWS` rows
-(evenly spaced, the last one included): equal, or the first difference at an eager top-2 gap of at most
-``NEAR_TIE_NATS``.
+from the ``ceilings`` section), and a check. Its reference is the compiled graph's own operators run
+eagerly (:meth:`~node.worker.compiled_forward.CompiledForward.reference`: the torch elementwise ops and the
+attention op, no inductor). In bf16 two implementations of the same layer round differently, and over 32
+layers of dummy weights the difference grows to a few percent (2026-12-04 on the H200: compiled against the
+node's eager Triton kernels, 5 %). So the bound is the larger of :data:`MAX_REL_ERR` and the node's eager
+step's own distance to that reference (Triton kernels against torch ops, both eager): inductor's fused
+kernels may be no further from the operators they fuse than the node's hand-written kernels are. Never
+NaN. The greedy token of up to :data:`CHECK_ROWS` rows (evenly spaced, the last one included) must equal
+the reference's, or differ only where its top-2 gap is at most ``NEAR_TIE_NATS``. The exact check of the
+compiled path is float32 in ``tests/test_compiled_forward_cuda.py``.
 
 This module does not import :mod:`bench.device.e2e` (no import cycle): the section function there hands
 itself over as ``kit`` (its ``timed_ms``, ``Blocks``, ``Eager``, ``rec``, ``greedy``, ``model_bytes``
@@ -113,6 +119,16 @@ def _timings(p: Any, runner: Any, kit: Any, cf: Any, step: Any, name: str, base:
             runner.compiled = None
 
 
+def _rel(a: Any, b: Any) -> float:
+    """``||a - b|| / ||b||`` in float32 (inf when either is not finite)."""
+    import torch
+
+    a, b = a.float(), b.float()
+    if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+        return math.inf
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
 def _check(runner: Any, kit: Any, cf: Any, step: Any, name: str, base: dict) -> dict:
     """Compiled vs eager hidden states and greedy tokens of ``step`` (see the module doc)."""
     import torch
@@ -122,33 +138,36 @@ def _check(runner: Any, kit: Any, cf: Any, step: Any, name: str, base: dict) -> 
         dev = runner.device
         with torch.inference_mode():
             eager = runner.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), runner.kv_cache, meta)
-            comp = cf.run(ids, pos, meta)
-            if comp is None:
-                raise RuntimeError("the step did not run compiled")
-            ef, cf32 = eager.float(), comp.float()
-            finite = bool(torch.isfinite(cf32).all()) and bool(torch.isfinite(ef).all())
-            rel = ((cf32 - ef).norm() / ef.norm().clamp_min(1e-30)).item() if finite else math.inf
-            n = eager.shape[0]
+        ref = cf.reference(ids, pos, meta)  # the compiled graph's operators, run eagerly
+        comp = cf.run(ids, pos, meta)
+        if comp is None:
+            raise RuntimeError("the step did not run compiled")
+        with torch.inference_mode():
+            rel, floor, kernels = _rel(comp, ref), _rel(eager, ref), _rel(comp, eager)
+            n = ref.shape[0]
             count = min(CHECK_ROWS, n)
             rows = sorted({round(i * (n - 1) / max(count - 1, 1)) for i in range(count)} | {n - 1})
             idx = torch.tensor(rows, device=dev)
-            le, lc = runner.model.compute_logits(eager[idx]), runner.model.compute_logits(comp[idx])
-            top = le.topk(2, dim=-1)
+            lr, lc = runner.model.compute_logits(ref[idx]), runner.model.compute_logits(comp[idx])
+            top = lr.topk(2, dim=-1)
             differ = (lc.argmax(-1) != top.indices[:, 0]).nonzero().flatten().tolist()
             gaps = (top.values[:, 0] - top.values[:, 1]).tolist()
         first = differ[0] if differ else None
         worst = max(gaps[i] for i in differ) if differ else None
-        ok = finite and rel <= MAX_REL_ERR and (worst is None or worst <= kit.NEAR_TIE_NATS)
+        bound = max(MAX_REL_ERR, floor)
+        finite = math.isfinite(rel)
+        ok = finite and rel <= bound and (worst is None or worst <= kit.NEAR_TIE_NATS)
         err = None
         if not finite:
             err = "non-finite hidden states"
-        elif rel > MAX_REL_ERR:
-            err = f"relative error {rel:.3g} > {MAX_REL_ERR}"
+        elif rel > bound:
+            err = f"relative error {rel:.3g} > {bound:.3g}"
         elif not ok:
-            err = (f"greedy tokens differ at {len(differ)} rows, first at row {rows[first]}, largest eager top-2 gap "
+            err = (f"greedy tokens differ at {len(differ)} rows, first at row {rows[first]}, largest top-2 gap "
                    f"{worst:.3g} nats > {kit.NEAR_TIE_NATS} (not a near tie)")
         return kit.rec("compiled", f"{name} check", ok, mode="check", kind=base["kind"], tokens=base["tokens"],
-                       shape=base["shape"], rel_err=rel, rows_checked=len(rows), matching=len(rows) - len(differ),
+                       shape=base["shape"], rel_err=rel, rel_err_eager_kernels=floor, rel_err_vs_eager=kernels,
+                       rows_checked=len(rows), matching=len(rows) - len(differ),
                        first_diff_row=rows[first] if first is not None else None,
                        first_diff_gap_nats=gaps[first] if first is not None else None, worst_gap_nats=worst, error=err)
     except Exception as e:
@@ -175,7 +194,7 @@ def table_row(r: dict, gbps: float | None, tflops: float | None, eager_ms: dict)
             note += f"; {eager_ms[key] / r['ms']:.2f}x vs eager"
     elif mode == "check" and r.get("rows_checked"):
         measured = f"{r['matching']}/{r['rows_checked']} rows' tokens equal"
-        note = f"hidden rel err {r['rel_err']:.2g} (<= {MAX_REL_ERR})"
+        note = f"hidden rel err {r['rel_err']:.2g} vs the same ops eager (<= max({MAX_REL_ERR}, eager kernels' {r.get('rel_err_eager_kernels', 0):.2g}))"
         if r.get("first_diff_row") is not None:
             note += f"; first differing row {r['first_diff_row']}, eager top-2 gap there {r['first_diff_gap_nats']:.3g} nats"
     return measured, ref, pct, note

@@ -298,3 +298,14 @@ class CompiledForward:
                 return None
         self.steps += 1
         return out[:n] if pad else out
+
+    def reference(self, input_ids: list[int], positions: list[int], meta: AttentionMetadata) -> torch.Tensor:
+        """What :meth:`run` computes, without inductor: the traced function run eagerly over the ``n`` real
+        tokens with the same operators (the compiled graph's own reference; it writes the same K/V
+        slots). Returns ``[n, hidden]`` in the model dtype."""
+        n = len(input_ids)
+        sm = StepMetadata(n, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, meta.max_seqlen_q)
+        with torch.inference_mode(False), torch.no_grad(), step_metadata(sm):
+            ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+            pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+            return _hidden(self.model, self.ops, ids, pos, self.kv_cache)

@@ -114,6 +114,20 @@ def submit_from_thread(handle: Any, msg: Any) -> concurrent.futures.Future:
     return fut
 
 
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def engine_threads(config: NodeConfig, cores: int) -> int:
+    """Intra-op threads of each CPU engine: the ``cores`` this process may use, less one for the node's
+    control loop and one per API front end (``--api-processes`` > 1), shared by the devices; at least 1.
+    On 2 cores an engine with 2 threads fights the event loop for both, and streamed throughput swings
+    between runs by 1.5x (bench/RESULTS.md, 2026-12-03); on the 16-core H200 host an engine of 15
+    threads left 8 front ends no core of their own (1,024 streams: no gain past 2 front ends)."""
+    frontends = config.api_processes if config.api_processes > 1 else 0
+    return max(1, (cores - 1 - frontends) // max(1, len(config.devices)))
+
+
 class EngineProcess:
     """The node's handle on one device's engine process; the runner-like surface of a device
     (``submit``, ``prepare_decode``, ``kv_cache``, ``num_blocks``, ``fingerprint``).
@@ -129,10 +143,7 @@ class EngineProcess:
     def __init__(self, config: NodeConfig, device_id: str, method: str, tp: TPRank | None = None):
         self.device_id = device_id
         self.method = method
-        # CPU engines share the cores less one, which the node's own process (API, policies) keeps:
-        # on 2 cores an engine with 2 intra-op threads fights the event loop for both, and streamed
-        # throughput swings between runs by 1.5x (bench/RESULTS.md, 2026-12-03).
-        threads = max(1, ((os.cpu_count() or 1) - 1) // max(1, len(config.devices)))
+        threads = engine_threads(config, _usable_cores())
         ctx = multiprocessing.get_context(method)
         self._conn, child = ctx.Pipe(duplex=True)
         self.process = ctx.Process(target=engine_main, name=f"shiftnode-engine-{device_id}",
