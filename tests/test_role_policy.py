@@ -102,3 +102,43 @@ def test_the_adaptive_driver_skips_the_snapshot_while_every_device_only_decodes(
     driver.snapshot = snapshot
     with pytest.raises(Built):
         driver.tick()
+
+
+def test_refits_are_at_most_every_refit_min_s_and_quiet_decode_steps_do_not_kick():
+    """A refit holds the event loop ~2.5 ms: at most one per REFIT_MIN_S however short the steps. On a
+    quiet node (the last tick found nothing to decide) a decode step that preempted nothing does not wake
+    the driver; one that preempted does."""
+    import asyncio
+
+    from node.core.batcher import StepKind
+    from node.core.roles import Role
+    from node.runtime.role_driver import REFIT_EVERY, REFIT_MIN_S
+
+    async def run():
+        clock = [0.0]
+        engine = SimpleNamespace(device_id="cpu:0", failure=None, role=SimpleNamespace(role=Role.DECODE),
+                                 batcher=SimpleNamespace(running=[SimpleNamespace(is_decoding=True)], waiting=[]),
+                                 step_listeners=[], switch_listeners=[], migration_listeners=[])
+        node = SimpleNamespace(config=SimpleNamespace(imbalance_threshold=0.0, link_gbps=0.0), engines=[engine],
+                               draining=False)
+        driver = RoleDriver(node, role_scheduler(NodeConfig(mode="adaptive", devices=DEVICES[:1])), lambda: clock[0])
+        refits = []
+        driver.refit = lambda: refits.append(clock[0])
+        plan = lambda preempted=(): SimpleNamespace(kind=StepKind.DECODE, preempted=list(preempted),  # noqa: E731
+                                                    items=[SimpleNamespace(seq=SimpleNamespace(num_computed=9), num_tokens=1)])
+        for _ in range(3 * REFIT_EVERY):  # 96 steps within 3 ms
+            clock[0] += 1e-5
+            driver._on_step(engine, plan(), 1e-5)
+        assert len(refits) == 1
+        clock[0] += REFIT_MIN_S
+        for _ in range(REFIT_EVERY):
+            driver._on_step(engine, plan(), 1e-5)
+        assert len(refits) == 2
+        driver.tick()  # quiet: every device decodes, nothing waits
+        driver._event.clear()
+        driver._on_step(engine, plan(), 1e-5)
+        assert not driver._event.is_set()
+        driver._on_step(engine, plan([object()]), 1e-5)
+        assert driver._event.is_set()
+
+    asyncio.run(run())

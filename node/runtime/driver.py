@@ -88,6 +88,7 @@ class Driver:
         """Prefill one sequence again, here (its hand-off to a peer failed after the peer took it): on
         the device with the fewest queued and resident sequences."""
         self.node.least_loaded().add_seq(req, index)
+        self.kick()  # prompt work appeared on a device
 
     def kick(self) -> None:
         self._event.set()
