@@ -67,7 +67,9 @@ DEFAULT_COMPILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_CUDA_COMPILE_SIZES = (16, 64, 256, 512, 1024, 2048)
 """Token-count buckets compiled by default on a CUDA device (capped by ``--max-num-batched-tokens``):
 prefill and mixed steps, whose eager forward issue 31 found launch-bound on an H200 for an 8B model;
-pure decode steps replay the decode CUDA graphs instead. Not tuned on a GPU yet."""
+pure decode steps replay the decode CUDA graphs instead. Not tuned: on an H200 (2026-12-04, Llama-3-8B
+geometry) a bucket compiled in 31-39 s cold, and compiled steps ran 1.2-1.5x faster than eager at 64
+tokens and no faster from 512 (bench/RESULTS.md)."""
 
 CUDA_COMPILE_BUDGET_S = 300.0
 """Start-up compile time allowed on a CUDA device: once compiling the buckets so far took longer, the
