@@ -105,7 +105,7 @@ def test_the_adaptive_driver_skips_the_snapshot_while_every_device_only_decodes(
 
 
 def test_refits_are_at_most_every_refit_min_s_and_quiet_decode_steps_do_not_kick():
-    """A refit holds the event loop ~2.5 ms: at most one per REFIT_MIN_S however short the steps. On a
+    """A refit holds the event loop ~2.5 ms: in adaptive mode at most one per REFIT_MIN_S however short the steps. On a
     quiet node (the last tick found nothing to decide) a decode step that preempted nothing does not wake
     the driver; one that preempted does."""
     import asyncio

@@ -45,7 +45,7 @@ from node.runtime.interfaces import DriverHost
 log = structlog.get_logger("shiftnode.roles")
 
 REFIT_EVERY = 32  # steps between refits of the cost model
-# ... and at least this long (s): a refit (non-negative least squares over up to 2 x 256 samples) holds the
+# ... and, in adaptive mode, at least this long (s): a refit (non-negative least squares over up to 2 x 256 samples) holds the
 # event loop ~2.5 ms; every 32 steps of a 1.6 ms CPU step that was 5 % of the loop, and a stall of the step
 # pipeline each time (stories260k at 10 req/s: adaptive ran 13 % fewer steps than colocated in 10 s)
 REFIT_MIN_S = 0.5
@@ -69,6 +69,7 @@ class RoleDriver(Driver):
         self._steps = 0
         self._refit_s = -float("inf")
         self._quiet = False  # the last tick found the policy with nothing to decide (quiet_when_decoding)
+        self._adaptive = getattr(scheduler, "quiet_when_decoding", False)
         rc = scheduler.config
         copy_s_per_token = self._transfer_s_per_token(node)  # to a peer and inside the node alike
         self.imbalance = ImbalancePolicy(ImbalanceConfig(
@@ -97,7 +98,7 @@ class RoleDriver(Driver):
 
     # --- one decision round --------------------------------------------------------------------------
     def tick(self) -> None:
-        self._quiet = getattr(self.scheduler, "quiet_when_decoding", False) and self._only_decoding()
+        self._quiet = self._adaptive and self._only_decoding()
         if self._quiet:
             return  # the policy would decide nothing (AdaptiveScheduler.quiet_when_decoding)
         now = self.clock()
@@ -288,7 +289,9 @@ class RoleDriver(Driver):
         self._steps += 1
         if self.refits and self._steps % REFIT_EVERY == 0:
             now = self.clock()
-            if now - self._refit_s >= REFIT_MIN_S:
+            # the two-role policy keeps a refit every 32 steps: its windows and fallback moves follow the
+            # fitted model, and with refits 0.5 s apart its moves under a burst changed (tests/test_migration.py)
+            if now - self._refit_s >= (REFIT_MIN_S if self._adaptive else 0.0):
                 self._refit_s = now
                 self.refit()
         # A decode step that preempted nothing leaves a quiet node quiet: no decision round for it
