@@ -268,9 +268,9 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
 
 
 def _default_api_processes() -> int:
-    from node.config import default_api_processes
+    from node.config import default_api_processes, usable_cores
 
-    return default_api_processes(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    return default_api_processes(usable_cores())
 
 
 def check_bindable(host: str, port: int, flag: str) -> None:

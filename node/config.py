@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 
 
@@ -376,6 +378,11 @@ _LOCAL_HOSTS = {"localhost", "0.0.0.0", "::", "::1", "ip6-localhost"}
 def _is_host_port(text: str) -> bool:
     host, _, port = text.rpartition(":")
     return bool(host) and port.isdigit() and 1 <= int(port) <= 65535
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask where the platform has one, else the count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def default_api_processes(cores: int | None) -> int:

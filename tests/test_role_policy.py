@@ -79,8 +79,11 @@ def test_the_adaptive_driver_skips_the_snapshot_while_every_device_only_decodes(
     def snapshot(now):
         raise Built
 
+    from node.core.batcher import Batcher
+
     decoding = SimpleNamespace(is_decoding=True)
     batcher = SimpleNamespace(running=[decoding] * 3, waiting=[])
+    batcher.has_work = lambda kind: Batcher.has_work(batcher, kind)
     engine = SimpleNamespace(device_id="cpu:0", failure=None, batcher=batcher, role=SimpleNamespace(role=Role.DECODE),
                              step_listeners=[], switch_listeners=[], migration_listeners=[])
     node = SimpleNamespace(config=SimpleNamespace(imbalance_threshold=0.0, link_gbps=0.0), engines=[engine],
@@ -116,9 +119,12 @@ def test_refits_are_at_most_every_refit_min_s_and_quiet_decode_steps_do_not_kick
 
     async def run():
         clock = [0.0]
+        from node.core.batcher import Batcher
+
+        batcher = SimpleNamespace(running=[SimpleNamespace(is_decoding=True)], waiting=[])
+        batcher.has_work = lambda kind: Batcher.has_work(batcher, kind)
         engine = SimpleNamespace(device_id="cpu:0", failure=None, role=SimpleNamespace(role=Role.DECODE),
-                                 batcher=SimpleNamespace(running=[SimpleNamespace(is_decoding=True)], waiting=[]),
-                                 step_listeners=[], switch_listeners=[], migration_listeners=[])
+                                 batcher=batcher, step_listeners=[], switch_listeners=[], migration_listeners=[])
         node = SimpleNamespace(config=SimpleNamespace(imbalance_threshold=0.0, link_gbps=0.0), engines=[engine],
                                draining=False)
         driver = RoleDriver(node, role_scheduler(NodeConfig(mode="adaptive", devices=DEVICES[:1])), lambda: clock[0])

@@ -96,6 +96,7 @@ from bench.load.host_compare import (against_baseline, api_against_single, api_s
 from bench.load.runner_step import engine_threads, runner_steps, table as runner_table
 from bench.load.node_process import NodeServer, NodeUnavailable
 from bench.load.stream_client import auto_processes, run_load
+from node.config import usable_cores
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = Path(os.environ.get("SHIFTNODE_SHARED", REPO.parent / "shared"))
@@ -305,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.json:
             Path(a.json).write_text(json.dumps({
                 "runner_ms": {f"{m} B={b}": v for (m, b), v in runner_ms.items()}, "build_s": steps["build_s"],
-                "cpus": _cores(), "client_processes": a.client_processes, "api_scaling": api_scaling_rows(so_far),
+                "cpus": usable_cores(), "client_processes": a.client_processes, "api_scaling": api_scaling_rows(so_far),
                 "cells": [asdict(c) | {"gaps": None} for c in so_far]}, indent=1))
 
     interrupted = False
@@ -315,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         interrupted = True
     finally:
         print(f"host overhead: {a.max_tokens} tokens/request, {a.warmup:g} s warm-up + {a.duration:g} s measured per "
-              f"cell, {_cores()} CPUs, {a.client_processes} client process(es); node logs in {log_dir}; "
+              f"cell, {usable_cores()} CPUs, {a.client_processes} client process(es); node logs in {log_dir}; "
               f"{time.monotonic() - t0:.0f} s")
         if runner_ms:
             print("stories260k runner decode step (in-process, ModelRunner.execute; stories-c = --compile inductor, "
@@ -324,11 +325,6 @@ def main(argv: list[str] | None = None) -> int:
         print(table(cells, runner_ms) + ("\ninterrupted: the cells above are all that was measured" if interrupted
                                          else ""), flush=True)
     return 130 if interrupted else 0
-
-
-def _cores() -> int:
-    """The CPUs this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _raise_open_files() -> None:

@@ -26,9 +26,12 @@ BLOCK = 16
 
 
 def engine_threads(devices: int = 1) -> int:
-    """The torch threads of a CPU engine process (``node.worker.engine_process``): the CPUs but one
-    (the event loop's), shared by the devices, at least 1."""
-    return max(1, ((os.cpu_count() or 1) - 1) // max(1, devices))
+    """The torch threads of a CPU engine process of a one-process node with ``devices`` devices: the
+    node's own rule (:func:`node.worker.engine_process.engine_threads`)."""
+    from node.config import NodeConfig, usable_cores
+    from node.worker.engine_process import engine_threads as node_engine_threads
+
+    return node_engine_threads(NodeConfig(devices=[f"cpu:{i}" for i in range(devices)]), usable_cores())
 
 
 def _decode_step(batch: int, context: int, vocab: int):

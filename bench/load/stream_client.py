@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from bench.load.host_compare import _cpu_by_role
+from node.config import usable_cores
 
 __all__ = ["Counts", "LoadResult", "StreamLoad", "Window", "auto_processes", "run_load", "split"]
 
@@ -116,7 +117,7 @@ def auto_processes(cores: int | None = None) -> int:
     """``--client-processes auto``: a quarter of ``cores`` (default: the CPUs this process may run on), 1 to
     8 (16 cores: 4, beside a node with 8 front ends, its control loop and its engine; one client process
     streams about 100k tokens/s per core at ~9 us CPU per token, measured on the 2-core VM)."""
-    cores = cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()) or 1
+    cores = cores or usable_cores()
     return max(1, min(8, cores // 4))
 
 

@@ -45,9 +45,12 @@ from node.runtime.interfaces import DriverHost
 log = structlog.get_logger("shiftnode.roles")
 
 REFIT_EVERY = 32  # steps between refits of the cost model
-# ... and, in adaptive mode, at least this long (s): a refit (non-negative least squares over up to 2 x 256 samples) holds the
-# event loop ~2.5 ms; every 32 steps of a 1.6 ms CPU step that was 5 % of the loop, and a stall of the step
-# pipeline each time (stories260k at 10 req/s: adaptive ran 13 % fewer steps than colocated in 10 s)
+# ... and, in adaptive mode, at least this long (s): a refit (non-negative least squares over up to
+# 2 x 256 samples) holds the event loop ~2.5 ms; every 32 steps of a 1.6 ms CPU step that was 5 % of the
+# loop, and a stall of the step pipeline each time (stories260k at 10 req/s: adaptive ran 13 % fewer
+# steps than colocated in 10 s). The two-role policy keeps a refit every 32 steps: its windows and
+# fallback moves follow the fitted model, and with refits 0.5 s apart its moves under a burst changed
+# (tests/test_migration.py).
 REFIT_MIN_S = 0.5
 
 
@@ -69,7 +72,8 @@ class RoleDriver(Driver):
         self._steps = 0
         self._refit_s = -float("inf")
         self._quiet = False  # the last tick found the policy with nothing to decide (quiet_when_decoding)
-        self._adaptive = getattr(scheduler, "quiet_when_decoding", False)
+        self._can_be_quiet = getattr(scheduler, "quiet_when_decoding", False)  # the adaptive policy
+        self._refit_min_s = REFIT_MIN_S if self._can_be_quiet else 0.0
         rc = scheduler.config
         copy_s_per_token = self._transfer_s_per_token(node)  # to a peer and inside the node alike
         self.imbalance = ImbalancePolicy(ImbalanceConfig(
@@ -98,7 +102,7 @@ class RoleDriver(Driver):
 
     # --- one decision round --------------------------------------------------------------------------
     def tick(self) -> None:
-        self._quiet = self._adaptive and self._only_decoding()
+        self._quiet = self._can_be_quiet and self._only_decoding()
         if self._quiet:
             return  # the policy would decide nothing (AdaptiveScheduler.quiet_when_decoding)
         now = self.clock()
@@ -147,8 +151,7 @@ class RoleDriver(Driver):
         for e in self.node.engines:
             if e.failure is not None:  # down: out of the policy's view
                 continue
-            b = e.batcher
-            if e.role is None or e.role.role is not Role.DECODE or b.waiting or not all(s.is_decoding for s in b.running):
+            if e.role is None or e.role.role is not Role.DECODE or e.batcher.has_work(StepKind.PREFILL):
                 return False
         return True
 
@@ -289,9 +292,7 @@ class RoleDriver(Driver):
         self._steps += 1
         if self.refits and self._steps % REFIT_EVERY == 0:
             now = self.clock()
-            # the two-role policy keeps a refit every 32 steps: its windows and fallback moves follow the
-            # fitted model, and with refits 0.5 s apart its moves under a burst changed (tests/test_migration.py)
-            if now - self._refit_s >= (REFIT_MIN_S if self._adaptive else 0.0):
+            if now - self._refit_s >= self._refit_min_s:
                 self._refit_s = now
                 self.refit()
         # A decode step that preempted nothing leaves a quiet node quiet: no decision round for it

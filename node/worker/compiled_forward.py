@@ -164,6 +164,11 @@ def _hidden(model: CausalLM, ops: AttentionOpOps, input_ids: torch.Tensor, posit
     return model.hidden_states(input_ids, positions, kv_cache, None, ops)
 
 
+def _step_meta(n: int, meta: AttentionMetadata) -> StepMetadata:
+    """The attention op's out-of-band metadata of a step of ``n`` real tokens described by ``meta``."""
+    return StepMetadata(n, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, meta.max_seqlen_q)
+
+
 def _own_code(fn: Callable) -> Callable:
     """``fn`` with a code object of its own. Dynamo keeps compiled graphs per code object: each
     :class:`CompiledForward` then holds only its own buckets (one graph per input shape), so at a
@@ -284,7 +289,7 @@ class CompiledForward:
         # (skip_guard_eval_unsafe; ~0.1 ms of a 0.6 ms step otherwise, on ~30 weight tensors): the model,
         # its weights' shapes, the pool and the grad mode are those of the warm-up by construction.
         pad = bucket - n
-        sm = StepMetadata(n, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, meta.max_seqlen_q)
+        sm = _step_meta(n, meta)
         with torch.inference_mode(False), torch.no_grad():
             ids = torch.tensor(input_ids + [0] * pad if pad else input_ids, dtype=torch.int64, device=self.device)
             pos = torch.tensor(positions + [0] * pad if pad else positions, dtype=torch.int64, device=self.device)
@@ -306,7 +311,7 @@ class CompiledForward:
         tokens with the same operators (the compiled graph's own reference; it writes the same K/V
         slots). Returns ``[n, hidden]`` in the model dtype."""
         n = len(input_ids)
-        sm = StepMetadata(n, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, meta.max_seqlen_q)
+        sm = _step_meta(n, meta)
         with torch.inference_mode(False), torch.no_grad(), step_metadata(sm):
             ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
             pos = torch.tensor(positions, dtype=torch.int64, device=self.device)

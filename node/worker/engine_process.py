@@ -65,7 +65,7 @@ import msgspec
 import structlog
 import torch
 
-from node.config import NodeConfig
+from node.config import NodeConfig, usable_cores
 from node.transport.protocol import Fingerprint
 from node.worker.engine_main import engine_main
 from node.worker.engine_messages import (
@@ -114,10 +114,6 @@ def submit_from_thread(handle: Any, msg: Any) -> concurrent.futures.Future:
     return fut
 
 
-def _usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def engine_threads(config: NodeConfig, cores: int) -> int:
     """Intra-op threads of each CPU engine: the ``cores`` this process may use, less one for the node's
     control loop and one per API front end (``--api-processes`` > 1), shared by the devices; at least 1.
@@ -143,7 +139,7 @@ class EngineProcess:
     def __init__(self, config: NodeConfig, device_id: str, method: str, tp: TPRank | None = None):
         self.device_id = device_id
         self.method = method
-        threads = engine_threads(config, _usable_cores())
+        threads = engine_threads(config, usable_cores())
         ctx = multiprocessing.get_context(method)
         self._conn, child = ctx.Pipe(duplex=True)
         self.process = ctx.Process(target=engine_main, name=f"shiftnode-engine-{device_id}",
