@@ -53,6 +53,7 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.load.host_compare import _cpu_by_role
 from bench.load.node_process import REPO, NodeServer, NodeUnavailable
 from bench.load.replay import add_replay_args, fetch_server_info, replay, result_json
 from bench.studies import plots
@@ -124,17 +125,27 @@ def _fmt(x: float | None, spec: str) -> str:
     return "—" if x is None else format(x, spec)
 
 
+def _cpu_per_token(row: dict) -> str:
+    """``control / engines`` CPU µs per output token of a run (control includes in-process API work and
+    API front ends), or — without a reading (no ``/proc``, or no token out)."""
+    cpu, tokens = row.get("cpu_s"), row["summary"].get("total_output_tokens")
+    if not cpu or not tokens or not any(cpu.values()):
+        return "—"
+    return f"{(cpu['control'] + cpu['api']) * 1e6 / tokens:.0f} / {cpu['engines'] * 1e6 / tokens:.0f}"
+
+
 def markdown_table(rows: list[dict]) -> str:
     """The comparison table; unavailable modes get one row saying so, with the reason below. Rows of an
     interleaved run (:func:`run_rounds`) give their round after the mode."""
     lines = ["| mode | rate (req/s) | requests ok/failed | goodput (req/s) | SLO attainment | prefix hit "
-             "(infinite cache) | p50 TTFT (ms) | p90 TTFT (ms) | p90 TPOT (ms) | p90 ITL (ms) | switches | transfers |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "(infinite cache) | p50 TTFT (ms) | p90 TTFT (ms) | p90 TPOT (ms) | p90 ITL (ms) | switches | transfers | "
+             "node CPU per output token (µs: control / engines) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     notes = []
     for r in rows:
         if not r["available"]:
             notes.append(f"- `{r['mode']}`: {r['reason']}")
-            lines.append(f"| {r['mode']} | {_fmt(r.get('rate'), 'g')} | not available | — | — | — | — | — | — | — | — | — |")
+            lines.append(f"| {r['mode']} | {_fmt(r.get('rate'), 'g')} | not available | — | — | — | — | — | — | — | — | — | — |")
             continue
         s = r["summary"]
         hit, inf = r.get("prefix_hit_rate"), r.get("infinite_hit_rate")
@@ -144,7 +155,7 @@ def markdown_table(rows: list[dict]) -> str:
                      f"{s['slo_attainment']:.1%} | {hit_s} | "
                      f"{s['ttft_ms']['median']:.0f} | {s['ttft_ms']['p90']:.0f} | {s['tpot_ms']['p90']:.1f} | "
                      f"{s['itl_ms']['p90']:.1f} | "
-                     f"{r['switches']:.0f} | {r['transfers']:.0f} |")
+                     f"{r['switches']:.0f} | {r['transfers']:.0f} | {_cpu_per_token(r)} |")
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
@@ -185,13 +196,19 @@ def run_rate(node: NodeServer, a: argparse.Namespace, mode: str, rate: float, in
         print(f"bench.studies.compare: {mode} node not idle after {a.idle_timeout} s; running anyway", file=sys.stderr)
     wl = build_workload(spec_from_args(a, rate_rps=rate, max_model_len=info.max_model_len))
     before = counters(node.get_text("/metrics"))
+    cpu0 = _cpu_by_role(node.proc.pid if node.proc else None)
     res = asyncio.run(replay(node.url, wl.requests, info, seed=a.seed, ttft_slo_ms=a.ttft_slo_ms, tpot_slo_ms=a.tpot_slo_ms,
                              drain_timeout_s=a.drain_timeout, progress=not a.no_progress))
+    cpu = [b - a for a, b in zip(cpu0, _cpu_by_role(node.proc.pid if node.proc else None))]
     status = node.get_json("/v1/node")
     delta = {k: v - before[k] for k, v in counters(node.get_text("/metrics")).items()}
     config = {"mode": mode, "rate": rate, "model": info.model, "workload": wl.describe(),
               "ttft_slo_ms": a.ttft_slo_ms, "tpot_slo_ms": a.tpot_slo_ms, "node_cmd": node.cmd}
-    doc = result_json(res, config, wl.requests) | {"node_status": status, "counters": delta}
+    # CPU seconds over the replay and its drain: the node's control process (event loop, policy, API when
+    # in-process), its API front ends, its engines. Per output token it is the figure a shared machine's
+    # speed swings leave steadiest (bench.load.host_compare).
+    cpu_s = {"control": cpu[0], "api": cpu[1], "engines": cpu[2]}
+    doc = result_json(res, config, wl.requests) | {"node_status": status, "counters": delta, "cpu_s": cpu_s}
     name = f"{mode}_r{rate:g}" + ("" if round_ is None else f"_k{round_}")
     (out / f"{name}.json").write_text(json.dumps(doc))
     t0 = res.node_clock_start_s
@@ -208,7 +225,7 @@ def run_rate(node: NodeServer, a: argparse.Namespace, mode: str, rate: float, in
             "prefix_hit_rate": res.prefix_hit_rate,
             "infinite_hit_rate": infinite_cache_hit_ratio(wl.requests)[1] if any(r.hash_ids for r in wl.requests) else None,
             "switches": delta["shiftnode_role_switches_total"], "transfers": delta["shiftnode_kv_transfers_total"],
-            "ttft_ms": [r.ttft_s * 1e3 for r in ok],
+            "cpu_s": cpu_s, "ttft_ms": [r.ttft_s * 1e3 for r in ok],
             "tpot_ms": [t * 1e3 for t in (request_tpot_s(r) for r in ok) if t is not None]}
 
 

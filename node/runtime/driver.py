@@ -35,6 +35,8 @@ class Driver:
         self._outputs: deque[int] = deque(maxlen=SAMPLES)
 
     def start(self) -> None:
+        for e in self.node.engines:
+            e.plan_hooks.append(self.before_plan)
         self._task = asyncio.get_running_loop().create_task(self._run(), name=type(self).__name__)
 
     async def stop(self) -> None:
@@ -96,12 +98,27 @@ class Driver:
     def tick(self) -> None:
         raise NotImplementedError
 
+    def before_plan(self) -> None:
+        """Run the decision round a kick asked for now, if it has not run yet: each device engine calls
+        this right before it plans a step (``DeviceEngine.plan_hooks``), so an arrival's placement, or
+        a switch a finished step called for, reaches the step planned next. Waiting for the driver's
+        own task instead put it a step later whenever the engine's step reply was handled first (one
+        stories260k CPU device at 40 req/s: a median 1.3 ms from arrival to placement against 0.03
+        ms in colocated mode, which places in the request's own callback). Kicks that arrive together
+        still make one round."""
+        if self._event.is_set():
+            self._event.clear()
+            self._safe_tick()
+
+    def _safe_tick(self) -> None:
+        try:
+            self.tick()
+        except Exception:  # noqa: BLE001 - a policy bug must not stop the node; it is logged
+            log.exception("driver_tick_failed", driver=type(self).__name__)
+
     async def _run(self) -> None:
         while True:
-            try:
-                self.tick()
-            except Exception:  # noqa: BLE001 - a policy bug must not stop the node; it is logged
-                log.exception("driver_tick_failed", driver=type(self).__name__)
+            self._safe_tick()
             busy = self.pending or any(e.batcher.running or e.batcher.waiting for e in self.node.engines)
             self._event.clear()
             try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation

@@ -305,9 +305,10 @@ class RoleDriver(Driver):
         m = self.node.metrics
         m.role_switches.labels(device=engine.device_id, direction=direction).inc()
         m.switch_pause.labels(device=engine.device_id, direction=direction).observe(rec.pause_ms / 1e3)
-        resident = sum(1 for s in engine.batcher.running if s.is_decoding)
+        stall = rec.end_s - rec.start_s  # 0 for a free switch: no pass over the running sequences for it
+        resident = sum(1 for s in engine.batcher.running if s.is_decoding) if stall > 0 else 0
         if resident:
-            m.decode_stall.labels(device=engine.device_id, cause="role_switch").inc(resident * (rec.end_s - rec.start_s))
+            m.decode_stall.labels(device=engine.device_id, cause="role_switch").inc(resident * stall)
         if not (rec.from_role in ("decode", "mixed") and rec.to_role in ("decode", "mixed")):
             self._pauses.append(rec.pause_ms / 1e3)  # a free switch (DECODE <-> MIXED) is no pause sample
 
