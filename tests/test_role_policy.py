@@ -91,6 +91,7 @@ def test_the_adaptive_driver_skips_the_snapshot_while_every_device_only_decodes(
     driver = RoleDriver(node, role_scheduler(NodeConfig(mode="adaptive", devices=DEVICES[:1])), lambda: 0.0)
     driver.snapshot = snapshot
     driver.tick()  # quiet: no snapshot
+    assert not driver.needs_timer()  # residents, but nothing to decide with time alone: kicks only
     for change in (lambda: batcher.running.append(SimpleNamespace(is_decoding=False)),  # a prompt in progress
                    lambda: batcher.waiting.append(object()),  # a prompt queued on the device
                    lambda: driver.pending.append(object()),  # a prompt not yet placed
@@ -98,6 +99,7 @@ def test_the_adaptive_driver_skips_the_snapshot_while_every_device_only_decodes(
         change()
         with pytest.raises(Built):
             driver.tick()
+        assert driver.needs_timer()  # not quiet: urgency grows with age
         batcher.running[3:], batcher.waiting[:], driver.pending[:], engine.role.role = [], [], [], Role.DECODE
         driver.tick()
     # the two-role policy parks idle devices in PREFILL: it always decides

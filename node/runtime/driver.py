@@ -98,6 +98,11 @@ class Driver:
     def tick(self) -> None:
         raise NotImplementedError
 
+    def needs_timer(self) -> bool:
+        """Whether the next round must come within ``TICK_S`` even without a kick: prompts wait or
+        sequences are resident, and a policy's decisions may change with their age alone."""
+        return bool(self.pending) or any(e.batcher.running or e.batcher.waiting for e in self.node.engines)
+
     def before_plan(self) -> None:
         """Run the decision round a kick asked for now, if it has not run yet: each device engine calls
         this right before it plans a step (``DeviceEngine.plan_hooks``), so an arrival's placement, or
@@ -119,7 +124,7 @@ class Driver:
     async def _run(self) -> None:
         while True:
             self._safe_tick()
-            busy = self.pending or any(e.batcher.running or e.batcher.waiting for e in self.node.engines)
+            busy = self.needs_timer()
             self._event.clear()
             try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
                 async with asyncio.timeout(TICK_S if busy else None):

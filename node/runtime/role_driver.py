@@ -143,6 +143,13 @@ class RoleDriver(Driver):
                     req.fail(f"request cannot be served: {d.reason} (its prompt times n, plus one token, must fit "
                              f"one device's KV cache even when empty)", status=400, code="kv_capacity_exceeded")
 
+    def needs_timer(self) -> bool:
+        """Not while the last round was quiet (every device decodes, nothing waits): there no decision
+        depends on time alone, and every change that could end the quiet kicks the driver (an arrival, a
+        preempting step, a finished request, a move or a restart). The 5 ms timer woke the adaptive
+        driver 200 times a second on a decoding node for nothing."""
+        return not self._quiet and super().needs_timer()
+
     def _only_decoding(self) -> bool:
         """No waiting prompt, no move to consider (fallback off, not draining, no switch under way), and
         every live device in DECODE holding decoding sequences only: checked without the snapshot."""
