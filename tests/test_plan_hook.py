@@ -1,5 +1,5 @@
-"""A device engine runs its driver's pending decision round right before it plans a step
-(``Driver.before_plan``), so a prompt that arrived while a step was in flight is placed in the step
+"""A device engine runs its driver's pending decision round at the start of each pass of its step loop,
+before it plans (``Driver.before_plan``), so a prompt that arrived while a step was in flight is placed in the step
 planned next, as colocated mode adds it in the request's own callback, and not one step later when
 the driver's task happens to run after the engine's step reply was handled."""
 
@@ -84,5 +84,31 @@ def test_a_prompt_kicked_in_during_a_step_is_placed_in_the_next_plan():
         for fut, outs in runner.replies:
             fut.set_result(StepReply(outs))
         await engine.stop(grace_s=0)
+
+    asyncio.run(go())
+
+
+def test_the_drivers_task_does_not_repeat_a_round_a_plan_has_run():
+    """A kick wakes the driver's task; when a device's plan runs the round first, the task, woken by
+    that same kick, does not run a second one (it would find nothing new: a snapshot for nothing)."""
+
+    async def go():
+        engine = SimpleNamespace(plan_hooks=[], batcher=SimpleNamespace(running=[], waiting=[]))
+        driver = _Placing(SimpleNamespace(engines=[engine]), time.monotonic)
+        driver.start()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert driver.rounds == 1  # its first round at start
+        driver.kick()  # the task's waiter is woken now...
+        engine.plan_hooks[0]()  # ...but a device plans first and runs the round
+        assert driver.rounds == 2
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert driver.rounds == 2
+        driver.kick()  # a kick no plan takes: the task runs it
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert driver.rounds == 3
+        await driver.stop()
 
     asyncio.run(go())

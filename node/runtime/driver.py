@@ -105,8 +105,9 @@ class Driver:
 
     def before_plan(self) -> None:
         """Run the decision round a kick asked for now, if it has not run yet: each device engine calls
-        this right before it plans a step (``DeviceEngine.plan_hooks``), so an arrival's placement, or
-        a switch a finished step called for, reaches the step planned next. Waiting for the driver's
+        this at the start of each pass of its step loop, before it applies moves and plans a step
+        (``DeviceEngine.plan_hooks``), so an arrival's placement, or a switch a finished step called
+        for, reaches the step planned next. Waiting for the driver's
         own task instead put it a step later whenever the engine's step reply was handled first (one
         stories260k CPU device at 40 req/s: a median 1.3 ms from arrival to placement against 0.03
         ms in colocated mode, which places in the request's own callback). Kicks that arrive together
@@ -122,12 +123,17 @@ class Driver:
             log.exception("driver_tick_failed", driver=type(self).__name__)
 
     async def _run(self) -> None:
+        due = True
         while True:
-            self._safe_tick()
+            if due:
+                self._safe_tick()
             busy = self.needs_timer()
             self._event.clear()
             try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
                 async with asyncio.timeout(TICK_S if busy else None):
                     await self._event.wait()
+                # woken by a kick whose round a device's plan has run meanwhile (before_plan cleared it):
+                # a second round now would find what that one left
+                due = self._event.is_set()
             except TimeoutError:
-                pass
+                due = True

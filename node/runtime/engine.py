@@ -100,7 +100,7 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
         self.step_listeners: list[Callable[[DeviceEngine, StepPlan, float], None]] = []
         self.switch_listeners: list[Callable[[DeviceEngine, SwitchRecord], None]] = []
         self.down_listeners: list[Callable[[DeviceEngine], None]] = []  # called once the device is down
-        # run right before each step is planned: the driver's pending decision round (Driver.before_plan)
+        # run at the start of each pass of the step loop: the driver's pending decision round (Driver.before_plan)
         self.plan_hooks: list[Callable[[], None]] = []
         self.step_started_s: float | None = None  # when the oldest step in flight was sent, else None
         self.last_step_s = 0.0
@@ -206,6 +206,10 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
         self._current_plan = None
         if self._dead:
             raise EngineDied(self._dead)
+        # the driver's pending decision round first: the moves, detaches and jobs it queues are then taken
+        # below like any other, before a step is planned over the sequences they touch
+        for hook in self.plan_hooks:
+            hook()
         self._apply_aborts()
         self._start_overlapped_moves()
         if (self._detaches or self._migrations or self._jobs) and self._inflight:
@@ -218,8 +222,6 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
         if self._jobs:
             await self._run_jobs()
             return
-        for hook in self.plan_hooks:
-            hook()
         kind = StepKind.MIXED if self.role is None else self.role.step_kind
         chunk = self.chunk_tokens if self.role is not None and kind is StepKind.MIXED else None  # adaptive's MIXED role
         plan = self.batcher.schedule(kind, chunk) if kind is not None and self.batcher.has_work(kind) else None
