@@ -26,15 +26,13 @@ class _Engine:
     kv_cache = None
 
     def __init__(self):
-        self.steps: list[list[str]] = []
-        self.replies: list[asyncio.Future] = []
-        self.known: set[str] = set()
+        self.steps: list[list[str]] = []  # each step's sequence ids
+        self.replies: list[tuple[asyncio.Future, list[SeqOutput]]] = []  # unanswered steps, oldest first
 
     def stop(self) -> None:
         pass
 
     def async_submit(self, msg):
-        self.known |= {n.seq_id for n in msg.new}
         self.steps.append([it.seq_id for it in msg.items])
         fut = asyncio.get_running_loop().create_future()
         self.replies.append((fut, [SeqOutput(5) if it.sample else SeqOutput() for it in msg.items]))

@@ -36,7 +36,7 @@ def _tree_cpu_s(pid: int | None) -> tuple[float, float]:
     return ((int(own[11]) + int(own[12])) / tick if own else 0.0), kids
 
 
-def _cpu_by_role(pid: int | None) -> tuple[float, float, float]:
+def cpu_by_role(pid: int | None) -> tuple[float, float, float]:
     """CPU seconds of process ``pid`` (the node's control process), of its API front ends (children
     named ``shiftnode-api-N``) and of its other children (the engines); zeros without ``/proc``."""
     if pid is None or not os.path.isdir("/proc"):

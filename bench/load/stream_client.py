@@ -20,7 +20,7 @@ counts what arrives inside it:
 * ``cpu_s``: the client processes' CPU time (user + system) in the window, summed; ``cpu_max_s``: the
   busiest one's (near the window's length, that client limited).
 
-This process reads the node's CPU time by role (:func:`bench.load.host_compare._cpu_by_role`, ``/proc``)
+This process reads the node's CPU time by role (:func:`bench.load.host_compare.cpu_by_role`, ``/proc``)
 at both ends of the window, then each device's ``steps`` (``GET /v1/node``: a node whose loop is
 saturated answers late, so the steps' interval is taken between the two reads' midpoints, and the slower
 read's duration is kept), and merges the clients' counts (:meth:`Counts.merge`) once the window has
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from bench.load.host_compare import _cpu_by_role
+from bench.load.host_compare import cpu_by_role
 from node.config import usable_cores
 
 __all__ = ["Counts", "LoadResult", "StreamLoad", "Window", "auto_processes", "run_load", "split"]
@@ -246,10 +246,10 @@ async def _measure(url: str, window: Window, node_pid: int | None, local: Stream
     runs = asyncio.create_task(local.run()) if local else None
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
         await asyncio.sleep(max(0.0, window.t_a - time.monotonic()))
-        cpu0 = _cpu_by_role(node_pid)
+        cpu0 = cpu_by_role(node_pid)
         before, mid0, read0 = await _steps(s, url)
         await asyncio.sleep(max(0.0, window.t_b - time.monotonic()))
-        cpu1 = _cpu_by_role(node_pid)
+        cpu1 = cpu_by_role(node_pid)
         after, mid1, read1 = await _steps(s, url)
     if local:
         local.stopping.set()

@@ -53,7 +53,7 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.load.host_compare import _cpu_by_role
+from bench.load.host_compare import cpu_by_role
 from bench.load.node_process import REPO, NodeServer, NodeUnavailable
 from bench.load.replay import add_replay_args, fetch_server_info, replay, result_json
 from bench.studies import plots
@@ -196,10 +196,11 @@ def run_rate(node: NodeServer, a: argparse.Namespace, mode: str, rate: float, in
         print(f"bench.studies.compare: {mode} node not idle after {a.idle_timeout} s; running anyway", file=sys.stderr)
     wl = build_workload(spec_from_args(a, rate_rps=rate, max_model_len=info.max_model_len))
     before = counters(node.get_text("/metrics"))
-    cpu0 = _cpu_by_role(node.proc.pid if node.proc else None)
+    pid = node.proc.pid if node.proc else None
+    cpu0 = cpu_by_role(pid)
     res = asyncio.run(replay(node.url, wl.requests, info, seed=a.seed, ttft_slo_ms=a.ttft_slo_ms, tpot_slo_ms=a.tpot_slo_ms,
                              drain_timeout_s=a.drain_timeout, progress=not a.no_progress))
-    cpu = [b - a for a, b in zip(cpu0, _cpu_by_role(node.proc.pid if node.proc else None))]
+    cpu = [b - a for a, b in zip(cpu0, cpu_by_role(pid))]
     status = node.get_json("/v1/node")
     delta = {k: v - before[k] for k, v in counters(node.get_text("/metrics")).items()}
     config = {"mode": mode, "rate": rate, "model": info.model, "workload": wl.describe(),

@@ -100,8 +100,7 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
         self.step_listeners: list[Callable[[DeviceEngine, StepPlan, float], None]] = []
         self.switch_listeners: list[Callable[[DeviceEngine, SwitchRecord], None]] = []
         self.down_listeners: list[Callable[[DeviceEngine], None]] = []  # called once the device is down
-        # run at the start of each pass of the step loop: the driver's pending decision round (Driver.before_plan)
-        self.plan_hooks: list[Callable[[], None]] = []
+        self.plan_hooks: list[Callable[[], None]] = []  # each step-loop pass's first act (Driver.before_plan)
         self.step_started_s: float | None = None  # when the oldest step in flight was sent, else None
         self.last_step_s = 0.0
         self._idle = asyncio.Event()
@@ -137,22 +136,6 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
         self._task.add_done_callback(self._on_loop_done)
         for process in self._processes():
             asyncio.get_running_loop().add_reader(process.sentinel, self._on_engine_exit, process)
-
-    def _processes(self) -> list:
-        """The engine's processes: none in the thread layout, one per rank of a tensor-parallel group."""
-        processes = getattr(self.runner, "processes", None)
-        if processes is not None:
-            return list(processes)
-        process = getattr(self.runner, "process", None)
-        return [] if process is None else [process]
-
-    def _on_engine_exit(self, process) -> None:
-        """An engine process ended (any rank of a group): unless the node is stopping it, the device is down."""
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(process.sentinel)
-        if not self.runner.stopping and not self._dead:
-            self._dead = self.runner.death_reason(process)
-            self.wake()
 
     async def stop(self, grace_s: float = COPY_GRACE_S) -> None:
         """Stop the loop and the engine. A KV copy in flight gets ``grace_s`` seconds to end, then is
@@ -206,8 +189,7 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
         self._current_plan = None
         if self._dead:
             raise EngineDied(self._dead)
-        # the driver's pending decision round first: the moves, detaches and jobs it queues are then taken
-        # below like any other, before a step is planned over the sequences they touch
+        # the driver's round first: the moves and detaches it queues are taken below, before any plan
         for hook in self.plan_hooks:
             hook()
         self._apply_aborts()

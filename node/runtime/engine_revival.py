@@ -24,7 +24,24 @@ log = structlog.get_logger("shiftnode.engine")
 class Revival:
     """Death and revival of a :class:`~node.runtime.engine.DeviceEngine` (which holds the state these
     methods read: ``requests``, ``_by_seq``, ``batcher``, ``runner``, ``role``, ``failure``,
-    ``orphan_listener``, the step encoder and the queues of steps in flight and aborts)."""
+    ``orphan_listener``, the step encoder and the queues of steps in flight and aborts), and the watch
+    on its engine processes (:meth:`_on_engine_exit` marks the device dead when one ends)."""
+
+    def _processes(self) -> list:
+        """The engine's processes: none in the thread layout, one per rank of a tensor-parallel group."""
+        processes = getattr(self.runner, "processes", None)
+        if processes is not None:
+            return list(processes)
+        process = getattr(self.runner, "process", None)
+        return [] if process is None else [process]
+
+    def _on_engine_exit(self, process) -> None:
+        """An engine process ended (any rank of a group): unless the node is stopping it, the device is down."""
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(process.sentinel)
+        if not self.runner.stopping and not self._dead:
+            self._dead = self.runner.death_reason(process)
+            self.wake()
 
     def _orphan_all(self) -> None:
         """The engine died: take every sequence off this device (its blocks freed, the placeholders of
