@@ -16,23 +16,33 @@ Each decision round, for every device in the decode configuration (switch reason
   KV, up to ``Wmax`` of prefill) is cheaper as a window than as chunks, ``E_window < E_chunks``, and the
   residents' deadlines afford the window (the two-role policy's window budget, dwell and stagger
   rules) — "cheaper" (a burst or a long prompt: the prefill configuration is faster per token, or
-  ``c = 0``); or when the oldest of that work would *miss its TTFT SLO* as chunks and meet it in a
-  window, and a window may open (affordable, or the two-role policy's *forced* window for an urgent
+  ``c = 0``); or when the oldest of that work would *miss its TTFT SLO* even as chunks of ``c_L`` (the
+  largest chunk within the step limit, which the chunk grows to for it: *rescue* below) and meet it in
+  a window, and a window may open (affordable, or the two-role policy's *forced* window for an urgent
   prompt) — "ttft". A window stalls every resident for its length, so it is not opened to win a head
   that meets its SLO anyway a few milliseconds (1B prompts from 32 to 7,000 tokens on 4 simulated
   H200s at 560 req/s, when heads waited for sequence slots: SLO attainment 0.75 opening a window
-  whenever one served the head sooner once past ``ttft_urgency`` of the SLO, 0.98 with this rule).
+  whenever one served the head sooner once past ``ttft_urgency`` of the SLO, 0.98 with this rule), nor
+  for a head that only the knee ``c*`` would make late (8B, the same prompts, 4 H200s at 127 req/s:
+  0.90 judging the head at ``c*``, 0.99 at ``c_L``).
+  **A window lasts as long as the work it was opened for** (``P`` of that work, at least ``Wmin``), not
+  as long as the residents could afford: a prompt arriving meanwhile was never weighed against the
+  window, and goes in chunks to a device in the decode configuration rather than stretch the stall of
+  every resident (1B, the same prompts, 8 H200s at 1,129 req/s: SLO attainment 0.71 when a window took
+  arrivals until its residents' budget ran out, 1.00 sized).
 * Otherwise prompts are placed on decode-configuration devices whose chunk budget is positive (FIFO;
   where they fit KV and sequence slots, least ``finish + expected decode`` first, as the two-role
   placement; a device takes more only while its queue's chunked prefill ends within the TTFT target
   ``ttft_urgency x ttft_slo`` *from now* — measured from the prompt's arrival, a prompt that already
   waited that long for a sequence slot could go nowhere but to an empty queue, and held every prompt
   behind it), and the device runs **MIXED** with chunk budget ``c`` when it has queued prompt work,
-  ``c > 0`` and the queue is not *gathering* — "chunks_fit" — else **DECODE**: "nothing_waits" (no
-  queued prompt work), "gather" (the queue is under ``c`` tokens, its oldest prompt has waited less
-  than ``G`` and the device ran MIXED less than ``G`` ago: a mixed step now would pay the eager penalty
-  for a partial chunk sooner than the penalty's share allows), "spacing" (no chunk
-  fits ``L`` but decode alone meets ``T``, e.g. the 70B's ~36 ms eager mixed step against a 20 ms TPOT
+  ``c > 0`` and the queue is not *gathering* — "chunks_fit" (the chunk grown past ``c*`` to keep up
+  with a backlog, :mod:`node.core.chunk_budget`, or to *rescue* the queue's oldest prompt: the smallest
+  chunk that carries the queue by that prompt's TTFT SLO, where ``c*`` would miss it and ``c_L`` meets
+  it) — else **DECODE**: "nothing_waits" (no queued prompt work), "gather" (the queue is under ``c``
+  tokens, its oldest prompt has waited less than ``G`` and the device ran MIXED less than ``G`` ago: a
+  mixed step now would pay the eager penalty for a partial chunk sooner than the penalty's share
+  allows), "spacing" (no chunk fits ``L`` but decode alone meets ``T``, e.g. the 70B's ~36 ms eager mixed step against a 20 ms TPOT
   SLO: the device runs mixed steps of ``c*`` within ``Wmax`` longer than ``T`` and decodes
   ``S = (m - T) d / (T - d)`` between them, so the residents' mean token gap stays at ``T``;
   :func:`node.core.chunk_budget.spacing_s`) or "no_headroom" (``c = 0``: even one prompt token would
@@ -197,12 +207,14 @@ class AdaptiveScheduler(RoleScheduler):
     def _m(self, mix: _Mix):
         return lambda c: self.cost.mixed_step_s(c, mix.s, mix.k)
 
-    def _chunks_s(self, mix: _Mix, tokens: int) -> float:
-        """Seconds from ``mix.t0`` until ``tokens`` prompt tokens are carried in chunks (spacing included)."""
+    def _chunks_s(self, mix: _Mix, tokens: int, chunk: int | None = None) -> float:
+        """Seconds from ``mix.t0`` until ``tokens`` prompt tokens are carried in chunks of ``chunk``
+        (default: the device's chunk this round; spacing included)."""
         m = self._m(mix)
-        out = chunks_s(m, tokens, mix.chunk)
-        if mix.spacing and tokens > mix.chunk > 0:
-            out += (-(-tokens // mix.chunk) - 1) * spacing_s(m(mix.chunk), mix.d, self.T)
+        c = mix.chunk if chunk is None else chunk
+        out = chunks_s(m, tokens, c)
+        if mix.spacing and tokens > c > 0:
+            out += (-(-tokens // c) - 1) * spacing_s(m(c), mix.d, self.T)
         return out
 
     # --- the decision ----------------------------------------------------------------------------
@@ -220,11 +232,12 @@ class AdaptiveScheduler(RoleScheduler):
         for dv in sorted(dec, key=lambda dv: (dv.holder, -self._afford_s(dv, now_s), dv.idx)):
             if not (remaining or self._own_work(dv)):
                 continue
-            reason = self._window_reason(now_s, dv, mixes[dv.st.device_id], remaining)
-            if reason is None:
+            why = self._window_reason(now_s, dv, mixes[dv.st.device_id], remaining)
+            if why is None:
                 continue
+            reason, work_s = why
             n = len(out)
-            remaining = self._maybe_switch(now_s, dv, devs, remaining, out)
+            remaining = self._maybe_switch(now_s, dv, devs, remaining, out, work_s)
             if len(out) > n and isinstance(out[n], SwitchRole):
                 out[n] = msgspec.structs.replace(out[n], reason=reason)
                 del mixes[dv.st.device_id]
@@ -235,6 +248,7 @@ class AdaptiveScheduler(RoleScheduler):
         if capped:  # prompts the devices had room for but not the time at their chunks: grow them
             self._keep_up(now_s, mixing, mixes, capped)
             remaining, _ = self._place_mixed(now_s, remaining, mixing, mixes, places)
+        self._rescue(now_s, mixing, mixes)
         for dv in mixing:
             mix = mixes[dv.st.device_id]
             queued = dv.q > 0
@@ -271,6 +285,20 @@ class AdaptiveScheduler(RoleScheduler):
                 mix.chunk = keep_up_chunk(self._m(mix), dv.q + share, mix.knee, mix.max_chunk,
                                           target_s - max(0.0, mix.t0 - now_s))
 
+    def _rescue(self, now_s: float, devs: list[_Dev], mixes: dict[str, _Mix]) -> None:
+        """Grow a device's chunk (within ``[c, c_L]``) to the smallest whose chunks carry its whole queue
+        by its oldest prompt's TTFT SLO, where the chunk would miss that and ``c_L`` meets it: the chunks
+        a TTFT window was judged against (:meth:`_window_reason`). A prompt that misses even at ``c_L``
+        (it waited for a sequence slot) is not rescued by a longer step for every resident."""
+        slo = self.config.ttft_slo_ms / 1e3
+        for dv in devs:
+            mix = mixes[dv.st.device_id]
+            if dv.q <= 0 or mix.oldest_s is None or mix.spacing or not 0 < mix.chunk < mix.max_chunk:
+                continue
+            left = slo - (now_s - mix.oldest_s) - max(0.0, mix.t0 - now_s)
+            if self._chunks_s(mix, dv.q) > left + EPS and self._chunks_s(mix, dv.q, mix.max_chunk) <= left:
+                mix.chunk = keep_up_chunk(self._m(mix), dv.q, mix.chunk, mix.max_chunk, left)
+
     @staticmethod
     def _gathering(now_s: float, dv: _Dev, mix: _Mix, mixed_s: float) -> bool:
         """The queue waits for company: under one chunk ``c*`` (the knee, not the chunk grown to keep up),
@@ -298,21 +326,25 @@ class AdaptiveScheduler(RoleScheduler):
                     head, oldest = tokens, w.arrival_s
         return tokens, head, oldest
 
-    def _window_reason(self, now_s: float, dv: _Dev, mix: _Mix, remaining: list[WaitingPrompt]) -> str | None:
+    def _window_reason(self, now_s: float, dv: _Dev, mix: _Mix,
+                       remaining: list[WaitingPrompt]) -> tuple[str, float] | None:
         """Why the device should take its work as a PREFILL window ("cheaper", "no_chunk_fits", "ttft"),
-        or None (see the module docstring)."""
+        with the prefill seconds of that work (the window's length), or None (see the module docstring)."""
         tokens, head, oldest = self._work_tokens(dv, remaining)
         if tokens <= 0:
             return None
         m = self._m(mix)
-        if window_extra_s(self.prefill_s(tokens), self.pause_s) + EPS < chunks_extra_s(m, tokens, mix.chunk):
-            return "cheaper" if mix.chunk > 0 else "no_chunk_fits"
+        work_s = self.prefill_s(tokens)
+        if window_extra_s(work_s, self.pause_s) + EPS < chunks_extra_s(m, tokens, mix.chunk):
+            return ("cheaper" if mix.chunk > 0 else "no_chunk_fits"), work_s
         wait = now_s - (oldest if oldest is not None else now_s) + max(0.0, mix.t0 - now_s)
-        as_chunks = wait + self._chunks_s(mix, head)
+        # as chunks the head is carried at least as fast as at c_L, the chunk keeping up grows to
+        fastest = mix.chunk if mix.spacing else max(mix.chunk, mix.max_chunk)
+        as_chunks = wait + self._chunks_s(mix, head, fastest)
         as_window = wait + self.pause_s + self.prefill_s(head)
         slo = self.config.ttft_slo_ms / 1e3
         if as_chunks > slo + EPS and as_window <= slo:
-            return "ttft"
+            return "ttft", work_s
         return None
 
     def _place_mixed(self, now_s: float, waiting: list[WaitingPrompt], devs: list[_Dev], mixes: dict[str, _Mix],

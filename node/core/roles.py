@@ -290,7 +290,10 @@ class RoleScheduler(WindowMath):
         return any(o is not dv and o.holder and o.decodeish for o in devs)
 
     def _maybe_switch(self, now_s: float, dv: _Dev, devs: list[_Dev], remaining: list[WaitingPrompt],
-                      out: list[Decision]) -> list[WaitingPrompt]:
+                      out: list[Decision], work_s: float = INF) -> list[WaitingPrompt]:
+        # work_s (the adaptive policy): the window lasts the prefill seconds of the work it was opened
+        # for (at least Wmin), not as long as the residents could afford
+
         st = dv.st
         t0 = max(now_s, st.busy_until_s) + self.pause_s
         staggered = dv.holder and not self._stagger_ok(dv, devs)
@@ -339,9 +342,14 @@ class RoleScheduler(WindowMath):
                 reason, forced_until = "ttft", t0 + window
             else:
                 return remaining
+        if work_s < INF:
+            window = min(window, max(work_s, self.wmin))
+            forced_until = min(forced_until, t0 + window)
         out.append(SwitchRole(st.device_id, Role.PREFILL, reason, window,
                               self.cost.prefill_tokens_within(window, self.config.prefill_token_budget)))
         dv.target, dv.decodeish, dv.t0, dv.ws, dv.forced_until = True, False, t0, t0, forced_until
+        if work_s < INF:
+            dv.end_by = self._end_by[st.device_id] = t0 + window
         dv.res = _Residents(st, t0, self.T)
         if forced_until > -INF:
             self._forced_until[st.device_id] = forced_until

@@ -228,6 +228,49 @@ def test_no_ttft_window_for_a_head_that_meets_its_slo_as_chunks():
     assert [d.device_id for d in out if isinstance(d, Place)] == ["d0"]
 
 
+def test_a_window_lasts_as_long_as_the_work_it_was_opened_for():
+    """The burst of the test above opens a window sized to its 4,000 tokens (~42 ms, not the 200 ms the
+    residents could afford). A prompt arriving 10 ms later was never weighed against that window: it goes
+    in chunks to the device in the decode configuration instead of stretching the residents' stall."""
+    cost = TwoInstances(**{f: getattr(COST, f) for f in COST.__struct_fields__})
+    pol = AdaptiveScheduler(CFG, cost)
+    now = 1.0
+    waiting = tuple(WaitingPrompt(f"p{i}", 1000, now, 100) for i in range(4))
+    d0 = dev(Role.MIXED, on_pace(4, now, 2.0))
+    d1 = dev(Role.MIXED, on_pace(4, now, 2.0), device_id="d1", kv_free_blocks=0)  # no room for the burst
+    out = pol.decide(now, NodeSnapshot((d0, d1), waiting))
+    sw = next(d for d in out if isinstance(d, SwitchRole))
+    assert (sw.device_id, sw.reason) == ("d0", "cheaper")
+    assert math.isclose(sw.window_s, pol.prefill_s(4000)) and sw.window_s < CFG.max_window_ms / 1e3
+    assert sw.window_tokens == cost.prefill_tokens_within(sw.window_s, CFG.prefill_token_budget)
+    # 10 ms on: d0 has paused and holds the burst; d1 has room now
+    later = now + 0.010
+    d0 = dev(Role.PREFILL, on_pace(4, later, 2.0), since=now + pol.pause_s, prefill_queue_tokens=4000,
+             prefill_queue_seqs=4, prefill_queue_oldest_s=now)
+    d1 = dev(Role.MIXED, on_pace(4, later, 2.0), device_id="d1")
+    out = pol.decide(later, NodeSnapshot((d0, d1), (WaitingPrompt("q", 1000, later, 100),)))
+    assert [(d.request_id, d.device_id) for d in out if isinstance(d, Place)] == [("q", "d1")]
+
+
+def test_a_ttft_window_is_judged_against_the_chunk_that_keeps_up():
+    """A 1,500-token prompt 150 ms old: at the knee (~500 tokens, three ~19 ms steps) it would miss its
+    200 ms TTFT SLO; at c_L (one ~43 ms step) it meets it. No window: it goes in chunks, and the chunk
+    grows to the smallest that meets the SLO."""
+    pol = AdaptiveScheduler(CFG, KNEE)
+    now = 1.0
+    st = dev(Role.MIXED, on_pace(4, now, 0.012))
+    knee, _ = pol.chunk_budget_of(st, now)
+    m = lambda n: KNEE.mixed_step_s(n, 4, 2000)  # noqa: E731
+    c_limit = chunk_budget(m, T, 2048 - 4)
+    assert 0.150 + chunks_s(m, 1500, knee) > 0.200 >= 0.150 + chunks_s(m, 1500, c_limit)
+    assert 0.150 + pol.pause_s + pol.prefill_s(1500) <= 0.200  # a window would have met it too
+    out = pol.decide(now, NodeSnapshot((st,), (WaitingPrompt("p", 1500, now - 0.150, 100),)))
+    assert switches(out) == []
+    assert [d.device_id for d in out if isinstance(d, Place)] == ["d0"]
+    c = next(d.tokens for d in out if isinstance(d, ChunkBudget))
+    assert knee < c <= c_limit and 0.150 + chunks_s(m, 1500, c) <= 0.200 < 0.150 + chunks_s(m, 1500, c - 1)
+
+
 def test_an_idle_window_returns_to_the_decode_configuration():
     pol = AdaptiveScheduler(CFG, COST)
     out = pol.decide(1.0, NodeSnapshot((dev(Role.PREFILL),)))
