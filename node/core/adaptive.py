@@ -42,8 +42,9 @@ Each decision round, for every device in the decode configuration (switch reason
   it) — else **DECODE**: "nothing_waits" (no queued prompt work), "gather" (the queue is under ``c``
   tokens, its oldest prompt has waited less than ``G`` and the device ran MIXED less than ``G`` ago: a
   mixed step now would pay the eager penalty for a partial chunk sooner than the penalty's share
-  allows), "spacing" (no chunk fits ``L`` but decode alone meets ``T``, e.g. the 70B's ~36 ms eager mixed step against a 20 ms TPOT
-  SLO: the device runs mixed steps of ``c*`` within ``Wmax`` longer than ``T`` and decodes
+  allows), "spacing" (no chunk fits ``L`` but decode alone meets ``T``, e.g. the 70B's ~36 ms eager
+  mixed step against a 20 ms TPOT SLO: the device runs mixed steps of ``c*`` within ``Wmax`` longer
+  than ``T`` and decodes
   ``S = (m - T) d / (T - d)`` between them, so the residents' mean token gap stays at ``T``;
   :func:`node.core.chunk_budget.spacing_s`) or "no_headroom" (``c = 0``: even one prompt token would
   stretch the step past ``Wmax``, or past ``L`` where decode alone misses ``T``, or ``S > Wmax``).
@@ -338,7 +339,7 @@ class AdaptiveScheduler(RoleScheduler):
         if window_extra_s(work_s, self.pause_s) + EPS < chunks_extra_s(m, tokens, mix.chunk):
             return ("cheaper" if mix.chunk > 0 else "no_chunk_fits"), work_s
         wait = now_s - (oldest if oldest is not None else now_s) + max(0.0, mix.t0 - now_s)
-        # as chunks the head is carried at least as fast as at c_L, the chunk keeping up grows to
+        # as chunks, the head is judged at c_L: where that meets its SLO, _rescue grows the chunk for it
         fastest = mix.chunk if mix.spacing else max(mix.chunk, mix.max_chunk)
         as_chunks = wait + self._chunks_s(mix, head, fastest)
         as_window = wait + self.pause_s + self.prefill_s(head)
