@@ -168,7 +168,8 @@ def fit_cost_model(
             prefill intercept is the decode one (fitted, or ``base``'s) and only the per-token terms
             are fitted to ``step - a_d``. Two intercepts fitted apart differ by noise, and
             ``max(a_p, a_d) - a_d`` then reads as a mixed-step penalty that is not there (the adaptive
-            policy's gathering time ``G`` grows with it: node.core.chunk_budget.gather_s).
+            policy's gathering time ``G`` grows with it: node.core.chunk_budget.gather_s). Without
+            prompt samples the prefill intercept is still the fitted decode one.
     """
     solve = nonneg_least_squares if nonneg else least_squares
     out = base or CostModel()
@@ -187,6 +188,11 @@ def fit_cost_model(
         coef = solve(rows, [s for _, s in prefill_samples])
         fields.update(prefill_fixed_s=coef[0], prefill_per_token_s=coef[1],
                       prefill_per_token2_s=coef[2] if quadratic else 0.0)
+    elif shared_fixed and "decode_fixed_s" in fields:
+        # no prompt samples yet: the prompt rows keep base's per-token terms but share the fitted intercept
+        # (a stories260k CPU node with 32-token prompts, before three prompt sizes were seen: base's 2 ms
+        # against a fitted ~1 ms read as a 1 ms mixed-step penalty, and prompts were gathered ~10 ms)
+        fields["prefill_fixed_s"] = fields["decode_fixed_s"]
     if pause_samples_s:
         fields["pause_s"] = sum(pause_samples_s) / len(pause_samples_s)
     return msgspec.structs.replace(out, **fields)

@@ -107,3 +107,21 @@ def test_one_configuration_shares_one_fixed_cost_so_no_mixed_penalty_appears():
     e = shared.mixed_step_s(1, 8, 400) - d
     assert 0 < e < 0.0002  # one prompt token's share of the noise, not a 3 ms floor
     assert gather_s(e, 0.1) < 0.002 < gather_s(apart.mixed_step_s(1, 8, 400) - d, 0.1)
+
+
+def test_one_configuration_shares_the_fitted_fixed_cost_before_any_prompt_sample():
+    """The node's refit passes no prompt samples until it has seen three prompt sizes (a CPU node serving
+    32-token prompts one at a time may not for minutes). The decode intercept is fitted meanwhile; the
+    prompt rows must share it, not keep the starting model's: a base of 2 ms against a fitted 1 ms read
+    as a 1 ms mixed-step penalty, and the adaptive policy gathered prompts for ~10 ms."""
+    from node.core.chunk_budget import gather_s
+
+    base = CostModel(prefill_fixed_s=0.002, prefill_per_token_s=2e-5, decode_fixed_s=0.002, decode_per_seq_s=1e-4)
+    decode = [(s, k, 0.001 + 40e-6 * s + 1e-7 * k) for s, k in ((1, 40), (4, 300), (16, 900), (8, 100))]
+    shared = fit_cost_model([], decode, base=base, nonneg=True, shared_fixed=True)
+    assert shared.decode_fixed_s == pytest.approx(0.001) and shared.prefill_fixed_s == pytest.approx(0.001)
+    assert shared.prefill_per_token_s == base.prefill_per_token_s  # no samples: base's per-token term
+    e = shared.mixed_step_s(1, 8, 400) - shared.decode_step_s(8, 400)
+    assert e == pytest.approx(2e-5) and gather_s(e, 0.1) < 0.0002
+    apart = fit_cost_model([], decode, base=base, nonneg=True)  # two configurations: base's intercept kept
+    assert apart.prefill_fixed_s == 0.002
