@@ -102,6 +102,9 @@ def test_degrees_above_one_need_a_parallel_model_and_tuning_drops_invalid_ones()
         SimConfig(mode="time-shared", devices=8, decode_tp=4, prefill_tp=3)
     ts = candidates(SimConfig(mode="time-shared", devices=8), TP_GRID)
     assert all(c.decode_tp % c.prefill_tp == 0 for c in ts) and len(ts) == 10 * 2  # x 2 budgets
+    # the pooled splits (2, 4, 6 prefill devices of 8) scale with the devices: 1, 2, 3 of 4
+    split = lambda n: sorted({c.prefill_devices for c in candidates(SimConfig(mode="pooled", devices=n), TP_GRID)})  # noqa: E731
+    assert split(8) == [2, 4, 6] and split(4) == [1, 2, 3]
 
 
 def _requests() -> list[TraceRequest]:

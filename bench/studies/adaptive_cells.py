@@ -122,7 +122,7 @@ def plot(cells_path: Path = CELLS, png: Path = FIGURE) -> Path:
     ax.set_xticks(range(len(cols)), [f"{d} dev, TPOT {t:g} ms" for d, t in cols])
     ax.set_yticks(range(len(rows)), [f"{m} {p}" for m, p in rows])
     ax.set_title("adaptive (untuned) / best tuned baseline, capacity at >= 90% SLO attainment\n"
-                 "simulated H200 cost models; short/wide: roofline crossover, azure: the TP study's 8-device H200 preset\n"
+                 "simulated H200 cost models; short/wide: roofline crossover, azure: the TP study's H200 preset (4 or 8 devices)\n"
                  "bracket from probes at fractions of the baseline's capacity, or the ratio of two searches\n"
                  "(70B: adaptive's policy untuned, its layout D:P the best of those run, as the baselines' degrees)", fontsize=9)
     fig.colorbar(im, ax=ax, label="lower end of the bracket")
