@@ -16,15 +16,15 @@ Each decision round, for every device in the decode configuration (switch reason
   KV, up to ``Wmax`` of prefill) is cheaper as a window than as chunks, ``E_window < E_chunks``, and the
   residents' deadlines afford the window (the two-role policy's window budget, dwell and stagger
   rules) — "cheaper" (a burst or a long prompt: the prefill configuration is faster per token, or
-  ``c = 0``); or when the oldest of that work would *miss its TTFT SLO* even as chunks of ``c_L`` (the
-  largest chunk within the step limit, which the chunk grows to for it: *rescue* below) and meet it in
+  ``c = 0``); or when the oldest of that work would *miss its TTFT SLO* even as chunks of ``c_T`` (the
+  fastest chunk within the step limit, which the chunk grows to for it: *rescue* below) and meet it in
   a window, and a window may open (affordable, or the two-role policy's *forced* window for an urgent
   prompt) — "ttft". A window stalls every resident for its length, so it is not opened to win a head
   that meets its SLO anyway a few milliseconds (1B prompts from 32 to 7,000 tokens on 4 simulated
   H200s at 560 req/s, when heads waited for sequence slots: SLO attainment 0.75 opening a window
   whenever one served the head sooner once past ``ttft_urgency`` of the SLO, 0.98 with this rule), nor
   for a head that only the knee ``c*`` would make late (8B, the same prompts, 4 H200s at 127 req/s:
-  0.90 judging the head at ``c*``, 0.99 at ``c_L``).
+  0.90 judging the head at ``c*``, 0.99 at the largest chunk within the limit).
   **A window lasts as long as the work it was opened for** (``P`` of that work, at least ``Wmin``), not
   as long as the residents could afford: a prompt arriving meanwhile was never weighed against the
   window, and goes in chunks to a device in the decode configuration rather than stretch the stall of
@@ -38,7 +38,7 @@ Each decision round, for every device in the decode configuration (switch reason
   behind it), and the device runs **MIXED** with chunk budget ``c`` when it has queued prompt work,
   ``c > 0`` and the queue is not *gathering* — "chunks_fit" (the chunk grown past ``c*`` to keep up
   with a backlog, :mod:`node.core.chunk_budget`, or to *rescue* the queue's oldest prompt: the smallest
-  chunk that carries the queue by that prompt's TTFT SLO, where ``c*`` would miss it and ``c_L`` meets
+  chunk that carries the queue by that prompt's TTFT SLO, where ``c*`` would miss it and ``c_T`` meets
   it) — else **DECODE**: "nothing_waits" (no queued prompt work), "gather" (the queue is under ``c``
   tokens, its oldest prompt has waited less than ``G`` and the device ran MIXED less than ``G`` ago: a
   mixed step now would pay the eager penalty for a partial chunk sooner than the penalty's share
@@ -73,8 +73,8 @@ import math
 
 import msgspec
 
-from node.core.chunk_budget import (chunk_budget, chunks_extra_s, chunks_s, efficient_chunk, gather_s, keep_up_chunk,
-                                    spacing_s, step_limit_s, window_extra_s)
+from node.core.chunk_budget import (chunk_budget, chunks_extra_s, chunks_s, efficient_chunk, fastest_chunk, gather_s,
+                                    keep_up_chunk, spacing_s, step_limit_s, window_extra_s)
 from node.core.cost import CostModel
 from node.core.roles import (EPS, DECODE_LOAD_WEIGHT, Decision, NodeSnapshot, Place, Role, RoleScheduler,
                              RoleSchedulerConfig, SwitchRole, WaitingPrompt, _Dev)
@@ -117,7 +117,7 @@ class _Mix:
     def __init__(self, chunk: int, limit_s: float, t0: float, s: int, k: int, gather: float, oldest_s: float | None,
                  max_chunk: int = 0):
         self.chunk, self.limit_s, self.t0, self.s, self.k = chunk, limit_s, t0, s, k
-        self.max_chunk = max_chunk  # c_L: the largest chunk within the step limit
+        self.max_chunk = max_chunk  # c_T: the fastest chunk within the step limit (what a queue may grow to)
         self.knee = chunk  # c*: what a queue gathers up to (the chunk itself may grow to keep up)
         self.gather_s, self.oldest_s = gather, oldest_s
         self.spacing, self.d, self.hold = False, 0.0, False
@@ -145,7 +145,8 @@ class AdaptiveScheduler(RoleScheduler):
             raise ValueError("max_step_tokens must be >= 1")
         self.max_step_tokens = max_step_tokens
         self.share = min(max(config.max_pause_share, 1e-6), 1.0)
-        self._eff: dict[tuple[int, int, int], int] = {}  # (s, k // EFF_BUCKET, c_L) -> c*: the grid search is dear
+        # (s, k // EFF_BUCKET, c_L) -> (c*, c_T): the grid searches are dear
+        self._eff: dict[tuple[int, int, int], tuple[int, int]] = {}
         self._spaced: dict[str, tuple[float, float]] = {}  # device -> (its last spaced mixed step's start, next start)
         self._mixed_s: dict[str, float] = {}  # device -> last decision instant it was (or was sent) MIXED (s)
 
@@ -169,8 +170,9 @@ class AdaptiveScheduler(RoleScheduler):
             if key not in self._eff:
                 if len(self._eff) > 1 << 14:
                     self._eff.clear()
-                self._eff[key] = efficient_chunk(m, c)
-            c = self._eff[key]
+                knee = efficient_chunk(m, c)
+                self._eff[key] = (knee, c if spaced else fastest_chunk(m, knee, c))
+            c, c_limit = self._eff[key]
             gather = gather_s(m(1) - d, self.share)
         if spaced and c > 0 and spacing_s(m(c), d, self.T) > self.wmax:  # decode barely meets T: no room to win back
             c = 0
@@ -274,7 +276,7 @@ class AdaptiveScheduler(RoleScheduler):
     def _keep_up(self, now_s: float, devs: list[_Dev], mixes: dict[str, _Mix], capped: int) -> None:
         """Grow each device's chunk from ``c*`` to the smallest whose chunks serve its backlog — its queue
         plus an even share of the ``capped`` tokens of the waiting prompts that the devices had the slots
-        and KV for but not the time — within ``KEEP_UP_SHARE`` of the TTFT SLO from now (``c_L`` if none
+        and KV for but not the time — within ``KEEP_UP_SHARE`` of the TTFT SLO from now (``c_T`` if none
         does; :func:`node.core.chunk_budget.keep_up_chunk`)."""
         if not devs:
             return
@@ -287,9 +289,9 @@ class AdaptiveScheduler(RoleScheduler):
                                           target_s - max(0.0, mix.t0 - now_s))
 
     def _rescue(self, now_s: float, devs: list[_Dev], mixes: dict[str, _Mix]) -> None:
-        """Grow a device's chunk (within ``[c, c_L]``) to the smallest whose chunks carry its whole queue
-        by its oldest prompt's TTFT SLO, where the chunk would miss that and ``c_L`` meets it: the chunks
-        a TTFT window was judged against (:meth:`_window_reason`). A prompt that misses even at ``c_L``
+        """Grow a device's chunk (within ``[c, c_T]``) to the smallest whose chunks carry its whole queue
+        by its oldest prompt's TTFT SLO, where the chunk would miss that and ``c_T`` meets it: the chunks
+        a TTFT window was judged against (:meth:`_window_reason`). A prompt that misses even at ``c_T``
         (it waited for a sequence slot) is not rescued by a longer step for every resident."""
         slo = self.config.ttft_slo_ms / 1e3
         for dv in devs:
@@ -339,7 +341,7 @@ class AdaptiveScheduler(RoleScheduler):
         if window_extra_s(work_s, self.pause_s) + EPS < chunks_extra_s(m, tokens, mix.chunk):
             return ("cheaper" if mix.chunk > 0 else "no_chunk_fits"), work_s
         wait = now_s - (oldest if oldest is not None else now_s) + max(0.0, mix.t0 - now_s)
-        # as chunks, the head is judged at c_L: where that meets its SLO, _rescue grows the chunk for it
+        # as chunks, the head is judged at c_T: where that meets its SLO, _rescue grows the chunk for it
         fastest = mix.chunk if mix.spacing else max(mix.chunk, mix.max_chunk)
         as_chunks = wait + self._chunks_s(mix, head, fastest)
         as_window = wait + self.pause_s + self.prefill_s(head)
