@@ -57,7 +57,8 @@ class RoleSwitching:
     def switch_free(self, to_role: Role, reason: str) -> SwitchRecord:
         """Switch between DECODE and MIXED (one configuration) at once, between steps: no drain, no
         pause (:meth:`DeviceRole.switch_free <node.runtime.switching.DeviceRole.switch_free>`); the next
-        step planned is of the new kind. Logged and reported like any switch.
+        step planned is of the new kind. In the role's timeline at once; logged and reported to the
+        switch listeners like any switch, from the next turn of the event loop.
 
         Raises:
             ValueError: not a switch between DECODE and MIXED.
