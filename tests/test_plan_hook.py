@@ -1,7 +1,7 @@
 """A device engine runs its driver's pending decision round at the start of each pass of its step loop,
-before it plans (``Driver.before_plan``), so a prompt that arrived while a step was in flight is placed in the step
-planned next, as colocated mode adds it in the request's own callback, and not one step later when
-the driver's task happens to run after the engine's step reply was handled."""
+before it plans (``Driver.before_plan``), so a prompt that arrived while a step was in flight is placed in
+the step planned next, as colocated mode adds it in the request's own callback, and not one step later
+when the driver's task happens to run after the engine's step reply was handled."""
 
 from __future__ import annotations
 

@@ -39,11 +39,11 @@ GRID: dict[str, dict[str, tuple]] = {
     "time-shared": {"max_window_ms": (100.0, 250.0, 500.0, 1000.0), "imbalance_threshold": (0.0, 1.0)},
 }
 
-# Degrees as knobs (8 devices in mind: pooled splits scale with the count, invalid combinations are dropped
-# by candidates()).
+# Degrees as knobs (8 devices in mind; invalid combinations are dropped by candidates()). Pooled splits are
+# shares of the devices (``prefill_share``, turned into ``prefill_devices`` by _axes): 2, 4, 6 of 8, 1, 2, 3 of 4.
 TP_GRID: dict[str, dict[str, tuple]] = {
     "colocated": {"decode_tp": (1, 2, 4, 8), "max_num_batched_tokens": (1024, 4096)},
-    "pooled": {"prefill_devices": (2, 4, 6), "prefill_tp": (1, 2, 4), "decode_tp": (1, 2, 4)},
+    "pooled": {"prefill_share": (0.25, 0.5, 0.75), "prefill_tp": (1, 2, 4), "decode_tp": (1, 2, 4)},
     # the per-instance prefill budget too: a group step of D/P instances lasts one instance's budget at
     # degree P, and decode waits for it (512: a shorter step when P < D)
     "time-shared": {"decode_tp": (1, 2, 4, 8), "prefill_tp": (1, 2, 4, 8), "max_num_batched_tokens": (512, 2048)},
@@ -52,11 +52,9 @@ TP_GRID: dict[str, dict[str, tuple]] = {
 
 def _axes(base: SimConfig, grid: dict[str, dict[str, tuple]]) -> dict[str, tuple]:
     axes = dict(grid.get(base.mode, {}))
-    if grid is TP_GRID and base.mode == "pooled" and base.devices != 8:
-        # TP_GRID's splits are for 8 devices: scale them (4 devices: 1, 2, 3), which the simulator would
-        # otherwise clamp to devices - 1, leaving the smallest prefill share unsearched
-        axes["prefill_devices"] = tuple(sorted({min(base.devices - 1, max(1, round(p * base.devices / 8)))
-                                                for p in axes["prefill_devices"]}))
+    if "prefill_share" in axes:  # shares of the devices, each split at least one device on either side
+        axes["prefill_devices"] = tuple(sorted({min(base.devices - 1, max(1, round(f * base.devices)))
+                                                for f in axes.pop("prefill_share")}))
     if base.mode == "pooled" and not any(k in axes for k in ("prefill_devices", "prefill_nodes")):
         if base.pool_scope == "cluster":
             axes["prefill_nodes"] = tuple(range(1, base.nodes))

@@ -160,10 +160,10 @@ class AdaptiveScheduler(RoleScheduler):
         limit = step_limit_s(s, d, self.T)
         cap = max(0, self.max_step_tokens - s)
         m = lambda c: self.cost.mixed_step_s(c, s, k)  # noqa: E731
-        c = c_limit = chunk_budget(m, limit, cap)
+        c = c_fast = chunk_budget(m, limit, cap)  # c_L
         spaced = c == 0 and 0 < s and d < self.T  # no chunk fits T, decode does: spaced mixed steps
         if spaced:
-            c = c_limit = chunk_budget(m, self.wmax, cap)
+            c = c_fast = chunk_budget(m, self.wmax, cap)
         gather = 0.0
         if c > 0 and s > 0:  # with no resident there is no decode step to amortise: take the limit
             key = (s, k // EFF_BUCKET, c)
@@ -171,13 +171,13 @@ class AdaptiveScheduler(RoleScheduler):
                 if len(self._eff) > 1 << 14:
                     self._eff.clear()
                 knee = efficient_chunk(m, c)
-                self._eff[key] = (knee, c if spaced else fastest_chunk(m, knee, c))
-            c, c_limit = self._eff[key]
+                self._eff[key] = (knee, fastest_chunk(m, knee, c))
+            c, c_fast = self._eff[key]  # c*, c_T
             gather = gather_s(m(1) - d, self.share)
         if spaced and c > 0 and spacing_s(m(c), d, self.T) > self.wmax:  # decode barely meets T: no room to win back
             c = 0
         oldest = st.prefill_queue_oldest_s if st.prefill_queue_tokens > 0 else None
-        mix = _Mix(c, limit, t0, s, k, gather, oldest, c if spaced else c_limit)  # spaced: no growth to keep up
+        mix = _Mix(c, limit, t0, s, k, gather, oldest, c if spaced else c_fast)  # spaced: no growth to keep up
         if spaced and c > 0:
             mix.spacing, mix.d = True, d
             start, nxt = self._spaced.get(st.device_id, (-1.0, -1.0))
