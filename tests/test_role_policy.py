@@ -70,7 +70,8 @@ def test_one_configuration_refits_prompt_costs_on_the_decode_fixed_cost():
 
 def test_the_adaptive_driver_skips_the_snapshot_while_every_device_only_decodes():
     """The snapshot walks every sequence of the node; at each step's end of a decode-only node the adaptive
-    policy would decide nothing (AdaptiveScheduler.quiet_when_decoding), so the driver does not build it."""
+    policy would decide nothing (AdaptiveScheduler.quiet_when_decoding), so the driver does not build it,
+    nor for a device left in MIXED once its prompts are computed (AdaptiveScheduler.quiet_decisions)."""
     from node.core.roles import Role
 
     class Built(Exception):
@@ -95,13 +96,21 @@ def test_the_adaptive_driver_skips_the_snapshot_while_every_device_only_decodes(
     for change in (lambda: batcher.running.append(SimpleNamespace(is_decoding=False)),  # a prompt in progress
                    lambda: batcher.waiting.append(object()),  # a prompt queued on the device
                    lambda: driver.pending.append(object()),  # a prompt not yet placed
-                   lambda: setattr(engine.role, "role", Role.MIXED)):
+                   lambda: setattr(engine.role, "role", Role.PREFILL)):  # a window
         change()
         with pytest.raises(Built):
             driver.tick()
         assert driver.needs_timer()  # not quiet: urgency grows with age
         batcher.running[3:], batcher.waiting[:], driver.pending[:], engine.role.role = [], [], [], Role.DECODE
         driver.tick()
+    # a device still in MIXED after its last prompt chunk: back to DECODE as decide() would, no snapshot
+    switches = []
+    engine.switch_free = lambda role, reason: (switches.append((role, reason)), setattr(engine.role, "role", role))
+    node.engine = lambda device_id: {"cpu:0": engine}[device_id]
+    engine.role.role = Role.MIXED
+    driver.tick()
+    assert switches == [(Role.DECODE, "nothing_waits")] and not driver.needs_timer()
+    assert driver.scheduler._mixed_s["cpu:0"] == 0.0  # gathering counts from this last MIXED instant
     # the two-role policy parks idle devices in PREFILL: it always decides
     driver = RoleDriver(node, role_scheduler(NodeConfig(mode="time-shared", devices=DEVICES[:1])), lambda: 0.0)
     driver.snapshot = snapshot
@@ -150,3 +159,28 @@ def test_refits_are_at_most_every_refit_min_s_and_quiet_decode_steps_do_not_kick
         assert driver._event.is_set()
 
     asyncio.run(run())
+
+
+def test_the_expected_output_is_the_mean_of_the_recent_natural_ends():
+    """Driver.expected_output keeps a running sum of its last SAMPLES outputs (a snapshot asks once per
+    resident): the mean of the recent requests that stopped on their own, plus one, capped by max_tokens."""
+    import random
+
+    from node.runtime.driver import DEFAULT_EXPECTED_OUTPUT, SAMPLES
+
+    node = SimpleNamespace(config=SimpleNamespace(imbalance_threshold=0.0, link_gbps=0.0), engines=[])
+    driver = RoleDriver(node, role_scheduler(NodeConfig(mode="adaptive", devices=DEVICES[:1])), lambda: 0.0)
+    req = lambda n=1, max_tokens=10_000: SimpleNamespace(  # noqa: E731
+        request_id="r", seqs=[SimpleNamespace(seq_id=f"r-{i}") for i in range(n)], params=SimpleNamespace(max_tokens=max_tokens))
+    assert driver.expected_output(req()) == DEFAULT_EXPECTED_OUTPUT
+    rng = random.Random(2)
+    seen = []
+    for i in range(3 * SAMPLES):
+        n, out = rng.choice((1, 2)), rng.randrange(1, 900)
+        driver.finished(req(n), ["stop" if i % 5 else "length"] * n, out * n)
+        if i % 5:
+            seen.append(max(1, out))
+        if len(seen) >= 8:
+            recent = seen[-SAMPLES:]
+            assert driver.expected_output(req()) == int(sum(recent) / len(recent)) + 1
+    assert driver.expected_output(req(max_tokens=3)) == 3

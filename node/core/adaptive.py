@@ -137,7 +137,8 @@ class AdaptiveScheduler(RoleScheduler):
     device already has the role it would get ("nothing_waits"). A driver may then skip building the
     snapshot, which costs a pass over every sequence of the node at each step's end (a quarter of a
     stories260k node's control loop at 40 req/s, profiled). The two-role policy has no such state: it
-    parks idle devices back in PREFILL."""
+    parks idle devices back in PREFILL. Where some of those devices are in MIXED instead,
+    :meth:`quiet_decisions` gives what :meth:`decide` would, without the snapshot."""
 
     def __init__(self, config: RoleSchedulerConfig, cost: CostModel | RooflineCost, *, max_step_tokens: int = 2048):
         super().__init__(config, cost)
@@ -149,6 +150,16 @@ class AdaptiveScheduler(RoleScheduler):
         self._eff: dict[tuple[int, int, int], tuple[int, int]] = {}
         self._spaced: dict[str, tuple[float, float]] = {}  # device -> (its last spaced mixed step's start, next start)
         self._mixed_s: dict[str, float] = {}  # device -> last decision instant it was (or was sent) MIXED (s)
+
+    def quiet_decisions(self, now_s: float, mixed: list[str]) -> list[SwitchRole]:
+        """:meth:`decide`'s decisions at ``now_s`` (s) when nothing waits and every device is in the decode
+        configuration with no queued prompt work, ``mixed`` (device ids) being those in MIXED: each goes
+        back to DECODE ("nothing_waits"), and its last MIXED instant is now (gathering counts from it).
+        No snapshot is needed for that: on a CPU node the round after each prompt's last chunk is this
+        one, and building the snapshot for it cost about as much as the arrival's own round."""
+        for device_id in mixed:
+            self._mixed_s[device_id] = now_s
+        return [SwitchRole(device_id, Role.DECODE, "nothing_waits") for device_id in mixed]
 
     # --- the formulas, on a device ---------------------------------------------------------------
     def _mix(self, dv: _Dev, now_s: float) -> _Mix:

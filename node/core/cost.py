@@ -95,18 +95,18 @@ def tokens_within(cost_s, seconds: float, cap: int = 1 << 40) -> int:
     """Largest ``n`` in ``[0, cap]`` with ``cost_s(n) <= seconds``, for ``cost_s`` monotone
     non-decreasing in ``n``.
 
-    Doubling then binary search (about ``2 log2 n`` evaluations); 0 for ``seconds <= 0`` or
-    ``cap <= 0``; ``cap`` (default 2**40) when time costs nothing.
+    ``cap`` itself first (one evaluation when it fits), then doubling and binary search (about
+    ``2 log2 n`` more); 0 for ``seconds <= 0`` or ``cap <= 0``; ``cap`` (default 2**40) when time
+    costs nothing.
     """
     if seconds <= 0 or cap <= 0:
         return 0
+    if cost_s(cap) <= seconds:  # the common case of a chunk budget under a loose limit: one evaluation
+        return cap
     hi = 1
     while hi < cap and cost_s(hi) <= seconds:
         hi *= 2
-    if hi >= cap:
-        if cost_s(cap) <= seconds:
-            return cap
-        hi = cap  # cost_s(hi // 2) <= seconds held above (or hi // 2 == 0)
+    hi = min(hi, cap)  # cost_s(cap) > seconds (above); cost_s(hi // 2) <= seconds (or hi // 2 == 0)
     lo = hi // 2  # cost_s(lo) <= seconds (or lo == 0)
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -121,12 +121,28 @@ def least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
     """Ordinary least squares ``argmin_x |A x - y|^2`` by the normal equations (pure Python).
 
     Gaussian elimination with partial pivoting on ``A^T A``; a singular column gets coefficient 0.
+
+    Raises:
+        ValueError: no samples.
     """
     if not rows:
         raise ValueError("no samples")
+    ata, aty, _ = _gram(rows, ys)
+    return _solve_normal(ata, aty)
+
+
+def _gram(rows: list[list[float]], ys: list[float]) -> tuple[list[list[float]], list[float], float]:
+    """``(A^T A, A^T y, y^T y)``: all a least-squares fit on any subset of the columns needs."""
     n = len(rows[0])
-    ata = [[sum(r[i] * r[j] for r in rows) for j in range(n)] for i in range(n)]
-    aty = [sum(r[i] * y for r, y in zip(rows, ys)) for i in range(n)]
+    cols = list(zip(*rows))
+    ata = [[sum(a * b for a, b in zip(cols[i], cols[j])) for j in range(n)] for i in range(n)]
+    aty = [sum(a * y for a, y in zip(cols[i], ys)) for i in range(n)]
+    return ata, aty, sum(y * y for y in ys)
+
+
+def _solve_normal(ata: list[list[float]], aty: list[float]) -> list[float]:
+    """Solve ``A^T A x = A^T y`` (Gaussian elimination, partial pivoting; a singular column gets 0)."""
+    n = len(aty)
     m = [ata[i] + [aty[i]] for i in range(n)]
     for col in range(n):
         piv = max(range(col, n), key=lambda r: abs(m[r][col]))
@@ -213,16 +229,21 @@ def nonneg_least_squares(rows: list[list[float]], ys: list[float]) -> list[float
     n = len(rows[0])
     if n > 6:
         raise ValueError("nonneg_least_squares enumerates column subsets: at most 6 columns")
-    best, best_sse = [0.0] * n, sum(y * y for y in ys)
+    # One pass over the samples: every subset's fit and residual come from the Gram matrix, since
+    # |A x - y|^2 = y'y - 2 x'A'y + x'A'A x (the online refit ran this over 2 x 256 samples on the node's
+    # event loop: 2.3 ms a refit when each subset summed the samples again)
+    ata, aty, yty = _gram(rows, ys)
+    best, best_sse = [0.0] * n, yty
     for mask in range(1, 1 << n):
         cols = [j for j in range(n) if mask >> j & 1]
-        coef = least_squares([[r[j] for j in cols] for r in rows], ys)
+        coef = _solve_normal([[ata[i][j] for j in cols] for i in cols], [aty[i] for i in cols])
         if min(coef) < 0:
             continue
         x = [0.0] * n
         for j, c in zip(cols, coef):
             x[j] = c
-        sse = sum((sum(a * b for a, b in zip(r, x)) - y) ** 2 for r, y in zip(rows, ys))
+        sse = yty - 2 * sum(x[i] * aty[i] for i in range(n)) + sum(
+            x[i] * ata[i][j] * x[j] for i in range(n) for j in range(n))
         if sse < best_sse:
             best, best_sse = x, sse
     return best

@@ -111,7 +111,8 @@ class Sequence:
     @property
     def is_decoding(self) -> bool:
         """All but the last sampled token are cached: the next step is one decode token."""
-        return self.num_output > 0 and self.num_uncomputed == 1
+        n = len(self.token_ids)  # num_uncomputed == 1 and num_output > 0, without two more property calls:
+        return n - self.num_computed == 1 and n > self.prompt_len  # the batcher and snapshot ask per sequence
 
     def sort_key(self) -> tuple[float, str]:
         return (self.arrival_s, self.seq_id)

@@ -131,18 +131,21 @@ def node_snapshot(now: float, views: Iterable[DeviceView], *, moving: Mapping[st
             for s in p.seqs:
                 if s.status is SeqStatus.FINISHED:
                     continue
-                if s.num_output > 0 and s.is_decoding:
-                    dst = moving.get(s.seq_id, v.device_id)
+                # Sequence.num_output and .is_decoding inlined: this loop runs over every sequence of the
+                # node at each decision round
+                n = len(s.token_ids)
+                out, uncomputed = n - s.prompt_len, n - s.num_computed
+                if out > 0 and uncomputed == 1:  # decoding
+                    dst = moving.get(s.seq_id, v.device_id) if moving else v.device_id
                     if dst not in residents:
                         continue  # leaving the node (a peer), or for a device that went down
                     on_move = s.seq_id in moving
-                    residents[dst].append(ResidentSeq(s.seq_id, s.first_token_s or now, s.num_output,
-                                                      s.num_computed, expected(s),
-                                                      now if on_move else moved_s.get(s.seq_id)))
+                    residents[dst].append(ResidentSeq(s.seq_id, s.first_token_s or now, out, s.num_computed,
+                                                      expected(s), now if on_move else moved_s.get(s.seq_id)))
                     if dst != v.device_id and s in v.batcher.running:  # not begun: dst allocates later
                         incoming[dst] += len(s.block_ids)
                 else:
-                    q_tokens += s.num_uncomputed
+                    q_tokens += uncomputed
                     q_seqs += 1
         queued[v.device_id] = (q_tokens, q_seqs)
     devices = []

@@ -33,6 +33,9 @@ class Driver:
         self._event = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._outputs: deque[int] = deque(maxlen=SAMPLES)
+        # their running sum: a snapshot asks for the estimate once per resident sequence, and summing the
+        # 256 samples each time was most of the adaptive driver's snapshot on a CPU node
+        self._outputs_sum = 0
 
     def start(self) -> None:
         for e in self.node.engines:
@@ -60,14 +63,22 @@ class Driver:
         """Forget the request's reservation; learn output lengths from requests that ended naturally."""
         self.reserve.pop(req.request_id, None)
         if "stop" in reasons:
-            self._outputs.append(max(1, output_tokens // max(1, len(req.seqs))))
+            if len(self._outputs) == self._outputs.maxlen:
+                self._outputs_sum -= self._outputs[0]  # the sample the append below drops
+            n = max(1, output_tokens // max(1, len(req.seqs)))
+            self._outputs.append(n)
+            self._outputs_sum += n
         self.kick()
 
     def expected_output(self, req: RequestState) -> int:
         """Expected output tokens per choice: the mean of recent naturally-ended requests, capped by
         ``max_tokens`` (the request's own bound), or a default until 8 have been seen."""
-        est = DEFAULT_EXPECTED_OUTPUT if len(self._outputs) < 8 else int(sum(self._outputs) / len(self._outputs)) + 1
-        return min(req.params.max_tokens, est)
+        return min(req.params.max_tokens, self.expected_estimate())
+
+    def expected_estimate(self) -> int:
+        """Expected output tokens per choice before a request's own bound: the mean of the recent
+        naturally-ended requests plus one, or ``DEFAULT_EXPECTED_OUTPUT`` until 8 have been seen."""
+        return DEFAULT_EXPECTED_OUTPUT if len(self._outputs) < 8 else int(self._outputs_sum / len(self._outputs)) + 1
 
     def cached_tokens(self, req: RequestState, position: int, device_ids: list[str]) -> dict[str, int]:
         """Prompt tokens (all choices) each device's prefix cache holds for pending ``req`` (the

@@ -71,7 +71,7 @@ class RoleDriver(Driver):
         self._pauses: deque[float] = deque(maxlen=SAMPLES)
         self._steps = 0
         self._refit_s = -float("inf")
-        self._quiet = False  # the last tick found the policy with nothing to decide (quiet_when_decoding)
+        self._quiet = False  # the last tick left every device decoding with nothing to decide (quiet_when_decoding)
         self._can_be_quiet = getattr(scheduler, "quiet_when_decoding", False)  # the adaptive policy
         self._refit_min_s = REFIT_MIN_S if self._can_be_quiet else 0.0
         rc = scheduler.config
@@ -82,6 +82,7 @@ class RoleDriver(Driver):
             transfer_s_per_token=copy_s_per_token, local_transfer_s_per_token=copy_s_per_token,
             ttft_slo_ms=rc.ttft_slo_ms), scheduler.cost)
         self._switch_tasks: set[asyncio.Task] = set()  # role switches under way
+        self._switch_series: dict[tuple[str, str, str], tuple] = {}  # (device, from, to) -> its two metric series
         self._moving: dict[str, str] = {}  # sequence id → destination device, while its move is queued or copying
         self._moving_ctx: dict[str, int] = {}  # sequence id → its context tokens, for moves to peers
         self._to_peer: dict[str, list[tuple[float, int]]] = {}  # peer → (commit time, context) of recent moves
@@ -102,9 +103,15 @@ class RoleDriver(Driver):
 
     # --- one decision round --------------------------------------------------------------------------
     def tick(self) -> None:
-        self._quiet = self._can_be_quiet and self._only_decoding()
-        if self._quiet:
-            return  # the policy would decide nothing (AdaptiveScheduler.quiet_when_decoding)
+        mixed = self._quiet_mixed() if self._can_be_quiet else None
+        if mixed is not None:
+            # the policy's decisions need no snapshot (AdaptiveScheduler.quiet_when_decoding): none while
+            # every device decodes, else back to DECODE for the devices still in MIXED
+            for d in self.scheduler.quiet_decisions(self.clock(), mixed) if mixed else ():
+                self.node.engine(d.device_id).switch_free(d.to_role, d.reason)
+            self._quiet = True
+            return
+        self._quiet = False
         now = self.clock()
         snap = self.snapshot(now)
         if self.node.draining:
@@ -150,17 +157,22 @@ class RoleDriver(Driver):
         driver 200 times a second on a decoding node for nothing."""
         return not self._quiet and super().needs_timer()
 
-    def _only_decoding(self) -> bool:
-        """No waiting prompt, no move to consider (fallback off, not draining, no switch under way), and
-        every live device in DECODE holding decoding sequences only: checked without the snapshot."""
+    def _quiet_mixed(self) -> list[str] | None:
+        """The devices in MIXED when nothing waits to be placed, no move is to be considered (fallback off,
+        not draining, no switch under way) and every live device is in the decode configuration (DECODE
+        or MIXED) holding decoding sequences only (no queued prompt work); None otherwise. Checked
+        without the snapshot."""
         if self.pending or self._switching or self.node.draining or self.imbalance.config.threshold > 0:
-            return False
+            return None
+        mixed = []
         for e in self.node.engines:
             if e.failure is not None:  # down: out of the policy's view
                 continue
-            if e.role is None or e.role.role is not Role.DECODE or e.batcher.has_work(StepKind.PREFILL):
-                return False
-        return True
+            if e.role is None or e.role.role not in FREE or e.batcher.has_work(StepKind.PREFILL):
+                return None
+            if e.role.role is Role.MIXED:
+                mixed.append(e.device_id)
+        return mixed
 
     def _peers(self, now: float) -> tuple[DeviceState, ...]:
         """Ready peer nodes as DECODE-role devices: each one's roomiest device, from its last report."""
@@ -246,12 +258,18 @@ class RoleDriver(Driver):
                 continue
             r = e.role
             busy_until = now if e.step_started_s is None else max(now, e.step_started_s + e.last_step_s)
-            placed = tuple(Placement(self.reserve.get(req.request_id, 0),
-                                     tuple(s for s in req.seqs if s.device_id == e.device_id))
+            placed = tuple(Placement(self.reserve.get(req.request_id, 0), self._seqs_on(req.seqs, e.device_id))
                            for req in e.requests.values())
             out.append(DeviceView(e.device_id, r.role, r.since_s if r.role is not Role.SWITCHING else r.switch_started_s,
                                   r.switching_to, r.switch_done_est_s, busy_until, e.batcher, placed))
         return out
+
+    @staticmethod
+    def _seqs_on(seqs: list[Sequence], device_id: str) -> tuple[Sequence, ...] | list[Sequence]:
+        """A request's sequences on ``device_id`` (the list itself for the common one-choice request there)."""
+        if len(seqs) == 1 and seqs[0].device_id == device_id:
+            return seqs
+        return tuple(s for s in seqs if s.device_id == device_id)
 
     def snapshot(self, now: float) -> NodeSnapshot:
         """The policy's view of the node (:func:`node.core.snapshot.node_snapshot`, the simulator's too):
@@ -262,8 +280,9 @@ class RoleDriver(Driver):
         batchers = {v.device_id: v.batcher for v in views}
         waiting = tuple(waiting_prompt(req.request_id, req.seqs, req.stats.arrival_s, self.expected_output(req),
                                        batchers, i) for i, req in enumerate(self.pending))
+        est = self.expected_estimate()  # expected_output's, once per snapshot rather than per resident
         return node_snapshot(now, views, moving=self._moving, moved_s=self._moved_s,
-                             expected=lambda s: self.expected_output(req_of[s.seq_id]), waiting=waiting,
+                             expected=lambda s: min(req_of[s.seq_id].params.max_tokens, est), waiting=waiting,
                              pause_s=self.measured_pause_s)
 
     @property
@@ -308,14 +327,18 @@ class RoleDriver(Driver):
             self.kick()
 
     def _on_switch(self, engine: DeviceEngine, rec: SwitchRecord) -> None:
-        direction = f"{rec.from_role}_to_{rec.to_role}"
-        m = self.node.metrics
-        m.role_switches.labels(device=engine.device_id, direction=direction).inc()
-        m.switch_pause.labels(device=engine.device_id, direction=direction).observe(rec.pause_ms / 1e3)
+        key = (engine.device_id, rec.from_role, rec.to_role)
+        series = self._switch_series.get(key)
+        if series is None:  # labels() takes a lock and builds the key: once per device and direction
+            m, direction = self.node.metrics, f"{rec.from_role}_to_{rec.to_role}"
+            series = self._switch_series[key] = (m.role_switches.labels(device=engine.device_id, direction=direction),
+                                                 m.switch_pause.labels(device=engine.device_id, direction=direction))
+        series[0].inc()
+        series[1].observe(rec.pause_ms / 1e3)
         stall = rec.end_s - rec.start_s  # 0 for a free switch: no pass over the running sequences for it
         resident = sum(1 for s in engine.batcher.running if s.is_decoding) if stall > 0 else 0
         if resident:
-            m.decode_stall.labels(device=engine.device_id, cause="role_switch").inc(resident * stall)
+            self.node.metrics.decode_stall.labels(device=engine.device_id, cause="role_switch").inc(resident * stall)
         if not (rec.from_role in ("decode", "mixed") and rec.to_role in ("decode", "mixed")):
             self._pauses.append(rec.pause_ms / 1e3)  # a free switch (DECODE <-> MIXED) is no pause sample
 

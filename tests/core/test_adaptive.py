@@ -485,3 +485,29 @@ def test_quiet_when_decoding_means_no_decision():
                          kv_free_blocks=rng.randrange(0, 4000), seq_slots_free=rng.randrange(0, 8))
                      for i in range(rng.randrange(1, 5)))
         assert pol.decide(now, NodeSnapshot(devs, pause_s=rng.choice([None, 0.005, 0.2]))) == []
+
+
+def test_quiet_decisions_are_what_decide_returns_when_nothing_waits():
+    """AdaptiveScheduler.quiet_decisions (a driver then skips the snapshot): with nothing waiting and every
+    device in DECODE or MIXED with no queued prompt work, decide() sends each MIXED device back to DECODE
+    ("nothing_waits") and nothing else; quiet_decisions gives the same, and leaves the same gathering
+    state (the next prompt is gathered from this instant on in both)."""
+    import random
+
+    rng = random.Random(11)
+    for _ in range(200):
+        full, quick = AdaptiveScheduler(CFG, COST), AdaptiveScheduler(CFG, COST)
+        now = rng.uniform(0.5, 50.0)
+        devs = tuple(dev(rng.choice([Role.DECODE, Role.MIXED]), on_pace(rng.randrange(0, 64), now, rng.uniform(-0.5, 0.5)),
+                         device_id=f"d{i}", since=rng.uniform(0.0, now), busy_until_s=now + rng.uniform(-0.01, 0.02),
+                         kv_free_blocks=rng.randrange(0, 4000), seq_slots_free=rng.randrange(0, 8))
+                     for i in range(rng.randrange(1, 5)))
+        want = full.decide(now, NodeSnapshot(devs, pause_s=rng.choice([None, 0.005, 0.2])))
+        got = quick.quiet_decisions(now, [d.device_id for d in devs if d.role is Role.MIXED])
+        assert got == want
+        assert quick._mixed_s == full._mixed_s
+        # and the next round agrees too: a prompt arriving a little later is gathered (or not) alike
+        later = now + rng.uniform(0.0, 0.01)
+        st = tuple(msgspec.structs.replace(d, role=Role.DECODE, prefill_queue_tokens=8, prefill_queue_seqs=1,
+                                           prefill_queue_oldest_s=later) for d in devs)
+        assert full.decide(later, NodeSnapshot(st)) == quick.decide(later, NodeSnapshot(st))
