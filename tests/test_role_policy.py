@@ -184,3 +184,48 @@ def test_the_expected_output_is_the_mean_of_the_recent_natural_ends():
             recent = seen[-SAMPLES:]
             assert driver.expected_output(req()) == int(sum(recent) / len(recent)) + 1
     assert driver.expected_output(req(max_tokens=3)) == 3
+
+
+def test_a_mixing_device_step_end_after_a_fresh_round_does_not_kick():
+    """In adaptive mode the end of a step of a device in MIXED, with prompt work queued and nothing waiting
+    to be placed, makes no decision round when a full round ran since the device's last step end (that
+    round saw the step's tokens); without such a round, or once the queue has drained, or with a prompt
+    waiting, or when the step preempted, it does."""
+    import asyncio
+
+    from node.core.batcher import Batcher, StepKind
+    from node.core.roles import Role
+
+    async def run():
+        prompt = SimpleNamespace(is_decoding=False)
+        batcher = SimpleNamespace(running=[SimpleNamespace(is_decoding=True), prompt], waiting=[])
+        batcher.has_work = lambda kind: Batcher.has_work(batcher, kind)
+        engine = SimpleNamespace(device_id="cpu:0", failure=None, role=SimpleNamespace(role=Role.MIXED),
+                                 batcher=batcher, step_listeners=[], switch_listeners=[], migration_listeners=[])
+        node = SimpleNamespace(config=SimpleNamespace(imbalance_threshold=0.0, link_gbps=0.0), engines=[engine],
+                               draining=False)
+        driver = RoleDriver(node, role_scheduler(NodeConfig(mode="adaptive", devices=DEVICES[:1])), lambda: 0.0)
+        driver.refit = lambda: None
+        driver.snapshot = lambda now: (_ for _ in ()).throw(AssertionError("no round expected"))
+        def kicked(preempted=()):
+            driver._event.clear()
+            plan = SimpleNamespace(kind=StepKind.MIXED, preempted=list(preempted), items=[], num_tokens=0)
+            driver._on_step(engine, plan, 1e-3)
+            return driver._event.is_set()
+
+        assert kicked()  # the first step end: no round seen yet
+        assert kicked()  # no full round since the last step end
+        driver._rounds += 1  # a full round (the arrival's) ran during the next step's flight
+        assert not kicked()
+        assert kicked()  # and the one after kicks again
+        for change, undo in ((lambda: driver.pending.append(object()), lambda: driver.pending.clear()),
+                             (lambda: batcher.running.remove(prompt), lambda: batcher.running.append(prompt)),
+                             (lambda: setattr(engine.role, "role", Role.DECODE), lambda: setattr(engine.role, "role", Role.MIXED))):
+            driver._rounds += 1
+            change()
+            assert kicked()
+            undo()
+        driver._rounds += 1
+        assert kicked(preempted=[object()])
+
+    asyncio.run(run())

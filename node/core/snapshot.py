@@ -124,11 +124,11 @@ def node_snapshot(now: float, views: Iterable[DeviceView], *, moving: Mapping[st
     reserved: dict[str, int] = {}
     for v in views:
         q_tokens = q_seqs = 0
+        promised = 0
         for p in v.placements:
-            if not _leaving(p, v, moving):
-                reserved[v.device_id] = reserved.get(v.device_id, 0) + max(
-                    0, p.reserve_blocks - sum(len(s.block_ids) for s in p.seqs))
+            held = 0  # blocks its sequences hold here (finished ones included: the reserve covered them)
             for s in p.seqs:
+                held += len(s.block_ids)
                 if s.status is SeqStatus.FINISHED:
                     continue
                 # Sequence.num_output and .is_decoding inlined: this loop runs over every sequence of the
@@ -147,6 +147,9 @@ def node_snapshot(now: float, views: Iterable[DeviceView], *, moving: Mapping[st
                 else:
                     q_tokens += uncomputed
                     q_seqs += 1
+            if not (moving and _leaving(p, v, moving)):
+                promised += max(0, p.reserve_blocks - held)
+        reserved[v.device_id] = promised
         queued[v.device_id] = (q_tokens, q_seqs)
     devices = []
     for v in views:

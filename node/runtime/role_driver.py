@@ -73,6 +73,8 @@ class RoleDriver(Driver):
         self._refit_s = -float("inf")
         self._quiet = False  # the last tick left every device decoding with nothing to decide (quiet_when_decoding)
         self._can_be_quiet = getattr(scheduler, "quiet_when_decoding", False)  # the adaptive policy
+        self._rounds = 0  # full decision rounds (with a snapshot) so far
+        self._rounds_seen: dict[str, int] = {}  # device -> self._rounds at its last step end
         self._refit_min_s = REFIT_MIN_S if self._can_be_quiet else 0.0
         rc = scheduler.config
         copy_s_per_token = self._transfer_s_per_token(node)  # to a peer and inside the node alike
@@ -112,6 +114,7 @@ class RoleDriver(Driver):
             self._quiet = True
             return
         self._quiet = False
+        self._rounds += 1
         now = self.clock()
         snap = self.snapshot(now)
         if self.node.draining:
@@ -323,8 +326,22 @@ class RoleDriver(Driver):
                 self.refit()
         # A decode step that preempted nothing leaves a quiet node quiet: no decision round for it
         # (arrivals, ends, moves and restarts kick the driver; the TICK_S timer runs meanwhile).
-        if not (self._quiet and plan.kind is StepKind.DECODE and not plan.preempted):
-            self.kick()
+        seen = self._rounds_seen.get(engine.device_id)
+        self._rounds_seen[engine.device_id] = self._rounds
+        if self._quiet and plan.kind is StepKind.DECODE and not plan.preempted:
+            return
+        # Nor, in adaptive mode, the end of a step of a device in MIXED with prompt work still queued and
+        # nothing waiting to be placed, when a full round ran since the device's last step end (so during
+        # this step's flight: the round counted its tokens, whose placeholders are appended at send). A
+        # round now would see the same node but for the clock, and would keep the device mixing; the
+        # TICK_S timer covers decisions that wait on time. On a CPU node every prompt's arrival round was
+        # followed by such a round at the next step end, on the way to the step that carries the prompt.
+        # A step that preempted still kicks; so do ends, arrivals, moves, and a queue that has drained.
+        if (self._can_be_quiet and seen is not None and seen != self._rounds and not plan.preempted
+                and not self.pending and engine.role is not None and engine.role.role is Role.MIXED
+                and engine.batcher.has_work(StepKind.PREFILL)):
+            return
+        self.kick()
 
     def _on_switch(self, engine: DeviceEngine, rec: SwitchRecord) -> None:
         key = (engine.device_id, rec.from_role, rec.to_role)
