@@ -93,6 +93,9 @@ def test_the_adaptive_driver_skips_the_snapshot_while_every_device_only_decodes(
     driver.snapshot = snapshot
     driver.tick()  # quiet: no snapshot
     assert not driver.needs_timer()  # residents, but nothing to decide with time alone: kicks only
+    ended = SimpleNamespace(request_id="e", seqs=[SimpleNamespace(seq_id="e-0")])
+    driver.finished(ended, ["length"], 5)
+    assert not driver._due  # a resident's end leaves a quiet node quiet: no round for it
     for change in (lambda: batcher.running.append(SimpleNamespace(is_decoding=False)),  # a prompt in progress
                    lambda: batcher.waiting.append(object()),  # a prompt queued on the device
                    lambda: driver.pending.append(object()),  # a prompt not yet placed
@@ -101,6 +104,9 @@ def test_the_adaptive_driver_skips_the_snapshot_while_every_device_only_decodes(
         with pytest.raises(Built):
             driver.tick()
         assert driver.needs_timer()  # not quiet: urgency grows with age
+        driver.finished(ended, ["length"], 5)
+        assert driver._due  # and an end may let a prompt in: a round
+        driver._due = False
         batcher.running[3:], batcher.waiting[:], driver.pending[:], engine.role.role = [], [], [], Role.DECODE
         driver.tick()
     # a device still in MIXED after its last prompt chunk: back to DECODE as decide() would, no snapshot
@@ -152,11 +158,11 @@ def test_refits_are_at_most_every_refit_min_s_and_quiet_decode_steps_do_not_kick
             driver._on_step(engine, plan(), 1e-5)
         assert len(refits) == 2
         driver.tick()  # quiet: every device decodes, nothing waits
-        driver._event.clear()
+        driver._due = False
         driver._on_step(engine, plan(), 1e-5)
-        assert not driver._event.is_set()
+        assert not driver._due
         driver._on_step(engine, plan([object()]), 1e-5)
-        assert driver._event.is_set()
+        assert driver._due and not driver._event.is_set()  # for the engine's next plan: the task sleeps on
 
     asyncio.run(run())
 
@@ -208,10 +214,10 @@ def test_a_mixing_device_step_end_after_a_fresh_round_does_not_kick():
         driver.refit = lambda: None
         driver.snapshot = lambda now: (_ for _ in ()).throw(AssertionError("no round expected"))
         def kicked(preempted=()):
-            driver._event.clear()
+            driver._due = False
             plan = SimpleNamespace(kind=StepKind.MIXED, preempted=list(preempted), items=[], num_tokens=0)
             driver._on_step(engine, plan, 1e-3)
-            return driver._event.is_set()
+            return driver._due
 
         assert kicked()  # the first step end: no round seen yet
         assert kicked()  # no full round since the last step end

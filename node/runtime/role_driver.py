@@ -236,6 +236,11 @@ class RoleDriver(Driver):
         for s in req.seqs:
             self._moved_s.pop(s.seq_id, None)
 
+    def round_on_finish(self) -> bool:
+        """Not on a quiet node (the last round left every device decoding, nothing waiting): an end there
+        only takes a resident away, and the node stays quiet (AdaptiveScheduler.quiet_when_decoding)."""
+        return not (self._quiet and not self.pending)
+
     async def stop(self) -> None:
         tasks = list(self._switch_tasks)
         for t in tasks:
@@ -341,7 +346,7 @@ class RoleDriver(Driver):
                 and not self.pending and engine.role is not None and engine.role.role is Role.MIXED
                 and engine.batcher.has_work(StepKind.PREFILL)):
             return
-        self.kick()
+        self.kick_at_plan()  # this engine's loop plans next, and runs the round first
 
     def _on_switch(self, engine: DeviceEngine, rec: SwitchRecord) -> None:
         key = (engine.device_id, rec.from_role, rec.to_role)
