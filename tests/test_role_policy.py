@@ -235,3 +235,33 @@ def test_a_mixing_device_step_end_after_a_fresh_round_does_not_kick():
         assert kicked(preempted=[object()])
 
     asyncio.run(run())
+
+
+def test_a_resting_driver_still_looks_at_the_node_now_and_then():
+    """A quiet adaptive driver waits for kicks, but with sequences resident it also wakes every RESTING_TICK_S:
+    prompt work queued on a device by a path that forgot to kick is decided on within that, not never."""
+    import asyncio
+
+    from node.core.batcher import Batcher
+    from node.core.roles import Role
+    from node.runtime.driver import RESTING_TICK_S
+
+    async def run():
+        batcher = SimpleNamespace(running=[SimpleNamespace(is_decoding=True)], waiting=[])
+        batcher.has_work = lambda kind: Batcher.has_work(batcher, kind)
+        engine = SimpleNamespace(device_id="cpu:0", failure=None, role=SimpleNamespace(role=Role.DECODE), batcher=batcher,
+                                 plan_hooks=[], step_listeners=[], switch_listeners=[], migration_listeners=[])
+        node = SimpleNamespace(config=SimpleNamespace(imbalance_threshold=0.0, link_gbps=0.0), engines=[engine],
+                               draining=False)
+        driver = RoleDriver(node, role_scheduler(NodeConfig(mode="adaptive", devices=DEVICES[:1])), lambda: 0.0)
+        snapshots = []
+        driver.snapshot = lambda now: snapshots.append(now) or (_ for _ in ()).throw(RuntimeError("stop here"))
+        driver.start()
+        await asyncio.sleep(0.01)
+        assert driver._quiet and not snapshots  # every device decodes, nothing waits
+        batcher.waiting.append(object())  # prompt work appears, and nobody kicks
+        await asyncio.sleep(RESTING_TICK_S * 1.5)
+        assert snapshots  # the resting timer found it (the round itself is cut short by the fake snapshot)
+        await driver.stop()
+
+    asyncio.run(run())

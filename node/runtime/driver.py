@@ -18,6 +18,10 @@ from node.runtime.interfaces import DriverHost
 log = structlog.get_logger("shiftnode.driver")
 
 TICK_S = 0.005  # re-decide at least this often while prompts wait or sequences are resident
+# ... and this often while a driver rests between kicks with sequences resident (RoleDriver's quiet node):
+# a backstop, so that prompt work queued on a device by a path that forgot to kick waits this long, not
+# forever (a resumed sequence once did, behind a quiet adaptive driver)
+RESTING_TICK_S = 0.1
 SAMPLES = 256  # most recent samples kept
 DEFAULT_EXPECTED_OUTPUT = 128  # tokens, until enough requests have finished to estimate it
 
@@ -155,9 +159,10 @@ class Driver:
             if due:
                 self._safe_tick()
             busy = self.needs_timer()
+            resting = not busy and any(e.batcher.running or e.batcher.waiting for e in self.node.engines)
             self._event.clear()
             try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
-                async with asyncio.timeout(TICK_S if busy else None):
+                async with asyncio.timeout(TICK_S if busy else RESTING_TICK_S if resting else None):
                     await self._event.wait()
                 # woken by a kick whose round a device's plan has run meanwhile (before_plan took it):
                 # a second round now would find what that one left

@@ -109,6 +109,8 @@ class Node:
             e.block_layer_bytes = block_layer_bytes
         self.supervisor = EngineSupervisor(config, engines)  # restarts dead engines (listening after the node)
         self.resumer = Resumer(self, self.supervisor)  # resumes their sequences elsewhere, or after the restart
+        if self.driver:
+            self.resumer.on_queued = self.driver.kick  # resumed prompt work: the device's role may change
         self.supervisor.left_down_listeners.append(self._on_engine_down)  # what waited for it fails now
         self.supervisor.restart_listeners.append(lambda _e: self.driver.kick() if self.driver else None)
 

@@ -24,6 +24,8 @@ generator state died with it), as after a preemption.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import structlog
 
 from node.runtime.engine import DeviceEngine
@@ -44,7 +46,9 @@ class Resumer:
         supervisor: says whether a dead device will be restarted, and when it serves again.
 
     It installs :meth:`orphaned` as each engine's ``orphan_listener`` and :meth:`restarted` and
-    :meth:`left_down` as the supervisor's listeners.
+    :meth:`left_down` as the supervisor's listeners. ``on_queued`` is called after it queues prompt work
+    on a device (the node points it at its driver's ``kick``: the queued work may change the device's
+    role, and a quiet adaptive driver makes no decision round until asked).
     """
 
     def __init__(self, node: DriverHost, supervisor: EngineSupervisor):
@@ -53,6 +57,7 @@ class Resumer:
         self.retries: dict[str, int] = {}  # sequence id → resumes so far
         self.parked: dict[str, list[tuple[RequestState, int]]] = {}  # device id → sequences waiting for its restart
         self.resumed = 0  # sequences resumed (queued on another device, or parked)
+        self.on_queued: Callable[[], None] = lambda: None
         for e in node.engines:
             e.orphan_listener = self.orphaned
         supervisor.restart_listeners.append(self.restarted)
@@ -82,9 +87,13 @@ class Resumer:
         log.warning("sequence_resumed", seq=seq.seq_id, dead=engine.device_id,
                     on=target.device_id if target else "(its restart)", streamed=seq.num_output, attempt=n)
         if target is not None:
-            target.add_seq(req, index)
+            self._queue(target, req, index)
         else:
             self.parked.setdefault(engine.device_id, []).append((req, index))
+
+    def _queue(self, engine: DeviceEngine, req: RequestState, index: int) -> None:
+        engine.add_seq(req, index)
+        self.on_queued()
 
     def _live_target(self, dead: DeviceEngine) -> DeviceEngine | None:
         """Where a sequence of ``dead`` is prefilled again: pooled, the live prefill device with the least
@@ -106,7 +115,7 @@ class Resumer:
         for entries in parked.values():
             for req, index in entries:
                 if not (req.cancelled or req.finished[index]):
-                    engine.add_seq(req, index)
+                    self._queue(engine, req, index)
         engine.wake()
 
     def left_down(self, engine: DeviceEngine) -> None:
@@ -117,7 +126,7 @@ class Resumer:
                 continue
             target = self._live_target(engine)
             if target is not None:
-                target.add_seq(req, index)
+                self._queue(target, req, index)
             else:
                 self._fail(req, index, f"device {engine.device_id} is down for good: {engine.failure}")
 
