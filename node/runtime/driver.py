@@ -132,7 +132,11 @@ class Driver:
     def needs_timer(self) -> bool:
         """Whether the next round must come within ``TICK_S`` even without a kick: prompts wait or
         sequences are resident, and a policy's decisions may change with their age alone."""
-        return bool(self.pending) or any(e.batcher.running or e.batcher.waiting for e in self.node.engines)
+        return bool(self.pending) or self._sequences_placed()
+
+    def _sequences_placed(self) -> bool:
+        """Some device holds sequences (running or queued)."""
+        return any(e.batcher.running or e.batcher.waiting for e in self.node.engines)
 
     def before_plan(self) -> None:
         """Run the decision round a kick asked for now, if it has not run yet: each device engine calls
@@ -159,7 +163,7 @@ class Driver:
             if due:
                 self._safe_tick()
             busy = self.needs_timer()
-            resting = not busy and any(e.batcher.running or e.batcher.waiting for e in self.node.engines)
+            resting = not busy and self._sequences_placed()
             self._event.clear()
             try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
                 async with asyncio.timeout(TICK_S if busy else RESTING_TICK_S if resting else None):
