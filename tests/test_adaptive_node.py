@@ -2,6 +2,8 @@
 device, MIXED phases with the reason of every switch in ``/v1/node``, free switches between DECODE and
 MIXED (no pause), and nothing leaked (issue 27)."""
 
+import time
+
 from support import STORIES, NodeProcess
 from test_metrics import scrape
 from test_time_shared import bodies, run
@@ -30,5 +32,44 @@ def test_adaptive_default_matches_one_device_and_reports_mixed_phases(stories_no
         assert all(d["steps"] > 0 for d in st["devices"])
         m = scrape(node)
         assert sum(v for k, v in m.items() if k.startswith("shiftnode_role_switches_total")) == len(switches)
+    finally:
+        node.close()
+
+
+def test_adaptive_hands_prompts_off_where_no_chunk_fits_a_70b_decode_step():
+    """Two timed devices paced by the 70B roofline (an eager mixed step ~36 ms, a decode step well under
+    the 18 ms target at TPOT 20 ms): the node opens hand-off windows (node.core.handoff), one device
+    prefills and its sequences move to the other, copied beside its later steps; every request gets all
+    its tokens and no block is left."""
+    import concurrent.futures
+    import random
+
+    from support import REPO
+    node = NodeProcess("--devices", "cpu:0,cpu:1", "--model", str(REPO / "bench/configs/llama3-70b"),
+                       "--benchmark-model", f"timed:{REPO / 'bench/cost_models/h200_llama3_70b_tp8_roofline.json'}",
+                       "--kv-cache-memory", "60GiB", "--tpot-slo-ms", "20", "--ttft-slo-ms", "2000")
+    try:
+        model = node.client.get("/v1/models").json()["data"][0]["id"]
+        rng = random.Random(0)
+        bodies_ = [{"model": model, "prompt": [rng.randint(10, 1000) for _ in range(rng.randint(200, 1500))],
+                    "max_tokens": 40, "ignore_eos": True, "temperature": 0} for _ in range(24)]
+
+        def send(i):
+            time.sleep(0.05 * i)
+            return node.client.post("/v1/completions", json=bodies_[i])
+
+        with concurrent.futures.ThreadPoolExecutor(24) as pool:
+            got = list(pool.map(send, range(24)))
+        assert [r.status_code for r in got] == [200] * 24
+        assert all(r.json()["usage"]["completion_tokens"] == 40 for r in got)
+        st = node.wait_idle()
+        switches = [(d["device"], s["to_role"], s["reason"]) for d in st["devices"] for s in d["switches"]]
+        assert any(to == "prefill" and why == "handoff" for _, to, why in switches), switches
+        handoffs = [t for t in st["kv_transfers"] if t["reason"] == "handoff"]
+        assert handoffs and all(t["src"] != t["dst"] and t["nbytes"] > 0 for t in handoffs)
+        assert all(d["kv_blocks_used"] == 0 for d in st["devices"])
+        moved = scrape(node)
+        assert sum(v for k, v in moved.items() if k.startswith("shiftnode_kv_transfers_total") and "reason=handoff" in k) \
+            == len(handoffs)
     finally:
         node.close()

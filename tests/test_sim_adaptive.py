@@ -53,3 +53,35 @@ def test_the_simulator_runs_the_policy_object_and_windows_where_prefill_is_cheap
     reasons = {r for *_, r in sim.switches}
     assert "cheaper" in reasons and "chunks_fit" in reasons
 
+
+
+class _EagerMixed(CostModel, frozen=True, kw_only=True):
+    """Decode steps of ~15 ms; a step with any prompt token runs eagerly, 25 ms more (a 70B-like gap)."""
+
+    def mixed_step_s(self, prompt_tokens: int, decode_seqs: int, context_tokens: int) -> float:
+        base = CostModel.mixed_step_s(self, prompt_tokens, decode_seqs, context_tokens)
+        return base + (0.025 if prompt_tokens > 0 and decode_seqs > 0 else 0.0)
+
+
+def test_handoff_windows_move_prefilled_sequences_with_copies_beside_the_source_steps():
+    """Two devices where no chunk fits T (18 ms at TPOT 20 ms) but decode does: hand-off windows
+    (node.core.handoff) prefill on one device and move each sequence to the other; every copy runs
+    beside the source's later steps (a prefill step overlaps some transfer), and every request ends."""
+    cost = _EagerMixed(prefill_fixed_s=0.002, prefill_per_token_s=2e-5, decode_fixed_s=0.012, decode_per_seq_s=1e-4,
+                       decode_per_context_token_s=1e-8, pause_s=0.001)
+    cfg = SimConfig(mode="adaptive", devices=2, kv_blocks=8000, max_model_len=4096, tpot_slo_ms=20, ttft_slo_ms=2000,
+                    imbalance_threshold=0.0, kv_bytes_per_token=1000, link_gbps=100)
+    sched = AdaptiveScheduler(RoleSchedulerConfig(tpot_slo_ms=20, ttft_slo_ms=2000, prefill_token_budget=2048), cost,
+                              max_step_tokens=2048)
+    sim = TimeSharedSim(sched, cost, cfg, initial_role=Role.DECODE)
+    reqs = [SimRequest(f"r{i}", 0.05 * i, 1500, 150, 150) for i in range(30)]
+    traces = sim.run(reqs)
+    assert all(t.done for t in traces.values())
+    assert sim.moves_by_reason.get("handoff", 0) >= 10
+    assert any(why == "handoff" for *_, why in sim.switches)
+    transfers = [s for s in sim.steps if s.kind == "transfer"]
+    prefills = [s for s in sim.steps if s.kind == "prefill"]
+    assert any(p.device_id == t.device_id and p.start_s < t.end_s and t.start_s < p.end_s
+               for t in transfers for p in prefills)
+    for d in sim.devices:
+        assert d.batcher.ledger.num_free == d.batcher.ledger.num_blocks

@@ -63,12 +63,15 @@ _FREE = frozenset({Role.DECODE, Role.MIXED})  # one configuration: switches betw
 
 
 class _Move:
-    """A decoding sequence on its way from ``src`` to ``dst`` (queued until ``done_s`` is set)."""
+    """A decoding sequence on its way from ``src`` to ``dst`` (queued until ``done_s`` is set).
+    ``overlap``: the copy runs beside the source's later steps (the adaptive policy's hand-offs, as
+    the node's ``DeviceEngine.migrate(overlap=True)``), one after another on the source's link;
+    otherwise the source runs no step from its start to its end (the fallback's moves)."""
 
-    __slots__ = ("seq", "src", "dst", "reason", "src_blocks", "done_s")
+    __slots__ = ("seq", "src", "dst", "reason", "src_blocks", "done_s", "overlap")
 
-    def __init__(self, seq: Sequence, src: "RoleDevice", dst: "RoleDevice", reason: str):
-        self.seq, self.src, self.dst, self.reason = seq, src, dst, reason
+    def __init__(self, seq: Sequence, src: "RoleDevice", dst: "RoleDevice", reason: str, overlap: bool = False):
+        self.seq, self.src, self.dst, self.reason, self.overlap = seq, src, dst, reason, overlap
         self.src_blocks: list[int] = []
         self.done_s = math.inf
 
@@ -83,6 +86,7 @@ class RoleDevice(SimDevice):
         self.switching_to: Role | None = None
         self.switch_done_s = math.inf  # end of the pause (inf: not started: still draining)
         self.move: _Move | None = None  # the transfer under way from here
+        self.link_free_s = -math.inf  # when the overlapped copies from here leave the link free
 
     @property
     def switching(self) -> bool:
@@ -173,6 +177,7 @@ class TimeSharedSim:
             self._round(now, on_decide)
             for d in self.devices:
                 self._start_move(now, d)
+                self._start_copies(now, d)
                 if not d.switching and d.move is None and not self._move_queued(d):  # a queued move drains
                     for step in d.start(now, self.cost):
                         self.steps.append(StepRecord(d.device_id, d.kind.value, step.start_s, step.end_s,
@@ -182,6 +187,7 @@ class TimeSharedSim:
                 events += [t for t in (d.busy_until_s, d.switch_done_s) if t < math.inf]
                 if d.move is not None:
                     events.append(d.move.done_s)
+            events += [m.done_s for m in self._moves.values() if m.overlap and m.done_s < math.inf]
             if self.waiting or any(d.batcher.running or d.batcher.waiting for d in self.devices):
                 events.append(now + TICK_S)
             if not events:
@@ -239,6 +245,8 @@ class TimeSharedSim:
             elif isinstance(dec, Reject):
                 i = next(i for i, (r, _) in enumerate(self.waiting) if r.request_id == dec.request_id)
                 self.traces[self.waiting.pop(i)[0].request_id].rejected = True
+            elif isinstance(dec, Migrate):  # the adaptive policy's hand-off windows (node.core.handoff)
+                self._queue_moves([dec], overlap=True)
 
     def _switch(self, now: float, dec: SwitchRole) -> None:
         d = self._by_id[dec.device_id]
@@ -255,7 +263,7 @@ class TimeSharedSim:
             d.switch_done_s = now + self.pause_s
             self.steps.append(StepRecord(d.device_id, "pause", now, d.switch_done_s))
 
-    def _queue_moves(self, moves: list[Migrate]) -> int:
+    def _queue_moves(self, moves: list[Migrate], overlap: bool = False) -> int:
         started = 0
         for m in moves:
             src, dst = self._by_id.get(m.src_device), self._by_id.get(m.dst_device)
@@ -264,18 +272,18 @@ class TimeSharedSim:
             seq = next((s for s in src.batcher.running if s.seq_id == m.seq_id), None)
             if seq is None or not seq.is_decoding:
                 continue
-            self._moves[seq.seq_id] = _Move(seq, src, dst, m.reason)
+            self._moves[seq.seq_id] = _Move(seq, src, dst, m.reason, overlap)
             started += 1
         return started
 
     def _move_queued(self, d: RoleDevice) -> bool:
         """A move from ``d`` waits for its steps in flight to end (the node sends no step meanwhile)."""
-        return any(m.src is d and m.done_s == math.inf for m in self._moves.values())
+        return any(m.src is d and m.done_s == math.inf and not m.overlap for m in self._moves.values())
 
     def _start_move(self, now: float, d: RoleDevice) -> None:
         """At a step boundary of ``d``, start its oldest queued move (or refuse it)."""
         while d.plan is None and d.move is None:
-            m = next((m for m in self._moves.values() if m.src is d and m.done_s == math.inf), None)
+            m = next((m for m in self._moves.values() if m.src is d and m.done_s == math.inf and not m.overlap), None)
             if m is None:
                 return
             seq = m.seq
@@ -295,6 +303,39 @@ class TimeSharedSim:
             self.transfer_bytes += nbytes
             self.steps.append(StepRecord(d.device_id, "transfer", now, m.done_s))
 
+    def _start_copies(self, now: float, d: RoleDevice) -> None:
+        """Start the overlapped moves from ``d`` whose sequence no step in flight holds: each copy
+        follows the last one on ``d``'s link, and waits for the destination's steps in flight."""
+        for m in [m for m in self._moves.values() if m.overlap and m.src is d and m.done_s == math.inf]:
+            seq = m.seq
+            if seq.num_pending:  # a step in flight samples its token: the copy waits for its end
+                continue
+            blocks = m.dst.batcher.ledger.allocate(len(seq.block_ids)) if seq in d.batcher.running and seq.is_decoding else None
+            if blocks is None:
+                del self._moves[seq.seq_id]
+                self._moved_s[seq.seq_id] = now
+                self.refused_moves += 1
+                continue
+            nbytes = seq.num_computed * self.cfg.kv_bytes_per_token
+            m.src_blocks = d.batcher.release(seq)
+            seq.block_ids = blocks
+            start = max(now, m.dst.last_end_s, d.link_free_s)
+            m.done_s = d.link_free_s = start + nbytes * 8 / (self.cfg.link_gbps * 1e9)
+            d.version += 1
+            self.transfer_bytes += nbytes
+            self.steps.append(StepRecord(d.device_id, "transfer", start, m.done_s))
+
+    def _finish_move(self, m: _Move) -> None:
+        m.src.batcher.ledger.free(m.src_blocks)
+        m.dst.batcher.adopt(m.seq)
+        m.seq.device_id = m.dst.device_id
+        m.src.version += 1
+        m.dst.version += 1
+        del self._moves[m.seq.seq_id]
+        self._moved_s[m.seq.seq_id] = m.done_s
+        self.num_moves += 1
+        self.moves_by_reason[m.reason] = self.moves_by_reason.get(m.reason, 0) + 1
+
     def _advance(self, now: float) -> None:
         """Apply everything due at ``now``: step ends, transfer ends, pause ends."""
         for d in self.devices:
@@ -311,14 +352,9 @@ class TimeSharedSim:
                         self._forget(seq)
             if d.move is not None and d.move.done_s <= now:
                 m, d.move = d.move, None
-                d.batcher.ledger.free(m.src_blocks)
-                m.dst.batcher.adopt(m.seq)
-                m.seq.device_id = m.dst.device_id
-                m.dst.version += 1
-                del self._moves[m.seq.seq_id]
-                self._moved_s[m.seq.seq_id] = m.done_s
-                self.num_moves += 1
-                self.moves_by_reason[m.reason] = self.moves_by_reason.get(m.reason, 0) + 1
+                self._finish_move(m)
+            for m in [m for m in self._moves.values() if m.overlap and m.src is d and m.done_s <= now]:
+                self._finish_move(m)
             self._begin_pause(now, d)
             if d.switching and d.switch_done_s <= now:
                 d.role, d.role_since_s, d.kind = d.switching_to, d.switch_done_s, _KIND[d.switching_to]

@@ -54,6 +54,12 @@ window (no resident, nothing queued) also ends ("drained"): an empty device wait
 configuration, where a prompt costs no pause. A :class:`ChunkBudget` decision accompanies every device
 in (or entering) MIXED each round.
 
+**Hand-off windows** (:mod:`node.core.handoff`, "handoff"): where every device holding residents is
+spaced or has no chunk and two or more devices are in the decode configuration, one of them may prefill
+for the others, each sequence it prefills moving (:class:`~node.core.imbalance.Migrate`) to a decode
+device, as a disaggregated prefill pool does. It is decided before the windows and chunks above, which
+see only the prompts it did not take.
+
 **State.** The policy remembers, per device, the last decision instant at which the device was (or was
 sent) MIXED: gathering counts ``G`` from there, so mixed phases stay at least ``G`` apart while a prompt
 that arrives after a quiet spell of ``G`` is mixed at once (holding it would not save a mixed step).
@@ -76,6 +82,8 @@ import msgspec
 from node.core.chunk_budget import (chunk_budget, chunks_extra_s, chunks_s, efficient_chunk, fastest_chunk, gather_s,
                                     keep_up_chunk, spacing_s, step_limit_s, window_extra_s)
 from node.core.cost import CostModel
+from node.core.handoff import Handoffs
+from node.core.imbalance import Migrate
 from node.core.roles import (EPS, DECODE_LOAD_WEIGHT, Decision, NodeSnapshot, Place, Role, RoleScheduler,
                              RoleSchedulerConfig, SwitchRole, WaitingPrompt, _Dev)
 from node.core.roofline import RooflineCost
@@ -100,7 +108,7 @@ class ChunkBudget(msgspec.Struct, frozen=True, tag="chunk"):
     step_limit_s: float
 
 
-AdaptiveDecision = Decision | ChunkBudget
+AdaptiveDecision = Decision | ChunkBudget | Migrate
 
 
 class _Mix:
@@ -123,7 +131,7 @@ class _Mix:
         self.spacing, self.d, self.hold = False, 0.0, False
 
 
-class AdaptiveScheduler(RoleScheduler):
+class AdaptiveScheduler(Handoffs, RoleScheduler):
     """The adaptive policy (module docstring). ``max_step_tokens``: ``--max-num-batched-tokens``, the
     upper bound of a MIXED step's tokens (decode tokens included).
 
@@ -150,6 +158,7 @@ class AdaptiveScheduler(RoleScheduler):
         self._eff: dict[tuple[int, int, int], tuple[int, int]] = {}
         self._spaced: dict[str, tuple[float, float]] = {}  # device -> (its last spaced mixed step's start, next start)
         self._mixed_s: dict[str, float] = {}  # device -> last decision instant it was (or was sent) MIXED (s)
+        self._handoff_init()
 
     def quiet_decisions(self, now_s: float, mixed: list[str]) -> list[SwitchRole]:
         """:meth:`decide`'s decisions at ``now_s`` (s) when nothing waits and every device is in the decode
@@ -234,14 +243,23 @@ class AdaptiveScheduler(RoleScheduler):
     # --- the decision ----------------------------------------------------------------------------
     def decide(self, now_s: float, snapshot: NodeSnapshot) -> list[AdaptiveDecision]:
         """Decisions for this instant (apply in order): rejections, placements, role switches (free ones
-        between DECODE and MIXED), chunk budgets."""
+        between DECODE and MIXED), chunk budgets, and the hand-off windows' moves (:class:`Migrate`,
+        :mod:`node.core.handoff`)."""
         devs = self._prepare(now_s, snapshot)
         out: list[AdaptiveDecision] = []
         remaining = self._reject(snapshot, devs, out)
-        remaining = self._place(now_s, remaining, [dv for dv in devs if dv.target], out)
-        self._end_windows(devs, out, idle_too=True)
         dec = [dv for dv in devs if dv.st.role in (Role.DECODE, Role.MIXED)]
         mixes = {dv.st.device_id: self._mix(dv, now_s) for dv in dec}
+        hand = self._handoff_devices(now_s, devs)  # node.core.handoff
+        remaining = self._place_handoff(now_s, remaining, hand, out, dec, mixes)
+        remaining = self._place(now_s, remaining, [dv for dv in devs if dv.target and dv not in hand], out)
+        self._end_windows([dv for dv in devs if dv not in hand], out, idle_too=True)
+        if remaining and (opened := self._open_handoff(now_s, dec, mixes, remaining, out)) is not None:
+            hand.append(opened)
+            dec.remove(opened)
+            del mixes[opened.st.device_id]
+            remaining = self._place_handoff(now_s, remaining, [opened], out, dec, mixes)
+        self._hand_off(now_s, hand, dec, mixes, out)
         # windows first: a device whose work is cheaper (or only in time) as a window takes it
         for dv in sorted(dec, key=lambda dv: (dv.holder, -self._afford_s(dv, now_s), dv.idx)):
             if not (remaining or self._own_work(dv)):

@@ -99,7 +99,8 @@ _DECODING = (Role.DECODE, Role.MIXED)  # roles whose steps decode every resident
 class Migrate(msgspec.Struct, frozen=True, tag="migrate"):
     """Move decoding sequence ``seq_id`` (the ``ResidentSeq`` id) from ``src_device`` to ``dst_device``.
 
-    ``reason``: ``tpot`` (a prefill window would make it miss its target) or ``imbalance``.
+    ``reason``: ``tpot`` (a prefill window would make it miss its target) or ``imbalance``; the adaptive
+    policy's hand-off windows give ``handoff`` (:mod:`node.core.handoff`).
     """
 
     seq_id: str

@@ -119,8 +119,9 @@ class SwitchRole(msgspec.Struct, frozen=True, tag="switch"):
 
     ``window_s``/``window_tokens``: planned prefill window (s, prompt tokens); 0 for DECODE.
     ``reason``: queue | recompute | ttft | idle | park | drained | window | blocked; the adaptive policy
-    (:mod:`node.core.adaptive`) adds cheaper | no_chunk_fits (to PREFILL), chunks_fit (to MIXED),
-    nothing_waits | no_headroom | gather | spacing (to DECODE from MIXED).
+    (:mod:`node.core.adaptive`) adds cheaper | no_chunk_fits | handoff (to PREFILL; handoff:
+    :mod:`node.core.handoff`), chunks_fit (to MIXED), nothing_waits | no_headroom | gather | spacing (to
+    DECODE from MIXED).
     """
 
     device_id: str

@@ -12,7 +12,9 @@ With ``--imbalance-threshold`` above 0 each round first asks the fallback policy
 (``DeviceEngine.migrate``); the snapshot the role scheduler then sees already counts each moving
 sequence on its destination (with the blocks it will take there reserved), so the scheduler does not
 switch a device back to DECODE for sequences that are leaving it. The moved sequence keeps its
-``RequestState``, so its tokens go on flowing into the same client stream.
+``RequestState``, so its tokens go on flowing into the same client stream. The adaptive policy's
+hand-off windows (:mod:`node.core.handoff`) return their moves among its decisions; those copies run
+beside the source's later steps (``overlap``), as a pooled prefill device's hand-offs do.
 
 The cost model the policy sizes windows with is refitted online from the node's own measured steps
 (least squares over the last samples of each kind), starting from CPU-sized defaults.
@@ -30,6 +32,7 @@ import structlog
 from node.core.adaptive import ChunkBudget
 from node.core.batcher import StepKind, StepPlan
 from node.core.cost import CostModel, fit_cost_model
+from node.core.handoff import HANDOFF
 from node.core.imbalance import ImbalanceConfig, ImbalancePolicy, Migrate
 from node.core.sequence import Sequence, SeqStatus
 from node.core.group_cost import GroupCost
@@ -146,6 +149,8 @@ class RoleDriver(Driver):
                     self.pending.remove(req)
                     self.reserve[req.request_id] = d.reserve_blocks
                     self.node.engine(d.device_id).add(req)
+            elif isinstance(d, Migrate):  # the adaptive policy's hand-off windows (node.core.handoff)
+                self._start_moves([d])
             elif isinstance(d, Reject):
                 req = by_id.pop(d.request_id, None)
                 if req is not None:
@@ -198,7 +203,8 @@ class RoleDriver(Driver):
         return tuple(out)
 
     def _start_moves(self, moves: list[Migrate]) -> int:
-        """Queue the fallback's moves on their source engines (a peer's over TCP); the number started."""
+        """Queue moves on their source engines (a peer's over TCP): the fallback's, and the adaptive
+        policy's hand-offs (overlapped with the source's steps); the number started."""
         started = 0
         for m in moves:
             if m.seq_id in self._moving:
@@ -214,7 +220,8 @@ class RoleDriver(Driver):
                 self.node.peers.hand_off(src, req, seq, self.node.peers.peers[m.dst_device], m.reason,
                                          settled=lambda ok, seq=seq, m=m: self._moved(seq, m, ok))
             else:
-                fut = src.migrate(seq, self.node.engine(m.dst_device), m.reason)
+                # a hand-off window goes on prefilling while it sends, as a pooled prefill device does
+                fut = src.migrate(seq, self.node.engine(m.dst_device), m.reason, overlap=m.reason == HANDOFF)
                 fut.add_done_callback(lambda f, seq=seq, m=m: self._moved(
                     seq, m, not f.cancelled() and f.exception() is None and f.result() is not None))
             started += 1

@@ -19,6 +19,7 @@ import pytest
 from node.core.adaptive import AdaptiveScheduler, ChunkBudget
 from node.core.batcher import BatchConfig, Batcher, StepKind, StepPlan
 from node.core.cost import CostModel
+from node.core.imbalance import Migrate
 from node.core.ledger import BlockLedger
 from node.core.roles import (DeviceState, NodeSnapshot, Place, Reject, ResidentSeq, Role, RoleScheduler,
                              RoleSchedulerConfig, SwitchRole, WaitingPrompt)
@@ -71,7 +72,10 @@ class _Shell:
                               penalty_s=rng.choice([0.0, 0.002, 0.020]))
             self.penalty_s = cost.penalty_s
         config = RoleSchedulerConfig(
-            ttft_slo_ms=rng.choice([50, 500, 5000]), tpot_slo_ms=rng.choice([5, 50, 200]), reconfig_pause_ms=pause_ms,
+            # TPOT 20 ms (adaptive): T = 18 ms, under a mixed step's 20 ms penalty and over decode, where
+            # the first gap of a hand-off fits outputs of 15 tokens or more (node.core.handoff)
+            ttft_slo_ms=rng.choice([50, 500, 5000]),
+            tpot_slo_ms=rng.choice([5, 20, 50, 200] if adaptive else [5, 50, 200]), reconfig_pause_ms=pause_ms,
             min_window_ms=rng.choice([1, 20]), max_window_ms=rng.choice([20, 200]), prefill_token_budget=budget,
             stagger=stagger)
         self.policy = (AdaptiveScheduler(config, cost, max_step_tokens=budget) if adaptive
@@ -83,6 +87,7 @@ class _Shell:
         self.progress = False
         self.roles_seen: set[Role] = set()  # roles some step ran in
         self.reasons: set[str] = set()  # switch reasons the policy gave
+        self.moves = 0  # hand-off moves made
 
     # --- the policy's view ------------------------------------------------------------------------
     def snapshot(self) -> NodeSnapshot:
@@ -128,8 +133,29 @@ class _Shell:
                 d.reserve[seq.seq_id] = dec.reserve_blocks
                 seq.device_id = d.id
                 d.batcher.add(seq)
+            elif isinstance(dec, Migrate):  # a hand-off window's move (node.core.handoff): at once, as a copy
+                self._move(dec)
             elif isinstance(dec, Reject):
                 raise AssertionError(f"a prompt that fits an empty device was rejected: {dec}")
+
+    def _move(self, m: Migrate) -> None:
+        """Move a decoding sequence no step in flight holds; refused (it stays) where the destination
+        has no free blocks, as the node refuses."""
+        src = next(x for x in self.devs if x.id == m.src_device)
+        dst = next(x for x in self.devs if x.id == m.dst_device)
+        seq = next((s for s in src.batcher.running if s.seq_id == m.seq_id), None)
+        if seq is None or not seq.is_decoding or (src.plan and any(it.seq is seq for it in src.plan.items)):
+            return
+        blocks = dst.batcher.ledger.allocate(len(seq.block_ids))
+        if blocks is None:
+            return
+        src.batcher.ledger.free(src.batcher.release(seq))
+        seq.block_ids = blocks
+        seq.device_id = dst.id
+        dst.batcher.adopt(seq)
+        dst.reserve[seq.seq_id] = src.reserve.pop(seq.seq_id, 0)
+        self.moves += 1
+        self.progress = True
 
     # --- devices ------------------------------------------------------------------------------------
     def advance(self) -> None:
@@ -243,14 +269,17 @@ def test_adaptive_every_workload_finishes_with_progress_at_every_round(chunk):
 def test_adaptive_cases_use_every_role():
     """The adaptive cases do exercise MIXED steps and PREFILL windows, not only one of them, and the
     holds of the decode configuration (gathering, spacing)."""
-    kinds, reasons = set(), set()
+    kinds, reasons, moves = set(), set(), 0
     for seed in range(80):
         shell = run_case(seed, adaptive=True)
         kinds |= shell.roles_seen
         reasons |= shell.reasons
+        moves += shell.moves
     assert {Role.MIXED, Role.PREFILL, Role.DECODE} <= kinds
-    # spaced mixed steps (a 20 ms penalty against T = 4.5 or 45 ms; seed 57 switches for it)
-    assert {"chunks_fit", "gather", "spacing", "no_headroom"} <= reasons, reasons
+    # spaced mixed steps (a 20 ms penalty against T = 4.5 or 18 ms), and
+    # hand-off windows where that regime holds on two or more devices
+    assert {"chunks_fit", "gather", "spacing", "no_headroom", "handoff"} <= reasons, reasons
+    assert moves > 0
 
 
 def test_preemption_under_kv_pressure_is_exercised():

@@ -1,0 +1,135 @@
+"""The adaptive policy's hand-off windows on hand-made snapshots (virtual clock): where no chunk fits a
+decode step's limit, one device prefills and hands each sequence to the others (node.core.handoff)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from node.core.adaptive import AdaptiveScheduler, ChunkBudget
+from node.core.imbalance import Migrate
+from node.core.roles import DeviceState, NodeSnapshot, Place, ResidentSeq, Role, SwitchRole, WaitingPrompt
+from tests.core.test_adaptive import CFG, COST, T, EagerMixed, dev, on_pace, switches
+
+# decode ~36 ms, a mixed step 10 ms more: no chunk fits T = 45 ms, decode does (the spaced regime)
+SPACED = EagerMixed(**{f: getattr(COST, f) for f in COST.__struct_fields__} | {"decode_fixed_s": 0.0355})
+
+
+def moves(out) -> list[tuple[str, str, str, str]]:
+    return [(m.seq_id, m.src_device, m.dst_device, m.reason) for m in out if isinstance(m, Migrate)]
+
+
+def seqs(prefix: str, n: int, now: float) -> tuple[ResidentSeq, ...]:
+    return tuple(ResidentSeq(f"{prefix}{i}", now - 10 * T, 10, 500, 200) for i in range(n))
+
+
+def test_a_handoff_window_opens_where_no_chunk_fits_and_its_residents_move():
+    """Two devices in the spaced regime and a prompt waiting: the one with fewer residents switches to
+    PREFILL ("handoff"), takes the prompt, and its resident moves to the other device."""
+    pol = AdaptiveScheduler(CFG, SPACED)
+    now = 1.0
+    d0, d1 = dev(Role.DECODE, seqs("a", 4, now), device_id="d0"), dev(Role.DECODE, seqs("b", 1, now), device_id="d1")
+    assert pol.chunk_budget_of(d0, now)[0] > 0 and pol._mix(pol._prepare(now, NodeSnapshot((d0,)))[0], now).spacing
+    out = pol.decide(now, NodeSnapshot((d0, d1), (WaitingPrompt("p", 1000, now, 100),)))
+    assert switches(out) == [("d1", Role.PREFILL, "handoff")]
+    assert [(p.request_id, p.device_id) for p in out if isinstance(p, Place)] == [("p", "d1")]
+    assert moves(out) == [("b0", "d1", "d0", "handoff")]
+    kinds = [type(d) for d in out]
+    assert kinds.index(SwitchRole) < kinds.index(Place)
+
+
+def test_no_handoff_where_chunks_fit_or_on_one_device():
+    """Chunks fit T (one configuration, linear costs): the prompt goes in chunks, as before. One
+    device in the spaced regime: nowhere to hand off to, it spaces its mixed steps."""
+    now = 1.0
+    d0, d1 = dev(Role.DECODE, seqs("a", 4, now), device_id="d0"), dev(Role.DECODE, seqs("b", 1, now), device_id="d1")
+    out = AdaptiveScheduler(CFG, COST).decide(now, NodeSnapshot((d0, d1), (WaitingPrompt("p", 1000, now, 100),)))
+    assert ("d1", Role.MIXED, "chunks_fit") in switches(out) and not moves(out)
+    out = AdaptiveScheduler(CFG, SPACED).decide(now, NodeSnapshot((d0,), (WaitingPrompt("p", 1000, now, 100),)))
+    assert switches(out) == [("d0", Role.MIXED, "chunks_fit")] and not moves(out)
+    assert next(d for d in out if isinstance(d, ChunkBudget)).tokens >= 1000
+
+
+def test_prefilled_sequences_move_out_and_the_window_closes_after_dwell_idle():
+    pol = AdaptiveScheduler(CFG, SPACED)
+    now = 1.0
+    d0 = dev(Role.DECODE, seqs("a", 4, now), device_id="d0")
+    d1 = dev(Role.DECODE, seqs("b", 1, now), device_id="d1")
+    assert switches(pol.decide(now, NodeSnapshot((d0, d1), (WaitingPrompt("p", 1000, now, 100),)))) == \
+        [("d1", Role.PREFILL, "handoff")]
+    # the window's prompt has its first token: it moves; the window stays open for the next prompt
+    t = now + 0.05
+    fresh = ResidentSeq("p-0", t, 1, 1001, 100)
+    h = dev(Role.PREFILL, (fresh,), device_id="d1", since=now + COST.pause_s)
+    out = pol.decide(t, NodeSnapshot((d0, h)))
+    assert moves(out) == [("p-0", "d1", "d0", "handoff")] and switches(out) == []
+    # idle (the sequence left): open for the two-role policy's dwell, then back to DECODE
+    idle = msgspec.structs.replace(h, resident=())
+    assert switches(pol.decide(t + pol.dwell_s / 2, NodeSnapshot((d0, idle)))) == []
+    assert switches(pol.decide(t + pol.dwell_s, NodeSnapshot((d0, idle)))) == [("d1", Role.DECODE, "drained")]
+    # a prompt arriving while it is open goes to it, not in chunks to d0
+    pol2 = AdaptiveScheduler(CFG, SPACED)
+    pol2.decide(now, NodeSnapshot((d0, d1), (WaitingPrompt("p", 1000, now, 100),)))
+    out = pol2.decide(t, NodeSnapshot((d0, idle), (WaitingPrompt("q", 800, t, 100),)))
+    assert [(p.request_id, p.device_id) for p in out if isinstance(p, Place)] == [("q", "d1")]
+
+
+def test_a_sequence_no_device_has_room_for_closes_the_window():
+    """The decode device's KV is full: the prefilled sequence cannot move, so the window closes
+    ("blocked") and the sequence decodes where it is."""
+    pol = AdaptiveScheduler(CFG, SPACED)
+    now = 1.0
+    d0 = dev(Role.DECODE, seqs("a", 4, now), device_id="d0")
+    d1 = dev(Role.DECODE, seqs("b", 1, now), device_id="d1")
+    assert switches(pol.decide(now, NodeSnapshot((d0, d1), (WaitingPrompt("p", 1000, now, 100),)))) == \
+        [("d1", Role.PREFILL, "handoff")]
+    full = msgspec.structs.replace(d0, kv_free_blocks=0)
+    h = dev(Role.PREFILL, (ResidentSeq("p-0", now + 0.05, 1, 1001, 100),), device_id="d1", since=now)
+    out = pol.decide(now + 0.05, NodeSnapshot((full, h)))
+    assert not moves(out) and switches(out) == [("d1", Role.DECODE, "blocked")]
+    # with work still queued it closes too: the queue goes on as chunks, not ahead of the stuck sequence
+    pol = AdaptiveScheduler(CFG, SPACED)
+    pol.decide(now, NodeSnapshot((d0, d1), (WaitingPrompt("p", 1000, now, 100),)))
+    queued = msgspec.structs.replace(h, prefill_queue_tokens=500, prefill_queue_seqs=1, prefill_queue_oldest_s=now)
+    assert switches(pol.decide(now + 0.05, NodeSnapshot((full, queued)))) == [("d1", Role.DECODE, "blocked")]
+
+
+def test_a_destination_whose_step_would_miss_t_takes_no_sequence():
+    """The only other device decodes 63 sequences: with one more its step passes T, so no hand-off
+    opens (its residents could not move), and the prompt goes in spaced chunks as before."""
+    pol = AdaptiveScheduler(CFG, SPACED)
+    now = 1.0
+    crowded = tuple(ResidentSeq(f"a{i}", now - 10 * T, 10, 500, 200) for i in range(63))
+    d0 = dev(Role.DECODE, crowded, device_id="d0")
+    d1 = dev(Role.DECODE, seqs("b", 1, now), device_id="d1")
+    assert SPACED.decode_step_s(64, 63 * 500 + 500) > T >= SPACED.decode_step_s(63, 63 * 500)
+    out = pol.decide(now, NodeSnapshot((d0, d1), (WaitingPrompt("p", 1000, now, 100),)))
+    assert not moves(out) and ("d1", Role.PREFILL, "handoff") not in switches(out)
+
+
+def test_the_handoff_device_takes_prompts_only_within_the_ttft_target():
+    """Prompts past what the hand-off device prefills within ``ttft_urgency x ttft_slo`` (100 ms here)
+    are left to the other devices (spaced chunks there), not queued behind it."""
+    pol = AdaptiveScheduler(CFG, SPACED)
+    now = 1.0
+    d0 = dev(Role.DECODE, seqs("a", 4, now), device_id="d0")
+    d1 = dev(Role.DECODE, seqs("b", 1, now), device_id="d1")
+    waiting = tuple(WaitingPrompt(f"p{i}", 2000, now, 100) for i in range(6))
+    out = pol.decide(now, NodeSnapshot((d0, d1), waiting))
+    on_d1 = [p.request_id for p in out if isinstance(p, Place) and p.device_id == "d1"]
+    assert on_d1[0] == "p0" and len(on_d1) < 6
+    target = CFG.ttft_urgency * CFG.ttft_slo_ms / 1e3
+    assert pol.prefill_s(2000 * (len(on_d1) - 1)) <= target + COST.pause_s < pol.prefill_s(2000 * (len(on_d1) + 1))
+
+
+def test_no_handoff_for_short_outputs_nor_where_an_empty_device_chunks_as_fast():
+    """A prompt expecting 3 tokens: a hand-off's first gap (a destination's spaced mixed step, then its
+    decode step) would break its mean gap, so no window opens. An empty device runs chunks with no
+    resident to space them: as fast as a window in one configuration, so nothing is handed off."""
+    pol = AdaptiveScheduler(CFG, SPACED)
+    now = 1.0
+    d0, d1 = dev(Role.DECODE, seqs("a", 4, now), device_id="d0"), dev(Role.DECODE, seqs("b", 1, now), device_id="d1")
+    out = pol.decide(now, NodeSnapshot((d0, d1), (WaitingPrompt("p", 1000, now, 3),)))
+    assert not moves(out) and all(why != "handoff" for *_, why in switches(out))
+    empty = dev(Role.DECODE, (), device_id="d1")
+    out = AdaptiveScheduler(CFG, SPACED).decide(now, NodeSnapshot((d0, empty), (WaitingPrompt("p", 1000, now, 100),)))
+    assert not moves(out) and switches(out) == [("d1", Role.MIXED, "chunks_fit")]
