@@ -38,7 +38,7 @@ def test_adaptive_default_matches_one_device_and_reports_mixed_phases(stories_no
 
 def test_adaptive_hands_prompts_off_where_no_chunk_fits_a_70b_decode_step():
     """Two timed devices paced by the 70B roofline (an eager mixed step ~36 ms, a decode step well under
-    the 18 ms target at TPOT 20 ms): the node opens hand-off windows (node.core.handoff), one device
+    the 18 ms target at TPOT 20 ms): the node opens hand-off windows (node.core.handoff_windows), one device
     prefills and its sequences move to the other, copied beside its later steps; every request gets all
     its tokens and no block is left."""
     import concurrent.futures

@@ -65,7 +65,7 @@ class _EagerMixed(CostModel, frozen=True, kw_only=True):
 
 def test_handoff_windows_move_prefilled_sequences_with_copies_beside_the_source_steps():
     """Two devices where no chunk fits T (18 ms at TPOT 20 ms) but decode does: hand-off windows
-    (node.core.handoff) prefill on one device and move each sequence to the other; every copy runs
+    (node.core.handoff_windows) prefill on one device and move each sequence to the other; every copy runs
     beside the source's later steps (a prefill step overlaps some transfer), and every request ends."""
     cost = _EagerMixed(prefill_fixed_s=0.002, prefill_per_token_s=2e-5, decode_fixed_s=0.012, decode_per_seq_s=1e-4,
                        decode_per_context_token_s=1e-8, pause_s=0.001)

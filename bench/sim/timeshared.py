@@ -245,7 +245,7 @@ class TimeSharedSim:
             elif isinstance(dec, Reject):
                 i = next(i for i, (r, _) in enumerate(self.waiting) if r.request_id == dec.request_id)
                 self.traces[self.waiting.pop(i)[0].request_id].rejected = True
-            elif isinstance(dec, Migrate):  # the adaptive policy's hand-off windows (node.core.handoff)
+            elif isinstance(dec, Migrate):  # the adaptive policy's hand-off windows (node.core.handoff_windows)
                 self._queue_moves([dec], overlap=True)
 
     def _switch(self, now: float, dec: SwitchRole) -> None:

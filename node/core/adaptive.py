@@ -54,7 +54,7 @@ window (no resident, nothing queued) also ends ("drained"): an empty device wait
 configuration, where a prompt costs no pause. A :class:`ChunkBudget` decision accompanies every device
 in (or entering) MIXED each round.
 
-**Hand-off windows** (:mod:`node.core.handoff`, "handoff"): where every device holding residents is
+**Hand-off windows** (:mod:`node.core.handoff_windows`, "handoff"): where every device holding residents is
 spaced or has no chunk and two or more devices are in the decode configuration, one of them may prefill
 for the others, each sequence it prefills moving (:class:`~node.core.imbalance.Migrate`) to a decode
 device, as a disaggregated prefill pool does. It is decided before the windows and chunks above, which
@@ -82,7 +82,7 @@ import msgspec
 from node.core.chunk_budget import (chunk_budget, chunks_extra_s, chunks_s, efficient_chunk, fastest_chunk, gather_s,
                                     keep_up_chunk, spacing_s, step_limit_s, window_extra_s)
 from node.core.cost import CostModel
-from node.core.handoff import Handoffs
+from node.core.handoff_windows import Handoffs
 from node.core.imbalance import Migrate
 from node.core.roles import (EPS, DECODE_LOAD_WEIGHT, Decision, NodeSnapshot, Place, Role, RoleScheduler,
                              RoleSchedulerConfig, SwitchRole, WaitingPrompt, _Dev)
@@ -244,13 +244,13 @@ class AdaptiveScheduler(Handoffs, RoleScheduler):
     def decide(self, now_s: float, snapshot: NodeSnapshot) -> list[AdaptiveDecision]:
         """Decisions for this instant (apply in order): rejections, placements, role switches (free ones
         between DECODE and MIXED), chunk budgets, and the hand-off windows' moves (:class:`Migrate`,
-        :mod:`node.core.handoff`)."""
+        :mod:`node.core.handoff_windows`)."""
         devs = self._prepare(now_s, snapshot)
         out: list[AdaptiveDecision] = []
         remaining = self._reject(snapshot, devs, out)
         dec = [dv for dv in devs if dv.st.role in (Role.DECODE, Role.MIXED)]
         mixes = {dv.st.device_id: self._mix(dv, now_s) for dv in dec}
-        hand = self._handoff_devices(now_s, devs)  # node.core.handoff
+        hand = self._handoff_devices(now_s, devs)  # node.core.handoff_windows
         remaining = self._place_handoff(now_s, remaining, hand, out, dec, mixes)
         remaining = self._place(now_s, remaining, [dv for dv in devs if dv.target and dv not in hand], out)
         self._end_windows([dv for dv in devs if dv not in hand], out, idle_too=True)

@@ -86,7 +86,8 @@ import msgspec
 
 from node.core.cost import CostModel
 from node.core.roofline import RooflineCost
-from node.core.roles import DeviceState, NodeSnapshot, ResidentSeq, Role, blocks_for
+from node.core.role_state import move_blocks
+from node.core.roles import DeviceState, NodeSnapshot, ResidentSeq, Role
 
 __all__ = ["Migrate", "ImbalanceConfig", "ImbalancePolicy"]
 
@@ -100,7 +101,7 @@ class Migrate(msgspec.Struct, frozen=True, tag="migrate"):
     """Move decoding sequence ``seq_id`` (the ``ResidentSeq`` id) from ``src_device`` to ``dst_device``.
 
     ``reason``: ``tpot`` (a prefill window would make it miss its target) or ``imbalance``; the adaptive
-    policy's hand-off windows give ``handoff`` (:mod:`node.core.handoff`).
+    policy's hand-off windows give ``handoff`` (:mod:`node.core.handoff_windows`).
     """
 
     seq_id: str
@@ -182,10 +183,9 @@ class ImbalancePolicy:
         return max(0.0, self.cost.decode_step_s(n, ctx))
 
     def need_blocks(self, s: ResidentSeq, dst: DeviceState) -> int:
-        """Free blocks a destination must have for ``s``: its next token, and its expected rest."""
-        rest = max(1, s.expected_output_tokens - s.output_tokens)
-        low = blocks_for(s.context_tokens + 1, dst.block_size)
-        return max(low, min(blocks_for(s.context_tokens + rest, dst.block_size), dst.kv_total_blocks))
+        """Free blocks a destination must have for ``s``: its next token, and its expected rest
+        (:func:`node.core.role_state.move_blocks`)."""
+        return move_blocks(s, dst)
 
     def window_end_s(self, st: DeviceState, now_s: float) -> float:
         """When a prefill-side device's window has prefilled its queue, ``t0 + P(q)`` (s)."""

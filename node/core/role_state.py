@@ -120,7 +120,7 @@ class SwitchRole(msgspec.Struct, frozen=True, tag="switch"):
     ``window_s``/``window_tokens``: planned prefill window (s, prompt tokens); 0 for DECODE.
     ``reason``: queue | recompute | ttft | idle | park | drained | window | blocked; the adaptive policy
     (:mod:`node.core.adaptive`) adds cheaper | no_chunk_fits | handoff (to PREFILL; handoff:
-    :mod:`node.core.handoff`), chunks_fit (to MIXED), nothing_waits | no_headroom | gather | spacing (to
+    :mod:`node.core.handoff_windows`), chunks_fit (to MIXED), nothing_waits | no_headroom | gather | spacing (to
     DECODE from MIXED).
     """
 
@@ -172,3 +172,11 @@ def blocks_for(tokens: int, block_size: int) -> int:
 def reserve_blocks(prompt_tokens: int, expected_output_tokens: int, block_size: int, total_blocks: int) -> int:
     """KV blocks a prompt reserves when placed: prompt plus expected output, at most the device."""
     return min(blocks_for(prompt_tokens + max(1, expected_output_tokens), block_size), total_blocks)
+
+
+def move_blocks(s: ResidentSeq, dst: DeviceState) -> int:
+    """Free blocks a device must have to take resident ``s`` from another: its next token at least,
+    and its expected rest ``expected - output`` (at most the device's pool)."""
+    rest = max(1, s.expected_output_tokens - s.output_tokens)
+    low = blocks_for(s.context_tokens + 1, dst.block_size)
+    return max(low, min(blocks_for(s.context_tokens + rest, dst.block_size), dst.kv_total_blocks))

@@ -13,7 +13,7 @@ With ``--imbalance-threshold`` above 0 each round first asks the fallback policy
 sequence on its destination (with the blocks it will take there reserved), so the scheduler does not
 switch a device back to DECODE for sequences that are leaving it. The moved sequence keeps its
 ``RequestState``, so its tokens go on flowing into the same client stream. The adaptive policy's
-hand-off windows (:mod:`node.core.handoff`) return their moves among its decisions; those copies run
+hand-off windows (:mod:`node.core.handoff_windows`) return their moves among its decisions; those copies run
 beside the source's later steps (``overlap``), as a pooled prefill device's hand-offs do.
 
 The cost model the policy sizes windows with is refitted online from the node's own measured steps
@@ -32,7 +32,7 @@ import structlog
 from node.core.adaptive import ChunkBudget
 from node.core.batcher import StepKind, StepPlan
 from node.core.cost import CostModel, fit_cost_model
-from node.core.handoff import HANDOFF
+from node.core.handoff_windows import HANDOFF
 from node.core.imbalance import ImbalanceConfig, ImbalancePolicy, Migrate
 from node.core.sequence import Sequence, SeqStatus
 from node.core.group_cost import GroupCost
@@ -149,7 +149,7 @@ class RoleDriver(Driver):
                     self.pending.remove(req)
                     self.reserve[req.request_id] = d.reserve_blocks
                     self.node.engine(d.device_id).add(req)
-            elif isinstance(d, Migrate):  # the adaptive policy's hand-off windows (node.core.handoff)
+            elif isinstance(d, Migrate):  # the adaptive policy's hand-off windows (node.core.handoff_windows)
                 self._start_moves([d])
             elif isinstance(d, Reject):
                 req = by_id.pop(d.request_id, None)

@@ -73,7 +73,7 @@ class _Shell:
             self.penalty_s = cost.penalty_s
         config = RoleSchedulerConfig(
             # TPOT 20 ms (adaptive): T = 18 ms, under a mixed step's 20 ms penalty and over decode, where
-            # the first gap of a hand-off fits outputs of 15 tokens or more (node.core.handoff)
+            # the first gap of a hand-off fits outputs of 15 tokens or more (node.core.handoff_windows)
             ttft_slo_ms=rng.choice([50, 500, 5000]),
             tpot_slo_ms=rng.choice([5, 20, 50, 200] if adaptive else [5, 50, 200]), reconfig_pause_ms=pause_ms,
             min_window_ms=rng.choice([1, 20]), max_window_ms=rng.choice([20, 200]), prefill_token_budget=budget,
@@ -133,7 +133,7 @@ class _Shell:
                 d.reserve[seq.seq_id] = dec.reserve_blocks
                 seq.device_id = d.id
                 d.batcher.add(seq)
-            elif isinstance(dec, Migrate):  # a hand-off window's move (node.core.handoff): at once, as a copy
+            elif isinstance(dec, Migrate):  # a hand-off window's move (node.core.handoff_windows): at once, as a copy
                 self._move(dec)
             elif isinstance(dec, Reject):
                 raise AssertionError(f"a prompt that fits an empty device was rejected: {dec}")

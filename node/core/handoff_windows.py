@@ -53,7 +53,7 @@ from __future__ import annotations
 
 from node.core.chunk_budget import spacing_s
 from node.core.imbalance import Migrate
-from node.core.role_state import EPS, INF, Role, SwitchRole, WaitingPrompt, blocks_for
+from node.core.role_state import EPS, INF, Role, SwitchRole, WaitingPrompt, move_blocks
 from node.core.roles import _Dev
 
 __all__ = ["HANDOFF", "Handoffs"]
@@ -212,11 +212,9 @@ class Handoffs:
         and what ``taken`` adds), where that is at most ``T``; it is recorded in ``taken``. None where no
         device has room or keeps pace."""
         best = None
-        rest = max(1, r.expected_output_tokens - r.output_tokens)
         for dv in dsts:
             kv, slots, n_in, k_in = taken.get(dv.st.device_id, (0, 0, 0, 0))
-            need = max(blocks_for(r.context_tokens + 1, dv.st.block_size),
-                       min(blocks_for(r.context_tokens + rest, dv.st.block_size), dv.st.kv_total_blocks))
+            need = move_blocks(r, dv.st)
             if need > dv.kv - kv or dv.slots - slots < 1:
                 continue
             mix = mixes[dv.st.device_id]

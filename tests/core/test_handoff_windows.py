@@ -1,5 +1,5 @@
 """The adaptive policy's hand-off windows on hand-made snapshots (virtual clock): where no chunk fits a
-decode step's limit, one device prefills and hands each sequence to the others (node.core.handoff)."""
+decode step's limit, one device prefills and hands each sequence to the others (node.core.handoff_windows)."""
 
 from __future__ import annotations
 
