@@ -283,7 +283,8 @@ class TimeSharedSim:
     def _start_move(self, now: float, d: RoleDevice) -> None:
         """At a step boundary of ``d``, start its oldest queued move (or refuse it)."""
         while d.plan is None and d.move is None:
-            m = next((m for m in self._moves.values() if m.src is d and m.done_s == math.inf and not m.overlap), None)
+            m = next((m for m in self._moves.values()
+                      if m.src is d and m.done_s == math.inf and not m.overlap), None)
             if m is None:
                 return
             seq = m.seq
@@ -310,8 +311,9 @@ class TimeSharedSim:
             seq = m.seq
             if seq.num_pending:  # a step in flight samples its token: the copy waits for its end
                 continue
-            blocks = m.dst.batcher.ledger.allocate(len(seq.block_ids)) if seq in d.batcher.running and seq.is_decoding else None
-            if blocks is None:
+            here = seq in d.batcher.running and seq.is_decoding
+            blocks = m.dst.batcher.ledger.allocate(len(seq.block_ids)) if here else None
+            if blocks is None:  # gone, no longer decoding, or no room there: it stays (and cools down)
                 del self._moves[seq.seq_id]
                 self._moved_s[seq.seq_id] = now
                 self.refused_moves += 1
