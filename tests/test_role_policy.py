@@ -265,3 +265,29 @@ def test_a_resting_driver_still_looks_at_the_node_now_and_then():
         await driver.stop()
 
     asyncio.run(run())
+
+
+def test_a_device_ordered_to_switch_shows_switching_before_its_switch_task_begins():
+    """A switch to PREFILL is ordered in a round; its task (``DeviceEngine.switch_role``) begins a loop
+    iteration later. A round in between (another device's plan) sees the device switching to PREFILL, not
+    in DECODE: otherwise it forgot a hand-off window and could send a move or chunks into the window
+    (found by a helper's review). Once the engine is switching, its own state shows."""
+    from node.core.roles import Role
+    from node.core.batcher import BatchConfig, Batcher
+    from node.core.ledger import BlockLedger
+
+    role = SimpleNamespace(role=Role.DECODE, since_s=0.0, switching_to=None, switch_done_est_s=None, switch_started_s=None)
+    engine = SimpleNamespace(device_id="cpu:0", failure=None, role=role, step_started_s=None, last_step_s=0.0,
+                             requests={}, batcher=Batcher(BlockLedger(16, 4), BatchConfig()),
+                             step_listeners=[], switch_listeners=[], migration_listeners=[])
+    node = SimpleNamespace(config=SimpleNamespace(imbalance_threshold=0.0, link_gbps=0.0), engines=[engine])
+    driver = RoleDriver(node, role_scheduler(NodeConfig(mode="adaptive", devices=DEVICES[:1])), lambda: 2.0)
+    assert driver.views(2.0)[0].role is Role.DECODE
+    driver._switching["cpu:0"] = (Role.PREFILL, 1.5)  # as tick records an ordered switch
+    v = driver.views(2.0)[0]
+    assert (v.role, v.switching_to, v.role_since_s, v.switch_done_s) == (Role.SWITCHING, Role.PREFILL, 1.5, None)
+    st = driver.snapshot(2.0).devices[0]
+    assert st.role is Role.SWITCHING and st.switching_to is Role.PREFILL
+    role.role, role.switching_to, role.switch_started_s, role.switch_done_est_s = Role.SWITCHING, Role.PREFILL, 1.6, 2.1
+    v = driver.views(2.0)[0]
+    assert (v.role, v.role_since_s, v.switch_done_s) == (Role.SWITCHING, 1.6, 2.1)

@@ -58,7 +58,8 @@ in (or entering) MIXED each round.
 spaced or has no chunk and two or more devices are in the decode configuration, one of them may prefill
 for the others, each sequence it prefills moving (:class:`~node.core.imbalance.Migrate`) to a decode
 device, as a disaggregated prefill pool does. It is decided before the windows and chunks above, which
-see only the prompts it did not take.
+see only the prompts it did not take; its moves after the windows, so that none lands on a device sent
+to a window.
 
 **State.** The policy remembers, per device, the last decision instant at which the device was (or was
 sent) MIXED: gathering counts ``G`` from there, so mixed phases stay at least ``G`` apart while a prompt
@@ -259,7 +260,6 @@ class AdaptiveScheduler(Handoffs, RoleScheduler):
             dec.remove(opened)
             del mixes[opened.st.device_id]
             remaining = self._place_handoff(now_s, remaining, [opened], out, dec, mixes)
-        self._hand_off(now_s, hand, dec, mixes, out)
         # windows first: a device whose work is cheaper (or only in time) as a window takes it
         for dv in sorted(dec, key=lambda dv: (dv.holder, -self._afford_s(dv, now_s), dv.idx)):
             if not (remaining or self._own_work(dv)):
@@ -273,6 +273,8 @@ class AdaptiveScheduler(Handoffs, RoleScheduler):
             if len(out) > n and isinstance(out[n], SwitchRole):
                 out[n] = msgspec.structs.replace(out[n], reason=reason)
                 del mixes[dv.st.device_id]
+        # after the windows: a hand-off's sequence must not land on a device this round sends to a window
+        self._hand_off(now_s, hand, dec, mixes, out)
         mixing = [dv for dv in dec if dv.st.device_id in mixes]
         places: list[Place] = []
         self._keep_up(now_s, mixing, mixes, 0)  # a queue longer than the target at c*

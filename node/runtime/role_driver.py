@@ -68,7 +68,9 @@ class RoleDriver(Driver):
         # prompt and decode steps run one forward configuration (same degree, no decode graphs): the refit
         # gives them one fixed cost (fit_cost_model's shared_fixed), so noise reads as no mixed-step penalty
         self.one_configuration = one_configuration
-        self._switching: set[str] = set()
+        # device -> the role a switch ordered for it goes to, from the order until the switch ends: the
+        # snapshot shows it switching from the order on (the engine does from the switch task's start)
+        self._switching: dict[str, tuple[Role, float]] = {}
         self._prefill: deque[tuple[int, float]] = deque(maxlen=SAMPLES)
         self._decode: deque[tuple[int, int, float]] = deque(maxlen=SAMPLES)
         self._pauses: deque[float] = deque(maxlen=SAMPLES)
@@ -139,7 +141,7 @@ class RoleDriver(Driver):
                     if e.role.role is not d.to_role:  # DECODE <-> MIXED: one configuration, at once
                         e.switch_free(d.to_role, d.reason)
                 elif d.device_id not in self._switching:
-                    self._switching.add(d.device_id)
+                    self._switching[d.device_id] = (d.to_role, now)
                     task = asyncio.get_running_loop().create_task(self._switch(d))
                     self._switch_tasks.add(task)  # kept: a bare task may be collected mid-switch
                     task.add_done_callback(self._switch_tasks.discard)
@@ -261,7 +263,7 @@ class RoleDriver(Driver):
         except SwitchAbandoned as e:  # the device is down or stalled: /health says so; no retry here
             log.warning("role_switch_abandoned", device=d.device_id, to_role=d.to_role.value, reason=str(e))
         finally:
-            self._switching.discard(d.device_id)
+            self._switching.pop(d.device_id, None)
             self.kick()
 
     def views(self, now: float) -> list[DeviceView]:
@@ -275,6 +277,13 @@ class RoleDriver(Driver):
             busy_until = now if e.step_started_s is None else max(now, e.step_started_s + e.last_step_s)
             placed = tuple(Placement(self.reserve.get(req.request_id, 0), self._seqs_on(req.seqs, e.device_id))
                            for req in e.requests.values())
+            ordered = self._switching.get(e.device_id)
+            if ordered is not None and r.role is not Role.SWITCHING and r.role is not ordered[0]:
+                # ordered, its task not begun: a round meanwhile (another device's plan) must not take it
+                # for what it was (a hand-off window forgotten, a move or chunks sent into a window)
+                out.append(DeviceView(e.device_id, Role.SWITCHING, ordered[1], ordered[0], None, busy_until, e.batcher,
+                                      placed))
+                continue
             out.append(DeviceView(e.device_id, r.role, r.since_s if r.role is not Role.SWITCHING else r.switch_started_s,
                                   r.switching_to, r.switch_done_est_s, busy_until, e.batcher, placed))
         return out

@@ -7,7 +7,9 @@ import msgspec
 
 from node.core.adaptive import AdaptiveScheduler, ChunkBudget
 from node.core.imbalance import Migrate
-from node.core.roles import DeviceState, NodeSnapshot, Place, ResidentSeq, Role, SwitchRole, WaitingPrompt
+from node.core.cost import CostModel
+from node.core.roles import (DeviceState, NodeSnapshot, Place, ResidentSeq, Role, RoleSchedulerConfig, SwitchRole,
+                             WaitingPrompt)
 from tests.core.test_adaptive import CFG, COST, T, EagerMixed, dev, on_pace, switches
 
 # decode ~36 ms, a mixed step 10 ms more: no chunk fits T = 45 ms, decode does (the spaced regime)
@@ -133,3 +135,35 @@ def test_no_handoff_for_short_outputs_nor_where_an_empty_device_chunks_as_fast()
     empty = dev(Role.DECODE, (), device_id="d1")
     out = AdaptiveScheduler(CFG, SPACED).decide(now, NodeSnapshot((d0, empty), (WaitingPrompt("p", 1000, now, 100),)))
     assert not moves(out) and switches(out) == [("d1", Role.MIXED, "chunks_fit")]
+
+
+class _Eager(CostModel, frozen=True, kw_only=True):
+    """Decode ~12 ms, a mixed step 25 ms more: spaced at TPOT 20 ms (T = 18 ms)."""
+
+    def mixed_step_s(self, prompt_tokens: int, decode_seqs: int, context_tokens: int) -> float:
+        base = CostModel.mixed_step_s(self, prompt_tokens, decode_seqs, context_tokens)
+        return base + (0.025 if prompt_tokens > 0 and decode_seqs > 0 else 0.0)
+
+
+def test_a_handed_off_sequence_never_lands_on_a_device_the_same_round_sends_to_a_window():
+    """d1 has its own queued prompt work and takes it as a window ("cheaper") in the round that opens
+    the hand-off on d0: d0's resident goes to d2, which keeps decoding, not to d1 (found by a helper's
+    review: the moves were decided before the windows)."""
+    cost = _Eager(prefill_fixed_s=0.002, prefill_per_token_s=2e-5, decode_fixed_s=0.012, decode_per_seq_s=1e-4,
+                  decode_per_context_token_s=1e-8, pause_s=0.001)
+    pol = AdaptiveScheduler(RoleSchedulerConfig(tpot_slo_ms=20, ttft_slo_ms=2000, prefill_token_budget=2048), cost,
+                            max_step_tokens=2048)
+    now = 1.0
+
+    def d(i, n, **kw):
+        res = tuple(ResidentSeq(f"s{i}-{j}", now - 0.05, 10, 1500, 150) for j in range(n))
+        return DeviceState(device_id=f"d{i}", role=Role.DECODE, resident=res, kv_free_blocks=8000,
+                           kv_total_blocks=8000, **kw)
+
+    snap = NodeSnapshot((d(0, 1), d(1, 2, prefill_queue_tokens=1500, prefill_queue_seqs=1, prefill_queue_oldest_s=now),
+                         d(2, 6)), (WaitingPrompt("p", 1500, now, 150),))
+    out = pol.decide(now, snap)
+    assert ("d0", Role.PREFILL, "handoff") in switches(out)
+    windows = {dev_id for dev_id, to, why in switches(out) if to is Role.PREFILL and why != "handoff"}
+    assert windows == {"d1"}
+    assert moves(out) == [("s0-0", "d0", "d2", "handoff")]
