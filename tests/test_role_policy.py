@@ -291,3 +291,24 @@ def test_a_device_ordered_to_switch_shows_switching_before_its_switch_task_begin
     role.role, role.switching_to, role.switch_started_s, role.switch_done_est_s = Role.SWITCHING, Role.PREFILL, 1.6, 2.1
     v = driver.views(2.0)[0]
     assert (v.role, v.role_since_s, v.switch_done_s) == (Role.SWITCHING, 1.6, 2.1)
+
+
+def test_the_adaptive_driver_keeps_its_timer_while_a_device_is_in_prefill_on_an_idle_node():
+    """A hand-off window closes after a dwell with nothing to do; with no sequence anywhere no other event
+    would run that round (a device stayed in PREFILL for 16 s, found by a helper's review). Time-shared
+    devices park in PREFILL: no timer for them."""
+    from node.core.roles import Role
+
+    batcher = SimpleNamespace(running=[], waiting=[])
+    role = SimpleNamespace(role=Role.PREFILL)
+    engine = SimpleNamespace(device_id="cpu:0", failure=None, batcher=batcher, role=role,
+                             step_listeners=[], switch_listeners=[], migration_listeners=[])
+    node = SimpleNamespace(config=SimpleNamespace(imbalance_threshold=0.0, link_gbps=0.0), engines=[engine],
+                           draining=False)
+    adaptive = RoleDriver(node, role_scheduler(NodeConfig(mode="adaptive", devices=DEVICES[:1])), lambda: 0.0)
+    assert adaptive.needs_timer()
+    role.role = Role.DECODE
+    assert not adaptive.needs_timer()
+    role.role = Role.PREFILL
+    shared = RoleDriver(node, role_scheduler(NodeConfig(mode="time-shared", devices=DEVICES[:1])), lambda: 0.0)
+    assert not shared.needs_timer()

@@ -255,7 +255,7 @@ class AdaptiveScheduler(Handoffs, RoleScheduler):
         remaining = self._place_handoff(now_s, remaining, hand, out, dec, mixes)
         remaining = self._place(now_s, remaining, [dv for dv in devs if dv.target and dv not in hand], out)
         self._end_windows([dv for dv in devs if dv not in hand], out, idle_too=True)
-        if remaining and (opened := self._open_handoff(now_s, dec, mixes, remaining, out)) is not None:
+        if remaining and (opened := self._open_handoff(now_s, dec, mixes, remaining, hand, out)) is not None:
             hand.append(opened)
             dec.remove(opened)
             del mixes[opened.st.device_id]

@@ -164,8 +164,14 @@ class RoleDriver(Driver):
         """Not while the last round was quiet (every device decodes, nothing waits): there no decision
         depends on time alone, and every change that could end the quiet kicks the driver (an arrival, a
         preempting step, a finished request, a move or a restart). The 5 ms timer woke the adaptive
-        driver 200 times a second on a decoding node for nothing."""
-        return not self._quiet and super().needs_timer()
+        driver 200 times a second on a decoding node for nothing. In adaptive mode also while a device is
+        in PREFILL with nothing placed anywhere: a hand-off window closes after a dwell with nothing to do
+        (node.core.handoff_windows), and on an idle node no other event would run that round (one stayed
+        in PREFILL for 16 s, found by a helper's review). Time-shared devices park in PREFILL: not there."""
+        if self._quiet:
+            return False
+        return super().needs_timer() or (self._can_be_quiet and any(
+            e.failure is None and e.role is not None and e.role.role is Role.PREFILL for e in self.node.engines))
 
     def _quiet_mixed(self) -> list[str] | None:
         """The devices in MIXED when nothing waits to be placed, no move is to be considered (fallback off,

@@ -167,3 +167,54 @@ def test_a_handed_off_sequence_never_lands_on_a_device_the_same_round_sends_to_a
     windows = {dev_id for dev_id, to, why in switches(out) if to is Role.PREFILL and why != "handoff"}
     assert windows == {"d1"}
     assert moves(out) == [("s0-0", "d0", "d2", "handoff")]
+
+
+def _eager_policy() -> AdaptiveScheduler:
+    cost = _Eager(prefill_fixed_s=0.002, prefill_per_token_s=2e-5, decode_fixed_s=0.012, decode_per_seq_s=1e-4,
+                  decode_per_context_token_s=1e-8, pause_s=0.001)
+    return AdaptiveScheduler(RoleSchedulerConfig(tpot_slo_ms=20, ttft_slo_ms=2000, prefill_token_budget=2048), cost,
+                             max_step_tokens=2048)
+
+
+def _d(name, role, resident=(), kv=8000, **kw) -> DeviceState:
+    return DeviceState(device_id=name, role=role, resident=resident, kv_free_blocks=kv, kv_total_blocks=8000, **kw)
+
+
+def _res(prefix, n, now):
+    return tuple(ResidentSeq(f"{prefix}{i}", now - 0.05, 10, 1500, 150) for i in range(n))
+
+
+def test_a_second_handoff_counts_the_room_the_open_ones_moves_take():
+    """H hands off; its prefilled sequence will take most of B's room. A second window does not open on
+    A (fewest residents), whose resident would then have nowhere to go (it would close "blocked" a
+    round later, two pauses for nothing), but on B, whose residents A can take (found by a helper's
+    review)."""
+    pol = _eager_policy()
+    now = 1.0
+    pol.decide(now, NodeSnapshot((_d("H", Role.DECODE, _res("h", 1, now)), _d("A", Role.DECODE, _res("a", 2, now)),
+                                  _d("B", Role.DECODE, _res("b", 3, now))), (WaitingPrompt("p1", 1500, now, 150),)))
+    t = now + 0.05
+    H = _d("H", Role.PREFILL, (ResidentSeq("p1-0", t, 1, 1501, 150),), kv=50, role_since_s=now + 0.001)
+    A = _d("A", Role.DECODE, _res("a", 1, now))
+    B = _d("B", Role.DECODE, _res("b", 2, now), kv=110)  # room for one sequence
+    out = pol.decide(t, NodeSnapshot((H, A, B), (WaitingPrompt("p2", 1500, t, 150),)))
+    opened = [dev_id for dev_id, to, why in switches(out) if why == "handoff"]
+    assert opened == ["B"]
+    assert sorted(m[0] for m in moves(out)) == ["b0", "b1", "p1-0"] and all(m[2] == "A" for m in moves(out))
+
+
+def test_no_handoff_for_a_prompt_whose_sequence_could_not_move():
+    """B has room for A's resident but not for the prompt's sequence once prefilled: a hand-off window
+    would prefill it, find it stuck and close ("blocked"), two pauses for nothing (found by a helper's
+    review), so none opens."""
+    now = 1.0
+    out = _eager_policy().decide(now, NodeSnapshot((_d("A", Role.DECODE, _res("a", 1, now)),
+                                                    _d("B", Role.DECODE, _res("b", 2, now), kv=110)),
+                                                   (WaitingPrompt("p", 1500, now, 150),)))
+    assert all(why != "handoff" for *_, why in switches(out)) and not moves(out)
+    # with the room, it opens
+    out = _eager_policy().decide(now, NodeSnapshot((_d("A", Role.DECODE, _res("a", 1, now)),
+                                                    _d("B", Role.DECODE, _res("b", 2, now), kv=300)),
+                                                   (WaitingPrompt("p", 1500, now, 150),)))
+    assert ("A", Role.PREFILL, "handoff") in switches(out)
+
