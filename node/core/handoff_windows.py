@@ -102,7 +102,8 @@ class Handoffs:
         left: list[WaitingPrompt] = []
         for i, w in enumerate(waiting):
             best = None
-            movable = self._absorbs(w, gap_s) and self._room_for(w, dsts, mixes, taken)
+            trial = {k: list(v) for k, v in taken.items()}  # its sequences' room counts once it is placed
+            movable = self._absorbs(w, gap_s) and self._room_for(w, dsts, mixes, trial)
             for dv in (hand if movable else ()):
                 need = self._fits_kv(dv, w)
                 if need < 0:
@@ -120,6 +121,7 @@ class Handoffs:
                 continue
             out.append(best[2].take(w, best[3]))
             self._handoff[best[2].st.device_id] = now_s
+            taken = trial
         return left
 
     def _open_handoff(self, now_s: float, dec: list[_Dev], mixes: dict, waiting: list[WaitingPrompt],
