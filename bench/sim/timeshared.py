@@ -287,16 +287,9 @@ class TimeSharedSim:
                       if m.src is d and m.done_s == math.inf and not m.overlap), None)
             if m is None:
                 return
-            seq = m.seq
-            blocks = m.dst.batcher.ledger.allocate(len(seq.block_ids)) if seq in d.batcher.running and seq.is_decoding else None
-            if blocks is None:  # gone, no longer decoding, or no room there: it stays (and cools down)
-                del self._moves[seq.seq_id]
-                self._moved_s[seq.seq_id] = now
-                self.refused_moves += 1
+            nbytes = self._take_blocks(now, m)
+            if nbytes is None:
                 continue
-            nbytes = seq.num_computed * self.cfg.kv_bytes_per_token
-            m.src_blocks = d.batcher.release(seq)
-            seq.block_ids = blocks
             start = max(now, m.dst.last_end_s)  # the copy waits for the destination's steps in flight
             m.done_s = start + nbytes * 8 / (self.cfg.link_gbps * 1e9)
             d.move = m
@@ -304,23 +297,31 @@ class TimeSharedSim:
             self.transfer_bytes += nbytes
             self.steps.append(StepRecord(d.device_id, "transfer", now, m.done_s))
 
+    def _take_blocks(self, now: float, m: _Move) -> int | None:
+        """Begin move ``m``: the destination's blocks taken, the sequence released from its source (its
+        blocks kept for the copy); the KV bytes to copy. None, the move dropped, where the sequence is
+        gone from the source, no longer decoding, or the destination has no room (it stays, cooling down)."""
+        seq, src = m.seq, m.src
+        here = seq in src.batcher.running and seq.is_decoding
+        blocks = m.dst.batcher.ledger.allocate(len(seq.block_ids)) if here else None
+        if blocks is None:
+            del self._moves[seq.seq_id]
+            self._moved_s[seq.seq_id] = now
+            self.refused_moves += 1
+            return None
+        m.src_blocks = src.batcher.release(seq)
+        seq.block_ids = blocks
+        return seq.num_computed * self.cfg.kv_bytes_per_token
+
     def _start_copies(self, now: float, d: RoleDevice) -> None:
         """Start the overlapped moves from ``d`` whose sequence no step in flight holds: each copy
         follows the last one on ``d``'s link, and waits for the destination's steps in flight."""
         for m in [m for m in self._moves.values() if m.overlap and m.src is d and m.done_s == math.inf]:
-            seq = m.seq
-            if seq.num_pending:  # a step in flight samples its token: the copy waits for its end
+            if m.seq.num_pending:  # a step in flight samples its token: the copy waits for its end
                 continue
-            here = seq in d.batcher.running and seq.is_decoding
-            blocks = m.dst.batcher.ledger.allocate(len(seq.block_ids)) if here else None
-            if blocks is None:  # gone, no longer decoding, or no room there: it stays (and cools down)
-                del self._moves[seq.seq_id]
-                self._moved_s[seq.seq_id] = now
-                self.refused_moves += 1
+            nbytes = self._take_blocks(now, m)
+            if nbytes is None:
                 continue
-            nbytes = seq.num_computed * self.cfg.kv_bytes_per_token
-            m.src_blocks = d.batcher.release(seq)
-            seq.block_ids = blocks
             start = max(now, m.dst.last_end_s, d.link_free_s)
             m.done_s = d.link_free_s = start + nbytes * 8 / (self.cfg.link_gbps * 1e9)
             d.version += 1

@@ -51,13 +51,20 @@ def test_no_handoff_where_chunks_fit_or_on_one_device():
     assert next(d for d in out if isinstance(d, ChunkBudget)).tokens >= 1000
 
 
-def test_prefilled_sequences_move_out_and_the_window_closes_after_dwell_idle():
+def _opened(now: float):
+    """A policy that has just opened a hand-off window on d1 (one resident) beside d0 (four), spaced;
+    the policy and both devices' states before the round."""
     pol = AdaptiveScheduler(CFG, SPACED)
-    now = 1.0
     d0 = dev(Role.DECODE, seqs("a", 4, now), device_id="d0")
     d1 = dev(Role.DECODE, seqs("b", 1, now), device_id="d1")
     assert switches(pol.decide(now, NodeSnapshot((d0, d1), (WaitingPrompt("p", 1000, now, 100),)))) == \
         [("d1", Role.PREFILL, "handoff")]
+    return pol, d0, d1
+
+
+def test_prefilled_sequences_move_out_and_the_window_closes_after_dwell_idle():
+    now = 1.0
+    pol, d0, d1 = _opened(now)
     # the window's prompt has its first token: it moves; the window stays open for the next prompt
     t = now + 0.05
     fresh = ResidentSeq("p-0", t, 1, 1001, 100)
@@ -69,8 +76,7 @@ def test_prefilled_sequences_move_out_and_the_window_closes_after_dwell_idle():
     assert switches(pol.decide(t + pol.dwell_s / 2, NodeSnapshot((d0, idle)))) == []
     assert switches(pol.decide(t + pol.dwell_s, NodeSnapshot((d0, idle)))) == [("d1", Role.DECODE, "drained")]
     # a prompt arriving while it is open goes to it, not in chunks to d0
-    pol2 = AdaptiveScheduler(CFG, SPACED)
-    pol2.decide(now, NodeSnapshot((d0, d1), (WaitingPrompt("p", 1000, now, 100),)))
+    pol2, _, _ = _opened(now)
     out = pol2.decide(t, NodeSnapshot((d0, idle), (WaitingPrompt("q", 800, t, 100),)))
     assert [(p.request_id, p.device_id) for p in out if isinstance(p, Place)] == [("q", "d1")]
 
@@ -78,19 +84,14 @@ def test_prefilled_sequences_move_out_and_the_window_closes_after_dwell_idle():
 def test_a_sequence_no_device_has_room_for_closes_the_window():
     """The decode device's KV is full: the prefilled sequence cannot move, so the window closes
     ("blocked") and the sequence decodes where it is."""
-    pol = AdaptiveScheduler(CFG, SPACED)
     now = 1.0
-    d0 = dev(Role.DECODE, seqs("a", 4, now), device_id="d0")
-    d1 = dev(Role.DECODE, seqs("b", 1, now), device_id="d1")
-    assert switches(pol.decide(now, NodeSnapshot((d0, d1), (WaitingPrompt("p", 1000, now, 100),)))) == \
-        [("d1", Role.PREFILL, "handoff")]
+    pol, d0, d1 = _opened(now)
     full = msgspec.structs.replace(d0, kv_free_blocks=0)
     h = dev(Role.PREFILL, (ResidentSeq("p-0", now + 0.05, 1, 1001, 100),), device_id="d1", since=now)
     out = pol.decide(now + 0.05, NodeSnapshot((full, h)))
     assert not moves(out) and switches(out) == [("d1", Role.DECODE, "blocked")]
     # with work still queued it closes too: the queue goes on as chunks, not ahead of the stuck sequence
-    pol = AdaptiveScheduler(CFG, SPACED)
-    pol.decide(now, NodeSnapshot((d0, d1), (WaitingPrompt("p", 1000, now, 100),)))
+    pol, _, _ = _opened(now)
     queued = msgspec.structs.replace(h, prefill_queue_tokens=500, prefill_queue_seqs=1, prefill_queue_oldest_s=now)
     assert switches(pol.decide(now + 0.05, NodeSnapshot((full, queued)))) == [("d1", Role.DECODE, "blocked")]
 
