@@ -7,7 +7,8 @@ import pytest
 
 from bench.studies import compare
 from bench.studies.compare import node_args, parser, ratio_table, split_entry
-from bench.studies.validate_sim import switch_swaps_ms
+from bench.studies.validate_sim import compare_summaries, switch_swaps_ms
+from bench.traffic.metrics import Stat, Summary
 
 
 def test_budget_variants_get_their_own_flag_and_mode_args():
@@ -91,3 +92,47 @@ def test_free_switches_do_not_dilute_the_simulated_pause():
         {"from_role": "prefill", "to_role": "decode", "pause_ms": 5.0},
         {"from_role": "mixed", "to_role": "decode", "pause_ms": 0.0}]}]}
     assert switch_swaps_ms(status) == [3.0, 5.0]
+
+
+def _ttft_summary(ttft_median_ms: float) -> Summary:
+    stat = Stat(median=ttft_median_ms, p90=2 * ttft_median_ms, p99=3 * ttft_median_ms)
+    return Summary(completed=1, failed=0, duration_s=1.0, total_input_tokens=1, total_output_tokens=1,
+                   request_throughput=1.0, output_throughput=1.0, total_token_throughput=2.0,
+                   ttft_ms=stat, tpot_ms=Stat(median=5.0, p90=6.0, p99=7.0), itl_ms=Stat(), e2el_ms=Stat())
+
+
+def test_the_simulation_is_compared_with_the_median_of_the_live_replays():
+    """Three replays of one workload: the error is taken against their median, not the first replay."""
+    rows = {(r["metric"], r["stat"]): r for r in compare_summaries(
+        [_ttft_summary(100.0), _ttft_summary(70.0), _ttft_summary(80.0)], _ttft_summary(88.0))}
+    ttft = rows[("ttft_ms", "median")]
+    assert ttft["live_ms"] == 80.0 and ttft["rel_err"] == pytest.approx(0.10)
+    assert ttft["live_runs_ms"] == [100.0, 70.0, 80.0] and ttft["live_spread"] == pytest.approx(30 / 80)
+    one = {(r["metric"], r["stat"]): r for r in compare_summaries(_ttft_summary(100.0), _ttft_summary(88.0))}
+    assert one[("ttft_ms", "median")]["rel_err"] == pytest.approx(-0.12) and "live_spread" not in one[("ttft_ms", "median")]
+
+
+def test_each_live_replay_draws_new_prompt_contents_over_the_same_arrivals(monkeypatch):
+    """A second replay of identical prompts would be served from the prefix cache the first one filled."""
+    import argparse
+    import asyncio
+
+    from bench.studies import validate_sim
+
+    seen = []
+
+    async def fake_info(session, url):
+        return argparse.Namespace(max_model_len=2048)
+
+    async def fake_replay(url, requests, info, *, seed, **kw):
+        seen.append((tuple(requests), seed))
+        return "result"
+
+    monkeypatch.setattr(validate_sim, "fetch_server_info", fake_info)
+    monkeypatch.setattr(validate_sim, "replay", fake_replay)
+    monkeypatch.setattr(validate_sim, "spec_from_args", lambda a, max_model_len: a.seed)
+    monkeypatch.setattr(validate_sim, "build_workload", lambda seed: argparse.Namespace(requests=[f"arrivals of {seed}"]))
+    a = argparse.Namespace(seed=7, ttft_slo_ms=None, tpot_slo_ms=None, drain_timeout=1.0)
+    for i in range(3):
+        asyncio.run(validate_sim._live("http://node", a, i))
+    assert seen == [(("arrivals of 7",), 7), (("arrivals of 7",), 8), (("arrivals of 7",), 9)]
