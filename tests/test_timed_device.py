@@ -240,6 +240,7 @@ def test_time_shared_policies_start_from_the_timed_cost_model_and_charge_geometr
             assert node.driver.refits is False  # a timed device's steps are its model's by construction
             per_token = _geometry_block_bytes() // 16  # not the tiny pool's bytes
             assert node.driver.imbalance.config.local_transfer_s_per_token == pytest.approx(per_token * 8 / 10e9)
+            assert node.driver.scheduler.config.copy_s_per_token == pytest.approx(per_token * 8 / 10e9)  # hand-offs
         finally:
             await node.close()
 

@@ -383,7 +383,8 @@ def simulate_time_shared(requests: list[TraceRequest], cfg: SimConfig, cost: Cos
     policy = RoleSchedulerConfig(
         ttft_slo_ms=cfg.ttft_slo_ms, tpot_slo_ms=cfg.tpot_slo_ms, reconfig_pause_ms=cfg.reconfig_pause_ms,
         min_window_ms=cfg.min_window_ms, max_window_ms=cfg.max_window_ms,
-        prefill_token_budget=cfg.max_num_batched_tokens, stagger=cfg.stagger)
+        prefill_token_budget=cfg.max_num_batched_tokens, stagger=cfg.stagger,
+        copy_s_per_token=cfg.kv_bytes_per_token * 8 / (cfg.link_gbps * 1e9))  # as the node's driver sets it
     cost = msgspec.structs.replace(cost, pause_s=max(cost.pause_s, cfg.pause_ms / 1e3) + cfg.reconfig_pause_ms / 1e3)
     adaptive = cfg.mode == "adaptive"
     scheduler = (AdaptiveScheduler(policy, cost, max_step_tokens=cfg.max_num_batched_tokens) if adaptive
@@ -393,7 +394,7 @@ def simulate_time_shared(requests: list[TraceRequest], cfg: SimConfig, cost: Cos
         imbalance = ImbalancePolicy(ImbalanceConfig(
             threshold=cfg.fallback_threshold, tpot_slo_ms=policy.tpot_slo_ms, slo_margin=policy.slo_margin,
             reconfig_pause_ms=policy.reconfig_pause_ms, prefill_token_budget=policy.prefill_token_budget,
-            local_transfer_s_per_token=cfg.kv_bytes_per_token * 8 / (cfg.link_gbps * 1e9),
+            local_transfer_s_per_token=policy.copy_s_per_token,
             ttft_slo_ms=policy.ttft_slo_ms), cost)
     # the node starts adaptive devices in the decode configuration, time-shared ones parked in PREFILL
     sim = TimeSharedSim(scheduler, cost, cfg, imbalance=imbalance, initial_role=Role.DECODE if adaptive else Role.PREFILL)

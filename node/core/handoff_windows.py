@@ -17,8 +17,10 @@ it when the device has nothing to prefill. Symbols as in :mod:`node.core.adaptiv
   others. It switches to PREFILL, and its residents move out, when both hold:
 
   - *the first gap fits*: the head prompt's mean token gap absorbs the first gap of a hand-off, ``g =
-    2 m(c_T) + d`` (the copy waits for a destination's two pipelined steps in flight, mixed steps of
-    the largest chunk it may grow to, then its decode step), with its other gaps at ``T``:
+    max(m(c_T), x) + m(c_T) + d`` (the copy, ``x`` = its prompt tokens times the link's seconds per
+    token, ``copy_s_per_token``, runs beside a destination's step in flight, a mixed step of the largest
+    chunk it may grow to; the sequence joins after the step that follows, then its decode step: ``2
+    m(c_T) + d`` on a fast link), with its other gaps at ``T``:
     ``(N - 1) tau >= g + (N - 2) T``, ``N`` its expected output tokens, ``tau`` the TPOT SLO. A short
     output cannot amortise that gap (Azure code, 70B on two groups of 4, TPOT 20 ms, 0.661 req/s:
     SLO attainment 0.917 before hand-offs, 0.826 handing off every prompt, 0.902 with this rule);
@@ -96,14 +98,14 @@ class Handoffs:
         once the hand-off devices' residents have moved; return those left."""
         if not hand:
             return waiting
-        gap_s = self._handoff_gap_s(dsts, mixes)
+        steps = self._handoff_steps(dsts, mixes)
         taken = self._handoff_taken(hand, dsts, mixes)
         target_s = self.config.ttft_urgency * self.config.ttft_slo_ms / 1e3
         left: list[WaitingPrompt] = []
         for i, w in enumerate(waiting):
             best = None
             trial = {k: list(v) for k, v in taken.items()}  # its sequences' room counts once it is placed
-            movable = self._absorbs(w, gap_s) and self._room_for(w, dsts, mixes, trial)
+            movable = self._absorbs(w, steps) and self._room_for(w, dsts, mixes, trial)
             for dv in (hand if movable else ()):
                 need = self._fits_kv(dv, w)
                 if need < 0:
@@ -142,7 +144,7 @@ class Handoffs:
                 break
         else:
             return None
-        if not waiting or not self._absorbs(waiting[0], self._handoff_gap_s(others, mixes)):
+        if not waiting or not self._absorbs(waiting[0], self._handoff_steps(others, mixes)):
             return None
         if not self._room_for(waiting[0], others, mixes, dict(taken)):  # its sequence would have nowhere to go
             return None
@@ -178,21 +180,29 @@ class Handoffs:
         seq = ResidentSeq(w.request_id, 0.0, 1, w.prompt_tokens + 1, max(1, w.expected_output_tokens // n))
         return all(self._destination(seq, dsts, mixes, taken) is not None for _ in range(n))
 
-    def _handoff_gap_s(self, dsts: list[_Dev], mixes: dict) -> float:
-        """The first token gap (s) of a handed-off sequence, at worst: the copy waits for a destination's
-        steps in flight (two, as the node pipelines them: mixed steps of the largest chunk it may grow
-        to, ``c_T``), then its decode step; the least over ``dsts`` (inf: none)."""
-        return min((2 * self.cost.mixed_step_s(max(1, mx.chunk, mx.max_chunk), mx.s, mx.k)
-                    + self.cost.decode_step_s(mx.s, mx.k)
-                    for mx in (mixes[dv.st.device_id] for dv in dsts if dv.st.device_id in mixes)), default=INF)
+    def _handoff_steps(self, dsts: list[_Dev], mixes: dict) -> list[tuple[float, float]]:
+        """``(m(c_T), d)`` (s) of each of ``dsts``: its mixed step at the largest chunk it may grow to, and
+        its decode step, the parts of a handed-off sequence's first gap there (:meth:`_first_gap_s`)."""
+        return [(self.cost.mixed_step_s(max(1, mx.chunk, mx.max_chunk), mx.s, mx.k), self.cost.decode_step_s(mx.s, mx.k))
+                for mx in (mixes[dv.st.device_id] for dv in dsts if dv.st.device_id in mixes)]
 
-    def _absorbs(self, w: WaitingPrompt, gap_s: float) -> bool:
-        """Whether ``w``'s mean token gap absorbs a first gap of ``gap_s`` with its other gaps at ``T``
-        (the spaced regime's mean): ``(N - 1) tau >= gap + (N - 2) T``, ``N`` its expected output tokens
-        per sequence (``tau`` the TPOT SLO; one token: no gap). Azure code (short outputs), 70B at 4:4,
-        TPOT 20 ms, 0.661 req/s: SLO attainment 0.917 before hand-offs, 0.826 handing off every prompt."""
+    def _first_gap_s(self, w: WaitingPrompt, steps: list[tuple[float, float]]) -> float:
+        """The first token gap (s) of ``w``'s sequence handed off, at worst, on the best of the
+        destinations' ``steps`` (:meth:`_handoff_steps`): its copy of ``x`` (prompt tokens at
+        ``copy_s_per_token``) runs beside a destination's step in flight, the sequence joins after the step
+        that follows, then decodes: ``max(m, x) + m + d`` (``2 m + d`` while the copy takes no longer
+        than a step: the two steps the node pipelines); inf with no destination."""
+        x = w.prompt_tokens * self.config.copy_s_per_token
+        return min((max(m, x) + m + d for m, d in steps), default=INF)
+
+    def _absorbs(self, w: WaitingPrompt, steps: list[tuple[float, float]]) -> bool:
+        """Whether ``w``'s mean token gap absorbs its first gap after a hand-off to the best of the
+        destinations' ``steps`` (:meth:`_first_gap_s`) with its other gaps at ``T`` (the spaced regime's
+        mean): ``(N - 1) tau >= gap + (N - 2) T``, ``N`` its expected output tokens per sequence (``tau``
+        the TPOT SLO; one token: no gap). Azure code (short outputs), 70B at 4:4, TPOT 20 ms, 0.661
+        req/s: SLO attainment 0.917 before hand-offs, 0.826 handing off every prompt."""
         n = w.expected_output_tokens // max(1, w.seqs)
-        return n < 2 or (n - 1) * self.config.tpot_slo_ms / 1e3 >= gap_s + (n - 2) * self.T
+        return n < 2 or (n - 1) * self.config.tpot_slo_ms / 1e3 >= self._first_gap_s(w, steps) + (n - 2) * self.T
 
     def _chunk_rate(self, mix, n_in: int = 0, k_in: int = 0) -> float:
         """Prompt tokens per second a decode-configuration device carries in chunks of ``mix.chunk``

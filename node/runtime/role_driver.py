@@ -81,8 +81,9 @@ class RoleDriver(Driver):
         self._rounds = 0  # full decision rounds (with a snapshot) so far
         self._rounds_seen: dict[str, int] = {}  # device -> self._rounds at its last step end
         self._refit_min_s = REFIT_MIN_S if self._can_be_quiet else 0.0
-        rc = scheduler.config
         copy_s_per_token = self._transfer_s_per_token(node)  # to a peer and inside the node alike
+        # the policy's hand-offs count the copy in a moved sequence's first gap: the link is the node's
+        scheduler.config = rc = msgspec.structs.replace(scheduler.config, copy_s_per_token=copy_s_per_token)
         self.imbalance = ImbalancePolicy(ImbalanceConfig(
             threshold=node.config.imbalance_threshold, tpot_slo_ms=rc.tpot_slo_ms, slo_margin=rc.slo_margin,
             reconfig_pause_ms=rc.reconfig_pause_ms, prefill_token_budget=rc.prefill_token_budget,

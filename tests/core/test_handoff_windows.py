@@ -219,3 +219,18 @@ def test_no_handoff_for_a_prompt_whose_sequence_could_not_move():
                                                    (WaitingPrompt("p", 1500, now, 150),)))
     assert ("A", Role.PREFILL, "handoff") in switches(out)
 
+
+
+def test_a_slow_link_copy_counts_in_the_first_gap():
+    """The first test's node and prompt (1,000 tokens, 100 expected): a copy under one mixed step changes
+    nothing; a copy of 1 s (1 ms per token) makes the first gap ``x + m + d`` more than the prompt's mean gap
+    absorbs ((N - 1) tau - (N - 2) T = 0.54 s), so no window opens and the prompt goes in spaced chunks."""
+    now = 1.0
+    d0, d1 = dev(Role.DECODE, seqs("a", 4, now), device_id="d0"), dev(Role.DECODE, seqs("b", 1, now), device_id="d1")
+    snap = NodeSnapshot((d0, d1), (WaitingPrompt("p", 1000, now, 100),))
+    fast = msgspec.structs.replace(CFG, copy_s_per_token=1e-5)  # 10 ms, under a mixed step
+    assert switches(AdaptiveScheduler(fast, SPACED).decide(now, snap)) == [("d1", Role.PREFILL, "handoff")]
+    slow = msgspec.structs.replace(CFG, copy_s_per_token=1e-3)
+    out = AdaptiveScheduler(slow, SPACED).decide(now, snap)
+    assert not moves(out) and all(why != "handoff" for *_, why in switches(out))
+    assert any(isinstance(p, Place) for p in out)  # placed elsewhere, not left behind
