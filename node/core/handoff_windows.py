@@ -17,10 +17,10 @@ it when the device has nothing to prefill. Symbols as in :mod:`node.core.adaptiv
   others. It switches to PREFILL, and its residents move out, when both hold:
 
   - *the first gap fits*: the head prompt's mean token gap absorbs the first gap of a hand-off, ``g =
-    max(m(c_T), x) + m(c_T) + d`` (the copy, ``x`` = its prompt tokens times the link's seconds per
-    token, ``copy_s_per_token``, runs beside a destination's step in flight, a mixed step of the largest
-    chunk it may grow to; the sequence joins after the step that follows, then its decode step: ``2
-    m(c_T) + d`` on a fast link), with its other gaps at ``T``:
+    2 m(c_T) + x + d`` (the copy, ``x`` = its prompt tokens times the link's seconds per token,
+    ``copy_s_per_token``, starts once a destination's two pipelined steps in flight end, mixed steps of
+    the largest chunk it may grow to, as the node and the simulator copy; then its decode step), with
+    its other gaps at ``T``:
     ``(N - 1) tau >= g + (N - 2) T``, ``N`` its expected output tokens, ``tau`` the TPOT SLO. A short
     output cannot amortise that gap (Azure code, 70B on two groups of 4, TPOT 20 ms, 0.661 req/s:
     SLO attainment 0.917 before hand-offs, 0.826 handing off every prompt, 0.902 with this rule);
@@ -189,11 +189,11 @@ class Handoffs:
     def _first_gap_s(self, w: WaitingPrompt, steps: list[tuple[float, float]]) -> float:
         """The first token gap (s) of ``w``'s sequence handed off, at worst, on the best of the
         destinations' ``steps`` (:meth:`_handoff_steps`): its copy of ``x`` (prompt tokens at
-        ``copy_s_per_token``) runs beside a destination's step in flight, the sequence joins after the step
-        that follows, then decodes: ``max(m, x) + m + d`` (``2 m + d`` while the copy takes no longer
-        than a step: the two steps the node pipelines); inf with no destination."""
+        ``copy_s_per_token``) starts once the destination's two pipelined steps in flight end (the node's
+        moves and the simulator's wait for them), then the sequence decodes: ``2 m + x + d``; inf with no
+        destination. Copies queued before it on the source's link are not counted."""
         x = w.prompt_tokens * self.config.copy_s_per_token
-        return min((max(m, x) + m + d for m, d in steps), default=INF)
+        return min((2 * m + x + d for m, d in steps), default=INF)
 
     def _absorbs(self, w: WaitingPrompt, steps: list[tuple[float, float]]) -> bool:
         """Whether ``w``'s mean token gap absorbs its first gap after a hand-off to the best of the

@@ -222,8 +222,8 @@ def test_no_handoff_for_a_prompt_whose_sequence_could_not_move():
 
 
 def test_a_slow_link_copy_counts_in_the_first_gap():
-    """The first test's node and prompt (1,000 tokens, 100 expected): a copy under one mixed step changes
-    nothing; a copy of 1 s (1 ms per token) makes the first gap ``x + m + d`` more than the prompt's mean gap
+    """The first test's node and prompt (1,000 tokens, 100 expected): a 10 ms copy still opens the window;
+    a copy of 1 s (1 ms per token) makes the first gap ``2 m + x + d`` more than the prompt's mean gap
     absorbs ((N - 1) tau - (N - 2) T = 0.54 s), so no window opens and the prompt goes in spaced chunks."""
     now = 1.0
     d0, d1 = dev(Role.DECODE, seqs("a", 4, now), device_id="d0"), dev(Role.DECODE, seqs("b", 1, now), device_id="d1")
