@@ -384,7 +384,7 @@ def simulate_time_shared(requests: list[TraceRequest], cfg: SimConfig, cost: Cos
         ttft_slo_ms=cfg.ttft_slo_ms, tpot_slo_ms=cfg.tpot_slo_ms, reconfig_pause_ms=cfg.reconfig_pause_ms,
         min_window_ms=cfg.min_window_ms, max_window_ms=cfg.max_window_ms,
         prefill_token_budget=cfg.max_num_batched_tokens, stagger=cfg.stagger,
-        copy_s_per_token=cfg.kv_bytes_per_token * 8 / (cfg.link_gbps * 1e9))  # as the node's driver sets it
+        copy_s_per_token=cfg.kv_bytes_per_token * 8 / (cfg.link_gbps * 1e9))  # as the node sets it from --link-gbps
     cost = msgspec.structs.replace(cost, pause_s=max(cost.pause_s, cfg.pause_ms / 1e3) + cfg.reconfig_pause_ms / 1e3)
     adaptive = cfg.mode == "adaptive"
     scheduler = (AdaptiveScheduler(policy, cost, max_step_tokens=cfg.max_num_batched_tokens) if adaptive

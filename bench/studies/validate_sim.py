@@ -22,8 +22,8 @@ steps take by construction). When the node was probed, a
 time-shared simulation's switch pause is the mean swap of the probe's own switches (``--pause-ms`` to
 set it). ``--repeat N`` replays the workload N times on each live node: the simulation is then compared
 with the median of the N replays' statistics, and the report shows how much the live node disagrees
-with itself (per-request rows and failure counts are the first replay's). A bench, not a test: it depends on the machine, and on the
-machine being otherwise quiet.
+with itself (per-request rows and failure counts are the first replay's). A bench, not a test: it
+depends on the machine, and on the machine being otherwise quiet.
 
 **Timed devices** (issue 13's validation target): ``--benchmark-model timed:PATH --kv-cache-memory 60GiB
 --model bench/configs/llama3-8b`` runs the live node on devices whose steps take the cost model PATH's

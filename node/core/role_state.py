@@ -162,7 +162,7 @@ class RoleSchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     ttft_urgency: float = 0.5
     max_pause_share: float = 0.2
     stagger: str = "soft"  # hard | soft | off
-    copy_s_per_token: float = 0.0  # s per context token to copy KV to another device of the node: KV bytes * 8 / link bit/s; 0: free
+    copy_s_per_token: float = 0.0  # s per context token of KV copied between devices: KV bytes * 8 / link bit/s; 0: free
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

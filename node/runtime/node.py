@@ -32,7 +32,7 @@ from node.runtime.kv_receiver import KVReceiver
 from node.runtime.peer_links import PeerLinks
 from node.runtime.pooled_driver import PooledDriver
 from node.runtime.role_driver import RoleDriver
-from node.runtime.role_policy import role_scheduler
+from node.runtime.role_policy import kv_copy_s_per_token, role_scheduler
 from node.runtime.metrics import NodeMetrics, request_outcome
 from node.runtime.accounting import account
 from node.runtime.node_status import node_status
@@ -89,7 +89,7 @@ class Node:
             self.receiver = KVReceiver(self, layout) if config.kv_port is not None else None
         timed = benchmark_cost_path(config.benchmark_model) is not None
         if config.role_policy:
-            scheduler = role_scheduler(config)
+            scheduler = role_scheduler(config, kv_copy_s_per_token(config, info.cfg.kv_bytes_per_token(info.dtype)))
             # timed devices take their cost model's time by construction: the policy plans with it unrefitted
             roles = config.role_configs()
             one = (not roles["decode"].cuda_graphs and roles["prefill"].tp_degree == roles["decode"].tp_degree)

@@ -81,9 +81,8 @@ class RoleDriver(Driver):
         self._rounds = 0  # full decision rounds (with a snapshot) so far
         self._rounds_seen: dict[str, int] = {}  # device -> self._rounds at its last step end
         self._refit_min_s = REFIT_MIN_S if self._can_be_quiet else 0.0
-        copy_s_per_token = self._transfer_s_per_token(node)  # to a peer and inside the node alike
-        # the policy's hand-offs count the copy in a moved sequence's first gap: the link is the node's
-        scheduler.config = rc = msgspec.structs.replace(scheduler.config, copy_s_per_token=copy_s_per_token)
+        rc = scheduler.config
+        copy_s_per_token = rc.copy_s_per_token  # the node's link (kv_copy_s_per_token): peers and own devices
         self.imbalance = ImbalancePolicy(ImbalanceConfig(
             threshold=node.config.imbalance_threshold, tpot_slo_ms=rc.tpot_slo_ms, slo_margin=rc.slo_margin,
             reconfig_pause_ms=rc.reconfig_pause_ms, prefill_token_budget=rc.prefill_token_budget,
@@ -99,15 +98,6 @@ class RoleDriver(Driver):
             e.step_listeners.append(self._on_step)
             e.switch_listeners.append(self._on_switch)
             e.migration_listeners.append(lambda *_: self.kick())  # a sequence arrived: its device's role may change
-
-    @staticmethod
-    def _transfer_s_per_token(node: DriverHost) -> float:
-        """Seconds per context token of KV moved at ``--link-gbps``, to a peer or to another device of
-        this node (``DeviceEngine.migrate`` copies at that rate too); 0 when unthrottled."""
-        if not node.config.link_gbps:
-            return 0.0
-        per_token = node.info.cfg.kv_bytes_per_token(node.info.dtype)  # the geometry's (a timed device's pool is tiny)
-        return per_token * 8 / (node.config.link_gbps * 1e9)
 
     # --- one decision round --------------------------------------------------------------------------
     def tick(self) -> None:

@@ -17,13 +17,20 @@ from node.core.cost import CostModel
 from node.core.group_cost import group_policy
 from node.core.roles import RoleScheduler, RoleSchedulerConfig
 
-__all__ = ["DEFAULT_CPU_COST", "role_scheduler"]
+__all__ = ["DEFAULT_CPU_COST", "kv_copy_s_per_token", "role_scheduler"]
 
 # Starting point of the policy's cost model before the node has measured its own steps (CPU-sized).
 DEFAULT_CPU_COST = CostModel(prefill_fixed_s=0.002, prefill_per_token_s=2e-5, decode_fixed_s=0.002, decode_per_seq_s=1e-4)
 
 
-def role_scheduler(config: NodeConfig) -> RoleScheduler | AdaptiveScheduler:
+def kv_copy_s_per_token(config: NodeConfig, kv_bytes_per_token: int) -> float:
+    """Seconds per context token of KV moved at ``--link-gbps`` (``kv_bytes_per_token * 8 / link bit/s``),
+    to a peer or to another device of this node (``DeviceEngine.migrate`` copies at that rate too); 0 when
+    unthrottled. ``kv_bytes_per_token``: the model geometry's (a timed device's pool is tiny)."""
+    return kv_bytes_per_token * 8 / (config.link_gbps * 1e9) if config.link_gbps else 0.0
+
+
+def role_scheduler(config: NodeConfig, copy_s_per_token: float = 0.0) -> RoleScheduler | AdaptiveScheduler:
     """The policy of ``--mode adaptive`` (:class:`AdaptiveScheduler`) or ``time-shared``
     (:class:`RoleScheduler`): :data:`DEFAULT_CPU_COST`, or ``--policy-cost-model``'s model, its pause
     plus ``--reconfig-pause-ms``; for a group of several prefill instances, the group's step budget and
@@ -42,7 +49,7 @@ def role_scheduler(config: NodeConfig) -> RoleScheduler | AdaptiveScheduler:
     policy = RoleSchedulerConfig(
         ttft_slo_ms=config.ttft_slo_ms, tpot_slo_ms=config.tpot_slo_ms, reconfig_pause_ms=config.reconfig_pause_ms,
         min_window_ms=config.min_window_ms, max_window_ms=config.max_window_ms,
-        prefill_token_budget=budget, stagger=config.stagger)
+        prefill_token_budget=budget, stagger=config.stagger, copy_s_per_token=copy_s_per_token)
     if config.mode == "adaptive":  # MIXED steps run in the decode configuration: one instance's budget
         return AdaptiveScheduler(policy, cost, max_step_tokens=config.max_num_batched_tokens)
     return RoleScheduler(policy, cost)

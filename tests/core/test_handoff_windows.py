@@ -220,7 +220,6 @@ def test_no_handoff_for_a_prompt_whose_sequence_could_not_move():
     assert ("A", Role.PREFILL, "handoff") in switches(out)
 
 
-
 def test_a_slow_link_copy_counts_in_the_first_gap():
     """The first test's node and prompt (1,000 tokens, 100 expected): a 10 ms copy still opens the window;
     a copy of 1 s (1 ms per token) makes the first gap ``2 m + x + d`` more than the prompt's mean gap
