@@ -32,3 +32,30 @@ def test_every_entry_has_date_device_commit_and_an_index_row():
     assert not undated, "entries without a '*Date YYYY-MM-DD · device: ... · ... commit `...`' line:\n" + "\n".join(undated)
     missing = [h for h, _ in found if f"(#{slug(h)})" not in index]
     assert not missing, "entries without a row in the Index of bench/RESULTS.md:\n" + "\n".join(missing)
+
+
+PAGE_LINES = 400  # issue 47: the standing results stay one page; history lives in bench/results/archive-*.md
+
+
+def test_the_page_stays_a_page_and_each_entry_names_its_command():
+    text = RESULTS.read_text()
+    assert len(text.splitlines()) <= PAGE_LINES, (
+        f"bench/RESULTS.md has {len(text.splitlines())} lines (at most {PAGE_LINES}): move superseded entries to "
+        "bench/results/archive-YYYY-MM.md, unchanged, with the reason above each")
+    body = re.sub(r"^```.*?^```\s*$", "", text, flags=re.S | re.M)
+    sections = re.split(r"^### ", body, flags=re.M)[1:]
+    assert len(sections) > 5
+    nameless = [s.splitlines()[0] for s in sections
+                if not re.search(r"^Command: `[^`]*(python|bash)[^`]*`", s, re.M)]
+    assert not nameless, "standing entries without a 'Command: `...`' line:\n" + "\n".join(nameless)
+
+
+def test_archived_entries_say_why_they_moved():
+    """Every entry moved to an archive page carries an italic line above it saying why it no longer stands (or
+    that it is the full text of a standing result)."""
+    for page in sorted(RESULTS.parent.joinpath("results").glob("archive-*.md")):
+        text = re.sub(r"^```.*?^```\s*$", "", page.read_text(), flags=re.S | re.M)
+        blocks = re.split(r"^#{2,3} \d{4}-\d\d-\d\d", text, flags=re.M)
+        unexplained = [i for i, before in enumerate(blocks[:-1])
+                       if not re.search(r"^\*(Archived|Moved)[^\n]*\*\s*$", before.rstrip().rsplit("\n\n", 1)[-1], re.M)]
+        assert not unexplained, f"{page.name}: entries {unexplained} have no '*Archived: why*' line above them"
