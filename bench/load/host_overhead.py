@@ -96,11 +96,11 @@ from bench.load.host_compare import (against_baseline, api_against_single, api_s
 from bench.load.runner_step import engine_threads, runner_steps, table as runner_table
 from bench.load.node_process import NodeServer, NodeUnavailable
 from bench.load.stream_client import auto_processes, run_load
+from bench.traffic.workload import shared_dir
 from node.config import usable_cores
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED = Path(os.environ.get("SHIFTNODE_SHARED", REPO.parent / "shared"))
-STORIES = SHARED / "models" / "stories260k"
+STORIES = shared_dir() / "models" / "stories260k"
 SAMPLING = {"greedy": {"temperature": 0.0}, "t0.8": {"temperature": 0.8, "top_p": 0.95}}
 MODELS = {"zero": ["--benchmark-model", "zero"], "sleep:5": ["--benchmark-model", f"sleep:{SLEEP_MS:g}"],
           "stories": [], "stories-c": ["--compile", "inductor"], "llama3-vocab": ["--load-format", "dummy"]}

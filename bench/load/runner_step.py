@@ -114,11 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(a.threads or engine_threads())
-    from bench.load.host_overhead import STORIES
+    from bench.traffic.workload import shared_dir
 
     batches = [int(x) for x in a.batches.split(",")]
     modes = [m.strip() for m in a.modes.split(",")]
-    res = runner_steps(STORIES, a.context, batches, modes, a.rounds, a.runs)
+    res = runner_steps(shared_dir() / "models" / "stories260k", a.context, batches, modes, a.rounds, a.runs)
     print(f"stories260k decode step (ModelRunner.execute, greedy), context {a.context}, {os.cpu_count()} CPUs, "
           f"{torch.get_num_threads()} torch threads, {a.rounds} alternating rounds")
     print(table(res, batches))
