@@ -10,7 +10,7 @@ import re
 import socket
 import sys
 
-from node.config import DEFAULT_REQUEST_TIMEOUT_S, NodeConfig
+from node.config import DEFAULT_REQUEST_TIMEOUT_S, EMBEDDED_MODEL, NodeConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
@@ -27,7 +27,8 @@ def parse_bytes(text: str) -> int:
 
 def serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="start a node (OpenAI-compatible HTTP API)")
-    p.add_argument("--model", default=None, help="Hugging Face model folder (default: the embedded random-weight model)")
+    p.add_argument("--model", default=EMBEDDED_MODEL,
+                   help="Hugging Face model folder (default: the embedded stories260k, node/models/stories260k)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--device", default=None, help="one device: cpu, cpu:N or cuda:N")
@@ -333,12 +334,10 @@ def run_serve(config: NodeConfig) -> int:
 
     if max(config.tensor_parallel_size, config.decode_tp, config.prefill_tp) > 1:  # before any rank starts
         from node.runtime.startup import check_tp_degrees
-        from node.worker.loader import DEFAULT_MODEL_CONFIG
         from node.worker.model_config import ModelConfig
 
         try:
-            cfg = ModelConfig.from_folder(config.model) if config.model else ModelConfig.from_dict(DEFAULT_MODEL_CONFIG)
-            check_tp_degrees(config, cfg)
+            check_tp_degrees(config, ModelConfig.from_folder(config.model))
         except StartupError as e:
             print(f"shiftnode: cannot start: {e}", file=sys.stderr)
             return 2

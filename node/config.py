@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import msgspec
 
@@ -11,6 +12,8 @@ RELAY_KEEPALIVE_S = 2.0  # a peer relaying tokens sends a keep-alive after this 
 DEFAULT_REQUEST_TIMEOUT_S = 600.0  # a finite default deadline: a wedged path cannot hold a request (and its KV) for good
 MODES = ("adaptive", "time-shared", "colocated", "pooled")
 ROLE_MODES = ("adaptive", "time-shared")  # devices switch roles under a pure role policy
+# The embedded default model, package data (node/models/stories260k/README.md): served when no --model is given
+EMBEDDED_MODEL = str(Path(__file__).resolve().parent / "models" / "stories260k")
 
 
 class ConfigError(ValueError):
@@ -26,12 +29,12 @@ def group_id(devices: list[str]) -> str:
 class NodeConfig(msgspec.Struct, kw_only=True):
     """Everything a node needs to start. Units are in the names (bytes, ms, tokens).
 
-    ``model=None`` selects the embedded default model (random weights from ``seed``).
+    ``model`` defaults to the embedded model (:data:`EMBEDDED_MODEL`, stories260k, real weights).
     """
 
-    model: str | None = None
+    model: str = EMBEDDED_MODEL
     served_model_name: str | None = None
-    load_format: str = "auto"  # auto (safetensors, or dummy for the embedded model) | safetensors | dummy
+    load_format: str = "auto"  # auto, safetensors (read --model's weights) | dummy (random weights of its geometry)
     devices: list[str] = msgspec.field(default_factory=lambda: ["cpu:0"])
     dtype: str = "auto"
     host: str = "127.0.0.1"
@@ -311,10 +314,9 @@ class NodeConfig(msgspec.Struct, kw_only=True):
 
     @property
     def model_name(self) -> str:
+        """The id clients name the model by (``/v1/models``): ``--served-model-name``, else the folder's name."""
         if self.served_model_name:
             return self.served_model_name
-        if self.model is None:
-            return "shiftnode-default"
         return self.model.rstrip("/").split("/")[-1]
 
 

@@ -85,7 +85,7 @@ async def models(request: web.Request) -> web.Response:
     node = request.app[NODE_KEY]
     return web.json_response({"object": "list", "data": [{
         "id": node.config.model_name, "object": "model", "created": int(node.started_wall_s), "owned_by": "shiftnode",
-        "root": node.config.model or "embedded-default", "max_model_len": node.max_model_len,
+        "root": node.config.model, "max_model_len": node.max_model_len,
         "vocab_size": node.info.cfg.vocab_size,
     }]})
 
