@@ -25,6 +25,7 @@ from node.runtime.health import node_health
 from node.runtime.memory import trim_periodically
 from node.runtime.node import Node
 from node.runtime.peer_state import split_addr
+from node.runtime.stats_log import log_stats_periodically
 
 log = structlog.get_logger("shiftnode.api")
 
@@ -180,8 +181,10 @@ def create_app(config: NodeConfig, node: Node | None = None, prelaunched: dict |
         gc.freeze()
         gc.set_threshold(*GC_THRESHOLDS)
         trimmer = asyncio.create_task(trim_periodically())  # freed native pages back to the OS (memory.py)
+        stats = asyncio.create_task(log_stats_periodically(n, config.stats_interval_s))  # the stats line
         yield
         trimmer.cancel()
+        stats.cancel()
         await n.close()
 
     app.cleanup_ctx.append(node_ctx)
