@@ -178,8 +178,8 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (self.stream_interval >= 1, f"--stream-interval must be at least 1, got {self.stream_interval}"),
             (self.sse_keepalive_s > 0 and self.body_timeout_s > 0, "--sse-keepalive-s and --body-timeout-s must be positive"),
             (1 <= self.api_processes <= 64, f"--api-processes must be in [1, 64], got {self.api_processes}"),
-            (self.log_level in ("debug", "info", "warning", "error") and self.stats_interval_s >= 0,
-             f"--log-level must be debug, info, warning or error ({self.log_level!r}), --stats-interval-s >= 0 ({self.stats_interval_s})"),
+            (self.log_level in ("debug", "info", "warning", "error"), f"--log-level must be debug, info, warning or error, got {self.log_level!r}"),
+            (self.stats_interval_s >= 0, f"--stats-interval-s must be at least 0 (0: no stats line), got {self.stats_interval_s}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -103,6 +103,18 @@ def test_levels_and_request_lines(capsys):
         structlog.reset_defaults()
 
 
+def test_bad_log_settings_are_refused():
+    import pytest
+
+    from node.config import ConfigError, NodeConfig
+
+    with pytest.raises(ConfigError, match="--log-level must be debug, info, warning or error, got 'loud'"):
+        NodeConfig(log_level="loud").validate()
+    with pytest.raises(ConfigError, match="--stats-interval-s must be at least 0"):
+        NodeConfig(stats_interval_s=-1.0).validate()
+    NodeConfig(log_level="debug", stats_interval_s=0.0).validate()
+
+
 def test_a_live_node_logs_stats_not_requests_by_default_and_requests_on_request():
     """Two nodes under the same few requests, the stats line every second: the default one writes its
     start-up lines and stats lines with every field, and no request or role-switch line; the one with

@@ -91,15 +91,15 @@ async def log_stats_periodically(node: Any, interval_s: float,
     logged once per interval as a warning, never raised (the line is a view, not a duty)."""
     if interval_s <= 0:
         return
-    prev = take_sample(node, clock())
+    prev: StatsSample | None = None
     while True:
-        await asyncio.sleep(interval_s)
         try:
             cur = take_sample(node, clock())
-            fields = stats_fields(prev, cur)
         except Exception as e:  # noqa: BLE001 - e.g. an engine replaced while it was read: try next time
             log.warning("stats_unavailable", error=f"{type(e).__name__}: {e}")
-            continue
-        prev = cur
-        if fields is not None:
-            log.info("stats", **fields)
+        else:
+            fields = stats_fields(prev, cur) if prev is not None else None
+            prev = cur
+            if fields is not None:
+                log.info("stats", **fields)
+        await asyncio.sleep(interval_s)
