@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import errno
 import os
 import re
-import socket
 import sys
 
-from node.config import DEFAULT_REQUEST_TIMEOUT_S, NodeConfig
+from node.config import DEFAULT_REQUEST_TIMEOUT_S, EMBEDDED_MODEL, NodeConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
@@ -27,7 +25,8 @@ def parse_bytes(text: str) -> int:
 
 def serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="start a node (OpenAI-compatible HTTP API)")
-    p.add_argument("--model", default=None, help="Hugging Face model folder (default: the embedded random-weight model)")
+    p.add_argument("--model", default=EMBEDDED_MODEL,
+                   help="Hugging Face model folder (default: the embedded stories260k, node/models/stories260k)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--device", default=None, help="one device: cpu, cpu:N or cuda:N")
@@ -92,7 +91,16 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="token-count buckets of --compile inductor, each compiled at start-up (default, up to "
                         "--max-num-batched-tokens: 1,2,4,...,256 on CPU, 16,64,256,512,1024,2048 on CUDA); a step is "
                         "padded to the smallest that fits")
-    p.add_argument("--log-format", default="console", choices=["console", "json"])
+    lg = p.add_argument_group("logs")
+    lg.add_argument("--log-format", default="console", choices=["console", "json"],
+                    help="console: one readable line per event; json: one JSON object per line with every field")
+    lg.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                    help="info (default): start-up lines, the stats line, warnings and errors; debug adds the request lines")
+    lg.add_argument("--log-requests", action="store_true",
+                    help="a line per finished request, per role switch and per KV hand-off (also at --log-level debug)")
+    lg.add_argument("--stats-interval-s", type=float, default=10.0, metavar="S",
+                    help="the stats line (throughput, running and waiting requests, KV use, roles, switches) every S "
+                         "seconds while there is traffic, none while idle (default: 10; 0: never)")
     p.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="streams send an event every N tokens (the first token and the end at once): fewer events "
                         "and less work per token for clients that do not need each token (SGLang's and vLLM's flag)")
@@ -246,6 +254,7 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         engine_restart_max=a.engine_restart_max, engine_restart_window_s=a.engine_restart_window_s,
         engine_start_timeout_s=a.engine_start_timeout_s,
         seed=a.seed, attention_backend=a.attention_backend, log_format=a.log_format, mode=a.mode,
+        log_level=a.log_level, log_requests=a.log_requests, stats_interval_s=a.stats_interval_s,
         enforce_eager=a.enforce_eager, compile=a.compile, compile_sizes=a.compile_sizes,
         engine_layout=a.engine_layout, prefix_caching=a.prefix_caching,
         tensor_parallel_size=a.tensor_parallel_size,
@@ -273,38 +282,11 @@ def _default_api_processes() -> int:
     return default_api_processes(usable_cores())
 
 
-def check_bindable(host: str, port: int, flag: str) -> None:
-    """Bind (and release) every address of ``host:port`` as aiohttp will, before the model loads.
-
-    Sockets get ``SO_REUSEADDR`` as asyncio's servers do, so a port in TIME_WAIT passes and one that
-    another process listens on fails here, in a second, not after minutes of loading.
-
-    Raises:
-        ConfigError: naming the address, the flag and the OS's reason.
-    """
-    from node.config import ConfigError
-
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise ConfigError(f"--host {host!r} does not resolve: {e.strerror}") from e
-    for family, kind, proto, _, addr in infos:
-        with socket.socket(family, kind, proto) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                s.bind(addr)
-            except OSError as e:
-                where = f"[{addr[0]}]:{addr[1]}" if family == socket.AF_INET6 else f"{addr[0]}:{addr[1]}"
-                hint = " (is another node running? choose another " + flag + ")" if e.errno == errno.EADDRINUSE else ""
-                raise ConfigError(f"{flag} {port}: cannot bind {where}: {e.strerror}{hint}") from e
-
-
 def run_serve(config: NodeConfig) -> int:
     """Validate, check the ports, then load and serve until stopped. Returns the exit status:
     0 after a clean stop, 2 for flags the node cannot run with, 1 when loading fails."""
     from node.config import ConfigError
+    from node.ports import check_bindable
 
     try:  # before the heavy imports and the model load: a bad flag or a taken port is told at once
         config.validate()
@@ -333,18 +315,16 @@ def run_serve(config: NodeConfig) -> int:
 
     if max(config.tensor_parallel_size, config.decode_tp, config.prefill_tp) > 1:  # before any rank starts
         from node.runtime.startup import check_tp_degrees
-        from node.worker.loader import DEFAULT_MODEL_CONFIG
         from node.worker.model_config import ModelConfig
 
         try:
-            cfg = ModelConfig.from_folder(config.model) if config.model else ModelConfig.from_dict(DEFAULT_MODEL_CONFIG)
-            check_tp_degrees(config, cfg)
+            check_tp_degrees(config, ModelConfig.from_folder(config.model))
         except StartupError as e:
             print(f"shiftnode: cannot start: {e}", file=sys.stderr)
             return 2
         except (ModelConfigError, OSError):
             pass  # reported with its context by the load below
-    configure_logging(config.log_format)
+    configure_logging(config.log_format, config.log_level, config.log_requests)
     frontends = None
     if config.api_processes > 1:  # forked first: no front end may hold an engine's socket open
         from node.api.frontend import launch_frontends

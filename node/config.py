@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import msgspec
 
@@ -11,6 +12,7 @@ RELAY_KEEPALIVE_S = 2.0  # a peer relaying tokens sends a keep-alive after this 
 DEFAULT_REQUEST_TIMEOUT_S = 600.0  # a finite default deadline: a wedged path cannot hold a request (and its KV) for good
 MODES = ("adaptive", "time-shared", "colocated", "pooled")
 ROLE_MODES = ("adaptive", "time-shared")  # devices switch roles under a pure role policy
+EMBEDDED_MODEL = str(Path(__file__).resolve().parent / "models" / "stories260k")  # package data: the default --model
 
 
 class ConfigError(ValueError):
@@ -26,12 +28,12 @@ def group_id(devices: list[str]) -> str:
 class NodeConfig(msgspec.Struct, kw_only=True):
     """Everything a node needs to start. Units are in the names (bytes, ms, tokens).
 
-    ``model=None`` selects the embedded default model (random weights from ``seed``).
+    ``model`` defaults to the embedded model (:data:`EMBEDDED_MODEL`, stories260k, real weights).
     """
 
-    model: str | None = None
+    model: str = EMBEDDED_MODEL
     served_model_name: str | None = None
-    load_format: str = "auto"  # auto (safetensors, or dummy for the embedded model) | safetensors | dummy
+    load_format: str = "auto"  # auto, safetensors (read --model's weights) | dummy (random weights of its geometry)
     devices: list[str] = msgspec.field(default_factory=lambda: ["cpu:0"])
     dtype: str = "auto"
     host: str = "127.0.0.1"
@@ -56,6 +58,9 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     engine_start_timeout_s: float = 600.0
     seed: int = 0
     log_format: str = "console"
+    log_level: str = "info"  # debug | info | warning | error
+    log_requests: bool = False  # per-request and per-switch lines (node.log.request_lines: also at --log-level debug)
+    stats_interval_s: float = 10.0  # the stats line's period while there is traffic (node.runtime.stats_log); 0: none
     attention_backend: str = "auto"  # auto | torch | cpu | triton
     enforce_eager: bool = False  # no CUDA-graph decode (graphs are used on CUDA with the triton backend otherwise)
     compile: str = "none"  # none | inductor: torch.compile the forward per token-count bucket (CPU, CUDA)
@@ -173,6 +178,8 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (self.stream_interval >= 1, f"--stream-interval must be at least 1, got {self.stream_interval}"),
             (self.sse_keepalive_s > 0 and self.body_timeout_s > 0, "--sse-keepalive-s and --body-timeout-s must be positive"),
             (1 <= self.api_processes <= 64, f"--api-processes must be in [1, 64], got {self.api_processes}"),
+            (self.log_level in ("debug", "info", "warning", "error"), f"--log-level must be debug, info, warning or error, got {self.log_level!r}"),
+            (self.stats_interval_s >= 0, f"--stats-interval-s must be at least 0 (0: no stats line), got {self.stats_interval_s}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -311,10 +318,9 @@ class NodeConfig(msgspec.Struct, kw_only=True):
 
     @property
     def model_name(self) -> str:
+        """The id clients name the model by (``/v1/models``): ``--served-model-name``, else the folder's name."""
         if self.served_model_name:
             return self.served_model_name
-        if self.model is None:
-            return "shiftnode-default"
         return self.model.rstrip("/").split("/")[-1]
 
 

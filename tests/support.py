@@ -20,6 +20,16 @@ SHARED = Path(os.environ.get("SHIFTNODE_SHARED", REPO.parent / "shared"))
 STORIES = SHARED / "models" / "stories260k"
 
 
+# A small random-weight Llama geometry over TextTokenizer.byte_level() (3 special tokens + 256 bytes):
+# for tests that build a model in code (dummy weights) and need no files. Not a served model.
+BYTE_LEVEL_MODEL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 4,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 16, "vocab_size": 259,
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+}
+
+
 def require_shared() -> Path:
     """The shared data folder; a missing one fails the test (it is never skipped)."""
     assert (STORIES / "model.safetensors").is_file(), f"shared model missing at {STORIES} (set SHIFTNODE_SHARED)"

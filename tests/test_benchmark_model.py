@@ -10,10 +10,9 @@ import torch
 
 from node.config import ConfigError, NodeConfig
 from node.worker.benchmark_model import CYCLE, build_benchmark_model
-from node.worker.loader import DEFAULT_MODEL_CONFIG
 from node.worker.model_config import ModelConfig
 from node.worker.tokenizer import TextTokenizer
-from support import REPO, STORIES, NodeProcess, require_shared, stream, stream_text
+from support import BYTE_LEVEL_MODEL_CONFIG, REPO, STORIES, NodeProcess, require_shared, stream, stream_text
 
 
 def test_zero_model_streams_max_tokens_of_text():
@@ -67,7 +66,7 @@ def test_config_accepts_zero_and_sleep():
 
 
 def test_logits_cycle_through_text_tokens_with_the_real_vocab():
-    cfg = ModelConfig.from_dict({**DEFAULT_MODEL_CONFIG, "vocab_size": 128256, "eos_token_id": [2, 128001]})
+    cfg = ModelConfig.from_dict({**BYTE_LEVEL_MODEL_CONFIG, "vocab_size": 128256, "eos_token_id": [2, 128001]})
     tok = TextTokenizer.byte_level()
     model = build_benchmark_model("zero", cfg, tok, torch.device("cpu"), rows=4)
     positions = torch.arange(2 * CYCLE, dtype=torch.int64)

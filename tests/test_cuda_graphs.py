@@ -29,19 +29,20 @@ from node.worker.cuda_graphs import (
 )
 from node.worker.engine_core import EngineCore
 from node.worker.local_engine import LocalEngine
-from node.worker.loader import DEFAULT_MODEL_CONFIG, attach_decode_graphs
+from node.worker.loader import attach_decode_graphs
 from node.worker.model_config import ModelConfig
 from node.worker.runner import ModelRunner, SeqInput, StepInput
 from node.worker.sampler import SampleRequest
 from node.worker.weights import build_model
+from support import BYTE_LEVEL_MODEL_CONFIG
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0)
-VOCAB = DEFAULT_MODEL_CONFIG["vocab_size"]
+VOCAB = BYTE_LEVEL_MODEL_CONFIG["vocab_size"]
 
 
 def make_runner(backend: str = "torch", max_model_len: int = 256, num_blocks: int = 48) -> ModelRunner:
-    cfg = ModelConfig.from_dict(DEFAULT_MODEL_CONFIG)
+    cfg = ModelConfig.from_dict(BYTE_LEVEL_MODEL_CONFIG)
     model = build_model(cfg, folder=None, load_format="dummy", dtype=torch.float32, device=CPU,
                         max_positions=max_model_len, ops=get_ops(backend), seed=0)
     return ModelRunner(model, cfg, CPU, num_blocks, 16, torch.float32)
@@ -350,7 +351,7 @@ def test_cuda_graph_replay_matches_eager_on_gpu():  # pragma: no cover - needs a
 
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         pytest.skip("the Triton kernels were defined for the interpreter in this process")
-    cfg = ModelConfig.from_dict(DEFAULT_MODEL_CONFIG)
+    cfg = ModelConfig.from_dict(BYTE_LEVEL_MODEL_CONFIG)
     dev = torch.device("cuda", 0)
     model = build_model(cfg, folder=None, load_format="dummy", dtype=torch.float32, device=dev, max_positions=256,
                         ops=get_ops("triton"), seed=0)

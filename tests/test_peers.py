@@ -511,7 +511,7 @@ def test_drain_moves_decoding_sequences_mid_decode_to_a_peer_node(stories_node):
     requests get 503 (code ``draining``); the drained node ends with nothing allocated."""
     port = free_port()
     nodes = [NodeProcess("--model", str(STORIES), "--kv-port", str(port), "--peer-secret", SECRET, "--log-format",
-                         "json", wait=False),
+                         "json", "--log-requests", wait=False),
              NodeProcess("--model", str(STORIES), "--peers", f"127.0.0.1:{port}", "--peer-secret", SECRET,
                          "--imbalance-threshold", "0", wait=False)]  # only the drain moves sequences
     try:

@@ -42,6 +42,7 @@ from pathlib import Path
 import msgspec
 
 from node.cli import parse_bytes
+from node.config import EMBEDDED_MODEL
 from node.core.cost import CostModel, fit_cost_model, least_squares
 from node.core.roofline import RooflineCost, cost_model_from_dict, cost_model_to_dict
 
@@ -178,7 +179,7 @@ def measure(args: argparse.Namespace) -> tuple[list[tuple[int, float]], list[tup
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.cost.calibrate", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="model folder (default: the embedded model)")
+    ap.add_argument("--model", default=EMBEDDED_MODEL, help="model folder (default: the embedded stories260k)")
     ap.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     ap.add_argument("--device", default="cpu:0")
     ap.add_argument("--dtype", default="auto")
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["python -m bench.cost.calibrate", *(argv if argv is not None else sys.argv[1:])])
     doc = {**cost_model_to_dict(cost), "calibration": {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command,
-        "model": args.model or "embedded-default", "load_format": args.load_format, "device": args.device,
+        "model": args.model, "load_format": args.load_format, "device": args.device,
         "machine": machine, "fit": args.fit, "quadratic": args.quadratic,
         "max_relative_fit_error": round(worst, 4), "mean_relative_fit_error": round(mean, 4),
         "prefill_samples": prefill, "decode_samples": decode}}

@@ -25,6 +25,7 @@ from node.runtime.health import node_health
 from node.runtime.memory import trim_periodically
 from node.runtime.node import Node
 from node.runtime.peer_state import split_addr
+from node.runtime.stats_log import log_stats_periodically
 
 log = structlog.get_logger("shiftnode.api")
 
@@ -85,7 +86,7 @@ async def models(request: web.Request) -> web.Response:
     node = request.app[NODE_KEY]
     return web.json_response({"object": "list", "data": [{
         "id": node.config.model_name, "object": "model", "created": int(node.started_wall_s), "owned_by": "shiftnode",
-        "root": node.config.model or "embedded-default", "max_model_len": node.max_model_len,
+        "root": node.config.model, "max_model_len": node.max_model_len,
         "vocab_size": node.info.cfg.vocab_size,
     }]})
 
@@ -180,8 +181,10 @@ def create_app(config: NodeConfig, node: Node | None = None, prelaunched: dict |
         gc.freeze()
         gc.set_threshold(*GC_THRESHOLDS)
         trimmer = asyncio.create_task(trim_periodically())  # freed native pages back to the OS (memory.py)
+        stats = asyncio.create_task(log_stats_periodically(n, config.stats_interval_s))  # the stats line
         yield
         trimmer.cancel()
+        stats.cancel()
         await n.close()
 
     app.cleanup_ctx.append(node_ctx)

@@ -146,7 +146,7 @@ def frontend_main(config: NodeConfig, index: int, paths: "FrontendPaths", parent
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux"):  # named for ps/top, as the engines are
         ctypes.CDLL(None).prctl(15, f"shiftnode-api-{index}".encode()[:15])  # PR_SET_NAME
-    configure_logging(config.log_format)
+    configure_logging(config.log_format, config.log_level, config.log_requests)
     info = load_model_info(config)  # the control process reports a failure to load it
     loop = uvloop.new_event_loop()
     asyncio.set_event_loop(loop)

@@ -22,6 +22,7 @@ import structlog
 from node.api.frontend_metrics import REPORT_S, FrontendMetrics
 from node.api.link_protocol import Admitted, Close, Job, Open, Step, frame
 from node.config import NodeConfig
+from node.log import request_lines
 from node.core.sequence import SamplingParams, Sequence
 from node.runtime.accounting import account
 from node.runtime.admission import EnginesDown, KVCapacityExceeded, NodeDraining, QueueFullError
@@ -186,6 +187,8 @@ class FrontNode:
         first = req.first_s[0]
         self._send(frame(Close(req.key, req.reasons, req.tokens,
                                None if first is None else first - req.stats.arrival_s)))
+        if not request_lines():  # --log-requests (node.log)
+            return
         s = req.stats
         reasons = [r or "abort" for r in req.reasons]
         with suppress(Exception):  # the line Node.close_request writes in the one-process layout

@@ -25,6 +25,7 @@ from node.api.responses import ChoiceState, chat_logprobs, completion_logprobs, 
 from node.api.sse import SSEWriter
 from node.api.validate import chat_prompt, check_model, completion_prompts, reject_unsupported, sampling_params
 from node.core.sequence import SamplingParams
+from node.log import request_lines
 from node.protocol import ChatCompletionRequest, CompletionRequest, decode_request
 from node.runtime.delta_stream import DeltaStream
 from node.runtime.admission import EnginesDown, KVCapacityExceeded, NodeDraining, QueueFullError
@@ -219,7 +220,8 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
                 sse.send({**chunk_envelope, "choices": [], "usage": usage(prompt_tokens, completion, sum(cached))})
             await sse.done()
         except ConnectionResetError:  # the client left mid-stream: nothing to answer; its requests end below
-            log.info("client_gone", request_id=request_id)
+            if request_lines():
+                log.info("client_gone", request_id=request_id)
         except Exception as e:  # noqa: BLE001 - a bug once the 200 went out: end the stream, not a second response
             if not sse.response.prepared:
                 raise  # nothing sent yet: errors_middleware answers it as usual

@@ -18,6 +18,7 @@ import structlog
 from node.core.batcher import BatchConfig
 from node.core.role_config import RoleConfig
 from node.core.roles import Role
+from node.log import request_lines
 from node.runtime.switching import STALLED_STEP_S
 from node.runtime.switching import SwitchAbandoned, SwitchRecord
 from node.worker.engine_process import EngineDied
@@ -78,7 +79,8 @@ class RoleSwitching:
         return record
 
     def _report_free_switch(self, record: SwitchRecord) -> None:
-        log.info("role_switch", **record.as_dict())
+        if request_lines():  # per-switch lines: --log-requests (node.log)
+            log.info("role_switch", **record.as_dict())
         self._notify(self.switch_listeners, record)
 
     async def switch_role(self, to_role: Role, reason: str) -> SwitchRecord:
@@ -114,7 +116,8 @@ class RoleSwitching:
         record = SwitchRecord(self.device_id, start, end, prev.value, to_role.value, round((drained - start) * 1e3, 3),
                               round(swap_s * 1e3, 3), round((swap_s + self.role.pause_floor_s) * 1e3, 3), reason)
         self.role.finish(record)
-        log.info("role_switch", **record.as_dict())
+        if request_lines():
+            log.info("role_switch", **record.as_dict())
         self._notify(self.switch_listeners, record)
         self.wake()
         return record

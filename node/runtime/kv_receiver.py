@@ -16,6 +16,7 @@ import structlog
 from node.config import RELAY_KEEPALIVE_S
 from node.core.roles import Role, blocks_for
 from node.core.sequence import SamplingParams
+from node.log import request_lines
 from node.runtime.engine import DeviceEngine
 from node.runtime.interfaces import PeerHost
 from node.runtime.peer_state import InboundRefusals
@@ -176,8 +177,9 @@ class KVReceiver:
             node.driver.kick()  # e.g. a device in the PREFILL role now holds a decoding sequence
         self.relayed += 1
         node.metrics.kv_received.inc()
-        log.info("sequence_adopted_from_peer", seq=st.seq_id, peer_node=report.peer_node_id, device=e.device_id,
-                 blocks=len(blocks), output_tokens=len(st.token_ids) - st.prompt_len, layers_s=[round(x, 6) for x in report.layer_arrival_s])
+        if request_lines():
+            log.info("sequence_adopted_from_peer", seq=st.seq_id, peer_node=report.peer_node_id, device=e.device_id,
+                     blocks=len(blocks), output_tokens=len(st.token_ids) - st.prompt_len, layers_s=[round(x, 6) for x in report.layer_arrival_s])
         return _AdoptedRelay(self._relay(tid, req, e), lambda: _drop_adopted(req, e))
 
     async def _relay(self, tid: str, req: RequestState, e: DeviceEngine) -> AsyncIterator[TokenRelay | RelayEnd]:

@@ -21,6 +21,7 @@ import msgspec
 import structlog
 
 from node.config import NodeConfig, benchmark_cost_path
+from node.log import request_lines
 from node.core.sequence import SamplingParams
 from node.core.pooled import PooledRouter
 from node.runtime.admission import EnginesDown, KVCapacityExceeded, NodeDraining, QueueFullError, kv_fit_error
@@ -319,7 +320,7 @@ class Node:
         m.requests.labels(finish_reason=request_outcome(reasons)).inc()
         first = req.first_s[0]
         with suppress(Exception):
-            if not req.log_line:  # an API front end logs the requests it owns (node.api.frontend_node)
+            if not req.log_line or not request_lines():  # a front end logs the requests it owns (frontend_node)
                 return
             log.info(
                 "request", request_id=req.request_id, device=req.seqs[0].device_id, prompt_tokens=s.prompt_tokens,

@@ -23,6 +23,7 @@ import structlog
 from node.core.batcher import StepPlan
 from node.core.pooled import PlacePooled, PoolDevice, PooledRouter, PoolSnapshot
 from node.core.roles import Reject, WaitingPrompt
+from node.log import request_lines
 from node.runtime.driver import Driver
 from node.runtime.engine import DeviceEngine
 from node.runtime.handoff import RETRY_AFTER_S
@@ -225,7 +226,7 @@ class PooledDriver(Driver):
     def _handed(self, seq_id: str, moved: bool) -> None:
         self.handing.discard(seq_id)
         self.sending.pop(seq_id, None)
-        if not moved:
+        if not moved and request_lines():
             log.info("handoff_deferred", seq=seq_id)  # retried on the next tick
         self.kick()
 

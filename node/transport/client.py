@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator, Callable
 
 import structlog
 
+from node.log import request_lines
 from node.transport.protocol import (
     Goodbye, Heartbeat, LayerHeader, Layout, LayoutMismatch, Message, ProtocolError, RelayEnd, SeqState,
     StatusQuery, StatusReply, TokenRelay, TransferAbort, TransferAborted, TransferAccept, TransferCommitted, TransferDone, TransferOffer,
@@ -337,8 +338,8 @@ class KVClient:
                 if err is exc:
                     raise
                 raise err from exc
-        log.info("kv_transfer_sent", nbytes=report.nbytes, seconds=round(report.done_s, 6),
-                 gbps=round(report.gbps, 3))
+        if request_lines():  # one per sequence moved: --log-requests (node.log)
+            log.info("kv_transfer_sent", nbytes=report.nbytes, seconds=round(report.done_s, 6), gbps=round(report.gbps, 3))
         return report
 
     async def _send_layer(self, tid: str, layer: int, payload: Any, nbytes: int) -> None:

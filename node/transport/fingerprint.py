@@ -20,13 +20,13 @@ differently hash the same.
   checkpoints: another model, a fine-tune or a further training step changes essentially every
   element, so every window differs; a re-quantisation or dtype change alters headers. What it can
   miss is a deliberate edit confined to bytes outside every window of a checkpoint above the bound.
-* Random weights (``--load-format dummy`` and the embedded default model) hash the parameters the
+* Random weights (``--load-format dummy``) hash the parameters the
   node actually drew, the same way (all bytes up to the bound, windows above it). Hashing the seed
   and config instead would not be sound: the same seed draws different weights on the CPU and on a
   GPU, and on a GPU the draw depends on the device's SM count and the torch version.
 
-Tokenizer (``tokenizer``): SHA-256 of tokenizer.json's bytes (the embedded byte-level tokenizer,
-which is built by code: its name) and the end-of-sequence ids, which decide where the receiver stops.
+Tokenizer (``tokenizer``): SHA-256 of tokenizer.json's bytes (the byte-level tokenizer a benchmark
+model's config-only folder gets, which is built by code: its name) and the end-of-sequence ids, which decide where the receiver stops.
 Config (``config``): SHA-256 of config.json as canonical JSON (sorted keys), so formatting does not
 matter. ``digest`` covers the three plus the KV dtype, the block size and the protocol version.
 """
@@ -171,10 +171,10 @@ def model_fingerprint(*, folder: str | Path | None, checkpoint_files: list[Path]
     """A node's fingerprint, computed once after its weights were loaded.
 
     Args:
-        folder: the model folder (its ``tokenizer.json`` is hashed), or None for the embedded model
-            (byte-level tokenizer).
+        folder: the model folder (its ``tokenizer.json`` is hashed); None, or a folder without one (a
+            benchmark model's config-only folder), for the byte-level tokenizer.
         checkpoint_files: the safetensors files the weights were loaded from, or None when the
-            weights are random (``--load-format dummy``, the embedded model): then ``model``'s
+            weights are random (``--load-format dummy``): then ``model``'s
             parameters are hashed.
         model: a loaded ``torch.nn.Module`` (one device's replica).
         config: the model's config.json as a dict.
@@ -189,7 +189,8 @@ def model_fingerprint(*, folder: str | Path | None, checkpoint_files: list[Path]
     else:
         weights = tensors_digest(model.named_parameters(), full_max_bytes)
     tok_file = Path(folder) / "tokenizer.json" if folder is not None else None
-    tok_bytes = tok_file.read_bytes() if tok_file is not None else b"shiftnode-byte-level"
+    has_file = tok_file is not None and tok_file.is_file()
+    tok_bytes = tok_file.read_bytes() if has_file else b"shiftnode-byte-level"
     return combine(weights=weights, tokenizer=tokenizer_digest(tok_bytes, eos_token_ids), config=config_digest(config),
                    dtype=dtype, block_size=block_size)
 
@@ -199,9 +200,7 @@ def node_fingerprint(config: Any, info: Any, model: Any) -> Fingerprint:
     :class:`~node.worker.loader.LoadedModel`, ``model`` one device's loaded model."""
     from node.worker.weights import _tensor_files  # the shards the loader read, in the loader's own resolution
 
-    fmt = config.load_format
-    if fmt == "auto":
-        fmt = "dummy" if config.model is None else "safetensors"
+    fmt = "safetensors" if config.load_format == "auto" else config.load_format
     files = _tensor_files(Path(config.model)) if fmt == "safetensors" else None
     eos = info.tokenizer.eos_token_ids or list(info.cfg.eos_token_ids)
     return model_fingerprint(folder=config.model, checkpoint_files=files, model=model, config=info.cfg.raw,

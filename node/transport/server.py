@@ -21,6 +21,7 @@ from typing import Any, Awaitable, Callable
 
 import structlog
 
+from node.log import request_lines
 from node.transport.protocol import (
     ChecksumMismatch, FrameTooLarge, Goodbye, Heartbeat, LayerHeader, Layout, LayoutMismatch,
     ProtocolError, RelayEnd, StatusQuery, StatusReply, TransferAbort, TransferAborted, TransferAccept,
@@ -300,8 +301,9 @@ class KVServer:
             report.done_s = time.monotonic() - t0
             relay = await _maybe(self._on_done(tid, report))
             adopted = True
-            log.info("kv_transfer_received", nbytes=report.nbytes, layers=len(report.layer_arrival_s),
-                     seconds=round(report.done_s, 6))
+            if request_lines():  # one per sequence moved: --log-requests (node.log)
+                log.info("kv_transfer_received", nbytes=report.nbytes, layers=len(report.layer_arrival_s),
+                         seconds=round(report.done_s, 6))
             try:
                 await send(writer, TransferCommitted(transfer_id=tid), self.reply_timeout_s)
             except (TransportError, ConnectionError) as exc:

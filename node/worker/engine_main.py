@@ -76,7 +76,7 @@ def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid
         from node.log import configure_logging
         from node.worker.loader import build_runner, load_model_info, select_ops
 
-        configure_logging(config.log_format)
+        configure_logging(config.log_format, config.log_level, config.log_requests)
         if device_id.startswith("cpu"):
             torch.set_num_threads(threads)
         info = load_model_info(config)

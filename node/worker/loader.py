@@ -20,24 +20,6 @@ from node.worker.weights import build_model, dtype_from_name
 
 log = structlog.get_logger("shiftnode.loader")
 
-# The embedded default: a small Llama-architecture model over the byte-level tokenizer.
-DEFAULT_MODEL_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 128,
-    "intermediate_size": 344,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 16,
-    "vocab_size": 259,  # the byte-level tokenizer: 3 special tokens + 256 bytes
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": True,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "torch_dtype": "float32",
-}
 CPU_DEFAULT_KV_BYTES = 512 * 1024 * 1024
 
 
@@ -54,16 +36,13 @@ class LoadedModel:
 
 
 def load_model_info(config: NodeConfig) -> LoadedModel:
-    """Read the model's config and tokenizer (no weights yet)."""
-    if config.model is None:
-        cfg = ModelConfig.from_dict(DEFAULT_MODEL_CONFIG)
-        tok = TextTokenizer.byte_level()
+    """Read the model's config and tokenizer (no weights yet) from ``config.model`` (by default the
+    embedded stories260k folder, :data:`node.config.EMBEDDED_MODEL`)."""
+    cfg = ModelConfig.from_folder(config.model)
+    if config.benchmark_model and not (Path(config.model) / "tokenizer.json").is_file():
+        tok = TextTokenizer.byte_level()  # a config-only folder (bench/configs/*): bytes are text enough
     else:
-        cfg = ModelConfig.from_folder(config.model)
-        if config.benchmark_model and not (Path(config.model) / "tokenizer.json").is_file():
-            tok = TextTokenizer.byte_level()  # a config-only folder (bench/configs/*): bytes are text enough
-        else:
-            tok = TextTokenizer.from_folder(config.model)
+        tok = TextTokenizer.from_folder(config.model)
     if tok.vocab_size > cfg.vocab_size:
         raise StartupError(f"tokenizer has {tok.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}")
     max_len = config.max_model_len or cfg.max_position_embeddings
@@ -130,9 +109,7 @@ def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: obj
     degree = tp.degree if tp is not None else 1
     dev = torch_device(device_id)
     cfg = info.cfg
-    fmt = config.load_format
-    if fmt == "auto":
-        fmt = "dummy" if config.model is None else "safetensors"
+    fmt = "safetensors" if config.load_format == "auto" else config.load_format
     if config.benchmark_model:  # bench tool: no weights, fixed logits (node.worker.benchmark_model)
         from node.worker.benchmark_model import build_benchmark_model
 

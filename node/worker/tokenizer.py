@@ -105,7 +105,7 @@ class TextTokenizer:
     def byte_level(cls) -> "TextTokenizer":
         """A byte-level tokenizer with no merges: ids 0-2 are ``<unk> <s> </s>``, 3..258 the 256 bytes.
 
-        Used by the embedded default model so a node starts with no files.
+        Used for a benchmark model's config-only folder (no ``tokenizer.json``) and in tests.
         """
         alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
         vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{ch: i + 3 for i, ch in enumerate(alphabet)}}
