@@ -237,6 +237,8 @@ def derive(config: dict, reference: RooflineCost, dtype: str = "bf16", tensor_pa
                                              "host_s", "host_per_seq_s", "graph_launch_s", "max_graph_batch",
                                              "pause_s")}
     hw["eager_launch_s"] = reference.eager_launch_s * terms["layers"] / REFERENCE_LAYERS
+    hw["piecewise_launch_s"] = reference.piecewise_launch_s * terms["layers"] / REFERENCE_LAYERS  # per-layer issue
+    hw["piecewise_max_tokens"] = reference.piecewise_max_tokens
     if tensor_parallel > 1:
         hw.update(link_bandwidth_Bps=link_Bps, link_latency_s=link_latency_s)
     return RooflineCost(**terms, **hw)

@@ -60,6 +60,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--step-pipeline", type=int, default=2,
                     help="steps in flight per device (2: the node's overlapped steps; 1: each planned when "
                          "the one before ends)")
+    ap.add_argument("--mixed-graphs", default="eager", choices=["eager", "piecewise"],
+                    help="prefill and mixed steps: eager launches (the node today) or vLLM V1's piecewise CUDA graphs "
+                         "(roofline cost models only)")
     ap.add_argument("--max-unsent", type=int, default=64, help="pooled: the node's --max-unsent")
     ap.add_argument("--step-overhead-ms", type=float, default=0.0, help="host time added to every step (ms)")
     ap.add_argument("--request-overhead-ms", type=float, default=0.0, help="send-to-scheduler time added to TTFT (ms)")
@@ -122,7 +125,8 @@ def config_for(args: argparse.Namespace, mode: str, model_cfg: dict, prefill_dev
         min_window_ms=args.min_window_ms, max_window_ms=args.max_window_ms, stagger=args.stagger,
         expected_output=args.expected_output, max_sim_s=args.max_sim_s,
         imbalance_threshold=getattr(args, "imbalance_threshold", None),
-        prefix_caching=getattr(args, "prefix_caching", "off") == "on")
+        prefix_caching=getattr(args, "prefix_caching", "off") == "on",
+        mixed_graphs=getattr(args, "mixed_graphs", "eager"))
 
 
 def configs_for(args: argparse.Namespace, model_cfg: dict) -> list[SimConfig]:

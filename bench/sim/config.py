@@ -88,6 +88,9 @@ class SimConfig:
             engine computes step N, step N+1 is already planned and queued behind it, so work that
             arrives during N joins N+2 at the earliest, and a drain — a switch, a blocking copy — waits
             for both; 1: every step is planned when the one before ends).
+        mixed_graphs: how prefill and mixed steps launch: ``eager`` (the node today: every kernel issued,
+            :attr:`node.core.roofline.RooflineCost.eager_launch_s`) or ``piecewise`` (vLLM V1's piecewise CUDA
+            graphs, :meth:`node.core.roofline.RooflineCost.with_piecewise_graphs`; needs a roofline cost model).
         abort_late: stop the run (raise :class:`SimAborted`) as soon as this many requests are
             certainly late — still waiting for a device more than ``ttft_slo_ms`` after arriving — so
             that a capacity search does not simulate overloads to the end (``None``: never).
@@ -127,6 +130,7 @@ class SimConfig:
     prefill_tp: int = 1
     max_item_tokens: int | None = None
     step_pipeline: int = 2
+    mixed_graphs: str = "eager"
 
     @property
     def fallback_threshold(self) -> float:
@@ -137,6 +141,8 @@ class SimConfig:
         return 0.0 if self.mode == "adaptive" else 1.0
 
     def __post_init__(self) -> None:
+        if self.mixed_graphs not in ("eager", "piecewise"):
+            raise ValueError(f"mixed_graphs must be eager or piecewise, got {self.mixed_graphs!r}")
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r} ({', '.join(MODES)})")
         if self.devices < 1 or self.nodes < 1:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from msgspec.structs import replace as replace_struct
+
 from bench.sim.batched import simulate_colocated
 from bench.sim.config import SimConfig
 from bench.sim.pooled import simulate_pooled
@@ -27,9 +29,10 @@ from bench.traffic.metrics import RequestRecord, Summary, summarize
 from bench.traffic.traces import TraceRequest
 from node.core.cost import CostModel
 from node.core.roofline import RooflineCost
+from node.core.group_cost import GroupCost
 from bench.sim.trace import RequestTrace
 
-__all__ = ["SimResult", "to_record", "simulate", "with_step_overhead"]
+__all__ = ["SimResult", "to_record", "simulate", "with_step_overhead", "with_mixed_graphs"]
 
 
 @dataclass
@@ -67,6 +70,24 @@ def with_step_overhead(cost: CostModel | RooflineCost, overhead_s: float) -> Cos
     return cost.with_host_overhead(overhead_s)
 
 
+def with_mixed_graphs(cost, mixed_graphs: str):
+    """``cost`` with its prefill and mixed steps launched as ``mixed_graphs`` says (:class:`SimConfig`): unchanged
+    for ``eager``; for ``piecewise``, every roofline model in it (a group's prefill and decode parts too)
+    :meth:`RooflineCost.with_piecewise_graphs`.
+
+    Raises:
+        ValueError: ``piecewise`` on a model that is not a roofline (a linear fit has no launch term to change).
+    """
+    if mixed_graphs == "eager":
+        return cost
+    if isinstance(cost, RooflineCost):
+        return cost.with_piecewise_graphs()
+    if isinstance(cost, GroupCost):
+        return replace_struct(cost, prefill=with_mixed_graphs(cost.prefill, mixed_graphs),
+                              decode=with_mixed_graphs(cost.decode, mixed_graphs))
+    raise ValueError(f"mixed_graphs {mixed_graphs!r} needs a roofline cost model, got {type(cost).__name__}")
+
+
 def simulate(requests: list[TraceRequest], cfg: SimConfig, cost) -> SimResult:
     """Simulate ``requests`` on ``cfg`` with step times from ``cost``: a :class:`CostModel` or
     :class:`RooflineCost` (every instance one device; ``decode_tp`` and ``prefill_tp`` must be 1), or a
@@ -84,7 +105,9 @@ def simulate(requests: list[TraceRequest], cfg: SimConfig, cost) -> SimResult:
         cfg, cost, layout = cost.lower(cfg)
     elif cfg.decode_tp > 1 or cfg.prefill_tp > 1:
         raise ValueError("tensor-parallel degrees need a bench.sim.parallel.ParallelModel as the cost model")
-    cost = with_step_overhead(cost, cfg.step_overhead_ms / 1e3)
+    cost = with_step_overhead(with_mixed_graphs(cost, cfg.mixed_graphs), cfg.step_overhead_ms / 1e3)
+    if layout is not None:
+        layout = replace(layout, prefill_cost=with_mixed_graphs(layout.prefill_cost, cfg.mixed_graphs))
     if layout is not None and cfg.step_overhead_ms > 0:
         layout = replace(layout, prefill_cost=with_step_overhead(layout.prefill_cost, cfg.step_overhead_ms / 1e3))
     arrivals = [r.arrival_s for r in requests]

@@ -31,6 +31,14 @@ logits (``s``, plus 1 when there is prompt work: the prompt's last token), ``D``
   ``max(device + graph_launch_s, eager_launch_s)``: the GPU idles between launches until its work per
   kernel outlasts the host's issue time (H200: eager decode B=16 and B=64 both take ~14-15 ms while
   their graph replays take 5.4 and 6.7 ms; at B=256 eager is within 6% of the graph step);
+* piecewise CUDA graphs (vLLM V1's mixed and prefill steps: the model captured in pieces between the
+  attention calls, attention run eagerly): a pass of at most ``piecewise_max_tokens`` tokens that is not a
+  full graph replay takes ``max(device + graph_launch_s, piecewise_launch_s)``. The host then issues two
+  things per layer (the attention call and the next piece's replay) instead of every kernel, so
+  :meth:`RooflineCost.with_piecewise_graphs` sets ``piecewise_launch_s = eager_launch_s * 2 /
+  EAGER_LAUNCHES_PER_LAYER``: an estimate from the launch count (the node's eager layer issues 11 kernels:
+  two norms, four GEMMs, rotary, the cache write, attention, SiLU-and-mul and a copy of V), not a
+  measurement; 0 (the default): no piecewise graphs;
 * host work outside the forward (inputs, logits to the host, sampling): ``host_s + host_per_seq_s * r``;
 * tensor parallel: 2 all-reduces per layer of ``T * hidden * dtype_bytes`` bytes, each over a ring
   ``2 (D-1)/D`` of those bytes on the link plus ``link_latency_s``:
@@ -56,7 +64,15 @@ from node.core.cost import CostModel, chunked_s, tokens_within
 from node.core.role_config import scatter_bytes
 
 __all__ = ["RooflineCost", "PassWork", "cost_model_from_dict", "cost_model_to_dict", "sum_max_linear",
-           "ring_allreduce_link_bytes", "kv_scatter_bytes", "kv_scatter_s"]
+           "ring_allreduce_link_bytes", "kv_scatter_bytes", "kv_scatter_s", "EAGER_LAUNCHES_PER_LAYER",
+           "PIECEWISE_MAX_TOKENS"]
+
+# Kernels the node's eager decoder layer issues (node/worker/model.py: input norm, fused QKV GEMM, rotary,
+# cache write, attention, output GEMM, post-attention norm with the residual, fused gate/up GEMM,
+# SiLU-and-mul, down GEMM, and the copy of V made contiguous): the eager launch floor is spread over them.
+EAGER_LAUNCHES_PER_LAYER = 11
+# vLLM V1's largest piecewise CUDA-graph capture size by default (tokens per step); larger steps run without.
+PIECEWISE_MAX_TOKENS = 512
 
 
 class PassWork(msgspec.Struct, frozen=True, kw_only=True):
@@ -83,6 +99,8 @@ class RooflineCost(msgspec.Struct, frozen=True, kw_only=True):
     Hardware: ``hbm_bandwidth_Bps`` (achieved B/s), ``matmul_flops_per_s`` and ``attention_flops_per_s``
     (achieved FLOP/s), ``host_s`` and ``host_per_seq_s`` (s, s per logit row), ``graph_launch_s`` and
     ``eager_launch_s`` (s), ``max_graph_batch`` (largest CUDA-graph bucket; 0: no graphs),
+    ``piecewise_max_tokens`` and ``piecewise_launch_s`` (piecewise graphs for prefill and mixed passes of at
+    most that many tokens, and their host issue floor, s; 0: none),
     ``link_bandwidth_Bps`` and ``link_latency_s`` (per all-reduce; needed when D > 1), ``pause_s`` (a
     role switch, s).
 
@@ -109,6 +127,8 @@ class RooflineCost(msgspec.Struct, frozen=True, kw_only=True):
     graph_launch_s: float = 0.0
     eager_launch_s: float = 0.0
     max_graph_batch: int = 0
+    piecewise_max_tokens: int = 0
+    piecewise_launch_s: float = 0.0
     link_bandwidth_Bps: float = 0.0
     link_latency_s: float = 0.0
     pause_s: float = 0.0
@@ -123,7 +143,8 @@ class RooflineCost(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("tensor_parallel > 1 needs link_bandwidth_Bps > 0")
         for f in ("layers", "hidden", "q_dim", "vocab", "dtype_bytes", "layer_params", "weight_bytes",
                   "kv_bytes_per_token", "activation_bytes_per_token", "host_s", "host_per_seq_s",
-                  "graph_launch_s", "eager_launch_s", "max_graph_batch", "link_bandwidth_Bps",
+                  "graph_launch_s", "eager_launch_s", "max_graph_batch", "piecewise_max_tokens",
+                  "piecewise_launch_s", "link_bandwidth_Bps",
                   "link_latency_s", "pause_s"):
             if getattr(self, f) < 0:
                 raise ValueError(f"{f} must be >= 0, got {getattr(self, f)!r}")
@@ -172,8 +193,28 @@ class RooflineCost(msgspec.Struct, frozen=True, kw_only=True):
         if w.tokens == 0:
             return 0.0
         dev = self.device_s(w) + self.graph_launch_s
-        run = dev if graph else max(dev, self.eager_launch_s)
+        run = dev if graph else max(dev, self.launch_floor_s(w.tokens))
         return self.host_step_s(w.rows) + run + self.comm_s(w.tokens)
+
+    def launch_floor_s(self, tokens: int) -> float:
+        """Host issue time of a pass of ``tokens`` tokens that is not a full graph replay (s): the piecewise
+        floor up to ``piecewise_max_tokens``, else the eager one."""
+        if self.piecewise_launch_s > 0 and tokens <= self.piecewise_max_tokens:
+            return self.piecewise_launch_s
+        return self.eager_launch_s
+
+    def with_piecewise_graphs(self, max_tokens: int = PIECEWISE_MAX_TOKENS) -> RooflineCost:
+        """This model with piecewise CUDA graphs for prefill and mixed passes of at most ``max_tokens``
+        tokens, as vLLM V1 runs them (module doc): ``piecewise_launch_s = eager_launch_s * 2 /
+        EAGER_LAUNCHES_PER_LAYER``. Decode replays and the device terms are unchanged.
+
+        Raises:
+            ValueError: ``max_tokens`` < 1.
+        """
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        return msgspec.structs.replace(self, piecewise_max_tokens=max_tokens,
+                                       piecewise_launch_s=self.eager_launch_s * 2 / EAGER_LAUNCHES_PER_LAYER)
 
     # -- the CostModel interface ----------------------------------------------------------------------
 
@@ -209,7 +250,7 @@ class RooflineCost(msgspec.Struct, frozen=True, kw_only=True):
             bw, pa = self.hbm_bandwidth_Bps, self.attention_flops_per_s
             fixed = (max(w0.weight_bytes / bw, w0.gemm_flops / self.matmul_flops_per_s)
                      + w0.activation_bytes / bw + self.graph_launch_s)
-            lines = [(self.eager_launch_s, 0.0),  # the launch floor
+            lines = [(self.launch_floor_s(b), 0.0),  # the launch floor
                      (fixed + w0.kv_bytes / bw, (w1.kv_bytes - w0.kv_bytes) / bw),  # KV-read-bound attention
                      (fixed + w0.attention_flops / pa, (w1.attention_flops - w0.attention_flops) / pa)]
             total += full * (self.host_step_s(w0.rows) + self.comm_s(b)) + sum_max_linear(lines, full)

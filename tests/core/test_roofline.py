@@ -176,3 +176,41 @@ def test_loader_round_trips_both_kinds_and_reads_the_committed_files(c8):
         cost_model_from_dict({"kind": "quadratic"})
     with pytest.raises(ValueError):
         cost_model_from_dict({**cost_model_to_dict(c8), "hbm_bandwidth_Bps": 0.0})
+
+
+def test_piecewise_graphs_lower_the_launch_floor_of_small_mixed_and_prefill_steps_only(c8):
+    """vLLM V1 runs mixed and prefill steps of up to 512 tokens as piecewise CUDA graphs: the host issues the
+    attention call and one piece per layer, not every kernel, so a small mixed step is no longer held at the
+    eager floor (13.8 ms on the 8B), while decode replays and steps above the capture size are unchanged."""
+    pw = c8.with_piecewise_graphs()
+    assert pw.piecewise_launch_s == pytest.approx(c8.eager_launch_s * 2 / 11)
+    small_mixed, eager_mixed = pw.mixed_step_s(32, 32, 32 * 1024), c8.mixed_step_s(32, 32, 32 * 1024)
+    assert eager_mixed >= c8.eager_launch_s  # held at the eager floor: the device work is a few ms
+    assert small_mixed < 0.6 * eager_mixed
+    assert small_mixed >= pw.decode_step_s(32, 32 * 1024)  # never cheaper than the decode replay alone
+    assert pw.prefill_step_s(64) < c8.prefill_step_s(64)
+    for b in (1, 64, 256):
+        assert pw.decode_step_s(b, 1024 * b) == c8.decode_step_s(b, 1024 * b)
+    assert pw.prefill_step_s(4096) == c8.prefill_step_s(4096)  # above the capture size: as before
+    assert pw.mixed_step_s(1024, 32, 32 * 1024) == c8.mixed_step_s(1024, 32, 32 * 1024)
+    # The one-prompt closed form uses the same floor as the step it sums.
+    assert pw.prompt_prefill_s(2048, 256) == pytest.approx(
+        sum(pw.pass_s(256, 256 * i, 0, 0, graph=False) for i in range(8)), rel=1e-9)
+    assert cost_model_from_dict(cost_model_to_dict(pw)) == pw
+    with pytest.raises(ValueError):
+        c8.with_piecewise_graphs(0)
+
+
+def test_the_simulator_gives_piecewise_graphs_to_every_roofline_in_a_run(c8):
+    from bench.sim.run import with_mixed_graphs
+    from node.core.group_cost import GroupCost
+
+    assert with_mixed_graphs(c8, "eager") is c8
+    assert with_mixed_graphs(c8, "piecewise").piecewise_launch_s > 0
+    group = GroupCost(prefill=c8, decode=c8, instances=2, scatter_s_per_token=0.0, pause_s=0.0)
+    g = with_mixed_graphs(group, "piecewise")
+    assert g.prefill.piecewise_launch_s > 0 and g.decode.piecewise_launch_s > 0
+    with pytest.raises(ValueError, match="roofline"):
+        with_mixed_graphs(load("h200_llama3_8b.json"), "piecewise")
+    with pytest.raises(ValueError):
+        SimConfig(mode="colocated", mixed_graphs="full")
