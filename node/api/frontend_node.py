@@ -33,6 +33,10 @@ from node.worker.loader import LoadedModel
 
 log = structlog.get_logger("shiftnode.frontend")
 
+# An admission the control process has not answered after this long (s) fails the request with a 503: it
+# answers each Open on its loop at once, so this long means its loop is stuck (and the client would wait for good).
+ADMIT_TIMEOUT_S = 30.0
+
 _REFUSALS = {"draining": NodeDraining, "engine_down": EnginesDown, "overloaded": QueueFullError,
              "kv_capacity": KVCapacityExceeded}
 
@@ -144,6 +148,8 @@ class FrontNode:
 
         Raises:
             NodeDraining, EnginesDown, QueueFullError: the control process refused them (the API's 503).
+            EnginesDown: it did not answer within :data:`ADMIT_TIMEOUT_S` (the requests are closed, so
+                an admission that comes later is undone).
         """
         if self.gone:
             raise EnginesDown(self.gone)
@@ -160,7 +166,12 @@ class FrontNode:
         self._send(frame(Open(ticket, [Job(r.key, r.request_id, j.prompt_ids, j.params, n, j.index0)
                                        for r, j in zip(reqs, jobs)])))
         try:
-            answer: Admitted = await fut
+            answer: Admitted = await asyncio.wait_for(fut, ADMIT_TIMEOUT_S)
+        except TimeoutError:
+            for r in reqs:
+                self.close_request(r)
+            log.error("admission_unanswered", request_id=request_id, timeout_s=ADMIT_TIMEOUT_S)
+            raise EnginesDown(f"the node's control process did not answer the admission within {ADMIT_TIMEOUT_S:g} s") from None
         except BaseException:  # cancelled (the client left): whatever was admitted is closed at once
             for r in reqs:
                 self.close_request(r)
@@ -212,17 +223,39 @@ class FrontNode:
             fut.set_result(m)
 
     def on_step(self, m: Step) -> None:
+        """One step's deltas, to their requests. A request whose output processing raises (a
+        detokenizer or stop-string bug on its tokens) fails alone (:meth:`fail`): the exception must
+        not reach the link's ``data_received``, whose transport would close and fail every stream here."""
         requests = self.requests
         for wd in m.deltas:
             if type(wd) is list:  # a run of plain tokens: key, index, token id, ...
                 for j in range(0, len(wd), 3):
                     r = requests.get(wd[j])
                     if r is not None:
-                        r.on_plain(wd[j + 1], wd[j + 2])
+                        try:  # (free in CPython 3.11+ while nothing raises)
+                            r.on_plain(wd[j + 1], wd[j + 2])
+                        except Exception as e:  # noqa: BLE001 - this request's fault: it alone fails
+                            self.fail(r, e)
                 continue
             r = requests.get(wd.key)
             if r is not None:
-                r.on_wire(wd)
+                try:
+                    r.on_wire(wd)
+                except Exception as e:  # noqa: BLE001 - as above
+                    self.fail(r, e)
+
+    def fail(self, req: FrontRequest, e: Exception) -> None:
+        """``req``'s output processing raised ``e``: each of its open choices ends with a 500
+        ``internal_error`` event, and the control process is told at once to end it (its KV freed);
+        the other requests of this front end go on."""
+        log.error("request_output_failed", request_id=req.request_id, error=f"{type(e).__name__}: {e}",
+                  exc_info=e)
+        why = f"internal server error: the request's output processing failed ({type(e).__name__}: {e})"
+        for i, ended in enumerate(req.ended):
+            if not ended:
+                req.ended[i] = True
+                req.stream.push(SeqDelta(i + req.index0, error=why, error_status=500, error_code="internal_error"))
+        self.close_request(req)
 
     def on_lost(self, why: str) -> None:
         """The control process is gone: every open choice ends with an error (503), new requests are refused."""
