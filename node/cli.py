@@ -106,6 +106,15 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
                         "and less work per token for clients that do not need each token (SGLang's and vLLM's flag)")
     p.add_argument("--sse-keepalive-s", type=float, default=10.0, help="SSE comment line after this much silence")
     p.add_argument("--body-timeout-s", type=float, default=30.0, help="answer 408 to a request body slower than this")
+    p.add_argument("--sse-buffer-bytes", type=int, default=1 << 20,
+                   help="a stream whose client has more than this unsent gets its deltas joined until it catches up")
+    p.add_argument("--sse-stall-bytes", type=int, default=64 << 20,
+                   help="a stream whose client has more than this unsent and held is aborted as stalled (its KV freed)")
+    p.add_argument("--sse-stall-s", type=float, default=60.0,
+                   help="a stream whose client stays above --sse-buffer-bytes unsent this long is aborted as stalled")
+    p.add_argument("--api-heartbeat-timeout-s", type=float, default=10.0,
+                   help="an API front end that answers no heartbeat for this long (its event loop stuck, its process "
+                        "stopped) is killed and started again")
     p.add_argument("--api-processes", type=int, default=None, metavar="N",
                    help="HTTP front-end processes sharing --port (SO_REUSEPORT): they decode bodies, detokenize, apply "
                         "stop strings and write the streams, so the node's event loop does per-step work only; 1: all "
@@ -264,7 +273,9 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         reconfig_pause_ms=a.reconfig_pause_ms, cost_model=a.cost_model, ttft_slo_ms=a.ttft_slo_ms, tpot_slo_ms=a.tpot_slo_ms,
         min_window_ms=a.min_window_ms, max_window_ms=a.max_window_ms, stagger=a.stagger,
         sse_keepalive_s=a.sse_keepalive_s, stream_interval=a.stream_interval, body_timeout_s=a.body_timeout_s,
+        sse_buffer_bytes=a.sse_buffer_bytes, sse_stall_bytes=a.sse_stall_bytes, sse_stall_s=a.sse_stall_s,
         api_processes=a.api_processes if a.api_processes is not None else _default_api_processes(),
+        api_heartbeat_timeout_s=a.api_heartbeat_timeout_s,
         prefill_devices=prefill, decode_devices=decode, max_unsent=a.max_unsent, link_gbps=a.link_gbps,
         node_id=a.node_id, kv_host=a.kv_host, kv_port=a.kv_port, peer_secret=a.peer_secret,
         peers=[p.strip() for p in (a.peers or "").split(",") if p.strip()],
@@ -340,7 +351,8 @@ def run_serve(config: NodeConfig) -> int:
         from node.api.frontend_link import link_ctx
         from node.api.openai import NODE_KEY
 
-        app.cleanup_ctx.append(link_ctx(frontends.paths.link, frontends.procs, NODE_KEY, frontends.respawn))
+        app.cleanup_ctx.append(link_ctx(frontends.paths.link, frontends.procs, NODE_KEY, frontends.respawn,
+                                        config.api_heartbeat_timeout_s))
         where = {"path": frontends.paths.http}
     try:
         serving.run(app, **where, loop=loop, shutdown_timeout=5,

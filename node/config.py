@@ -98,8 +98,14 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     stagger: str = "soft"  # hard | soft | off (see node.core.roles)
     stream_interval: int = 1  # a stream's event carries at least this many new tokens (the first token and the end go at once)
     sse_keepalive_s: float = 10.0  # comment lines on a stream silent this long (e.g. through a role switch)
+    # backpressure (node/api/sse.py): a stream's client with more than sse_buffer_bytes unsent gets its deltas
+    # joined; past sse_stall_bytes unsent and held, or sse_stall_s without catching up, it is aborted (KV freed)
+    sse_buffer_bytes: int = 1 << 20
+    sse_stall_bytes: int = 64 << 20
+    sse_stall_s: float = 60.0
     body_timeout_s: float = 30.0  # a request body slower than this is answered 408
     api_processes: int = 1  # HTTP front-end processes (node.api.frontend); 1: the API runs in the node's process
+    api_heartbeat_timeout_s: float = 10.0  # a front end silent this long (loop stuck, process stopped) is killed and restarted
 
     def is_own_kv_address(self, addr: str) -> bool:
         """Whether peer address ``addr`` (``host:port``, ``[v6]:port``) is this node's own KV listener:
@@ -177,9 +183,14 @@ class NodeConfig(msgspec.Struct, kw_only=True):
              f"--compile-sizes must list token counts of at least 1, got {self.compile_sizes}"),
             (self.stream_interval >= 1, f"--stream-interval must be at least 1, got {self.stream_interval}"),
             (self.sse_keepalive_s > 0 and self.body_timeout_s > 0, "--sse-keepalive-s and --body-timeout-s must be positive"),
+            (0 < self.sse_buffer_bytes < self.sse_stall_bytes,
+             f"need 0 < --sse-buffer-bytes < --sse-stall-bytes, got {self.sse_buffer_bytes} and {self.sse_stall_bytes}"),
+            (self.sse_stall_s > 0, f"--sse-stall-s must be positive, got {self.sse_stall_s}"),
             (1 <= self.api_processes <= 64, f"--api-processes must be in [1, 64], got {self.api_processes}"),
             (self.log_level in ("debug", "info", "warning", "error"), f"--log-level must be debug, info, warning or error, got {self.log_level!r}"),
             (self.stats_interval_s >= 0, f"--stats-interval-s must be at least 0 (0: no stats line), got {self.stats_interval_s}"),
+            (self.api_heartbeat_timeout_s > 1.0,  # several WATCH_S pings fit in it
+             f"--api-heartbeat-timeout-s must exceed 1 s, got {self.api_heartbeat_timeout_s}"),
         ]
         for ok, message in checks:
             if not ok:

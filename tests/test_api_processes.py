@@ -2,6 +2,7 @@
 single-process node's answers, free a gone client's KV, merge their metrics, and end streams with an
 error when the engine dies. One node serves every check (the engine kill last)."""
 
+import contextlib
 import json
 import os
 import re
@@ -24,7 +25,7 @@ def launched():
     require_shared()
     # one restart: the engine's first death is survived, its second leaves the device down
     node = NodeProcess("--model", str(STORIES), "--api-processes", "2", "--api-key", KEY, "--engine-restart-max", "1",
-                       wait=False)
+                       "--api-heartbeat-timeout-s", "2", wait=False)
     yield node
     node.close()
 
@@ -181,6 +182,41 @@ def test_a_killed_front_end_is_reaped_reported_and_started_again(fe):
     assert any(re.match(rf"API front end [01] down: pid {pids[0]} exited", r) for r in said), seen[:5]
     assert not os.path.exists(f"/proc/{pids[0]}")  # reaped
     for _ in range(4):  # both listeners answer (connections are spread over them)
+        r = fe.client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4}, headers={"Connection": "close"})
+        assert r.status_code == 200, r.text
+
+
+def test_a_hung_front_end_is_found_by_the_heartbeat_and_replaced(fe):
+    """SIGSTOP of one front end (its process hangs; its socket stays open, so nothing exits): the
+    control process's heartbeat finds it within --api-heartbeat-timeout-s, kills it and starts
+    another; /health says it hung meanwhile."""
+    deadline = time.monotonic() + 30
+    while len(pids := fe.status()["api_processes"]) < 2:
+        assert time.monotonic() < deadline, pids
+        time.sleep(0.05)
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 90  # found in about 2 s; a spawned front end loads in seconds (30 s on a busy CPU)
+        seen = []
+        while time.monotonic() < deadline:
+            try:  # a connection the kernel gives the stopped front end waits, then is reset when it is killed
+                body = httpx.get(fe.url + "/health", timeout=0.5).json()
+                listed = httpx.get(fe.url + "/v1/node", timeout=0.5, headers=AUTH).json()["api_processes"]
+            except httpx.HTTPError:
+                continue
+            seen.append(body)
+            if body == {"status": "ok"} and len(listed) == 2 and pids[1] not in listed:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"the stopped front end was not replaced within 90 s: {seen[-3:]}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pids[1], signal.SIGCONT)
+    said = [r for b in seen for r in b.get("reasons", [])]
+    assert any(re.match(rf"API front end [01] down: pid {pids[1]} hung \(no heartbeat", r) for r in said), seen[:5]
+    assert not os.path.exists(f"/proc/{pids[1]}")  # killed and reaped
+    for _ in range(4):
         r = fe.client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4}, headers={"Connection": "close"})
         assert r.status_code == 200, r.text
 

@@ -156,3 +156,30 @@ def test_clients_that_left_are_noticed_and_their_requests_aborted():
         assert node.wait_idle(5)["devices"][0]["kv_blocks_used"] == 0
     finally:
         node.close()
+
+
+def test_a_client_that_closes_mid_prefill_is_noticed_within_milliseconds():
+    """Issue 45 item 9: a client that sends a request and closes (a FIN; it never half-closed) while its
+    prompt is prefilled (each step sleeps 200 ms) is noticed about a round trip later, by the second
+    probe, not a probe period later: its request is aborted in that step, and no token is generated
+    and counted for it."""
+    node = NodeProcess("--benchmark-model", "sleep:200", "--max-num-seqs", "1")
+    try:
+        def generated() -> float:
+            m = re.search(r"^shiftnode_generation_tokens_total (\S+)$", node.client.get("/metrics").text, re.M)
+            return float(m.group(1))
+
+        before = generated()
+        s = raw_stream(node.port, json.dumps({"prompt": "Once upon a time", "max_tokens": 50}).encode())
+        _wait(node, 1, 10)  # admitted: its prefill step runs (200 ms)
+        closed = time.monotonic()
+        s.close()
+        while node.status()["live_requests"]:
+            time.sleep(0.002)
+        noticed = time.monotonic() - closed
+        assert noticed < 0.15, noticed  # the probes' period is 0.25 s
+        time.sleep(0.5)  # the prefill step's token, had it been the client's, would have been counted by now
+        assert generated() == before
+        assert node.wait_idle(5)["devices"][0]["kv_blocks_used"] == 0
+    finally:
+        node.close()

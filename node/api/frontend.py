@@ -36,7 +36,7 @@ from aiohttp import web
 from node.api.app import GC_THRESHOLDS, auth_middleware, errors_middleware
 from node.api.errors import error_response
 from node.api.frontend_node import FrontNode
-from node.api.link_protocol import Admitted, FrameReader, FrameWriter, Ready, Step, frame
+from node.api.link_protocol import Admitted, FrameReader, FrameWriter, Ping, Pong, Ready, Step, frame
 from node.api.openai import NODE_KEY, chat_completions, completions
 from node.api.serving import NodeRunner
 from node.config import NodeConfig
@@ -67,6 +67,8 @@ class ControlLink(FrameWriter, asyncio.Protocol):
                 self.front.on_step(m)
             elif type(m) is Admitted:
                 self.front.on_admitted(m)
+            elif type(m) is Ping:  # answered from this loop: a stuck loop stops answering (frontend_link.py)
+                self.send(frame(Pong(m.seq)))
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.front is not None:

@@ -29,7 +29,8 @@ import structlog
 from aiohttp import web
 
 from node.api.frontend_metrics import apply
-from node.api.link_protocol import Admitted, Close, FrameReader, FrameWriter, MetricsDelta, Open, Ready, Step, frame
+from node.api.link_protocol import (Admitted, Close, FrameReader, FrameWriter, MetricsDelta, Open, Ping, Pong, Ready,
+                                    Step, frame)
 from node.runtime.admission import EnginesDown, KVCapacityExceeded, NodeDraining, QueueFullError
 from node.runtime.interfaces import ApiNode
 from node.runtime.output import SeqDelta
@@ -94,12 +95,14 @@ class FrontendLink(FrameWriter, asyncio.Protocol):
         self.pending: list[TokenDelta | list[int]] = []  # this step's deltas and runs of plain tokens, in order
         self.run: list[int] | None = None  # the last entry of ``pending`` when it is a run (see Step)
         self.pid: int | None = None
+        self.heard_s = self._loop.time()  # when the front end last sent anything (a Pong at least every WATCH_S)
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
         self.server.links.add(self)
 
     def data_received(self, data: bytes) -> None:
+        self.heard_s = self._loop.time()
         try:
             messages = self.reader.feed(data)
         except msgspec.DecodeError as e:  # a front end of another version, or a bug: drop it
@@ -123,6 +126,8 @@ class FrontendLink(FrameWriter, asyncio.Protocol):
         elif kind is Ready:
             self.pid = m.pid
             self.server.ready(self)
+        elif kind is Pong:
+            pass  # heard_s is set for any frame
 
     def _open(self, m: Open) -> None:
         node = self.node
@@ -223,10 +228,10 @@ class LinkServer:
 RESPAWN_BACKOFF_S = 1.0  # wait before restarting a front end that exited; doubles per restart within the window
 RESPAWN_BACKOFF_MAX_S = 30.0
 RESPAWN_WINDOW_S = 300.0  # restarts of one front end older than this no longer lengthen the wait
-WATCH_S = 0.5  # how often the front ends' processes are polled (which also reaps one that exited)
+WATCH_S = 0.5  # how often the front ends' processes are polled (which also reaps one that exited) and pinged
 
 
-def link_ctx(path: str, procs: list, node_key: web.AppKey, respawn: Callable[[int], int]):
+def link_ctx(path: str, procs: list, node_key: web.AppKey, respawn: Callable[[int], int], heartbeat_timeout_s: float = 10.0):
     """An aiohttp ``cleanup_ctx`` entry (append it after the node's): open the link socket once the node
     runs, close it (ending the front ends) before the node closes. The server is kept at ``app[LINK_KEY]``.
 
@@ -236,15 +241,21 @@ def link_ctx(path: str, procs: list, node_key: web.AppKey, respawn: Callable[[in
     crashed) is reaped, its requests end (:meth:`FrontendLink.connection_lost`) and it is started again
     by ``respawn(index)`` after a backoff (:data:`RESPAWN_BACKOFF_S` doubling per restart within
     :data:`RESPAWN_WINDOW_S`, at most :data:`RESPAWN_BACKOFF_MAX_S`); meanwhile the others serve the
-    port and ``/health`` says the node is degraded (``node.api_down``)."""
+    port and ``/health`` says the node is degraded (``node.api_down``).
+
+    A front end that listens but is hung (its event loop stuck, or its process stopped) is found by a
+    heartbeat: every :data:`WATCH_S` each ready front end gets a :class:`Ping`, answered from its loop;
+    one that has sent nothing for ``heartbeat_timeout_s`` is killed (SIGKILL), its requests end and it is
+    started again as above (``/health`` says it hung)."""
     restarts: dict[int, list[float]] = {}
+    hung: dict[int, str] = {}  # pid → why it was killed (the heartbeat), for the reason /health gives
 
     async def revive(node, i: int, p) -> None:
         loop = asyncio.get_running_loop()
         recent = restarts.setdefault(i, [])
         recent[:] = [t for t in recent if t > loop.time() - RESPAWN_WINDOW_S]
         delay = min(RESPAWN_BACKOFF_MAX_S, RESPAWN_BACKOFF_S * 2 ** len(recent))
-        what = f"pid {p.pid} exited (exit code {p.exitcode})"
+        what = f"pid {p.pid} {hung.pop(p.pid, 'exited')} (exit code {p.exitcode})"
         log.error("api_process_exited", index=i, pid=p.pid, exitcode=p.exitcode, restart_in_s=delay)
         node.api_down[i] = f"{what}; restarting in {delay:g} s"
         await asyncio.sleep(delay)
@@ -268,9 +279,24 @@ def link_ctx(path: str, procs: list, node_key: web.AppKey, respawn: Callable[[in
                 await asyncio.wait_for(server.all_ready.wait(), 0.5)
         node = server.node
         reviving: dict[int, asyncio.Task] = {}
+        loop = asyncio.get_running_loop()
+        ping = 0
         try:
             while True:
                 await asyncio.sleep(WATCH_S)
+                ping += 1
+                ours = {p.pid for p in procs}
+                for link in list(server.links):
+                    if link.pid is None or link.pid not in ours:
+                        continue  # not listening yet: its start is watched below
+                    silent = loop.time() - link.heard_s
+                    if silent > heartbeat_timeout_s and link.pid not in hung:
+                        hung[link.pid] = f"hung (no heartbeat for {silent:.1f} s), killed"
+                        log.error("api_process_hung", pid=link.pid, silent_s=round(silent, 1))
+                        with suppress(ProcessLookupError):
+                            os.kill(link.pid, signal.SIGKILL)
+                    else:
+                        link.send(frame(Ping(ping)))
                 for i, p in enumerate(procs):
                     task = reviving.get(i)
                     if task is not None and not task.done():

@@ -63,14 +63,17 @@ class FrontendMetrics:
         self.itl = BucketHistogram()
         self.tpot = BucketHistogram()
         self.generation_tokens = TokenCounter()
+        self.stalled_clients = TokenCounter()  # node/api/sse.py's backpressure
 
     @property
     def pending(self) -> bool:
-        return self.generation_tokens.value > 0 or any(sum(h.counts) for h in (self.ttft, self.itl, self.tpot))
+        return (self.generation_tokens.value > 0 or self.stalled_clients.value > 0
+                or any(sum(h.counts) for h in (self.ttft, self.itl, self.tpot)))
 
     def take(self) -> MetricsDelta:
         tokens, self.generation_tokens.value = self.generation_tokens.value, 0
-        return MetricsDelta(self.ttft.take(), self.itl.take(), self.tpot.take(), tokens)
+        stalled, self.stalled_clients.value = self.stalled_clients.value, 0
+        return MetricsDelta(self.ttft.take(), self.itl.take(), self.tpot.take(), tokens, stalled)
 
 
 def apply(metrics: NodeMetrics, delta: MetricsDelta) -> None:
@@ -91,3 +94,5 @@ def apply(metrics: NodeMetrics, delta: MetricsDelta) -> None:
             hist._sum.inc(d.sum)
     if delta.generation_tokens:
         metrics.generation_tokens.inc(delta.generation_tokens)
+    if delta.stalled_clients:
+        metrics.stalled_clients.inc(delta.stalled_clients)

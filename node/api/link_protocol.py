@@ -6,8 +6,8 @@ One unix stream socket per front end; each frame is a 4-byte big-endian length a
 together), never a frame per token; the front end sends one frame per request event (open, close)
 and its latency metrics in batches.
 
-Front end → control: :class:`Open`, :class:`Close`, :class:`MetricsDelta`, :class:`Ready`.
-Control → front end: :class:`Admitted`, :class:`Step`.
+Front end → control: :class:`Open`, :class:`Close`, :class:`MetricsDelta`, :class:`Ready`, :class:`Pong`.
+Control → front end: :class:`Admitted`, :class:`Step`, :class:`Ping`.
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ class MetricsDelta(msgspec.Struct, tag=True, array_like=True):
     itl: HistogramDelta
     tpot: HistogramDelta
     generation_tokens: int
+    stalled_clients: int = 0  # streams aborted for a client that stopped reading (node/api/sse.py)
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):
@@ -92,7 +93,20 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     pid: int
 
 
-Message = Union[Open, Admitted, Close, Step, MetricsDelta, Ready]
+class Ping(msgspec.Struct, tag=True, array_like=True):
+    """The control process's heartbeat: the front end answers :class:`Pong` from its event loop, so a
+    front end whose loop is stuck (or whose process is stopped) stops answering and is replaced."""
+
+    seq: int
+
+
+class Pong(msgspec.Struct, tag=True, array_like=True):
+    """The answer to :class:`Ping` ``seq``."""
+
+    seq: int
+
+
+Message = Union[Open, Admitted, Close, Step, MetricsDelta, Ready, Ping, Pong]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -11,8 +11,10 @@ a request that writes nothing for a while (queued, a non-streamed answer, KV on 
 came seconds later or never.
 
 :class:`HalfCloseRequestHandler` keeps the connection of an HTTP/1.1 request read in full open after
-the client's FIN and **probes** the client: a write it ignores, at once and then every
-:data:`PROBE_S` seconds until the answer ends. A client that only half-closed reads and skips it. A
+the client's FIN and **probes** the client: a write it ignores, at once, again about one round trip
+later (by then a departed client's RST is back, so it is noticed within milliseconds: a prompt being
+prefilled for it is aborted before its first token) and then every :data:`PROBE_S` seconds until the
+answer ends. A client that only half-closed reads and skips it. A
 client that fully closed has its kernel answer the write with a RST; the next write then fails
 (``EPIPE``/``ECONNRESET``), the transport reports the connection lost and the request is aborted and
 its KV freed as for any disconnect. The probe is
@@ -34,18 +36,23 @@ response says so (``Connection: close``) when its head goes out after the FIN.
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 from typing import Callable
 
 from aiohttp import HttpVersion11, web
 from aiohttp.web_protocol import RequestHandler
 
-__all__ = ["INTERIM", "PROBE_S", "HalfCloseRequestHandler", "NodeRunner", "run", "set_probe"]
+__all__ = ["ECHO_MIN_S", "INTERIM", "PROBE_S", "HalfCloseRequestHandler", "NodeRunner", "run", "set_probe"]
 
-# Seconds between two probes of a half-closed connection. A departed client is noticed at the first probe
-# after the one its kernel answered with a RST: within about PROBE_S of its FIN (the first probe goes at
-# the FIN), and its KV is freed then. Shorter only adds writes (25 bytes each, 9 in a stream) for a client
-# that stays; a request of a departed client that writes nothing meanwhile holds its KV about this long.
+# Seconds between two probes of a half-closed connection after the first two (at the FIN, and a round trip
+# later: a client that had fully closed is noticed by the second). They find a client that closes later
+# (a FIN first, a RST for the probes only once it closes): within about PROBE_S. Shorter only adds writes
+# (25 bytes each, 9 in a stream) for a client that stays.
 PROBE_S = 0.25
+# The second probe follows the one at the FIN after about a round trip (_echo_s), at least this long (s): the
+# client's kernel answers the first with a RST within one round trip, so the second write fails at once.
+ECHO_MIN_S = 0.002
 INTERIM = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
@@ -97,11 +104,12 @@ class HalfCloseRequestHandler(RequestHandler):
         if self._force_close or self._close or not self._answerable():
             return None
         self._eof = True
-        self._probe()
+        self._probe(_echo_s(self.transport))
         return True
 
-    def _probe(self) -> None:
-        """One probe (the module's docstring), then the next in :data:`PROBE_S`, until nothing is left to answer."""
+    def _probe(self, next_s: float = PROBE_S) -> None:
+        """One probe (the module's docstring), then the next in ``next_s`` and every :data:`PROBE_S`
+        after it, until nothing is left to answer."""
         self._probe_handle = None
         transport = self.transport
         if transport is None or transport.is_closing() or (self._answering is None and not self._messages):
@@ -114,13 +122,29 @@ class HalfCloseRequestHandler(RequestHandler):
                 self._response_probe()
         except ConnectionError:  # closing: connection_lost ends the request
             return
-        self._probe_handle = self._loop.call_later(PROBE_S, self._probe)
+        self._probe_handle = self._loop.call_later(next_s, self._probe)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._probe_handle is not None:
             self._probe_handle.cancel()
             self._probe_handle = None
         super().connection_lost(exc)
+
+
+def _echo_s(transport) -> float:
+    """When to probe again after the probe at a FIN (s): once the first probe's RST can be back, so that a
+    client that fully closed is noticed within about a round trip (milliseconds), not a :data:`PROBE_S`
+    later. Twice the connection's smoothed RTT (Linux ``TCP_INFO``'s ``tcpi_rtt``, µs at byte 68), at
+    least :data:`ECHO_MIN_S`, at most :data:`PROBE_S`; :data:`ECHO_MIN_S` where the RTT is not known."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    rtt_s = 0.0
+    if sock is not None and hasattr(socket, "TCP_INFO"):
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+            rtt_s = struct.unpack_from("I", info, 68)[0] / 1e6 if len(info) >= 72 else 0.0
+        except (OSError, ValueError):  # a unix socket (behind the front ends), or no TCP_INFO
+            pass
+    return min(PROBE_S, max(ECHO_MIN_S, 2 * rtt_s))
 
 
 def set_probe(request: web.BaseRequest, probe: Callable[[], None]) -> None:

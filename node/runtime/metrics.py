@@ -69,6 +69,8 @@ class NodeMetrics:
         self.request_timeouts = Counter("shiftnode_request_timeouts", "Requests ended by --request-timeout-s "
                                         "(their KV freed)", registry=r)
         self.rejected = Counter("shiftnode_rejected_requests", "Requests refused for overload (503)", registry=r)
+        self.stalled_clients = Counter("shiftnode_stalled_clients", "Streams aborted because their client stopped "
+                                       "reading (--sse-stall-bytes, --sse-stall-s; their KV freed)", registry=r)
         r.register(_StateCollector(node))
         r.register(VllmCompatCollector(node, self))  # vllm:* names for gateways and vLLM dashboards
 

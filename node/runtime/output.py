@@ -41,6 +41,22 @@ class SeqDelta:
             self.cached_tokens if self.cached_tokens is not None else later.cached_tokens,
             later.error_status, later.error_code, later.retry_after_s)
 
+    @staticmethod
+    def joined(parts: list["SeqDelta"]) -> "SeqDelta":
+        """``parts`` (consecutive deltas of one choice, at least one) as one, as :meth:`then` would
+        join them pairwise, in one pass (a slow client's held deltas: thousands of them)."""
+        if len(parts) == 1:
+            return parts[0]
+        first, last = parts[0], parts[-1]
+        return SeqDelta(
+            first.index, "".join(p.text for p in parts), [t for p in parts for t in p.token_ids],
+            [lp for p in parts for lp in p.logprobs],
+            next((p.finish_reason for p in reversed(parts) if p.finish_reason is not None), None),
+            next((p.error for p in reversed(parts) if p.error), None),
+            next((p.prompt_logprobs for p in parts if p.prompt_logprobs is not None), None),
+            next((p.cached_tokens for p in parts if p.cached_tokens is not None), None),
+            last.error_status, last.error_code, last.retry_after_s)
+
 
 def _held_suffix(text: str, stops: tuple[str, ...]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""

@@ -1,0 +1,106 @@
+"""Backpressure on streams (node/api/sse.py, issue 45 item 7): a client that keeps its connection open but
+never reads is aborted as stalled, its KV freed and counted; a client that reads slowly gets every token.
+The caps are shrunk by flags so that the checks take seconds."""
+
+import json
+import re
+import socket
+import time
+
+import httpx
+import pytest
+
+from support import STORIES, NodeProcess, require_shared, sse_events
+
+STALL_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def node():
+    require_shared()
+    n = NodeProcess("--model", str(STORIES), "--sse-buffer-bytes", "16384", "--sse-stall-bytes", str(64 << 20),
+                    "--sse-stall-s", str(STALL_S), "--kv-cache-memory", str(64 << 20))
+    yield n
+    n.close()
+
+
+def _stalled(node) -> float:
+    m = re.search(r"^shiftnode_stalled_clients_total (\S+)$", node.client.get("/metrics").text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def _post(port: int, body: dict, rcvbuf: int | None = None) -> socket.socket:
+    s = socket.socket()
+    if rcvbuf:  # before connect: the window the client offers stays small
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.connect(("127.0.0.1", port))
+    data = json.dumps(body).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return s
+
+
+def test_a_client_that_never_reads_is_aborted_and_its_kv_freed(node):
+    before = _stalled(node)
+    # n 64, logprobs 20: about 1 KB of events per token per choice; the model's context (512) bounds max_tokens
+    body = {"prompt": "Once", "n": 64, "logprobs": 20, "max_tokens": 500, "ignore_eos": True, "stream": True}
+    s = _post(node.port, body, rcvbuf=4096)
+    try:
+        t0 = time.monotonic()
+        running = False
+        while time.monotonic() - t0 < 60:
+            st = node.status()
+            used = sum(d["kv_blocks_used"] for d in st["devices"])
+            running = running or used > 0
+            if running and used == 0 and st["live_requests"] == 0 and _stalled(node) == before + 1:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"the stalled client still holds its request after 60 s: {st}")
+        # freed while the client still holds its socket open, unread
+        assert "client_stalled" in node.logs()
+        s.settimeout(10)
+        got = b""
+        try:  # the server closed the connection: what was sent, then EOF (or a reset), never the body's end
+            while chunk := s.recv(1 << 20):
+                got += chunk
+        except ConnectionResetError:
+            pass
+        assert got.startswith(b"HTTP/1.1 200") and not got.endswith(b"0\r\n\r\n"), got[-100:]
+    finally:
+        s.close()
+
+
+def test_a_client_that_reads_slowly_gets_every_token(node):
+    # about 1 KB per token per choice, 8 MB in all: more than the kernel's socket buffers take (so the
+    # node's own buffer fills and its deltas are held), less than --sse-stall-bytes
+    body = {"prompt": "Once", "n": 16, "logprobs": 20, "max_tokens": 500, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    whole = node.client.post("/v1/completions", json={**body, "stream": False}).json()
+    before = _stalled(node)
+    s = _post(node.port, body, rcvbuf=4096)
+    got = b""
+    s.settimeout(30)
+    while not got.endswith(b"0\r\n\r\n"):  # about 400 KB/s: slower than the node makes them (held and joined),
+        chunk = s.recv(4096)  # never stopped for longer than --sse-stall-s (not aborted)
+        assert chunk, got[-200:]
+        got += chunk
+        time.sleep(0.01)
+    s.close()
+    from support import dechunk
+
+    head, _, rest = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    events = sse_events(dechunk(rest).decode().split("\n"))
+    tokens: dict[int, list[int]] = {}
+    text: dict[int, str] = {}
+    for e in events[:-1]:
+        for c in e["choices"]:
+            tokens.setdefault(c["index"], []).extend(c["token_ids"])
+            text[c["index"]] = text.get(c["index"], "") + c["text"]
+    want = {c["index"]: c["token_ids"] for c in whole["choices"]}
+    assert tokens == want
+    assert text == {c["index"]: c["text"] for c in whole["choices"]}
+    assert len(events) - 1 < 16 * 500  # fewer events than tokens: held deltas went out joined
+    assert _stalled(node) == before
+    assert node.wait_idle()["live_requests"] == 0
