@@ -8,6 +8,7 @@ import os
 import re
 import sys
 
+from node.api.flags import add_stream_flags, stream_config
 from node.config import DEFAULT_REQUEST_TIMEOUT_S, EMBEDDED_MODEL, NodeConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -101,25 +102,7 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     lg.add_argument("--stats-interval-s", type=float, default=10.0, metavar="S",
                     help="the stats line (throughput, running and waiting requests, KV use, roles, switches) every S "
                          "seconds while there is traffic, none while idle (default: 10; 0: never)")
-    p.add_argument("--stream-interval", type=int, default=1, metavar="N",
-                   help="streams send an event every N tokens (the first token and the end at once): fewer events "
-                        "and less work per token for clients that do not need each token (SGLang's and vLLM's flag)")
-    p.add_argument("--sse-keepalive-s", type=float, default=10.0, help="SSE comment line after this much silence")
-    p.add_argument("--body-timeout-s", type=float, default=30.0, help="answer 408 to a request body slower than this")
-    p.add_argument("--sse-buffer-bytes", type=int, default=1 << 20,
-                   help="a stream whose client has more than this unsent gets its deltas joined until it catches up")
-    p.add_argument("--sse-stall-bytes", type=int, default=64 << 20,
-                   help="a stream whose client has more than this unsent and held is aborted as stalled (its KV freed)")
-    p.add_argument("--sse-stall-s", type=float, default=60.0,
-                   help="a stream whose client stays above --sse-buffer-bytes unsent this long is aborted as stalled")
-    p.add_argument("--api-heartbeat-timeout-s", type=float, default=10.0,
-                   help="an API front end that answers no heartbeat for this long (its event loop stuck, its process "
-                        "stopped) is killed and started again")
-    p.add_argument("--api-processes", type=int, default=None, metavar="N",
-                   help="HTTP front-end processes sharing --port (SO_REUSEPORT): they decode bodies, detokenize, apply "
-                        "stop strings and write the streams, so the node's event loop does per-step work only; 1: all "
-                        "in one process (default: 1 below 8 cores, else a quarter of the cores, at most 4; see "
-                        "docs/user-guide.md)")
+    add_stream_flags(p)
     g = p.add_argument_group("adaptive and time-shared modes")
     g.add_argument("--mode", default="adaptive", choices=["adaptive", "time-shared", "colocated", "pooled"],
                    help="adaptive (default): per device, decode, decode plus prompt chunks sized online from the TPOT "
@@ -148,9 +131,11 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--peers", default=None, help="comma-separated host:kv-port of nodes this node may send KV to")
     k.add_argument("--etcd", default=None, metavar="URL",
                    help="find peers through etcd (client URL, e.g. http://127.0.0.1:2379): this node registers its KV "
-                        "endpoint under a lease of about --peer-stale-s and takes every other node under --etcd-prefix "
+                        "endpoint under a lease of --etcd-lease-ttl-s and takes every other node under --etcd-prefix "
                         "with a KV listener as a peer, as they join and leave")
     k.add_argument("--etcd-prefix", default="/shiftnode/default", help="the deployment's key prefix in etcd")
+    k.add_argument("--etcd-lease-ttl-s", type=float, default=10.0, help="a node killed without a clean stop leaves "
+                   "every peer set within this long (at least 3 etcd keep-alive timeouts: 6 s)")
     k.add_argument("--advertise-host", default=None,
                    help="the address other nodes reach this node's KV listener at, as registered in etcd "
                         "(default --kv-host, else --host; the host name when that is a wildcard address)")
@@ -272,25 +257,17 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         benchmark_model=a.benchmark_model,
         reconfig_pause_ms=a.reconfig_pause_ms, cost_model=a.cost_model, ttft_slo_ms=a.ttft_slo_ms, tpot_slo_ms=a.tpot_slo_ms,
         min_window_ms=a.min_window_ms, max_window_ms=a.max_window_ms, stagger=a.stagger,
-        sse_keepalive_s=a.sse_keepalive_s, stream_interval=a.stream_interval, body_timeout_s=a.body_timeout_s,
-        sse_buffer_bytes=a.sse_buffer_bytes, sse_stall_bytes=a.sse_stall_bytes, sse_stall_s=a.sse_stall_s,
-        api_processes=a.api_processes if a.api_processes is not None else _default_api_processes(),
-        api_heartbeat_timeout_s=a.api_heartbeat_timeout_s,
+        **stream_config(a),
         prefill_devices=prefill, decode_devices=decode, max_unsent=a.max_unsent, link_gbps=a.link_gbps,
         node_id=a.node_id, kv_host=a.kv_host, kv_port=a.kv_port, peer_secret=a.peer_secret,
         peers=[p.strip() for p in (a.peers or "").split(",") if p.strip()],
-        etcd=a.etcd, etcd_prefix=a.etcd_prefix, advertise_host=a.advertise_host,
+        etcd=a.etcd, etcd_prefix=a.etcd_prefix, etcd_lease_ttl_s=a.etcd_lease_ttl_s, advertise_host=a.advertise_host,
         max_retries=a.max_retries,
         imbalance_threshold=a.imbalance_threshold if a.imbalance_threshold is not None else (0.0 if a.mode == "adaptive" else 1.0),
         kv_connect_timeout_s=a.kv_connect_timeout_s, kv_transfer_timeout_s=a.kv_transfer_timeout_s,
         peer_stale_s=a.peer_stale_s, kv_transport=a.kv_transport,
     )
 
-
-def _default_api_processes() -> int:
-    from node.config import default_api_processes, usable_cores
-
-    return default_api_processes(usable_cores())
 
 
 def run_serve(config: NodeConfig) -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 import msgspec
 
 
+ETCD_KEEPALIVE_TIMEOUT_S = 2.0  # each etcd lease keep-alive call; a slower one is tried again (node.runtime.membership)
 RELAY_KEEPALIVE_S = 2.0  # a peer relaying tokens sends a keep-alive after this much silence
 DEFAULT_REQUEST_TIMEOUT_S = 600.0  # a finite default deadline: a wedged path cannot hold a request (and its KV) for good
 MODES = ("adaptive", "time-shared", "colocated", "pooled")
@@ -81,6 +82,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     peers: list[str] = msgspec.field(default_factory=list)  # host:kv_port of nodes this node may send KV to
     etcd: str | None = None  # etcd client URL: register under a lease and take the other nodes found there as peers
     etcd_prefix: str = "/shiftnode/default"  # one deployment's key prefix in etcd
+    etcd_lease_ttl_s: float = 10.0  # the registration's lease: at least 3 ETCD_KEEPALIVE_TIMEOUT_S (node.runtime.membership)
     advertise_host: str | None = None  # the address peers reach this node's KV listener at (default: --kv-host/--host)
     peer_secret: str | None = None  # shared secret both ends of a KV connection prove (HMAC challenge)
     max_retries: int = 2  # recomputes of a sequence whose KV hand-off failed, or whose engine died (each), before an error
@@ -98,11 +100,9 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     stagger: str = "soft"  # hard | soft | off (see node.core.roles)
     stream_interval: int = 1  # a stream's event carries at least this many new tokens (the first token and the end go at once)
     sse_keepalive_s: float = 10.0  # comment lines on a stream silent this long (e.g. through a role switch)
-    # backpressure (node/api/sse.py): a stream's client with more than sse_buffer_bytes unsent gets its deltas
-    # joined; past sse_stall_bytes unsent and held, or sse_stall_s without catching up, it is aborted (KV freed)
-    sse_buffer_bytes: int = 1 << 20
-    sse_stall_bytes: int = 64 << 20
-    sse_stall_s: float = 60.0
+    sse_buffer_bytes: int = 1 << 20  # backpressure (node/api/sse.py): a client with more unsent gets its deltas joined
+    sse_stall_bytes: int = 64 << 20  # a client with more unsent and held is aborted as stalled (its KV freed)
+    sse_stall_s: float = 60.0  # a client above sse_buffer_bytes that acknowledges nothing this long: aborted, too
     body_timeout_s: float = 30.0  # a request body slower than this is answered 408
     api_processes: int = 1  # HTTP front-end processes (node.api.frontend); 1: the API runs in the node's process
     api_heartbeat_timeout_s: float = 10.0  # a front end silent this long (loop stuck, process stopped) is killed and restarted
@@ -159,6 +159,8 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (not self.etcd or self.etcd.startswith(("http://", "https://")),
              f"--etcd must be an http:// or https:// client URL, got {self.etcd!r}"),
             (not self.etcd or self.mode != "colocated", "--etcd is for the adaptive, time-shared and pooled modes"),
+            (self.etcd_lease_ttl_s >= 3 * ETCD_KEEPALIVE_TIMEOUT_S, f"--etcd-lease-ttl-s must be at least 3 keep-alive "
+             f"timeouts ({3 * ETCD_KEEPALIVE_TIMEOUT_S:g} s), got {self.etcd_lease_ttl_s}: a shorter lease flaps under load"),
             (self.kv_port is None or 0 <= self.kv_port <= 65535, f"--kv-port must be in [0, 65535], got {self.kv_port}"),
             (all(_is_host_port(p) for p in self.peers), f"--peers must be host:port entries, got {self.peers}"),
             (not self.peers or self.mode != "colocated", "--peers is for pooled and time-shared modes"),
@@ -183,9 +185,8 @@ class NodeConfig(msgspec.Struct, kw_only=True):
              f"--compile-sizes must list token counts of at least 1, got {self.compile_sizes}"),
             (self.stream_interval >= 1, f"--stream-interval must be at least 1, got {self.stream_interval}"),
             (self.sse_keepalive_s > 0 and self.body_timeout_s > 0, "--sse-keepalive-s and --body-timeout-s must be positive"),
-            (0 < self.sse_buffer_bytes < self.sse_stall_bytes,
-             f"need 0 < --sse-buffer-bytes < --sse-stall-bytes, got {self.sse_buffer_bytes} and {self.sse_stall_bytes}"),
-            (self.sse_stall_s > 0, f"--sse-stall-s must be positive, got {self.sse_stall_s}"),
+            (0 < self.sse_buffer_bytes < self.sse_stall_bytes and self.sse_stall_s > 0,
+             "need 0 < --sse-buffer-bytes < --sse-stall-bytes and a positive --sse-stall-s"),
             (1 <= self.api_processes <= 64, f"--api-processes must be in [1, 64], got {self.api_processes}"),
             (self.log_level in ("debug", "info", "warning", "error"), f"--log-level must be debug, info, warning or error, got {self.log_level!r}"),
             (self.stats_interval_s >= 0, f"--stats-interval-s must be at least 0 (0: no stats line), got {self.stats_interval_s}"),
@@ -401,11 +402,3 @@ def usable_cores() -> int:
     """The CPUs this process may run on (its affinity mask where the platform has one, else the count)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
-
-def default_api_processes(cores: int | None) -> int:
-    """``--api-processes`` when not given: one process on a small machine (a front end only pays off
-    where it gets a core of its own beside the control loop and the engines), else a quarter of the
-    cores, at most 4 (bench/RESULTS.md, host path: a front end costs more CPU per token than the
-    control loop saves, so more processes than needed only spread the same work thinner)."""
-    cores = cores or 1
-    return 1 if cores < 8 else min(4, cores // 4)

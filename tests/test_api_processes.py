@@ -351,7 +351,8 @@ def test_a_refused_admission_is_the_same_503_in_the_front_end():
 
 
 def test_the_default_count_and_the_accepted_range():
-    from node.config import ConfigError, NodeConfig, default_api_processes
+    from node.api.flags import default_api_processes
+    from node.config import ConfigError, NodeConfig
 
     assert [default_api_processes(c) for c in (None, 1, 2, 4, 7, 8, 12, 16, 64)] == [1, 1, 1, 1, 1, 2, 3, 4, 4]
     for bad in (0, 65):

@@ -15,7 +15,7 @@ from bench.load.etcd_server import EtcdMissing, EtcdServer
 from support import STORIES, NodeProcess, free_port, reference_cases, up
 
 SECRET = "etcd-test-secret"
-STALE_S = "2"  # --peer-stale-s: the lease's TTL, so a killed node leaves within ~2 s
+TTL_S = "6"  # --etcd-lease-ttl-s, the shortest allowed (3 keep-alive timeouts): a killed node leaves within ~6 s
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def etcd():
 def decode_node(etcd: str, prefix: str, node_id: str, wait: bool = True) -> NodeProcess:
     return NodeProcess("--model", str(STORIES), "--mode", "pooled", "--decode-devices", "cpu:0", "--kv-port", "0",
                        "--kv-host", "127.0.0.1", "--peer-secret", SECRET, "--etcd", etcd, "--etcd-prefix", prefix,
-                       "--node-id", node_id, "--peer-stale-s", STALE_S, wait=wait)
+                       "--node-id", node_id, "--etcd-lease-ttl-s", TTL_S, wait=wait)
 
 
 def wait_for(what, predicate, timeout_s: float):
@@ -60,25 +60,25 @@ def test_peers_join_serve_die_within_the_lease_and_new_ones_join(etcd):
     body = {"prompt": case["prompt"], "max_tokens": case["max_new_tokens"], "temperature": 0, "return_token_ids": True}
     p, d1 = up(NodeProcess("--model", str(STORIES), "--mode", "pooled", "--prefill-devices", "cpu:0",
                            "--peer-secret", SECRET, "--etcd", etcd, "--etcd-prefix", prefix, "--node-id", "prefill",
-                           "--peer-stale-s", STALE_S, wait=False),
+                           "--etcd-lease-ttl-s", TTL_S, wait=False),
                decode_node(etcd, prefix, "decode-1", wait=False))
     d2 = None
     try:
         # the decode node is found through etcd alone and used: the reference, token for token
         wait_for("decode-1 as a healthy peer", lambda: healthy_peers(p) == ["decode-1"], 20)
         st = p.status()["network"]["membership"]
-        assert st["state"] == "registered" and st["members"] == ["decode-1"] and st["lease_ttl_s"] == 2
+        assert st["state"] == "registered" and st["members"] == ["decode-1"] and st["lease_ttl_s"] == 6
         assert members(d1) == ["prefill"]  # the prefill node is a member too, but takes no KV: nobody's peer
         r = p.client.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == case["output_token_ids"]
         assert d1.status()["network"]["received_sequences"] >= 1
 
-        # kill -9: no clean stop, so etcd drops the record when the lease runs out (TTL 2 s)
+        # kill -9: no clean stop, so etcd drops the record when the lease runs out (TTL 6 s)
         d1.proc.kill()
         killed = time.monotonic()
-        wait_for("decode-1 to leave", lambda: not p.status()["network"]["peers"], 2 + 4)
-        assert members(p) == [] and time.monotonic() - killed < 6
+        wait_for("decode-1 to leave", lambda: not p.status()["network"]["peers"], 6 + 4)
+        assert members(p) == [] and time.monotonic() - killed < 10
         assert p.client.post("/v1/completions", json=body).status_code == 503  # no decode node: unavailable
 
         # a new decode node joins without a restart of the prefill node, and serves
@@ -149,5 +149,26 @@ def test_membership_reconciles_records_and_reports_an_unreachable_etcd(etcd):
         assert "ClientConnectorError" in gone.status()["reason"] or "Connect" in gone.status()["reason"]
         for m in (a, c, gone):
             await m.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_quiet_watch_is_tested_and_kept_when_etcd_echoes(etcd, monkeypatch):
+    """The watch guard against a real etcd: a watch quiet for QUIET_S has this node put its record again,
+    and the echo etcd sends keeps the session (a silently dead one ends: test_membership_faults.py)."""
+    import asyncio
+
+    from node.runtime import membership
+    from node.runtime.membership import Membership
+
+    monkeypatch.setattr(membership, "QUIET_S", 0.3)
+
+    async def scenario():
+        m = Membership(etcd, "/shiftnode/test-quiet", "q", {"node_id": "q", "kv": None}, 6, lambda _: None,
+                       lambda _: None)
+        m.start()
+        await asyncio.sleep(2.5)
+        assert m.status()["state"] == "registered" and m.sessions == 1, m.status()
+        await m.close()
 
     asyncio.run(scenario())

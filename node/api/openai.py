@@ -22,7 +22,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from node.api.errors import APIError, bad_request, delta_error, error_body
 from node.api.frontend_node import FrontNode
 from node.api.responses import ChoiceState, chat_logprobs, completion_logprobs, envelope, usage
-from node.api.sse import SSEWriter, StreamLimits, held_bytes
+from node.api.sse import Backlog, SSEWriter, StreamLimits
 from node.api.validate import chat_prompt, check_model, completion_prompts, reject_unsupported, sampling_params
 from node.core.sequence import SamplingParams
 from node.log import request_lines
@@ -164,7 +164,7 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
         held: dict[int, SeqDelta] = {}  # choice → tokens not yet sent (--stream-interval > 1)
         sent_first: set[int] = set()  # choices whose first token went out (it is never held: TTFT)
 
-        backlog: dict[int, list[SeqDelta]] = {}  # choice → deltas held while the client is congested (sse.py)
+        backlog = Backlog(sse)  # deltas held while the client is congested (sse.py)
 
         def due(d: SeqDelta) -> SeqDelta | None:
             """``d`` joined to what its choice holds; returned when an event is due, else held."""
@@ -183,12 +183,6 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
             if d is not None and (entry := fold(d)) is not None:
                 chunks.append({**chunk_envelope, "choices": [entry], **extra})
 
-        def flush_backlog(chunks: list) -> None:  # each choice's held deltas as one (fewer envelopes)
-            for parts in backlog.values():
-                emit(SeqDelta.joined(parts), chunks)
-            backlog.clear()
-            sse.release()
-
         def write_step(batch: list[SeqDelta]) -> None:  # a DeltaStream callback: must not raise
             try:
                 congested = sse.congested()  # the client reads slower than this writes: hold (sse.py)
@@ -201,18 +195,19 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
                 failed = ending = False
                 try:
                     if backlog and not congested:
-                        flush_backlog(chunks)
+                        for d in backlog.take():
+                            emit(d, chunks)
                     for d in batch:
                         node.account(reqs[d.index // n], d, now)  # TTFT/ITL per step, whatever is sent
                         if d.error:
-                            flush_backlog(chunks)
+                            for held_d in backlog.take():
+                                emit(held_d, chunks)
                             chunks.append(delta_error(d).body())
                             failed = True
                             break
                         ending = ending or d.finish_reason is not None
                         if congested:
-                            backlog.setdefault(d.index, []).append(d)
-                            sse.hold(held_bytes(d.token_ids, d.logprobs))  # past --sse-stall-bytes: aborted
+                            backlog.add(d)  # past --sse-stall-bytes: the client is aborted
                             continue
                         emit(d, chunks)
                 finally:  # a failure part-way through a step still sends the tokens before it, then the error
@@ -235,7 +230,8 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
             if backlog:  # the ends were held for a congested client: once it catches up (or is stalled)
                 await sse.drained()
                 chunks = []
-                flush_backlog(chunks)
+                for d in backlog.take():
+                    emit(d, chunks)
                 sse.send_many(chunks)
             if include_usage:
                 completion = sum(len(c.token_ids) for c in choices)

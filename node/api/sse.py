@@ -40,6 +40,7 @@ import structlog
 from aiohttp import HttpVersion11, web
 
 from node.api.serving import set_probe
+from node.runtime.output import SeqDelta
 
 log = structlog.get_logger("shiftnode.api")
 
@@ -260,3 +261,30 @@ class SSEWriter:
             self._arm()
             if self._check():
                 raise ConnectionResetError("the client stopped reading (stalled)")
+
+
+class Backlog:
+    """The deltas a stream holds while its client is congested (:meth:`SSEWriter.congested`), per
+    choice in order; :meth:`take` gives each choice's as one (:meth:`SeqDelta.joined`: one event
+    where there would have been one per step)."""
+
+    __slots__ = ("sse", "_parts")
+
+    def __init__(self, sse: SSEWriter):
+        self.sse = sse
+        self._parts: dict[int, list[SeqDelta]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._parts)
+
+    def add(self, d: SeqDelta) -> None:
+        """Hold ``d``; past ``stall_bytes`` the client is stalled (:meth:`SSEWriter.hold`)."""
+        self._parts.setdefault(d.index, []).append(d)
+        self.sse.hold(held_bytes(d.token_ids, d.logprobs))
+
+    def take(self) -> list[SeqDelta]:
+        """Every choice's held deltas joined, and none held any more."""
+        out = [SeqDelta.joined(parts) for parts in self._parts.values()]
+        self._parts.clear()
+        self.sse.release()
+        return out

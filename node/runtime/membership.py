@@ -18,6 +18,17 @@ Failures: any error of etcd (unreachable, lease lost, watch cancelled or compact
 session after a back-off: a new lease, the record put again, the prefix read again and reconciled
 (peers that vanished meanwhile leave, new ones join). Peers joined through etcd stay usable while
 etcd is away; the KV links' own health checks still judge them.
+
+Under load a keep-alive may be slow: each is bounded by :data:`~node.config.ETCD_KEEPALIVE_TIMEOUT_S`
+and one that fails is tried again at once; the session ends only once the lease has run out. So the
+TTL is at least three such timeouts (a shorter one is raised, with a warning): one slow call must not
+let the record expire and every peer see this node leave and join again.
+
+A watch stream can die silently (a half-open connection: etcd restarted behind a proxy, a dropped
+NAT entry); the peer set would then freeze. The watch asks for progress notifications, and a watch
+quiet for :data:`QUIET_S` is tested: this node puts its record again (same value, same lease), which
+its own watch must report within :data:`ECHO_S`; if it does not, the session ends and a new one
+reads the prefix again.
 """
 from __future__ import annotations
 
@@ -31,9 +42,14 @@ from collections.abc import Callable
 import aiohttp
 import structlog
 
+from node.config import ETCD_KEEPALIVE_TIMEOUT_S
+
 log = structlog.get_logger("shiftnode.membership")
 
 BACKOFF_S = (0.5, 1.0, 2.0, 5.0)  # between failed sessions with etcd
+MIN_TTL_S = 3 * ETCD_KEEPALIVE_TIMEOUT_S  # the shortest lease: three keep-alive tries fit in it
+QUIET_S = 30.0  # a watch that reported nothing this long is tested (the echo of this node's own record)
+ECHO_S = 5.0  # how long the echo may take before the watch is taken as dead
 
 
 class EtcdError(RuntimeError):
@@ -91,9 +107,14 @@ class EtcdGateway:
         """A new lease of ``ttl_s`` seconds; returns its id."""
         return (await self._call("lease/grant", {"TTL": ttl_s}))["ID"]
 
-    async def keepalive(self, lease: str) -> int:
-        """Refresh ``lease``; returns its remaining TTL in seconds (0: the lease has expired)."""
-        return int((await self._call("lease/keepalive", {"ID": lease})).get("result", {}).get("TTL", 0))
+    async def keepalive(self, lease: str, timeout_s: float | None = None) -> int:
+        """Refresh ``lease``; returns its remaining TTL in seconds (0: the lease has expired). ``timeout_s``
+        bounds the call (default: the gateway's)."""
+        if timeout_s is None:
+            data = await self._call("lease/keepalive", {"ID": lease})
+        else:
+            data = await asyncio.wait_for(self._call("lease/keepalive", {"ID": lease}), timeout_s)
+        return int(data.get("result", {}).get("TTL", 0))
 
     async def revoke(self, lease: str) -> None:
         """Drop ``lease`` and every key attached to it (a clean stop: watchers see the delete at once)."""
@@ -111,17 +132,21 @@ class EtcdGateway:
         kvs = {_unb64(kv["key"]): _unb64(kv.get("value", "")) for kv in data.get("kvs", [])}
         return int(data["header"]["revision"]), kvs
 
-    async def watch(self, prefix: str, start_revision: int, on_event: Callable[[str, str, str | None], None]) -> None:
+    async def watch(self, prefix: str, start_revision: int, on_event: Callable[[str, str, str | None], None],
+                    heard: Callable[[], None] | None = None) -> None:
         """Call ``on_event(kind, key, value)`` (``PUT`` with the value, ``DELETE`` with None) for every
-        change under ``prefix`` from ``start_revision`` on; returns only by raising (stream closed,
-        watch cancelled or compacted)."""
+        change under ``prefix`` from ``start_revision`` on, and ``heard()`` for every message of the
+        stream (events, progress notifications); returns only by raising (stream closed, watch
+        cancelled or compacted)."""
         body = {"create_request": {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)),
-                                   "start_revision": str(start_revision)}}
+                                   "start_revision": str(start_revision), "progress_notify": True}}
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout.total)
         async with self.session.post(f"{self.url}/v3/watch", json=body, timeout=timeout) as r:
             if r.status != 200:
                 raise EtcdError(f"etcd watch: HTTP {r.status}")
             while line := await r.content.readline():
+                if heard is not None:
+                    heard()
                 result = json.loads(line).get("result")
                 if result is None or result.get("canceled") or int(result.get("compact_revision", 0) or 0):
                     raise EtcdError(f"etcd cancelled the watch: {line[:200]!r}")
@@ -145,8 +170,9 @@ class Membership:
         node_id: this node's id (its record's key; its own record never becomes a peer).
         record: this node's record (JSON-able): ``kv`` (``host:port`` of its KV listener, or None when
             it takes no KV), ``node_id``, ``fingerprint``, ``mode``, ``capacity``.
-        ttl_s: lease TTL in seconds (rounded up to a whole second, at least 2: etcd's minimum); a
-            node killed without a clean stop disappears from every peer set within about this long.
+        ttl_s: lease TTL in seconds (rounded up to a whole second, at least :data:`MIN_TTL_S`: a shorter
+            one is raised to it with a warning); a node killed without a clean stop disappears from
+            every peer set within about this long.
         on_join / on_leave: called with a peer's ``host:port`` KV endpoint.
     """
 
@@ -157,7 +183,11 @@ class Membership:
         self.prefix = prefix.rstrip("/") + "/nodes/"
         self.key = self.prefix + node_id
         self.record = record
-        self.ttl_s = max(2, math.ceil(ttl_s))
+        self.ttl_s = math.ceil(max(ttl_s, MIN_TTL_S))
+        if ttl_s < MIN_TTL_S:
+            log.warning("etcd_lease_ttl_raised", asked_s=ttl_s, ttl_s=self.ttl_s,
+                        why=f"at least 3 keep-alive timeouts of {ETCD_KEEPALIVE_TIMEOUT_S:g} s, or it flaps under load")
+        self._heard = 0.0  # loop time of the watch's last message
         self.on_join, self.on_leave = on_join, on_leave
         self._raw: dict[str, str] = {}  # key → JSON record, every node under the prefix but this one
         self.members: dict[str, dict] = {}  # the same, parsed
@@ -212,22 +242,55 @@ class Membership:
         self.state, self.reason = "registered", ""
         self.sessions += 1
         log.info("etcd_registered", etcd=self.url, key=self.key, members=len(self.members))
-        watch = asyncio.ensure_future(self.gateway.watch(self.prefix, revision + 1, self._on_event))
-        alive = asyncio.ensure_future(self._keepalive())
+        self._heard = asyncio.get_running_loop().time()
+        watch = asyncio.ensure_future(self.gateway.watch(self.prefix, revision + 1, self._on_event, self._on_heard))
+        tasks = {watch, asyncio.ensure_future(self._keepalive()), asyncio.ensure_future(self._guard_watch())}
         try:
-            done, _ = await asyncio.wait({watch, alive}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for t in done:
                 t.result()  # raises the failure that ended the session
         finally:
-            for t in (watch, alive):
+            for t in tasks:
                 t.cancel()
-            await asyncio.gather(watch, alive, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _keepalive(self) -> None:
+        """Refresh the lease every third of its TTL; a call that fails or takes longer than
+        ETCD_KEEPALIVE_TIMEOUT_S is tried again at once, until the lease has run out."""
+        loop = asyncio.get_running_loop()
+        refreshed = loop.time()
         while True:
-            await asyncio.sleep(self.ttl_s / 3)
-            if await self.gateway.keepalive(self._lease) <= 0:
+            await asyncio.sleep(max(0.0, refreshed + self.ttl_s / 3 - loop.time()))
+            while True:
+                try:
+                    ttl = await self.gateway.keepalive(self._lease, ETCD_KEEPALIVE_TIMEOUT_S)
+                    break
+                except (aiohttp.ClientError, asyncio.TimeoutError, EtcdError, OSError) as e:
+                    if loop.time() - refreshed >= self.ttl_s:
+                        raise EtcdError(f"the lease ran out: keep-alives failed for {self.ttl_s} s ({e})") from e
+                    log.warning("etcd_keepalive_retry", error=f"{type(e).__name__}: {e}")
+                    await asyncio.sleep(0.05)
+            if ttl <= 0:
                 raise EtcdError("the lease expired (etcd was out of reach longer than its TTL)")
+            refreshed = loop.time()
+
+    def _on_heard(self) -> None:
+        self._heard = asyncio.get_running_loop().time()
+
+    async def _guard_watch(self) -> None:
+        """End the session when the watch is silently dead: quiet for QUIET_S, and this node's own
+        record, put again, not echoed within ECHO_S (the module's docstring)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(max(0.0, self._heard + QUIET_S - loop.time()))
+            if loop.time() - self._heard < QUIET_S:
+                continue
+            asked = loop.time()
+            await self.gateway.put(self.key, json.dumps(self.record), self._lease)
+            while self._heard < asked:
+                if loop.time() - asked > ECHO_S:
+                    raise EtcdError(f"the watch is silent: no echo of this node's own record within {ECHO_S:g} s")
+                await asyncio.sleep(0.05)
 
     def _on_event(self, kind: str, key: str, value: str | None) -> None:
         if key == self.key:
@@ -295,6 +358,6 @@ def join(config, links, kv_port: int | None, fingerprint: dict | None, kv_blocks
         if addr not in static:
             links.remove(addr)
 
-    m = Membership(config.etcd, config.etcd_prefix, config.name, record, config.peer_stale_s, links.add, leave)
+    m = Membership(config.etcd, config.etcd_prefix, config.name, record, config.etcd_lease_ttl_s, links.add, leave)
     m.start()
     return m
