@@ -76,7 +76,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     decode_devices: list[str] = msgspec.field(default_factory=list)  # pooled mode
     max_unsent: int = 64  # pooled: prompts in flight plus prefilled-but-unsent caches per prefill device
     link_gbps: float | None = None  # emulated link for KV moved between devices or nodes (Gb/s); None: unthrottled
-    node_id: str | None = None  # name in peer handshakes and logs (default host:port)
+    node_id: str | None = None  # name in peer handshakes and logs (default: NodeConfig.name)
     kv_host: str | None = None  # KV transfer listener (default: --host)
     kv_port: int | None = None  # KV transfer listener port; None: this node accepts no KV from peers
     peers: list[str] = msgspec.field(default_factory=list)  # host:kv_port of nodes this node may send KV to
@@ -325,8 +325,10 @@ class NodeConfig(msgspec.Struct, kw_only=True):
 
     @property
     def name(self) -> str:
-        """This node's id in peer handshakes and logs."""
-        return self.node_id or f"{self.host}:{self.port}"
+        """This node's id in peer handshakes, etcd and logs: ``--node-id``, else :func:`node.node_id.default_node_id`."""
+        from node.node_id import default_node_id
+
+        return self.node_id or default_node_id(self.host, self.port)
 
     @property
     def model_name(self) -> str:

@@ -22,7 +22,6 @@ frees the blocks it resolved to.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from contextlib import suppress
 from typing import Callable, Protocol
@@ -36,13 +35,12 @@ from node.runtime.moves import MigrationRecord
 from node.runtime.peer_state import Peer
 from node.runtime.request import RequestState
 from node.transport import KVClient, Layout, PeerRefused, SeqState, TransferRefused, TransportError
-from node.transport.protocol import RelayEnd
+from node.transport.protocol import RelayEnd, new_transfer_id
 from node.worker.sampler import TokenLogprobs
 
 log = structlog.get_logger("shiftnode.peers")
 
 RETRY_AFTER_S = 2.0  # Retry-After of a request failed for want of a usable peer
-_ids = itertools.count()
 
 
 def lp_from_wire(x: list | None) -> TokenLogprobs | None:
@@ -152,7 +150,7 @@ class HandOff:
         blocks = self.blocks
         seq.device_id = peer.id
         start = time.monotonic()
-        tid = f"{links.node.config.name}/{seq.seq_id}/{next(_ids)}"
+        tid = new_transfer_id(f"{links.node.config.name}/{seq.seq_id}")
         client: KVClient | None = None
         try:
             nixl = links.nixl

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
@@ -20,7 +19,7 @@ from node.transport.protocol import (
     Goodbye, Heartbeat, LayerHeader, Layout, LayoutMismatch, Message, ProtocolError, RelayEnd, SeqState,
     StatusQuery, StatusReply, TokenRelay, TransferAbort, TransferAborted, TransferAccept, TransferCommitted, TransferDone, TransferOffer,
     TransferRefuse, TransferRefused, TransportError, TransportTimeout, checksum, check_compatible,
-    secret_bytes,
+    new_transfer_id, secret_bytes,
 )
 from node.transport.errors import TransferUnconfirmed, not_kv_peer
 from node.transport.layers import Layers, LayerSource, payload_view, skip_blocks
@@ -115,7 +114,8 @@ class KVClient:
             route = None
             if nixl is not None:  # only now: the server proved the secret, its metadata may be parsed
                 from node.transport.nixl_plane import query_route
-                route = await query_route(reader, writer, nixl, reply.node_id, handshake_timeout_s, max_header_bytes)
+                # keyed by the address dialed and proven, not the id it claims (two nodes may claim one)
+                route = await query_route(reader, writer, nixl, f"{host}:{port}", handshake_timeout_s, max_header_bytes)
         except BaseException as exc:
             _log.warning("kv_connect_failed", peer=f"{host}:{port}", reason=str(exc) or type(exc).__name__)
             say_goodbye(writer, f"handshake failed: {exc}", refusal_code(exc))
@@ -275,7 +275,7 @@ class KVClient:
         problems = seq.problems(layout.block_size, num_blocks)
         if problems:
             raise ValueError(f"sequence {seq.seq_id} cannot be transferred: {'; '.join(problems)}")
-        tid = transfer_id or uuid.uuid4().hex
+        tid = transfer_id or new_transfer_id("kv")
         per_layer = layout.layer_bytes(num_blocks)
         offer = TransferOffer(transfer_id=tid, layout=layout, seq=seq, num_blocks=num_blocks,
                               nbytes_per_layer=per_layer, relay=relay,

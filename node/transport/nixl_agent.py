@@ -275,7 +275,8 @@ class NixlAgent:
 
     async def add_remote(self, peer: str, metadata: bytes) -> str:
         """Load a peer agent's metadata (parsed by NIXL: call this only for a peer that proved the shared
-        secret). ``peer`` keys it (the peer's node id): the same metadata again is not parsed again (a
+        secret). ``peer`` keys it (the ``host:port`` the authenticated connection dialed, not the node id
+        the peer claims, which two misconfigured nodes may share): the same metadata again is not parsed again (a
         hand-off opens a connection each time), and a peer that restarted with a new agent replaces
         its old one. Returns the agent name to write to."""
         def load() -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+import secrets
 import zlib
 from typing import Any
 
@@ -22,6 +23,12 @@ from node.transport.errors import (  # noqa: F401 - the protocol's errors, re-ex
 
 PROTOCOL_VERSION = 2  # 2: Layout carries a Fingerprint; the handshake ends with HelloAck
 NONCE_BYTES = 32
+
+
+def new_transfer_id(prefix: str) -> str:
+    """A transfer's id: ``prefix`` (who and what, for logs) and 128 random bits, so that nobody who sees
+    some ids (logs, /v1/node) can name another transfer in flight (a counter could be guessed)."""
+    return f"{prefix}/{secrets.token_hex(16)}"
 
 # Element size (bytes) of each KV dtype the protocol knows, by torch name without "torch.".
 DTYPE_BYTES: dict[str, int] = {
