@@ -66,9 +66,13 @@ def test_a_prefill_only_pooled_node_needs_a_ready_peer():
     assert node_health(node(peers=[ready_peer()], **kw), NOW).status == "ok"
     refused = Peer("10.0.0.4:9100", "10.0.0.4", 9100, refusal=("auth", "server could not prove the peer secret"))
     h = node_health(node(peers=[refused], **kw), NOW)
-    assert h.status == "unavailable" and h.reasons[0] == "no decode peer is ready" and "refused: auth" in h.reasons[1]
+    assert h.status == "unavailable" and "refused: auth" in h.reasons[1]
+    assert h.reasons[0] == ("no decode peer is ready: every peer refused the handshake (incompatible: another model, "
+                            "layout or secret)")
     h = node_health(node(peers=[ready_peer(accepting=False)], **kw), NOW)
     assert h.status == "unavailable" and "not_accepting" in h.reasons[1]
+    gone = Peer("10.0.0.5:9100", "10.0.0.5", 9100, error="ConnectionRefusedError: [Errno 111]")
+    assert node_health(node(peers=[refused, gone], **kw), NOW).reasons[0] == "no decode peer is ready"  # not all refused
     # with a decode device of its own, the peers are extra: it degrades instead
     both = dict(mode="pooled", prefill=["cpu:0"], decode=["cpu:1"], engines=[engine("cpu:0"), engine("cpu:1")])
     assert node_health(node(peers=[refused], **both), NOW).status == "degraded"

@@ -63,3 +63,41 @@ def test_the_same_capacity_report_starts_no_round_and_more_room_does():
         assert node.driver.kicks == 8 + 2, (node.driver.kicks, asked)
 
     asyncio.run(main())
+
+
+def test_a_peer_that_keeps_refusing_is_asked_with_backoff_and_health_says_why(monkeypatch):
+    """A pooled prefill node whose only peer is incompatible: asked again after REFUSED_RETRY_S, doubling
+    per refusal up to REFUSED_RETRY_MAX_S (not every 2 s for ever), logged once, and /health says the node
+    cannot serve because every peer refused it."""
+    from node.runtime.health import node_health
+    from node.transport import PeerRefused
+
+    monkeypatch.setattr(peer_links, "REFUSED_RETRY_S", 0.05)
+    monkeypatch.setattr(peer_links, "REFUSED_RETRY_MAX_S", 0.4, raising=False)
+    refusals = SimpleNamespace(labels=lambda **kw: SimpleNamespace(inc=lambda: None))
+
+    async def main():
+        cfg = NodeConfig(mode="pooled", prefill_devices=["cpu:0"], peers=["127.0.0.1:7000"], peer_secret="s")
+        node = SimpleNamespace(config=cfg, driver=_Driver(), metrics=SimpleNamespace(peer_refusals=refusals),
+                               engines=[SimpleNamespace(device_id="cpu:0", failure=None)], receiver=None, draining=False)
+        links = PeerLinks(node, layout=None)
+        node.peers = links
+        asked = []
+
+        async def connect(peer, **kw):
+            asked.append(asyncio.get_running_loop().time())
+            raise PeerRefused("KV layout mismatch (model: stories260k here, llama there)", "model")
+
+        links.connect = connect
+        links.start()
+        await asyncio.sleep(2.0)
+        h = node_health(node)
+        await links.close()
+        gaps = [b - a for a, b in zip(asked, asked[1:])]
+        assert 5 <= len(asked) <= 9, gaps  # 0.05, 0.1, 0.2, 0.4, 0.4, ...: not 40 tries at a fixed 0.05 s
+        assert max(gaps) < 0.4 + 0.2 and gaps[-1] > 0.3, gaps  # capped
+        assert h.status == "unavailable" and h.reasons[0].startswith(
+            "no decode peer is ready: every peer refused the handshake (incompatible"), h.reasons
+        assert h.reasons[1].startswith("peer 127.0.0.1:7000 refused: model: KV layout mismatch") and "asked again in" in h.reasons[1]
+
+    asyncio.run(main())

@@ -5,13 +5,16 @@ admitted and served meanwhile, equal to REF."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
+
+import pytest
 
 from node.config import NodeConfig
 from node.core.sequence import SamplingParams
 from node.runtime.health import node_health
 from node.runtime.node import Node
-from support import STORIES, reference_cases
+from support import STORIES, NodeProcess, free_port, reference_cases, up
 from test_metrics import text_string_to_metric_families
 
 
@@ -64,3 +67,48 @@ def test_a_peer_that_accepts_and_never_answers_is_reported_stalled_and_local_wor
                 w.close()
 
     asyncio.run(main())
+
+
+def _stalled_within(node, addr: str, within_s: float) -> tuple[float, dict, dict]:
+    """Seconds until ``node`` shows its peer ``addr`` as stalled in both /v1/node and /health."""
+    t0 = time.monotonic()
+    while True:
+        peers = {p["addr"]: p for p in node.status()["network"]["peers"]}
+        code, health = node.health()
+        said = [r for r in health.get("reasons", []) if r.startswith(f"peer {addr} stalled")]
+        if peers[addr]["state"] == "stalled" and said:
+            return time.monotonic() - t0, peers[addr], health
+        assert time.monotonic() - t0 < within_s, (peers[addr], health)
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "time-shared"])
+def test_a_stopped_peer_is_stalled_in_two_nodes_that_are_each_others_peers(mode):
+    """Issue 45 item 9: two nodes of one role-switching mode, each the other's peer; one is stopped
+    (SIGSTOP: its sockets stay open, nothing answers). The other shows it stalled in /v1/node and
+    /health within a few seconds, and serves its own requests meanwhile; once the stopped one goes
+    on, both are ready again."""
+    ports = [free_port(), free_port()]
+    a, b = up(*(NodeProcess("--model", str(STORIES), "--mode", mode, "--kv-port", str(ports[i]),
+                            "--peers", f"127.0.0.1:{ports[1 - i]}", "--peer-secret", "s", wait=False) for i in range(2)))
+    try:
+        for n in (a, b):  # each sees the other ready first
+            deadline = time.monotonic() + 30
+            while not all(p["state"] == "ready" for p in n.status()["network"]["peers"]):
+                assert time.monotonic() < deadline, n.status()["network"]["peers"]
+                time.sleep(0.05)
+        b.proc.send_signal(signal.SIGSTOP)
+        try:
+            took, peer, health = _stalled_within(a, f"127.0.0.1:{ports[1]}", 10)
+            assert took < 5 and health["status"] == "degraded", (took, health)
+            r = a.client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 8, "temperature": 0}, timeout=30)
+            assert r.status_code == 200, r.text
+        finally:
+            b.proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 20
+        while a.status()["network"]["peers"][0]["state"] != "ready":
+            assert time.monotonic() < deadline, a.status()["network"]["peers"]
+            time.sleep(0.05)
+    finally:
+        a.close()
+        b.close()

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from node.runtime.interfaces import StateSource
-from node.runtime.peer_state import READY
+from node.runtime.peer_state import READY, REFUSED
 from node.runtime.switching import STALLED_STEP_S  # noqa: F401 - the threshold health reports by
 
 
@@ -68,13 +68,14 @@ def node_health(node: StateSource, now: float | None = None) -> Health:
     reasons += [f"API front end {i} down: {why}" for i, why in sorted(getattr(node, "api_down", {}).items())]
     if node.draining:
         reasons.append("draining: the node takes no new requests")
-    ready = 0
+    ready = refused = 0
     if node.peers is not None:
         for p in list(node.peers.peers.values()):
             state, why = p.state(now, node.peers.stale_s)
             if state == READY:
                 ready += 1
             else:
+                refused += state == REFUSED
                 reasons.append(f"peer {p.addr} {state}: {why}")
     if node.receiver is not None:
         reasons += [f"refused peer {r.node_id or r.peer} connecting to the KV port ({r.code}): {r.reason}"
@@ -83,8 +84,10 @@ def node_health(node: StateSource, now: float | None = None) -> Health:
         if all(d in down for d in cfg.prefill_group_ids()):
             fatal.append("no prefill device is up")
         if ready == 0 and all(d in down for d in cfg.decode_group_ids()):
-            fatal.append("no decode device is up and no decode peer is ready" if cfg.decode_devices
-                         else "no decode peer is ready")
+            why = "no decode device is up and no decode peer is ready" if cfg.decode_devices else "no decode peer is ready"
+            if refused and refused == len(node.peers.peers):  # it cannot serve until a compatible peer comes
+                why += ": every peer refused the handshake (incompatible: another model, layout or secret)"
+            fatal.append(why)
     if fatal:
         return Health(UNAVAILABLE, fatal + reasons)
     return Health(DEGRADED if reasons else OK, reasons)

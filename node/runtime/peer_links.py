@@ -47,7 +47,8 @@ log = structlog.get_logger("shiftnode.peers")
 
 STATUS_POLL_S = 0.05  # how often each peer's capacity is asked for
 RECONNECT_S = 0.5  # pause before reconnecting a peer's control connection
-REFUSED_RETRY_S = 2.0  # pause before asking a refused peer again (it may restart with the right model)
+REFUSED_RETRY_S = 2.0  # pause before asking a refused peer again (it may restart with the right model) ...
+REFUSED_RETRY_MAX_S = 60.0  # ... doubling per refusal in a row up to this (a peer that stays incompatible)
 
 
 def more_room(before: StatusReply | None, now: StatusReply) -> bool:
@@ -176,7 +177,10 @@ class PeerLinks:
             self.node.metrics.kv_timeouts.labels(stage=stage, side=side).inc()
 
     async def _poll(self, peer: Peer) -> None:
-        """Keep a control connection to ``peer`` and refresh its capacity every ``STATUS_POLL_S``."""
+        """Keep a control connection to ``peer`` and refresh its capacity every ``STATUS_POLL_S``. A peer
+        that refuses the handshake (another model, layout or secret) is asked again after
+        ``REFUSED_RETRY_S``, doubling per refusal in a row up to ``REFUSED_RETRY_MAX_S``: it may restart
+        compatible, but one that stays incompatible is not asked (and logged about) every 2 s for ever."""
         while True:
             client = None
             pause = RECONNECT_S
@@ -186,6 +190,7 @@ class PeerLinks:
                 if peer.refusal is not None or peer.error is not None:
                     log.info("peer_connected", peer=peer.addr, peer_node=client.peer_node_id)
                 peer.refusal, peer.error, peer.node_id, peer.timed_out = None, None, client.peer_node_id, False
+                peer.refused_in_row = 0
                 while True:
                     peer.asking, peer.asked_s = "a capacity query", time.monotonic()
                     before, peer.status = peer.status, await client.query_status(timeout_s=self.stale_s)
@@ -197,7 +202,9 @@ class PeerLinks:
                 raise
             except PeerRefused as e:
                 self.refused(peer, e)
-                pause = REFUSED_RETRY_S
+                peer.refused_in_row += 1
+                pause = min(REFUSED_RETRY_MAX_S, REFUSED_RETRY_S * 2 ** (peer.refused_in_row - 1))
+                peer.retry_s = time.monotonic() + pause
             except Exception as e:  # noqa: BLE001 - any failure (uvloop raises RuntimeError on a closed transport): reconnect
                 self.timed_out(e)
                 stalled = timeout_stage(e) is not None  # it took the connection but did not answer in time

@@ -65,6 +65,8 @@ class Peer:
     asking: str | None = None
     asked_s: float = 0.0
     timed_out: bool = False
+    refused_in_row: int = 0  # handshakes refused since the last accepted one (the retry backs off)
+    retry_s: float = 0.0  # when a refused peer is asked again
 
     @property
     def id(self) -> str:
@@ -74,7 +76,8 @@ class Peer:
         """(``ready`` | ``stalled`` | ``unreachable`` | ``refused``, reason or None when ready)."""
         if self.refusal is not None:
             code, reason = self.refusal
-            return REFUSED, f"{code}: {reason}"
+            again = f" (asked again in {self.retry_s - now:.0f} s)" if self.retry_s > now else ""
+            return REFUSED, f"{code}: {reason}{again}"
         if self.asking is not None and now - self.asked_s >= PEER_STALL_S:
             return STALLED, f"no answer to {self.asking} for {now - self.asked_s:.1f} s"
         if self.status is not None and now - self.status_s < stale_s:

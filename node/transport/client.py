@@ -21,7 +21,7 @@ from node.transport.protocol import (
     TransferRefuse, TransferRefused, TransportError, TransportTimeout, checksum, check_compatible,
     new_transfer_id, secret_bytes,
 )
-from node.transport.errors import TransferUnconfirmed, not_kv_peer
+from node.transport.errors import PeerRefused, TransferUnconfirmed, not_kv_peer
 from node.transport.layers import Layers, LayerSource, payload_view, skip_blocks
 from node.transport.throttle import LinkThrottle, as_throttle
 from node.transport.wire import (
@@ -117,7 +117,9 @@ class KVClient:
                 # keyed by the address dialed and proven, not the id it claims (two nodes may claim one)
                 route = await query_route(reader, writer, nixl, f"{host}:{port}", handshake_timeout_s, max_header_bytes)
         except BaseException as exc:
-            _log.warning("kv_connect_failed", peer=f"{host}:{port}", reason=str(exc) or type(exc).__name__)
+            # a refusal is the caller's to report (PeerLinks logs a peer's refusal once, not every retry)
+            (_log.info if isinstance(exc, PeerRefused) else _log.warning)(
+                "kv_connect_failed", peer=f"{host}:{port}", reason=str(exc) or type(exc).__name__)
             say_goodbye(writer, f"handshake failed: {exc}", refusal_code(exc))
             raise
         return cls(reader, writer, peer_node_id=reply.node_id, peer_layout=reply.layout,
