@@ -25,7 +25,8 @@ def launched():
     require_shared()
     # one restart: the engine's first death is survived, its second leaves the device down
     node = NodeProcess("--model", str(STORIES), "--api-processes", "2", "--api-key", KEY, "--engine-restart-max", "1",
-                       "--api-heartbeat-timeout-s", "2", wait=False)
+                       "--api-heartbeat-timeout-s", "2", "--sse-buffer-bytes", "16384", "--sse-stall-s", "2",
+                       wait=False)
     yield node
     node.close()
 
@@ -143,6 +144,31 @@ def test_a_client_leaving_mid_stream_frees_its_kv(fe):
     s.close()
     st = fe.wait_idle()
     assert st["live_requests"] == 0
+
+
+def test_a_client_that_never_reads_is_aborted_by_its_front_end_and_counted(fe):
+    """Backpressure in a front end (node/api/sse.py; tests/test_backpressure.py for one process): a client
+    that never reads is aborted as stalled, its KV freed in the control process, and the front end's
+    count reaches the node's /metrics."""
+    before = _metric(fe.client.get("/metrics").text, "shiftnode_stalled_clients_total")
+    body = json.dumps({"prompt": "Once", "n": 64, "logprobs": 20, "max_tokens": 500, "ignore_eos": True,
+                       "stream": True}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", fe.port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            st = fe.status()
+            stalled = _metric(fe.client.get("/metrics").text, "shiftnode_stalled_clients_total") - before
+            if stalled == 1 and st["live_requests"] == 0 and st["devices"][0]["kv_blocks_used"] == 0:
+                break
+            assert time.monotonic() < deadline, (stalled, st["live_requests"])
+            time.sleep(0.1)
+    finally:
+        s.close()
 
 
 def test_a_half_closed_client_gets_the_whole_answer(fe):
