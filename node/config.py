@@ -7,6 +7,8 @@ from pathlib import Path
 
 import msgspec
 
+from node.identity import default_node_id, is_host_port, is_own_kv_address
+
 
 ETCD_KEEPALIVE_TIMEOUT_S = 2.0  # each etcd lease keep-alive call; a slower one is tried again (node.runtime.membership)
 RELAY_KEEPALIVE_S = 2.0  # a peer relaying tokens sends a keep-alive after this much silence
@@ -108,15 +110,8 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     api_heartbeat_timeout_s: float = 10.0  # a front end silent this long (loop stuck, process stopped) is killed and restarted
 
     def is_own_kv_address(self, addr: str) -> bool:
-        """Whether peer address ``addr`` (``host:port``, ``[v6]:port``) is this node's own KV listener:
-        its ``--kv-port`` on a loopback or wildcard host, on ``--kv-host``/``--host`` or on
-        ``--advertise-host``. A node cannot be its own peer (it would reserve its own blocks twice)."""
-        host, _, port = addr.strip().rpartition(":")
-        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-        if self.kv_port is None or not port.isdigit() or int(port) != self.kv_port:
-            return False
-        own = _LOCAL_HOSTS | {h for h in (self.kv_host, self.host, self.advertise_host) if h}
-        return host.lower() in own or host.startswith("127.")
+        """Whether peer address ``addr`` is this node's own KV listener (:func:`node.identity.is_own_kv_address`)."""
+        return is_own_kv_address(addr, self.kv_port, (self.kv_host, self.host, self.advertise_host))
 
     def validate(self) -> None:
         """Check values that would otherwise start a node that cannot serve.
@@ -162,7 +157,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (self.etcd_lease_ttl_s >= 3 * ETCD_KEEPALIVE_TIMEOUT_S, f"--etcd-lease-ttl-s must be at least 3 keep-alive "
              f"timeouts ({3 * ETCD_KEEPALIVE_TIMEOUT_S:g} s), got {self.etcd_lease_ttl_s}: a shorter lease flaps under load"),
             (self.kv_port is None or 0 <= self.kv_port <= 65535, f"--kv-port must be in [0, 65535], got {self.kv_port}"),
-            (all(_is_host_port(p) for p in self.peers), f"--peers must be host:port entries, got {self.peers}"),
+            (all(is_host_port(p) for p in self.peers), f"--peers must be host:port entries, got {self.peers}"),
             (not self.peers or self.mode != "colocated", "--peers is for pooled and time-shared modes"),
             (not [p for p in self.peers if self.is_own_kv_address(p)],
              f"--peers names this node's own KV address ({', '.join(p for p in self.peers if self.is_own_kv_address(p))}, "
@@ -325,9 +320,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
 
     @property
     def name(self) -> str:
-        """This node's id in peer handshakes, etcd and logs: ``--node-id``, else :func:`node.node_id.default_node_id`."""
-        from node.node_id import default_node_id
-
+        """This node's id in peer handshakes, etcd and logs: ``--node-id``, else :func:`node.identity.default_node_id`."""
         return self.node_id or default_node_id(self.host, self.port)
 
     @property
@@ -390,14 +383,6 @@ def _benchmark_model_error(value: str | None) -> str | None:
     if path == "":
         return f"--benchmark-model must be {_BENCHMARK_KINDS}, got {value!r}"
     return _cost_file_error(f"--benchmark-model {value}", path)
-
-
-_LOCAL_HOSTS = {"localhost", "0.0.0.0", "::", "::1", "ip6-localhost"}
-
-
-def _is_host_port(text: str) -> bool:
-    host, _, port = text.rpartition(":")
-    return bool(host) and port.isdigit() and 1 <= int(port) <= 65535
 
 
 def usable_cores() -> int:

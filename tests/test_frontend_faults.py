@@ -36,7 +36,7 @@ def _job(prompt_ids, index0=0):
 
 
 async def _admitted_front(link: _Link, prompts: int) -> tuple[FrontNode, list, DeltaStream]:
-    config = NodeConfig(model=None)
+    config = NodeConfig()
     front = FrontNode(config, load_model_info(config), 0, link.send)
     stream = DeltaStream()
     opening = asyncio.ensure_future(front.open_requests("cmpl-x", [_job([65, 66, 67], p) for p in range(prompts)], 1, stream))
@@ -76,7 +76,7 @@ def test_an_admission_that_never_comes_ends_with_an_error(monkeypatch):
 
     async def main():
         link = _Link()
-        config = NodeConfig(model=None)
+        config = NodeConfig()
         front = FrontNode(config, load_model_info(config), 0, link.send)
         t0 = asyncio.get_running_loop().time()
         with pytest.raises(EnginesDown, match="did not answer"):

@@ -163,7 +163,6 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
         interval = node.config.stream_interval
         held: dict[int, SeqDelta] = {}  # choice → tokens not yet sent (--stream-interval > 1)
         sent_first: set[int] = set()  # choices whose first token went out (it is never held: TTFT)
-
         backlog = Backlog(sse)  # deltas held while the client is congested (sse.py)
 
         def due(d: SeqDelta) -> SeqDelta | None:
@@ -178,10 +177,14 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
             held[d.index] = d
             return None
 
-        def emit(d: SeqDelta, chunks: list) -> None:
-            d = due(d)
-            if d is not None and (entry := fold(d)) is not None:
+        def emit(d: SeqDelta, chunks: list) -> None:  # ``d``'s event, if one is due now
+            if (d := due(d)) is not None and (entry := fold(d)) is not None:
                 chunks.append({**chunk_envelope, "choices": [entry], **extra})
+
+        def flush(chunks: list) -> list:  # the deltas held for a congested client, each choice's joined
+            for d in backlog.take():
+                emit(d, chunks)
+            return chunks
 
         def write_step(batch: list[SeqDelta]) -> None:  # a DeltaStream callback: must not raise
             try:
@@ -195,13 +198,11 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
                 failed = ending = False
                 try:
                     if backlog and not congested:
-                        for d in backlog.take():
-                            emit(d, chunks)
+                        flush(chunks)
                     for d in batch:
                         node.account(reqs[d.index // n], d, now)  # TTFT/ITL per step, whatever is sent
                         if d.error:
-                            for held_d in backlog.take():
-                                emit(held_d, chunks)
+                            flush(chunks)
                             chunks.append(delta_error(d).body())
                             failed = True
                             break
@@ -229,10 +230,7 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
                 await ended
             if backlog:  # the ends were held for a congested client: once it catches up (or is stalled)
                 await sse.drained()
-                chunks = []
-                for d in backlog.take():
-                    emit(d, chunks)
-                sse.send_many(chunks)
+                sse.send_many(flush([]))
             if include_usage:
                 completion = sum(len(c.token_ids) for c in choices)
                 sse.send({**chunk_envelope, "choices": [], "usage": usage(prompt_tokens, completion, sum(cached))})
