@@ -283,14 +283,18 @@ def link_ctx(path: str, procs: list, node_key: web.AppKey, respawn: Callable[[in
         ping = 0
         try:
             while True:
+                slept = loop.time()
                 await asyncio.sleep(WATCH_S)
+                # this loop itself was held up (a long callback): the front ends' answers may wait unread
+                # behind this timer (uvloop runs timers before it polls), so judge nobody this round
+                judge = loop.time() - slept < 2 * WATCH_S
                 ping += 1
                 ours = {p.pid for p in procs}
                 for link in list(server.links):
                     if link.pid is None or link.pid not in ours:
                         continue  # not listening yet: its start is watched below
                     silent = loop.time() - link.heard_s
-                    if silent > heartbeat_timeout_s and link.pid not in hung:
+                    if judge and silent > heartbeat_timeout_s and link.pid not in hung:
                         hung[link.pid] = f"hung (no heartbeat for {silent:.1f} s), killed"
                         log.error("api_process_hung", pid=link.pid, silent_s=round(silent, 1))
                         with suppress(ProcessLookupError):

@@ -116,9 +116,9 @@ class SSEWriter:
         self.held = 0  # estimated bytes of deltas the handler holds while congested (hold/release)
         self.stalled = False
         self._floor = self.limits.buffer_bytes  # unsent bytes at or under this: not congested (0 once [DONE] is out)
-        self._since: float | None = None  # loop time of the last progress (bytes taken by the kernel) while congested
+        self._since: float | None = None  # loop time of the last progress (bytes the client acknowledged) while congested
         self._written = 0  # bytes handed to the transport
-        self._sent = 0  # of those, taken by the kernel when last looked at (progress)
+        self._sent = 0  # of those, acknowledged by the client when last looked at (progress)
         self._watch: asyncio.TimerHandle | None = None
         self._drained: asyncio.Future | None = None
         self.response = web.StreamResponse(headers={
