@@ -271,18 +271,17 @@ class Batcher:
                 seq.block_ids.extend(got)
                 return True
             victim = self.running[-1]
-            self._preempt(victim, plan)
+            self.preempt(victim, plan)
             if victim is seq:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+    def preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        """Take running ``seq`` out of ``plan`` and back to waiting, its blocks freed (recomputed later)."""
         self.running.remove(seq)
         plan.items = [it for it in plan.items if it.seq is not seq]
         self.ledger.free(seq.block_ids)  # its cached blocks stay findable: the recompute may reuse them
-        seq.block_ids = []
-        seq.num_computed = 0
-        seq.num_registered = 0
+        seq.block_ids, seq.num_computed, seq.num_registered = [], 0, 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SeqStatus.WAITING

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-from collections import deque
+from collections import Counter, deque
 from contextlib import suppress
 from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
@@ -31,9 +31,11 @@ from typing import Callable
 import structlog
 
 from node.core.batcher import BatchConfig, Batcher, ScheduledSeq, StepKind, StepPlan
+from node.core.quarantine import Quarantine
 from node.core.role_config import RoleConfig, assign_instances, scatter_bytes, shared_block_units
 from node.core.roles import Role
 from node.core.sequence import PENDING, Sequence
+from node.runtime import block_pins
 from node.runtime.engine_residents import Residents
 from node.runtime.engine_revival import Revival
 from node.runtime.engine_roles import RoleSwitching
@@ -114,6 +116,11 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
         self._encoder = StepEncoder()  # what the engine holds of each sequence; steps are diffs
         self._dead: str | None = None  # the engine process exited (seen between steps)
         self.engine_died = False  # the device went down because its engine process died (restartable)
+        self.incarnation = 0  # bumped by each revive: blocks pinned before it are stale (node.runtime.block_pins)
+        self._pinned: Counter[int] = Counter()  # block → pins by transfers in this incarnation
+        self.quarantine = Quarantine()  # suspects of an engine death, recomputed alone (node.core.quarantine)
+        # the step the engine died in: seq id → tokens computed at its end; whether it was a quarantine step
+        self.fatal, self.fatal_alone, self._fatal_step = {}, False, None
         # called for each sequence held here when the engine process dies (node.runtime.resume); None: they fail
         self.orphan_listener: Callable[[DeviceEngine, RequestState, int], None] | None = None
         self.role_configs: dict[Role, RoleConfig] = {}  # time-shared: each role's configuration (configure_roles)
@@ -206,7 +213,7 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
             return
         kind = StepKind.MIXED if self.role is None else self.role.step_kind
         chunk = self.chunk_tokens if self.role is not None and kind is StepKind.MIXED else None  # adaptive's MIXED role
-        plan = self.batcher.schedule(kind, chunk) if kind is not None and self.batcher.has_work(kind) else None
+        plan = self.quarantine.schedule(self.batcher, kind, chunk) if kind is not None and self.batcher.has_work(kind) else None
         if plan:
             await self._send(plan)
         if self._inflight and (not plan or len(self._inflight) > 1):
@@ -263,6 +270,7 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
         try:
             reply: StepReply = await rec.reply
         except EngineDied:
+            self._fatal_step = rec  # the step the engine was computing when it died (engine_revival.py)
             raise
         except Exception:
             # The steps sent after it were planned on its outcome: they fail with it (at most one more).
@@ -283,6 +291,7 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
                 self._idle.set()
         self._current_plan = rec.plan
         self.batcher.settle(rec.plan)  # after the fence: the blocks it filled are written (node.core.ledger)
+        self.quarantine.settled(rec.plan)  # a suspect's step that came back: its quarantine may end
         outs = reply.outputs  # one per item, in item order
         for seq, index, pos in rec.pending:
             seq.num_pending -= 1
@@ -295,6 +304,8 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
         self.last_step_s = reply.busy_s
         self._notify(self.step_listeners, rec.plan, self.last_step_s)
         self._current_plan = None
+        if block_pins.LEDGER_CHECK:
+            self.check_ownership()
 
     def _settle_failed(self, rec: _InFlight) -> None:
         """A step failed: its placeholders go, the engine's state is rebuilt by the next message, the

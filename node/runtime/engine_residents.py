@@ -11,8 +11,13 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
+import structlog
+
 from node.core.sequence import Sequence
+from node.runtime.block_pins import PinnedBlocks, check_ownership, stale
 from node.runtime.request import RequestState
+
+log = structlog.get_logger("shiftnode.engine")
 
 
 def _nothing() -> None:
@@ -22,6 +27,11 @@ def _nothing() -> None:
 class Residents:
     """The sequences of a :class:`~node.runtime.engine.DeviceEngine` (which holds the state these methods
     read: ``requests``, ``_by_seq``, ``batcher``, ``failure``, the queues of aborts, detaches and jobs)."""
+
+    @property
+    def up(self) -> bool:
+        """The device serves: its step loop runs and its engine process has not been seen to exit."""
+        return self.failure is None and not self._dead
 
     # --- membership ------------------------------------------------------------------------------
     def _refuse_if_down(self, req: RequestState) -> bool:
@@ -41,9 +51,11 @@ class Residents:
             self.batcher.add(seq)
         self.wake()
 
-    def add_seq(self, req: RequestState, index: int) -> None:
+    def add_seq(self, req: RequestState, index: int, until: int | None = None) -> None:
         """Queue one sequence of ``req`` for (re)computation here: a hand-off to a peer failed after the
-        peer took it, so its prompt plus the tokens already streamed are prefilled again."""
+        peer took it, or its device died, so its prompt plus the tokens already streamed are prefilled
+        again. ``until``: it was in the step a dead engine was computing; it runs alone until it has
+        computed that many tokens (:mod:`node.core.quarantine`)."""
         if self._refuse_if_down(req):
             return
         seq = req.seqs[index]
@@ -51,6 +63,8 @@ class Residents:
         self.requests[req.request_id] = req
         self._by_seq[seq.seq_id] = (req, index)
         self.batcher.add(seq)
+        if until is not None:
+            self.quarantine.add(seq, until)
         self.wake()
 
     def detach(self, seq: Sequence) -> asyncio.Future:
@@ -83,14 +97,46 @@ class Residents:
 
     def free_pinned(self, block_ids: list[int]) -> None:
         """Free blocks of a detached sequence once a peer has committed its copy. Queued behind the
-        worker's current job, so a gather still reading them finishes first."""
+        worker's current job, so a gather still reading them finishes first. Blocks pinned before a
+        restart are not freed (:func:`~node.runtime.block_pins.stale`)."""
         fut = self.in_worker(_nothing)
-        fut.add_done_callback(lambda _f: (self.batcher.ledger.free(block_ids), self.wake()))
+        fut.add_done_callback(lambda _f: (self.release_pinned(block_ids), self.wake()))
 
     def readopt(self, req: RequestState, index: int, seq: Sequence, block_ids: list[int]) -> None:
-        """Put a detached sequence back with its own blocks (its transfer failed before a commit)."""
+        """Put a detached sequence back with its own blocks (its transfer failed before a commit); if
+        they were pinned before a restart, or the device is down, the sequence is resumed instead."""
         seq.block_ids = block_ids
         self.adopt(req, index, seq)
+
+    def _pin(self, blocks: list[int]) -> PinnedBlocks:
+        """Blocks a transfer now holds (no sequence here does), stamped with this incarnation."""
+        self._pinned.update(blocks)
+        return PinnedBlocks(blocks, self.incarnation)
+
+    def _unpin(self, blocks: list[int]) -> bool:
+        """Blocks a transfer held leave its hands (freed, or adopted by a sequence); False, changing
+        nothing, when they were pinned in an earlier incarnation (the ledger they were in is gone)."""
+        if stale(blocks, self.incarnation):
+            log.warning("stale_blocks_dropped", device=self.device_id, blocks=len(blocks),
+                        pinned_in=blocks.incarnation, incarnation=self.incarnation)
+            return False
+        for b in blocks:
+            if self._pinned[b] <= 1:
+                del self._pinned[b]
+            else:
+                self._pinned[b] -= 1
+        return True
+
+    def release_pinned(self, blocks: list[int]) -> None:
+        """Free pinned blocks now (unless stale: see :meth:`_unpin`)."""
+        if self._unpin(blocks):
+            self.batcher.ledger.free(blocks)
+
+    def check_ownership(self) -> None:
+        """Raise ``LedgerError`` unless every block is referenced exactly as often as it is held
+        (:func:`~node.runtime.block_pins.check_ownership`)."""
+        b = self.batcher
+        check_ownership(b.ledger, [s.block_ids for s in b.running] + [s.block_ids for s in b.waiting], self._pinned)
 
     def _apply_detaches(self) -> None:
         while self._detaches:
@@ -102,7 +148,7 @@ class Residents:
                 fut.set_result(None)
                 continue
             req, index = entry
-            blocks = self.batcher.release(seq)
+            blocks = self._pin(self.batcher.release(seq))
             del self._by_seq[seq.seq_id]
             self._forget_if_empty(req)
             fut.set_result((req, index, blocks))
@@ -127,24 +173,37 @@ class Residents:
         not be received — or ``(None, 0)`` when they do not fit. Blocks a step in flight registered
         are never reused (:meth:`BlockLedger.reserve`): that step may still fail to write them."""
         got = self.batcher.ledger.reserve(token_ids, num_computed, num_blocks, memo)
-        return got if got is not None else (None, 0)
+        return (self._pin(got[0]), got[1]) if got is not None else (None, 0)
 
     def adopt(self, req: RequestState, index: int, seq: Sequence) -> None:
-        """Take over a decoding sequence whose KV was just copied into this device's blocks. On a down
-        device nothing would ever run it (and a peer's relay heartbeats would keep its origin waiting):
-        its blocks are freed and its choice ends at once (503 ``engine_down``)."""
-        if self.failure is not None:
-            self.batcher.ledger.free(seq.block_ids)
-            seq.block_ids = []
-            if not req.finished[index]:
-                req.fail_choice(index, f"device {self.device_id} is down: {self.failure}", status=503,
-                                code="engine_down", retry_after_s=1.0)
+        """Take over a decoding sequence whose KV was just copied into this device's (pinned) blocks.
+        On a down device nothing would ever run it, and blocks pinned before a restart hold no KV of it
+        (the pool is new): its blocks are dropped and it is resumed (:meth:`_lost`)."""
+        if self.failure is not None or stale(seq.block_ids, self.incarnation):
+            self.release_pinned(seq.block_ids)
+            self._lost(req, index)
             return
+        self._unpin(seq.block_ids)
         seq.device_id = self.device_id
         self.requests[req.request_id] = req
         self._by_seq[seq.seq_id] = (req, index)
         self.batcher.adopt(seq)
         self.wake()
+
+    def _lost(self, req: RequestState, index: int) -> None:
+        """A sequence held by no device whose KV is lost with this device's pool (it was adopted, detached
+        or moving when the engine died): resumed like the dead device's others (``orphan_listener``,
+        :mod:`node.runtime.resume`), or, with none to take it, ended with 503 ``engine_down``."""
+        seq = req.seqs[index]
+        seq.block_ids, seq.num_pending = [], 0
+        if self.orphan_listener is not None and (self.engine_died or self.failure is None):
+            try:
+                return self.orphan_listener(self, req, index)
+            except Exception as e:  # noqa: BLE001 - a choice nobody took over ends with an error below
+                log.error("resume_failed", device=self.device_id, seq=seq.seq_id, error=f"{type(e).__name__}: {e}")
+        if not req.finished[index]:
+            req.fail_choice(index, f"device {self.device_id} is down: {self.failure}", status=503,
+                            code="engine_down", retry_after_s=1.0)
 
     def _apply_aborts(self) -> None:
         while self._aborts:

@@ -41,7 +41,26 @@ class Revival:
         loop.remove_reader(process.sentinel)
         if not self.runner.stopping and not self._dead:
             self._dead = self.runner.death_reason(process)
+            self._abort_copies.set()  # a KV copy in flight ends now: the restart must not wait on it (moves.py)
             self.wake()
+
+    def _note_fatal_step(self) -> None:
+        """Record the sequences of the step the engine was computing when it died (``fatal``: seq id →
+        tokens computed at that step's end; the first step in flight with no answer), and whether that
+        was a quarantine step (``fatal_alone``)."""
+        def answered(r) -> bool:
+            return r.reply.done() and not r.reply.cancelled() and r.reply.exception() is None
+
+        rec = self._fatal_step or next((r for r in self._inflight if not answered(r)), None)
+        self._fatal_step = None
+        if rec is None or not self.engine_died:
+            rec = None
+        self.fatal = {} if rec is None else {
+            it.seq.seq_id: item.start + it.num_tokens for it, item in zip(rec.plan.items, rec.msg.items)}
+        # a suspect of an earlier death, alone in the step: the death is its doing (node.core.quarantine)
+        self.fatal_alone = rec is not None and self.quarantine.ran_alone(rec.plan)
+        if self.fatal:
+            log.warning("engine_fatal_step", device=self.device_id, seqs=sorted(self.fatal), alone=self.fatal_alone)
 
     def _orphan_all(self) -> None:
         """The engine died: take every sequence off this device (its blocks freed, the placeholders of
@@ -94,13 +113,18 @@ class Revival:
         ledger.num_evictions = old.num_evictions
         self.runner = runner
         self.batcher.ledger = ledger
+        self.incarnation += 1  # blocks pinned before now are of the dead pool (node.runtime.block_pins)
+        self._pinned.clear()
+        self.quarantine.clear()
+        self._abort_copies.clear()
         self._encoder.reset()
         self._inflight.clear()
         self._aborts.clear()
         self._dead = None
         self.step_started_s = None
         if self.role is not None:  # e.g. a group's decode layout, or CUDA graphs for the decode role
-            await asyncio.get_running_loop().run_in_executor(self._executor, self.reconfigure, self.role.role)
+            role = self.role.switching_to or self.role.role  # in a switch's pause: the role it is taking
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.reconfigure, role)
         self.failure, self.engine_died = None, False
         self.start()
 
@@ -117,6 +141,8 @@ class Revival:
             self.failure = f"step loop ended: {type(error).__name__}: {error}" if error else "step loop ended"
         log.error("engine_down", device=self.device_id, reason=self.failure)
         self.engine_died = isinstance(error, EngineDied)
+        self._note_fatal_step()
+        self._abort_copies.set()  # begun copies of this device end at once (their sequences are resumed)
         if self.engine_died and self.orphan_listener is not None:
             self._orphan_all()
         for req in list(self.requests.values()):

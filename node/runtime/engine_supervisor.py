@@ -19,7 +19,8 @@ engine reloads in seconds, so the steps here are shorter). A device restarted
 ``--engine-restart-max`` times within the window is left down: a start that fails (the weights no
 longer load, the device is gone) or an engine that dies again at once would otherwise cycle for
 ever. The count uses only restarts within the window, so a device that dies once a day is always
-restarted. A restart whose engine has not loaded within ``--engine-start-timeout-s`` is stopped and
+restarted, and leaves out a death caused by a request recomputed alone in quarantine
+(:mod:`node.runtime.resume`): that request is failed, so the device is not crash-looping. A restart whose engine has not loaded within ``--engine-start-timeout-s`` is stopped and
 counts as a failed start. vLLM and SGLang do not restart an engine (the server exits); here the other devices
 keep serving meanwhile.
 
@@ -159,7 +160,10 @@ class EngineSupervisor:
         await asyncio.sleep(delay_s)
         out = self.outages[d]
         out.next_try_s, out.starting = None, True
-        self.recent(d).append(self.clock())
+        blamed = getattr(engine, "fatal_alone", False)
+        engine.fatal_alone = False  # read once: a start that fails counts again
+        if not blamed:  # a death a quarantined request caused is not a crash loop: that request is failed
+            self.recent(d).append(self.clock())
         self.total[d] = self.total.get(d, 0) + 1
         log.warning("engine_restarting", device=d, attempt=len(self.recent(d)), of=self.max)
         runner = None

@@ -6,7 +6,7 @@ held by no sequence there. Exactly one of three things must happen to them, on e
 
 * the peer committed its copy → freed here (:meth:`HandOff._committed`);
 * the transfer failed before a commit and the sequence goes on here → given back with the sequence
-  (``DeviceEngine.readopt``);
+  (``DeviceEngine.readopt``; if the device died meanwhile, the sequence is resumed like its others);
 * the sequence will not go on (its client left, the request timed out or was failed, the node is
   closing, the peer can never take it) → freed, and the choice ended if nobody ended it yet.
 
@@ -16,7 +16,8 @@ just after ``detach`` resolved loses the result at its ``await`` (issue 33 item 
 cross-node leak was this: a client leaving right after its first token, which is also when its
 hand-off starts). The detach future is created when the hand-off is, and kept: the callback cancels
 it if it has not resolved (the device then keeps the sequence, and the request's abort frees it), or
-frees the blocks it resolved to.
+frees the blocks it resolved to. The blocks are stamped with the device's incarnation
+(:mod:`node.runtime.block_pins`): after a restart of the device they are neither freed nor adopted.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Callable, Protocol
 import structlog
 
 from node.core.sequence import Sequence, SeqStatus
+from node.runtime.block_pins import stale
 from node.runtime.engine import DeviceEngine
 from node.runtime.interfaces import PeerHost
 from node.runtime.moves import MigrationRecord
@@ -159,6 +161,8 @@ class HandOff:
             kv = engine.runner.kv_cache
 
             def layer(i: int):
+                if stale(blocks, engine.incarnation):  # the device was restarted: its pool is another
+                    raise RuntimeError(f"device {engine.device_id} was restarted during the hand-off")
                 return engine.in_worker(_gather_host, kv, i, blocks)
 
             report = await client.send_sequence(links.layout, links.seq_state(self.req, seq), layer,

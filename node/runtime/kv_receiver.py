@@ -17,6 +17,7 @@ from node.config import RELAY_KEEPALIVE_S
 from node.core.roles import Role, blocks_for
 from node.core.sequence import SamplingParams
 from node.log import request_lines
+from node.runtime.block_pins import stale
 from node.runtime.engine import DeviceEngine
 from node.runtime.interfaces import PeerHost
 from node.runtime.peer_state import InboundRefusals
@@ -88,11 +89,15 @@ class KVReceiver:
 
     def _decode_engines(self) -> list[DeviceEngine]:
         """Devices that may decode a sequence from a peer: pooled mode's decode devices; in time-shared
-        and adaptive modes every device, those in the decode configuration (DECODE, MIXED) first."""
+        and adaptive modes every device, those in the decode configuration (DECODE, MIXED) first. A
+        down device takes none (its blocks look free once its sequences are orphaned) and is not
+        advertised to peers."""
         cfg = self.node.config
         if cfg.mode == "pooled":
-            return [self.node.engine(d) for d in cfg.decode_group_ids()]
-        return sorted(self.node.engines, key=lambda e: e.role is None or e.role.role not in (Role.DECODE, Role.MIXED))
+            engines = [self.node.engine(d) for d in cfg.decode_group_ids()]
+        else:
+            engines = sorted(self.node.engines, key=lambda e: e.role is None or e.role.role not in (Role.DECODE, Role.MIXED))
+        return [e for e in engines if e.up]
 
     def _room(self, e: DeviceEngine) -> tuple[int, int]:
         """(free blocks after this node's own reservations, free sequence slots) of a device."""
@@ -148,6 +153,8 @@ class KVReceiver:
         from node.transport.tensors import scatter_layer_bytes
 
         e, blocks, reused = self.incoming[tid]
+        if stale(blocks, e.incarnation):  # the device was restarted: the reserved blocks name the dead pool
+            raise RuntimeError(f"device {e.device_id} was restarted during the transfer")
         await e.in_worker(scatter_layer_bytes, data, self.layout, e.runner.kv_cache, layer, blocks[reused:])
 
     def _on_abort(self, tid: str, reason: str) -> None:

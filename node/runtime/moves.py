@@ -17,6 +17,7 @@ from functools import partial
 import structlog
 
 from node.core.sequence import Sequence, SeqStatus
+from node.runtime.block_pins import stale
 from node.runtime.request import RequestState
 from node.transport.local import copy_sharded_blocks
 
@@ -104,8 +105,8 @@ class KVMoves:
             m.fut.set_result(None)
             return False
         m.req, m.index = entry
-        m.dst_blocks = blocks
-        m.src_blocks = self.batcher.release(seq)
+        m.dst_blocks = blocks  # pinned on dst, stamped with its incarnation (node.runtime.block_pins)
+        m.src_blocks = self._pin(self.batcher.release(seq))
         m.fence = [r.reply for r in dst._inflight]
         # No step or abort touches it during the copy (an abort meanwhile finds no sequence to free;
         # the request is marked cancelled, which _finish_move checks). The request stays listed here
@@ -127,26 +128,24 @@ class KVMoves:
             return self._drop(m)
         m.start_s = self.clock()  # the copy itself starts now (queued copies waited for the link)
         try:
-            if dst.failure is not None:
-                raise RuntimeError(f"device {dst.device_id} is down: {dst.failure}")
+            self._check_ends(m)
             report = await asyncio.get_running_loop().run_in_executor(self._executor, partial(
                 copy_sharded_blocks, self.kv_pools, m.src_blocks[reused:], dst.kv_pools,
                 m.dst_blocks[reused:], link_gbps=self.link_gbps, block_layer_bytes=self.block_layer_bytes,
                 abort=self._abort_copies))
-            if dst.failure is not None:  # it went down during the copy: nothing would ever run it there
-                raise RuntimeError(f"device {dst.device_id} is down: {dst.failure}")
+            self._check_ends(m)  # either end died (or came back) during the copy: nothing would run it there
         except Exception as e:  # noqa: BLE001 - a failed copy leaves the sequence where it was
             log.warning("migration_failed", seq=seq.seq_id, src=self.device_id, dst=dst.device_id, error=str(e))
             if self._gone(m):
                 return self._drop(m)
-            dst.batcher.ledger.free(m.dst_blocks)
+            dst.release_pinned(m.dst_blocks)
             seq.block_ids = m.src_blocks
-            self.adopt(m.req, m.index, seq)
+            self.adopt(m.req, m.index, seq)  # a dead source resumes it instead (Residents.adopt)
             m.fut.set_result(None)
             return
         if self._gone(m):
             return self._drop(m)
-        self.batcher.ledger.free(m.src_blocks)
+        self.release_pinned(m.src_blocks)
         self._forget_if_empty(m.req)
         self.wake()
         seq.block_ids = m.dst_blocks
@@ -156,6 +155,13 @@ class KVMoves:
         self._notify(self.migration_listeners, dst, seq, record)
         m.fut.set_result(record)
 
+    def _check_ends(self, m: "Move") -> None:
+        """Raise ``RuntimeError`` if either end of ``m`` is down or was restarted since it began (its
+        blocks there name the dead pool's memory: :mod:`node.runtime.block_pins`)."""
+        for end, blocks in ((self, m.src_blocks), (m.dst, m.dst_blocks)):
+            if not end.up or stale(blocks, end.incarnation):
+                raise RuntimeError(f"device {end.device_id} is down or was restarted: {end.failure or end._dead}")
+
     @staticmethod
     def _gone(m: "Move") -> bool:
         """The move's request was cancelled or its choice has ended (a timeout, a failure)."""
@@ -164,8 +170,8 @@ class KVMoves:
     def _drop(self, m: "Move") -> None:
         """End a begun move without adopting it anywhere: both sides' blocks are freed and its future
         resolves to None."""
-        m.dst.batcher.ledger.free(m.dst_blocks)
-        self.batcher.ledger.free(m.src_blocks)
+        m.dst.release_pinned(m.dst_blocks)
+        self.release_pinned(m.src_blocks)
         m.seq.block_ids, m.seq.status = [], SeqStatus.FINISHED
         self._forget_if_empty(m.req)
         self.wake()

@@ -13,10 +13,21 @@ hands the sequence to a decode device as after any prefill), else a decode devic
 modes the least loaded device. With none up and the dead device's restart planned
 (:mod:`node.runtime.engine_supervisor`), the sequence waits for it (*parked*) and is queued on the
 first device that serves again; if it is left down instead, the sequence goes to a device up by then,
-or ends with an error. Each resume counts
-against ``--max-retries`` (per sequence, apart from the count of failed peer hand-offs); past it the
-choice ends with 503 ``engine_down``. A request whose client left, or that ended meanwhile (its
-deadline), is not resumed.
+or ends with an error. A request whose client left, or that ended meanwhile (its deadline), is not
+resumed.
+
+A request that kills its engine. The sequences of the step the engine was computing when it died
+(``DeviceEngine.fatal``) are suspects: each is resumed in quarantine, alone in its steps until it has
+passed the point where the engine died (:mod:`node.core.quarantine`), and each such resume counts
+against ``--max-retries`` (per sequence, apart from the count of failed peer hand-offs; past it the
+choice ends with 503 ``engine_down``). If the engine dies again in a suspect's quarantine step, the
+suspect alone caused it: it ends with 500 ``engine_crash`` and is not resumed, and the supervisor does
+not count that restart towards ``--engine-restart-max`` (the cause is gone), so requests that kill
+their engine cannot leave a device down for good. The other sequences (bystanders) are resumed
+without a retry charged: a death is not theirs.
+
+Sequences away from the device when it died (detached for a peer hand-off, in a begun in-node move,
+adopted from a peer or a move after it died) are resumed the same way (``DeviceEngine._lost``).
 
 Sampled (temperature > 0) sequences resume too; their continuation is another sample (the engine's
 generator state died with it), as after a preemption.
@@ -55,7 +66,9 @@ class Resumer:
         self.node = node
         self.supervisor = supervisor
         self.retries: dict[str, int] = {}  # sequence id → resumes so far
-        self.parked: dict[str, list[tuple[RequestState, int]]] = {}  # device id → sequences waiting for its restart
+        self.suspects: dict[str, int] = {}  # sequence id → tokens its quarantine runs to (node.core.quarantine)
+        # device id → sequences waiting for its restart (request, choice, quarantine mark or None)
+        self.parked: dict[str, list[tuple[RequestState, int, int | None]]] = {}
         self.resumed = 0  # sequences resumed (queued on another device, or parked)
         self.on_queued: Callable[[], None] = lambda: None
         for e in node.engines:
@@ -64,18 +77,30 @@ class Resumer:
         supervisor.left_down_listeners.append(self.left_down)
 
     def orphaned(self, engine: DeviceEngine, req: RequestState, index: int) -> None:
-        """Choice ``index`` of ``req`` was on ``engine``, whose engine process died; it holds nothing
-        there any more (its blocks were freed, its in-flight placeholders dropped). Resume it on a
-        live device, park it for the restart, or end it with 503 ``engine_down``."""
+        """Choice ``index`` of ``req`` was on ``engine``, whose engine process died (or it was away, in a
+        transfer, when it did); it holds nothing there any more (its blocks were freed, its in-flight
+        placeholders dropped). Resume it on a live device, park it for the restart, or end it with an
+        error: 500 ``engine_crash`` when the death was its own doing, else 503 ``engine_down``."""
         seq = req.seqs[index]
         if req.cancelled or req.finished[index]:
             return
-        reason = f"device {engine.device_id} is down: {engine.failure}"
-        max_retries = self.node.config.max_retries
-        n = self.retries[seq.seq_id] = self.retries.get(seq.seq_id, 0) + 1
-        if n > max_retries:
-            self._fail(req, index, f"{reason} (gave up after {n - 1} resumes, --max-retries {max_retries})")
+        reason = (f"device {engine.device_id} is down: {engine.failure}" if engine.failure is not None
+                  else f"device {engine.device_id} was restarted while the sequence was in a KV transfer")
+        fatal = seq.seq_id in engine.fatal  # it was in the step the engine died in: a suspect
+        if fatal and engine.fatal_alone:
+            self._fail(req, index, f"{reason}. This request's step killed the engine again while it ran alone "
+                       "(it had killed it once before); it is not resumed again", status=500, code="engine_crash")
             return
+        if fatal:  # a death is charged to its suspects only
+            until = self.suspects[seq.seq_id] = engine.fatal[seq.seq_id]
+            max_retries = self.node.config.max_retries
+            n = self.retries[seq.seq_id] = self.retries.get(seq.seq_id, 0) + 1
+            if n > max_retries:
+                self._fail(req, index, f"{reason} (gave up after {n - 1} resumes, --max-retries {max_retries})")
+                return
+        else:  # a suspect not yet past its mark stays one; a bystander is not quarantined
+            until = self.suspects.get(seq.seq_id)
+            until = until if until is not None and seq.num_computed < until else None
         target = self._live_target(engine)
         if target is None and not self.supervisor.will_restart(engine):
             self._fail(req, index, f"{reason} (no other device is up, and it will not be restarted)")
@@ -84,22 +109,23 @@ class Resumer:
         seq.num_preemptions += 1
         self.resumed += 1
         self.node.metrics.kv_recomputes.inc()
-        log.warning("sequence_resumed", seq=seq.seq_id, dead=engine.device_id,
-                    on=target.device_id if target else "(its restart)", streamed=seq.num_output, attempt=n)
+        log.warning("sequence_resumed", seq=seq.seq_id, dead=engine.device_id, suspect=until is not None,
+                    on=target.device_id if target else "(its restart)", streamed=seq.num_output)
         if target is not None:
-            self._queue(target, req, index)
+            self._queue(target, req, index, until)
         else:
-            self.parked.setdefault(engine.device_id, []).append((req, index))
+            self.parked.setdefault(engine.device_id, []).append((req, index, until))
 
-    def _queue(self, engine: DeviceEngine, req: RequestState, index: int) -> None:
-        engine.add_seq(req, index)
+    def _queue(self, engine: DeviceEngine, req: RequestState, index: int, until: int | None) -> None:
+        engine.add_seq(req, index, until)
         self.on_queued()
 
     def _live_target(self, dead: DeviceEngine) -> DeviceEngine | None:
         """Where a sequence of ``dead`` is prefilled again: pooled, the live prefill device with the least
-        queued prompt work, else a live decode device; other modes, the least loaded live device."""
+        queued prompt work, else a live decode device; other modes, the least loaded live device. (A
+        ``dead`` device that is up again counts: a sequence it lost in a transfer may go back to it.)"""
         node = self.node
-        live = [e for e in node.engines if e.failure is None and e is not dead]
+        live = [e for e in node.engines if e.up and (e is not dead or dead.failure is None)]
         if not live:
             return None
         if node.config.mode == "pooled":
@@ -113,20 +139,20 @@ class Resumer:
         for it or for any other device (the first device back takes them all)."""
         parked, self.parked = self.parked, {}
         for entries in parked.values():
-            for req, index in entries:
+            for req, index, until in entries:
                 if not (req.cancelled or req.finished[index]):
-                    self._queue(engine, req, index)
+                    self._queue(engine, req, index, until)
         engine.wake()
 
     def left_down(self, engine: DeviceEngine) -> None:
         """``engine``'s device will not come back: the sequences parked for it go to a live device if
         one is up now, else end with 503 ``engine_down``."""
-        for req, index in self.parked.pop(engine.device_id, []):
+        for req, index, until in self.parked.pop(engine.device_id, []):
             if req.cancelled or req.finished[index]:
                 continue
             target = self._live_target(engine)
             if target is not None:
-                self._queue(target, req, index)
+                self._queue(target, req, index, until)
             else:
                 self._fail(req, index, f"device {engine.device_id} is down for good: {engine.failure}")
 
@@ -134,8 +160,10 @@ class Resumer:
         """The request ended: drop its resume counts."""
         for seq in req.seqs:
             self.retries.pop(seq.seq_id, None)
+            self.suspects.pop(seq.seq_id, None)
 
     @staticmethod
-    def _fail(req: RequestState, index: int, message: str) -> None:
+    def _fail(req: RequestState, index: int, message: str, status: int = 503, code: str = "engine_down") -> None:
         if not req.finished[index]:
-            req.fail_choice(index, message, status=503, code="engine_down", retry_after_s=RETRY_AFTER_S)
+            req.fail_choice(index, message, status=status, code=code,
+                            retry_after_s=RETRY_AFTER_S if status == 503 else None)

@@ -1,0 +1,66 @@
+"""Pinned KV blocks carry the engine incarnation they were taken in, and a debug check that no block
+is owned twice.
+
+A device's engine can die and be restarted while some of its blocks are *pinned*: held by no sequence
+there, but by a transfer (a hand-off's detach, an inbound reservation, either side of an in-node
+move). The restart allocates a new KV pool and a new block ledger
+(:meth:`~node.runtime.engine_revival.Revival.revive`), and each revive bumps the device's
+``incarnation``. Block ids taken before it name memory of the dead pool: freeing them into the new
+ledger would release blocks new sequences own (the same block then handed out twice), and adopting a
+sequence with them would read KV that was never written there. So every pin is stamped
+(:class:`PinnedBlocks`), and a stale stamp is neither freed nor adopted: the old ledger went with the
+old pool, and the transfer's sequence is resumed like the dead device's others
+(:mod:`node.runtime.resume`).
+
+The check (:func:`check_ownership`, after every step when ``SHIFTNODE_LEDGER_CHECK=1``): each block's
+reference count equals its holders — the sequences on the device whose block table names it plus the
+current incarnation's pins — on top of :meth:`BlockLedger.check <node.core.ledger.BlockLedger.check>`'s
+own invariants. A block freed by a stale holder while a new sequence holds it, or a sequence adopted
+with blocks it holds no reference to, breaks the equality.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+from node.core.ledger import LedgerError
+
+LEDGER_CHECK = os.environ.get("SHIFTNODE_LEDGER_CHECK", "") not in ("", "0")
+"""Check block ownership after every step (``SHIFTNODE_LEDGER_CHECK=1``; tests and the chaos run turn it
+on: it costs a pass over the pool per step)."""
+
+
+class PinnedBlocks(list):
+    """Block ids pinned on a device by a transfer, with the device's ``incarnation`` when pinned (a
+    plain ``list`` of ints otherwise; slicing gives plain lists)."""
+
+    def __init__(self, blocks, incarnation: int):
+        super().__init__(blocks)
+        self.incarnation = incarnation
+
+
+def stale(blocks, incarnation: int) -> bool:
+    """Whether ``blocks`` were pinned in an incarnation other than ``incarnation`` (unstamped: not stale)."""
+    return getattr(blocks, "incarnation", incarnation) != incarnation
+
+
+def check_ownership(ledger, holders: list[list[int]], pinned: Counter) -> None:
+    """Every block of ``ledger`` is referenced exactly as often as it is held: by the block tables in
+    ``holders`` (one per sequence on the device) plus ``pinned`` (block → pins of the current
+    incarnation); and the ledger's own invariants hold.
+
+    Raises:
+        LedgerError: the first block owned more (or less) often than it is referenced.
+    """
+    ledger.check()
+    held = Counter(pinned)
+    for blocks in holders:
+        held.update(blocks)
+    for b in range(ledger.num_blocks):
+        if ledger.refcount(b) != held.get(b, 0):
+            raise LedgerError(f"block {b} has refcount {ledger.refcount(b)} but {held.get(b, 0)} holders "
+                              f"({pinned.get(b, 0)} pins)")
+    extra = [b for b in held if not 0 <= b < ledger.num_blocks]
+    if extra:
+        raise LedgerError(f"blocks {extra} are held but not in the pool")
