@@ -54,14 +54,14 @@ async def collect(node: Node, rid: str, case: dict, params: SamplingParams = GRE
     return ids, errors
 
 
-def kill(engine) -> int:
-    """SIGKILL the device's engine process; return the incarnation it was in."""
+def kill(engine):
+    """SIGKILL the device's engine process; return its runner (the engine before the restart)."""
     os.kill(engine.runner.process.pid, signal.SIGKILL)
-    return engine.incarnation
+    return engine.runner
 
 
-async def restarted(engine, incarnation: int, timeout_s: float = 60.0) -> None:
-    await wait_for(lambda: engine.incarnation > incarnation and engine.failure is None, timeout_s)
+async def restarted(engine, old_runner, timeout_s: float = 60.0) -> None:
+    await wait_for(lambda: engine.runner is not old_runner and engine.failure is None, timeout_s)
 
 
 def healthy(node: Node) -> None:
@@ -342,3 +342,24 @@ def test_two_requests_that_kill_their_engine_fail_alone_and_leave_the_device_up(
         healthy(node)
 
     with_node(body, mode="colocated", engine_restart_max=2, max_retries=1)
+
+
+def test_a_revive_during_a_switch_pause_configures_the_role_being_taken():
+    """Item 5: the engine dies while its device is in a role switch's pause (role SWITCHING, the new
+    layout already set on the dead engine). The restarted engine is configured for the role being
+    taken, not for SWITCHING (which configures nothing: the switch would end in the wrong layout)."""
+    from node.core.roles import Role
+
+    async def body(node: Node):
+        e = node.engines[0]
+        calls = []
+        real = e.reconfigure
+        e.reconfigure = lambda role: (calls.append(role), real(role))
+        before = kill(e)
+        await wait_for(lambda: e.failure is not None)
+        target = Role.DECODE if e.role.role is not Role.DECODE else Role.PREFILL
+        e.role.begin(target, time.monotonic())  # the switch's pause: the switch task itself is not needed here
+        await restarted(e, before)
+        assert calls == [target]
+
+    with_node(body, mode="time-shared")

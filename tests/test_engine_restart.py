@@ -144,13 +144,19 @@ def test_resume_targets_a_live_device_parks_for_a_restart_and_respects_max_retri
     from node.worker.tokenizer import TextTokenizer
 
     class Dev(SimpleNamespace):
-        def add_seq(self, req, index):
+        def add_seq(self, req, index, until=None):
             self.taken.append(req.seqs[index].seq_id)
+            self.quarantined.append(until)
 
         def wake(self):
             pass
 
-    a, b = (Dev(device_id=d, failure=None, taken=[], batcher=SimpleNamespace(waiting=[], running=[])) for d in ("cpu:0", "cpu:1"))
+        @property
+        def up(self):
+            return self.failure is None
+
+    a, b = (Dev(device_id=d, failure=None, taken=[], quarantined=[], fatal={}, fatal_alone=False,
+                batcher=SimpleNamespace(waiting=[], running=[])) for d in ("cpu:0", "cpu:1"))
     will = {"restart": True}
     node = SimpleNamespace(config=NodeConfig(max_retries=1), engines=[a, b], metrics=SimpleNamespace(
         kv_recomputes=SimpleNamespace(inc=lambda: None)), least_loaded=lambda ids: [e for e in (a, b) if e.device_id in ids][0])
@@ -171,17 +177,29 @@ def test_resume_targets_a_live_device_parks_for_a_restart_and_respects_max_retri
     r = Resumer(node, supervisor)
     assert a.orphan_listener == r.orphaned and supervisor.restart_listeners == [r.restarted]
     a.failure = "engine process of cpu:0 was killed by signal 9"
-    req = request("r1")
+    req, bystander = request("r1"), request("r0")
+    a.fatal = {"r1-0": 9}  # r1 was in the step the engine died in: a suspect, recomputed alone up to 9 tokens
     r.orphaned(a, req, 0)  # cpu:1 is up: it takes the sequence, to recompute from the start
     seq = req.seqs[0]
     assert b.taken == ["r1-0"] and (seq.num_computed, seq.num_registered, seq.block_ids) == (0, 0, [])
-    assert seq.token_ids == case["prompt_token_ids"] + case["output_token_ids"][:3]
+    assert seq.token_ids == case["prompt_token_ids"] + case["output_token_ids"][:3] and b.quarantined == [9]
+    for _ in range(3):  # deaths it was not in are not charged to a bystander (and it is not quarantined)
+        r.orphaned(a, bystander, 0)
+    assert b.taken[1:] == ["r0-0"] * 3 and b.quarantined[1:] == [None] * 3 and not bystander.finished[0]
     b.failure = "down too"
-    r.orphaned(b, req, 0)  # its second resume (> --max-retries 1): an error
+    b.fatal = {"r1-0": 9}
+    r.orphaned(b, req, 0)  # its second resume as a suspect (> --max-retries 1): an error
     assert errors(req) == [(503, "engine_down")] and "gave up after 1 resumes, --max-retries 1" in req.stream._items[0].error
+    b.failure = None
+    alone = request("r9")
+    a.fatal, a.fatal_alone = {"r9-0": 9}, True  # it was alone in the fatal step (its quarantine): the cause
+    r.orphaned(a, alone, 0)
+    assert errors(alone) == [(500, "engine_crash")] and "not resumed again" in alone.stream._items[0].error
+    b.failure = "down too"
+    a.fatal, a.fatal_alone = {}, False
     parked = request("r2")
     r.orphaned(a, parked, 0)  # nothing up: waits for cpu:0's restart
-    assert r.parked == {"cpu:0": [(parked, 0)]} and not parked.finished[0]
+    assert r.parked == {"cpu:0": [(parked, 0, None)]} and not parked.finished[0]
     a.failure = None
     r.restarted(a)
     assert a.taken == ["r2-0"] and r.parked == {}
@@ -190,7 +208,7 @@ def test_resume_targets_a_live_device_parks_for_a_restart_and_respects_max_retri
     gone.cancelled = True
     r.orphaned(a, gone, 0)
     r.orphaned(a, lost, 0)
-    assert r.parked == {"cpu:0": [(lost, 0)]} and not gone.finished[0]
+    assert r.parked == {"cpu:0": [(lost, 0, None)]} and not gone.finished[0]
     r.left_down(a)  # cpu:0 will not come back, and nothing else is up
     assert errors(lost) == [(503, "engine_down")] and r.parked == {} and errors(gone) == []
     will["restart"] = False

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import os
+import signal
 import time
 
 import pytest
@@ -117,6 +119,40 @@ def test_a_receiver_killed_mid_transfer_is_recovered_from(trio):
     finally:
         assert P.client.post("/v1/node/peers", json={"add": [f"127.0.0.1:{ports[other]}"]}).status_code == 200
     nodes[name].wait_idle()
+    P.wait_idle()
+
+
+def test_a_receivers_restarted_engine_gets_its_new_pool_registered(trio):
+    """Issue 45 item 2: D's engine is killed (-9) and restarted by its node. Its new KV pool is
+    registered with D's NIXL agent in the dead one's slot, and the metadata P loads from D is
+    refreshed: P's next hand-off to D is written over NIXL into the pool the new engine computes on,
+    and the stream equals an undisturbed run (with the dead pool still registered, the writes went to
+    memory no engine reads any more)."""
+    nodes, ports = trio
+    P, D = nodes["P"], nodes["D"]
+    body = {"prompt": list(range(3, 403)), "max_tokens": 24, "ignore_eos": True, "temperature": 0}
+    ref, _ = stream_tokens(P, body)
+    pid = D.status()["devices"][0]["engine"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while not ((dev := D.status()["devices"][0])["engine"]["pid"] != pid and dev["failure"] is None):
+        assert time.monotonic() < deadline, dev
+        time.sleep(0.05)
+    r = P.client.post("/v1/node/peers", json={"remove": [f"127.0.0.1:{ports['A']}"]})
+    assert r.status_code == 200, r.text
+    try:
+        wait_peers(P, 1)
+        written, received = nixl_layers(P)[0], nixl_layers(D)[1]
+        deadline = time.monotonic() + 10  # the new pool is registered just after the engine serves
+        while D.status()["network"]["nixl"].get("down"):
+            assert time.monotonic() < deadline, D.status()["network"]["nixl"]
+            time.sleep(0.05)
+        ids, _ = stream_tokens(P, body)
+        assert ids == ref
+        assert nixl_layers(D)[1] == received + 5 and nixl_layers(P)[0] == written + 5
+    finally:
+        assert P.client.post("/v1/node/peers", json={"add": [f"127.0.0.1:{ports['A']}"]}).status_code == 200
+    D.wait_idle()
     P.wait_idle()
 
 

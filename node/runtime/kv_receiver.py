@@ -7,6 +7,7 @@ device's continuous batch, relaying its tokens back to the origin (the protocol 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import AsyncIterator, Callable
 
@@ -63,6 +64,7 @@ class KVReceiver:
     def nixl(self, plane) -> None:  # set before start(): offers may then be written over NIXL
         self._nixl = plane
         self.server.nixl, self.server.nixl_info = plane.agent, plane.info
+        plane.info_listeners.append(lambda info: setattr(self.server, "nixl_info", info))  # a restart's new pool
 
     def _reserve_for_offer(self, offer: TransferOffer):
         got = self._reserve(offer)
@@ -159,11 +161,20 @@ class KVReceiver:
 
     def _on_abort(self, tid: str, reason: str) -> None:
         entry = self.incoming.pop(tid, None)
-        if entry is not None:  # freed behind any layer write still queued on the worker
-            entry[0].free_pinned(entry[1])
+        if entry is None:
+            return
+        if self._nixl is not None and tid in self._nixl.accepted:  # a peer may still be writing them
+            self._nixl.accepted.discard(tid)
+            quarantine_s = 2 * self.node.config.kv_transfer_timeout_s  # past any write's stall timeout
+            log.info("nixl_blocks_quarantined", transfer=tid, blocks=len(entry[1]), seconds=quarantine_s)
+            asyncio.get_running_loop().call_later(quarantine_s, entry[0].free_pinned, entry[1])
+            return
+        entry[0].free_pinned(entry[1])  # freed behind any layer write still queued on the worker
 
     def _on_done(self, tid: str, report: ReceiveReport) -> AsyncIterator:
         e, blocks, _ = self.incoming.pop(tid)
+        if self._nixl is not None:
+            self._nixl.accepted.discard(tid)
         st = report.offer.seq
         node = self.node
         params = msgspec.convert(st.sampling, SamplingParams)

@@ -253,21 +253,37 @@ class NixlAgent:
             _log.warning("nixl_release_failed", error=f"{type(e).__name__}: {e}")
 
     # --- memory and peers -----------------------------------------------------------------------
-    async def register(self, kv_cache: Any) -> NixlPool:
+    async def register(self, kv_cache: Any, index: int | None = None) -> NixlPool:
         """Register a device's KV pool ``[num_layers, 2, num_blocks, block_size, Hkv, D]`` (contiguous
         torch tensor, host or CUDA) and return how peers address it (its index is its place in
-        :attr:`pools`). Raises ValueError (not contiguous), NIXL's errors."""
+        :attr:`pools`). ``index``: replace that pool (a restarted engine's new one; its old registration
+        is dropped first; peers learn the new address from :meth:`metadata` and :attr:`pools` on their
+        next connection). Raises ValueError (not contiguous), NIXL's errors."""
         if not kv_cache.is_contiguous():
             raise ValueError("a KV pool must be contiguous to be registered with NIXL")
         dev = kv_cache.get_device()
         pool = NixlPool(addr=kv_cache.data_ptr(), num_blocks=int(kv_cache.shape[2]),
                         mem="DRAM" if dev < 0 else "VRAM", dev=max(dev, 0))
+        if index is None:  # a new pool: its slot first
+            index = len(self.pools)
+            self._regs.append(None)
+            self.pools.append(pool)
+        else:
+            await self.deregister(index)
 
         def reg() -> None:
-            self._regs.append(self._agent.register_memory(kv_cache))
+            self._regs[index] = self._agent.register_memory(kv_cache)
         await self._call(reg)
-        self.pools.append(pool)
+        self.pools[index] = pool
         return pool
+
+    async def deregister(self, index: int) -> None:
+        """Drop pool ``index``'s registration (its engine died): peers' writes to it fail from now on."""
+        def dereg() -> None:
+            handle, self._regs[index] = self._regs[index], None
+            if handle is not None:
+                self._agent.deregister_memory(handle)
+        await self._call(dereg)
 
     async def metadata(self) -> bytes:
         """This agent's metadata (connection info and registered memory) for a peer's :meth:`add_remote`."""
@@ -283,10 +299,10 @@ class NixlAgent:
             known = self._remotes.get(peer)
             if known is not None and known[1] == metadata:
                 return known[0]
+            if known is not None:  # the peer restarted, or re-registered a pool: its old view goes first
+                self._forget(known[0])
             name = self._agent.add_remote_agent(metadata)
             name = name.decode() if isinstance(name, bytes) else str(name)
-            if known is not None and known[0] != name:
-                self._forget(known[0])
             self._remotes[peer] = (name, metadata)
             return name
         return await self._call(load)
@@ -370,7 +386,7 @@ class NixlAgent:
             return
         if self._agent is not None:
             def dereg() -> None:
-                for reg in self._regs:
+                for reg in filter(None, self._regs):
                     try:
                         self._agent.deregister_memory(reg)
                     except Exception as e:  # noqa: BLE001
