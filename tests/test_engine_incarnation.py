@@ -363,3 +363,35 @@ def test_a_revive_during_a_switch_pause_configures_the_role_being_taken():
         assert calls == [target]
 
     with_node(body, mode="time-shared")
+
+
+def test_blocks_reserved_for_nixl_writes_are_quarantined_after_an_abort():
+    """Item 2: an offer accepted for NIXL writes (its blocks handed to the sender) ends in an abort or
+    a hang-up: the sender's writes may still be in flight, so its blocks stay reserved for twice the
+    transfer timeout (past any write's stall timeout), then are freed. An offer for a device whose
+    pool is not registered (its engine died) is answered over TCP (no NIXL pool)."""
+    from support import require_nixl
+
+    require_nixl()
+    case = CASES[0]
+
+    async def body(node: Node):
+        await node.start_network()
+        e, recv, plane = node.engines[0], node.receiver, node.nixl
+        offer = msgspec.structs.replace(_offer(node, case, "t"), nixl=True)
+        blocks, _cached, pool = await recv._reserve_for_offer(offer)
+        assert pool == 0
+        t0 = time.monotonic()
+        recv._on_abort("t", "the sender hung up")
+        await asyncio.sleep(0.5)
+        assert e.batcher.ledger.num_used == len(blocks)  # quarantined: a late write may still land
+        await wait_for(lambda: e.batcher.ledger.num_used == 0, 10)
+        assert time.monotonic() - t0 >= 2 * node.config.kv_transfer_timeout_s - 0.1
+        plane.down.add(e.device_id)  # as while its engine is dead or restarting
+        got = recv._reserve_for_offer(msgspec.structs.replace(offer, transfer_id="u"))
+        assert isinstance(got, tuple) and len(got) == 2  # (blocks, cached): a TCP accept
+        recv._on_abort("u", "test")
+        await wait_for(lambda: e.batcher.ledger.num_used == 0, 10)
+        healthy(node)
+
+    with_node(body, mode="colocated", kv_port=0, kv_transport="nixl", peer_secret="s", kv_transfer_timeout_s=2.5)

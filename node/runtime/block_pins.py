@@ -14,17 +14,14 @@ old pool, and the transfer's sequence is resumed like the dead device's others
 
 The check (:func:`check_ownership`, after every step when ``SHIFTNODE_LEDGER_CHECK=1``): each block's
 reference count equals its holders — the sequences on the device whose block table names it plus the
-current incarnation's pins — on top of :meth:`BlockLedger.check <node.core.ledger.BlockLedger.check>`'s
-own invariants. A block freed by a stale holder while a new sequence holds it, or a sequence adopted
-with blocks it holds no reference to, breaks the equality.
+current incarnation's pins — and no held block is free. A block freed by a stale holder while a new
+sequence holds it, or a sequence adopted with blocks it holds no reference to, breaks the equality.
 """
 
 from __future__ import annotations
 
 import os
 from collections import Counter
-
-from node.core.ledger import LedgerError
 
 LEDGER_CHECK = os.environ.get("SHIFTNODE_LEDGER_CHECK", "") not in ("", "0")
 """Check block ownership after every step (``SHIFTNODE_LEDGER_CHECK=1``; tests and the chaos run turn it
@@ -48,19 +45,13 @@ def stale(blocks, incarnation: int) -> bool:
 def check_ownership(ledger, holders: list[list[int]], pinned: Counter) -> None:
     """Every block of ``ledger`` is referenced exactly as often as it is held: by the block tables in
     ``holders`` (one per sequence on the device) plus ``pinned`` (block → pins of the current
-    incarnation); and the ledger's own invariants hold.
+    incarnation), and no held block is free (:meth:`BlockLedger.check_holders
+    <node.core.ledger.BlockLedger.check_holders>`).
 
     Raises:
         LedgerError: the first block owned more (or less) often than it is referenced.
     """
-    ledger.check()
     held = Counter(pinned)
     for blocks in holders:
         held.update(blocks)
-    for b in range(ledger.num_blocks):
-        if ledger.refcount(b) != held.get(b, 0):
-            raise LedgerError(f"block {b} has refcount {ledger.refcount(b)} but {held.get(b, 0)} holders "
-                              f"({pinned.get(b, 0)} pins)")
-    extra = [b for b in held if not 0 <= b < ledger.num_blocks]
-    if extra:
-        raise LedgerError(f"blocks {extra} are held but not in the pool")
+    ledger.check_holders(held)
