@@ -184,6 +184,7 @@ class Residents:
             self._lost(req, index)
             return
         self._unpin(seq.block_ids)
+        seq.block_ids = list(seq.block_ids)  # a sequence's own block table now, no pin's stamp
         seq.device_id = self.device_id
         self.requests[req.request_id] = req
         self._by_seq[seq.seq_id] = (req, index)
