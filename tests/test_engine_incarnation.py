@@ -43,7 +43,8 @@ async def wait_for(what, timeout_s: float = 60.0, every_s: float = 0.01):
     return got
 
 
-async def collect(node: Node, rid: str, case: dict, params: SamplingParams = GREEDY, started: asyncio.Event | None = None):
+async def collect(node: Node, rid: str, case: dict, params: SamplingParams = GREEDY,
+                  started: asyncio.Event | None = None):
     """(token ids, error deltas) of one request."""
     ids, errors = [], []
     async for _, d in node.generate(rid, case["prompt_token_ids"], params):
@@ -146,7 +147,8 @@ def _offer(node: Node, case: dict, tid: str, streamed: int = 5):
                   num_computed=len(tokens) - 1, max_len=len(case["prompt_token_ids"]) + 40,
                   sampling=msgspec.structs.asdict(GREEDY))
     nblocks = blocks_for(len(tokens), node.config.block_size)
-    return TransferOffer(transfer_id=tid, layout=_layout(node), seq=st, num_blocks=nblocks, nbytes_per_layer=0, relay=True)
+    return TransferOffer(transfer_id=tid, layout=_layout(node), seq=st, num_blocks=nblocks, nbytes_per_layer=0,
+                         relay=True)
 
 
 def test_down_devices_take_no_peer_kv_and_are_not_advertised():

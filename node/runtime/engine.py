@@ -213,7 +213,8 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
             return
         kind = StepKind.MIXED if self.role is None else self.role.step_kind
         chunk = self.chunk_tokens if self.role is not None and kind is StepKind.MIXED else None  # adaptive's MIXED role
-        plan = self.quarantine.schedule(self.batcher, kind, chunk) if kind is not None and self.batcher.has_work(kind) else None
+        runnable = kind is not None and self.batcher.has_work(kind)
+        plan = self.quarantine.schedule(self.batcher, kind, chunk) if runnable else None  # (node.core.quarantine)
         if plan:
             await self._send(plan)
         if self._inflight and (not plan or len(self._inflight) > 1):

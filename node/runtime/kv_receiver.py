@@ -98,7 +98,8 @@ class KVReceiver:
         if cfg.mode == "pooled":
             engines = [self.node.engine(d) for d in cfg.decode_group_ids()]
         else:
-            engines = sorted(self.node.engines, key=lambda e: e.role is None or e.role.role not in (Role.DECODE, Role.MIXED))
+            engines = sorted(self.node.engines,
+                             key=lambda e: e.role is None or e.role.role not in (Role.DECODE, Role.MIXED))
         return [e for e in engines if e.up]
 
     def _room(self, e: DeviceEngine) -> tuple[int, int]:
