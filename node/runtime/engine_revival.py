@@ -1,7 +1,9 @@
 """A device's engine dies and comes back: the revival half of :class:`node.runtime.engine.DeviceEngine`
 (a mixin over the engine's state).
 
-When the engine process dies, :meth:`Revival._orphan_all` takes every sequence off the device and hands
+When the engine process dies, the step it was computing is recorded (:meth:`Revival._note_fatal_step`:
+its sequences are the suspects :mod:`node.runtime.resume` quarantines), the device's begun KV copies
+are aborted, and :meth:`Revival._orphan_all` takes every sequence off the device and hands
 each to the engine's ``orphan_listener`` (:mod:`node.runtime.resume` resumes it elsewhere); once the
 supervisor (:mod:`node.runtime.engine_supervisor`) has a fresh engine loaded, :meth:`Revival.revive`
 makes the device serve on it.
@@ -101,9 +103,11 @@ class Revival:
         """Serve again on ``runner`` (an :class:`~node.worker.engine_process.EngineProcess` or
         :class:`~node.worker.engine_group.TPEngineGroup`), a fresh engine of this device, loaded and
         attached; the old one died and was stopped (``stop_runner``). Its KV pool is new, so the block
-        ledger is too (the old prefix cache pointed into the dead pool); the step diff starts over; the
-        engine takes the layout of the device's role; then the step loop runs again. Call once the
-        down device holds nothing (its sequences were resumed elsewhere or failed).
+        ledger is too (the old prefix cache pointed into the dead pool), and the incarnation is bumped:
+        blocks transfers pinned before now are neither freed nor adopted (:mod:`node.runtime.block_pins`);
+        the step diff starts over; the engine takes the layout of the device's role (of the role being
+        taken, in a switch's pause); then the step loop runs again. Call once the down device holds
+        nothing (its sequences were resumed elsewhere or failed).
 
         Raises:
             EngineDied, EngineError: the new engine failed while taking the role's layout.
