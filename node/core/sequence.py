@@ -6,6 +6,8 @@ import enum
 
 import msgspec
 
+from node.core.grammar_spec import GrammarSpec
+
 
 class SamplingParams(msgspec.Struct, frozen=True):
     """How one sequence samples and when it stops (OpenAI/vLLM semantics).
@@ -14,7 +16,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
     filters. ``seed`` makes sampling reproducible per sequence regardless of batching (the sampler
     derives each token's randomness from ``(seed, output index)``). ``logprobs``: number of top
     alternatives to return per sampled token (``None``: no logprobs). ``prompt_logprobs``: the same
-    for prompt tokens (``echo`` with ``logprobs``).
+    for prompt tokens (``echo`` with ``logprobs``). ``grammar``: the output must match it (structured
+    output); every sampled token is masked to those the grammar allows (:mod:`node.worker.grammar`).
     """
 
     max_tokens: int
@@ -32,6 +35,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     min_tokens: int = 0
+    grammar: GrammarSpec | None = None
 
     @property
     def greedy(self) -> bool:

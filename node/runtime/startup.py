@@ -17,6 +17,7 @@ from node.runtime.engine import DeviceEngine
 from node.runtime.switching import DeviceRole
 from node.transport.protocol import Fingerprint
 from node.worker.engine_core import EngineCore
+from node.worker.grammar_masks import GrammarMasks
 from node.worker.engine_group import launch_engine
 from node.worker.engine_process import EngineProcess
 from node.worker.local_engine import LocalEngine
@@ -77,7 +78,7 @@ async def load_engines(config: NodeConfig, prelaunched: dict[str, EngineProcess]
             for device_id in config.devices:
                 ops = select_ops(config.attention_backend, device_id.partition(":")[0])
                 runner = await loop.run_in_executor(None, build_runner, config, info, device_id, ops)
-                core = EngineCore(runner)
+                core = EngineCore(runner, grammars=GrammarMasks.for_model(info))
                 await loop.run_in_executor(None, core.warm_up)
                 handles.append(LocalEngine(core))
         else:

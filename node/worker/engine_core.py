@@ -27,6 +27,7 @@ import time
 import msgspec
 
 from node.core.sequence import SamplingParams
+from node.worker.grammar_masks import GrammarMasks
 from node.worker.role_layouts import GroupLayouts
 from node.worker.runner import ModelRunner, SeqInput, SeqOutput, StepInput
 from node.worker.sampler import SampleRequest
@@ -98,13 +99,20 @@ class StepReply(msgspec.Struct, tag="step"):
 
 
 class _SeqState:
-    __slots__ = ("token_ids", "prompt_len", "params", "block_ids")
+    __slots__ = ("token_ids", "prompt_len", "params", "block_ids", "grammar")
 
     def __init__(self, new: NewSeq):
         self.token_ids = new.token_ids
         self.prompt_len = new.prompt_len
         self.params = new.params
         self.block_ids = new.block_ids
+        self.grammar = None  # SeqGrammar: built from the emitted tokens when first sampled here
+
+    def append(self, token_id: int) -> None:
+        """A token this engine sampled: appended, and the grammar matcher (if any) advanced."""
+        self.token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
 
 class EngineCore:
@@ -112,6 +120,8 @@ class EngineCore:
 
     Args:
         runner: the device's :class:`ModelRunner` (weights, KV pool).
+        layouts: a time-shared group rank's decode and prefill layouts (None otherwise).
+        grammars: the structured-output state (:class:`GrammarMasks`); None: sequences are unmasked.
 
     Errors: :meth:`step` raises ``KeyError`` for a diff that names a sequence the engine does not
     hold (the node then resets the engine's state with its next message), and whatever the runner
@@ -119,9 +129,10 @@ class EngineCore:
     whether the step ran or not), tokens are appended only by a step that completed.
     """
 
-    def __init__(self, runner: ModelRunner, layouts: GroupLayouts | None = None):
+    def __init__(self, runner: ModelRunner, layouts: GroupLayouts | None = None, grammars: GrammarMasks | None = None):
         self.runner = runner
         self.layouts = layouts  # a time-shared group's rank: its decode and prefill layouts
+        self.grammars = grammars  # structured output (node.worker.grammar_masks); None: a spec is ignored
         self.seqs: dict[str, _SeqState] = {}
         self.pacer = getattr(runner, "pacer", None)  # ModelRunner.pacer (a timed device), else None
 
@@ -146,6 +157,7 @@ class EngineCore:
             s = seqs[t.seq_id]
             del s.token_ids[t.keep:]
             s.token_ids.extend(t.add)
+            s.grammar = None  # tokens came from elsewhere: the matcher is rebuilt from them
         for b in msg.blocks:
             s = seqs[b.seq_id]
             del s.block_ids[b.keep:]
@@ -161,15 +173,27 @@ class EngineCore:
         if msg.instances:
             return self._composite_step(msg, t0)
         seqs = self.seqs
-        outs = self.runner.execute(StepInput(self._inputs(msg.items)))
+        outs = self.runner.execute(self._step_input(msg.items))
         pacer = self.pacer
         if pacer is not None:  # a timed benchmark device: the step lasts the cost model's time from t0
             pacer.finish(t0, step_work(msg.items, {it.seq_id: seqs[it.seq_id].prompt_len for it in msg.items}))
         ordered = [outs[it.seq_id] for it in msg.items]
         for it, out in zip(msg.items, ordered):
             if out.token_id is not None:
-                seqs[it.seq_id].token_ids.append(out.token_id)
+                seqs[it.seq_id].append(out.token_id)
         return StepReply(ordered, time.perf_counter() - t0)
+
+    def _step_input(self, items: list[StepItem]) -> StepInput:
+        """The runner's input for ``items``, with the grammar rows' mask being filled on the mask
+        thread while the forward pass runs (:mod:`node.worker.grammar_masks`)."""
+        inputs = self._inputs(items)
+        masks = None
+        if self.grammars is not None:
+            rows = [s for s in inputs if s.sample is not None]
+            constrained = [(r, self.seqs[s.seq_id]) for r, s in enumerate(rows) if s.sample.params.grammar is not None]
+            if constrained:
+                masks = self.grammars.start(constrained, len(rows))
+        return StepInput(inputs, masks)
 
     def _inputs(self, items: list[StepItem]) -> list[SeqInput]:
         seqs = self.seqs
@@ -203,7 +227,7 @@ class EngineCore:
         mine = [it for it, s in zip(msg.items, msg.instances) if s == lay.instance]
         gen = self.runner.generator
         gen.manual_seed(msg.rng_seed + 1 + lay.instance)
-        outs = self.runner.execute(StepInput(self._inputs(mine))) if mine else {}
+        outs = self.runner.execute(self._step_input(mine)) if mine else {}
         gen.manual_seed(msg.rng_seed)
         own = [-1 if (o := outs.get(it.seq_id)) is None or o.token_id is None else o.token_id for it in msg.items]
         merged = lay.merge_tokens(own, self.runner.device)
@@ -214,7 +238,7 @@ class EngineCore:
                 out = SeqOutput(token_id=None if token < 0 else token)
             ordered.append(out)
             if token >= 0:
-                self.seqs[it.seq_id].token_ids.append(token)
+                self.seqs[it.seq_id].append(token)
         return StepReply(ordered, time.perf_counter() - t0)
 
     def warm_up(self) -> None:

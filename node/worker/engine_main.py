@@ -21,6 +21,7 @@ import torch
 
 from node.config import NodeConfig
 from node.worker.engine_core import EngineCore, StepMsg
+from node.worker.grammar_masks import GrammarMasks
 from node.worker.engine_messages import (
     TP_TIMEOUT_S, Failed, FingerprintReply, PeerPools, Prepare, Ready, Reconfigure, Request, Shutdown, StepAck, TPRank,
     Value,
@@ -100,7 +101,7 @@ def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid
                      backend=torch.distributed.get_backend(), prefill_degree=tp.prefill_degree or None)
         runner = build_runner(config, info, device_id, ops, kv_alloc=kv_alloc, tp=group,
                               held_degree=(tp.prefill_degree or None) if tp is not None else None)
-        core = EngineCore(runner, layouts)
+        core = EngineCore(runner, layouts, GrammarMasks.for_model(info))
         core.warm_up()
         kv = runner.kv_cache
         conn.send_bytes(enc.encode(Ready(runner.num_blocks, list(kv.shape), str(kv.dtype).removeprefix("torch."),

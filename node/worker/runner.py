@@ -11,6 +11,7 @@ pool, which the node writes only on blocks no step in flight uses
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import Future
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
@@ -58,7 +59,12 @@ class SeqInput:
 
 @dataclass
 class StepInput:
+    """A step's sequences, and (``masks``) the future of the grammar mask of its sampled rows:
+    ``(mask [sampled rows, ceil(V / 32)] int32, masked row indices)`` or None
+    (:mod:`node.worker.grammar_masks`); joined after the forward pass, just before sampling."""
+
     seqs: list[SeqInput]
+    masks: Future | None = None
 
 
 class SeqOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -163,7 +169,8 @@ class ModelRunner:
             else:
                 rows = torch.tensor([cu[i + 1] - 1 for i, _ in samplers], device=dev)
                 logits = self.model.compute_logits(hidden[rows])
-            tokens, logprobs = sample(logits, [s.sample for _, s in samplers], self.generator)
+            mask = step.masks.result() if step.masks is not None else None
+            tokens, logprobs = sample(logits, [s.sample for _, s in samplers], self.generator, mask)
             for (_, s), token, lp in zip(samplers, tokens, logprobs):
                 out = outputs[s.seq_id]
                 out.token_id, out.logprobs = token, lp

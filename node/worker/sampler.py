@@ -63,6 +63,7 @@ import torch
 
 from shiftnode_kernels import cpu_sampling_numba
 from node.core.sequence import SamplingParams
+from node.worker.grammar import apply_mask
 from node.worker.penalties import apply_penalties
 from node.worker.sample_request import SampleRequest, TokenLogprobs
 
@@ -280,14 +281,17 @@ def _draw(logits: torch.Tensor, reqs: list[SampleRequest], rows: list[int], u: t
     return out
 
 
-def sample(logits: torch.Tensor, reqs: list[SampleRequest],
-           generator: torch.Generator) -> tuple[list[int], list[TokenLogprobs | None]]:
+def sample(logits: torch.Tensor, reqs: list[SampleRequest], generator: torch.Generator,
+           grammar_mask: tuple[torch.Tensor, list[int]] | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
     """Draw one token per row, with the raw-distribution logprobs rows ask for.
 
     Args:
         logits: ``[N, V]`` float32 on any device; penalised rows are modified in place.
         reqs: ``N`` sample requests, one per row.
         generator: the node's generator for unseeded rows (one ``torch.rand`` per step, on its device).
+        grammar_mask: ``(bitmask [N, ceil(V / 32)] int32, rows)``: structured output; the tokens a row's
+            grammar does not allow get ``-inf`` after the penalties, before any draw
+            (:func:`node.worker.grammar.apply_mask`). Logprobs stay those of the raw distribution.
 
     Returns:
         ``(tokens, logprobs)``: ``N`` python ints, and per row a ``TokenLogprobs`` with
@@ -311,6 +315,8 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest],
         if k_lp > 0:
             top_v, top_i = lp.topk(k_lp, dim=-1)
     apply_penalties(logits, reqs)
+    if grammar_mask is not None:
+        apply_mask(logits, *grammar_mask)
 
     greedy = [i for i, p in enumerate(params) if p.greedy or p.temperature <= 0.0]
     sampled = [i for i, p in enumerate(params) if not (p.greedy or p.temperature <= 0.0)]

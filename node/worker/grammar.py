@@ -1,0 +1,245 @@
+"""Structured output on xgrammar: compiled grammars (cached), per-sequence matchers, token masks.
+
+A :class:`~node.core.grammar_spec.GrammarSpec` is compiled against the model's vocabulary into an
+``xgrammar.CompiledGrammar`` (a pushdown automaton with its token masks precomputed where they do not
+depend on the stack). The node compiles a request's spec once to validate it (a 400 when it does not
+compile or accepts nothing); each engine compiles it again from the same cache in its own process
+(``--engine-layout thread`` shares the node's). :class:`GrammarCache` bounds the compiled grammars it
+keeps, in entries and in bytes (``CompiledGrammar.memory_size_bytes``), least recently used first out.
+
+:class:`SeqGrammar` is one sequence's matcher. It is built from the tokens the sequence has already
+emitted, so a sequence that arrives on an engine part-way (a move, a hand-off, a resume) continues
+exactly where the grammar stood. :func:`fill_masks` writes the next-token bitmask of several matchers
+(``[rows, ceil(V / 32)]`` int32, bit ``t`` of a row set when token ``t`` is allowed); the sampler
+applies it with ``xgrammar.apply_token_bitmask_inplace`` (a masked logit becomes ``-inf``) on CPU
+and CUDA alike. The stop tokens (EOS) are allowed only where the grammar accepts the text so far.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import structlog
+import torch
+
+from node.core.grammar_spec import GrammarSpec
+from node.worker.tokenizer import TextTokenizer
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+log = structlog.get_logger("shiftnode.grammar")
+
+
+def xgrammar():
+    """The xgrammar module, imported on first use (it imports transformers: seconds a process, paid
+    only by a process that sees a grammar)."""
+    import xgrammar as module
+
+    return module
+
+MAX_ENTRIES = 512  # compiled grammars kept per process
+MAX_BYTES = 256 << 20  # and their bytes (xgrammar's own accounting of a compiled grammar)
+
+
+class GrammarError(ValueError):
+    """A spec that does not compile, or that accepts no output at all. The message names the problem."""
+
+
+def _clean(message: str) -> str:
+    """xgrammar's C++ message without its ``[time] file.cc:line:`` prefix."""
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(message).strip()).strip()
+
+
+def tokenizer_info(tok: TextTokenizer, vocab_size: int, stop_ids: list[int]) -> xgr.TokenizerInfo:
+    """xgrammar's view of ``tok``: each id's bytes (the vocabulary's encoding, byte-level or byte-fallback,
+    is detected from the tokenizer's own description, as ``TokenizerInfo.from_huggingface`` does),
+    ``vocab_size`` the model's logits width (the mask's width), ``stop_ids`` the tokens that end
+    generation (allowed where the grammar accepts)."""
+    from transformers import PreTrainedTokenizerFast  # xgrammar reads a Hugging Face fast tokenizer
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok._tok)
+    return xgrammar().TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=list(stop_ids) or None)
+
+
+def _choice_ebnf(spec: str) -> str:
+    """EBNF accepting exactly one of the strings of the JSON list ``spec`` (each a quoted literal)."""
+    choices = json.loads(spec)
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise GrammarError("choice must be a non-empty list of non-empty strings")
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class Compiled:
+    """A compiled grammar and its size: ``grammar`` (``xgrammar.CompiledGrammar``), ``nbytes``."""
+
+    __slots__ = ("grammar", "nbytes")
+
+    def __init__(self, grammar: xgr.CompiledGrammar):
+        self.grammar = grammar
+        self.nbytes = int(grammar.memory_size_bytes)
+
+
+class GrammarCache:
+    """Compiles specs against one vocabulary and keeps the results, bounded (LRU).
+
+    Args:
+        info: the vocabulary (:func:`tokenizer_info`).
+        max_entries, max_bytes: bounds on the grammars kept; an entry larger than ``max_bytes`` alone
+            is returned but not kept.
+
+    Thread-safe: the node compiles in an executor while engines' mask threads read it. Two threads
+    compiling the same key at once both compile (the second result replaces the first; no lock is
+    held while compiling, so a slow compile never blocks a cached hit).
+    """
+
+    def __init__(self, info: xgr.TokenizerInfo, max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES):
+        self.info = info
+        self.vocab_size = info.vocab_size
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        # xgrammar's own cache is off: this one is bounded in entries as well as bytes.
+        self._compiler = xgrammar().GrammarCompiler(info, max_threads=2, cache_enabled=False)
+        self._entries: OrderedDict[GrammarSpec, Compiled] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._entries)
+
+    @property
+    def num_bytes(self) -> int:
+        return self._bytes
+
+    def get(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        """The compiled grammar of ``spec`` (from the cache, else compiled and kept).
+
+        Raises:
+            GrammarError: the spec does not compile (the message says why), or it accepts no output.
+        """
+        with self._lock:
+            hit = self._entries.get(spec)
+            if hit is not None:
+                self._entries.move_to_end(spec)
+                return hit.grammar
+        entry = Compiled(self._compile(spec))
+        if not _accepts_something(entry.grammar, self.vocab_size):
+            raise GrammarError(f"the {spec.kind} accepts no output at all")
+        with self._lock:
+            old = self._entries.pop(spec, None)
+            if old is not None:
+                self._bytes -= old.nbytes
+            if entry.nbytes <= self.max_bytes:
+                self._entries[spec] = entry
+                self._bytes += entry.nbytes
+                while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
+                    _, out = self._entries.popitem(last=False)
+                    self._bytes -= out.nbytes
+        return entry.grammar
+
+    def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        c = self._compiler
+        try:
+            if spec.kind == "json_schema":
+                # compact JSON (no free whitespace): a model cannot pad its output with endless blanks
+                return c.compile_json_schema(spec.spec, any_whitespace=False, strict_mode=True)
+            if spec.kind == "json_object":
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            if spec.kind == "regex":
+                return c.compile_regex(spec.spec)
+            if spec.kind == "choice":
+                return c.compile_grammar(_choice_ebnf(spec.spec))
+            if spec.kind == "ebnf":
+                return c.compile_grammar(spec.spec)
+            if spec.kind == "structural_tag":
+                return c.compile_structural_tag(spec.spec)
+        except GrammarError:
+            raise
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse and conversion errors
+            raise GrammarError(f"the {spec.kind} does not compile: {_clean(e)}") from e
+        raise GrammarError(f"unknown grammar kind {spec.kind!r}")
+
+
+def _accepts_something(grammar: xgr.CompiledGrammar, vocab_size: int) -> bool:
+    """Whether any token (a stop token included) is allowed at the start: false for a grammar whose
+    language is empty (a regex of an empty class, a schema no value satisfies)."""
+    m = xgrammar().GrammarMatcher(grammar)
+    mask = xgrammar().allocate_token_bitmask(1, vocab_size)
+    m.fill_next_token_bitmask(mask)
+    return bool(mask.any())
+
+
+_caches: dict[tuple[int, int, tuple[int, ...]], GrammarCache] = {}
+_caches_lock = threading.Lock()
+
+
+def grammar_cache(tok: TextTokenizer, vocab_size: int, stop_ids: list[int]) -> GrammarCache:
+    """This process's cache for one tokenizer object (the node and the engines of ``--engine-layout
+    thread`` share one); built on first use (a large vocabulary takes a second or so to scan)."""
+    key = (id(tok), vocab_size, tuple(stop_ids))
+    with _caches_lock:
+        cache = _caches.get(key)
+        if cache is None:
+            cache = _caches[key] = GrammarCache(tokenizer_info(tok, vocab_size, stop_ids))
+        return cache
+
+
+class SeqGrammar:
+    """One sequence's grammar matcher, rebuilt from the tokens it has already emitted.
+
+    Args:
+        grammar: the compiled grammar of the sequence's spec.
+        emitted: the sequence's output tokens so far (empty for a new sequence).
+
+    ``broken`` is set when a token the grammar does not allow was emitted (a sequence generated
+    elsewhere without the grammar, or a degenerate row's fallback): the sequence is then no longer
+    masked, and this is logged, rather than failing a whole step.
+    """
+
+    __slots__ = ("matcher", "broken")
+
+    def __init__(self, grammar: xgr.CompiledGrammar | None, emitted: list[int]):
+        self.matcher = None if grammar is None else xgrammar().GrammarMatcher(grammar)
+        self.broken = grammar is None  # None: the engine could not compile it (logged by the caller)
+        for t in emitted:
+            self.accept(t)
+
+    @property
+    def active(self) -> bool:
+        """Whether the next token is masked (not after the grammar ended with a stop token)."""
+        return not self.broken and not self.matcher.is_terminated()
+
+    def accept(self, token_id: int) -> None:
+        """Advance over a sampled token (nothing after the grammar has terminated: a step already in
+        flight when the stop token was sampled draws a token the node then drops)."""
+        if not self.active:
+            return
+        if not self.matcher.accept_token(token_id):
+            self.broken = True
+            log.warning("grammar_token_rejected", token_id=token_id)
+
+
+def fill_masks(grammars: list[SeqGrammar], rows: list[int], num_rows: int, vocab_size: int,
+               batch: xgr.BatchGrammarMatcher | None = None) -> torch.Tensor:
+    """The bitmask ``[num_rows, ceil(vocab_size / 32)]`` int32 (CPU) with row ``rows[i]`` filled from
+    ``grammars[i]`` (other rows all ones: nothing masked). ``batch``: fills the rows on several threads."""
+    mask = xgrammar().allocate_token_bitmask(num_rows, vocab_size)
+    if batch is not None and len(grammars) > 1:
+        batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], mask, indices=rows)
+    else:
+        for g, r in zip(grammars, rows):
+            g.matcher.fill_next_token_bitmask(mask, r)
+    return mask
+
+
+def apply_mask(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> None:
+    """Set the disallowed logits of ``rows`` of ``logits [N, V]`` float32 to ``-inf`` in place (the
+    mask moves to the logits' device first; xgrammar picks its CPU or CUDA kernel)."""
+    if mask.device != logits.device:
+        mask = mask.to(logits.device, non_blocking=True)
+    xgrammar().apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[1], indices=rows)
