@@ -36,14 +36,17 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     return_token_ids: bool = False  # vLLM extension: choices carry "token_ids" (and the prompt's ids)
-    # Fields that change what is generated and that this server does not implement: accepted by the
-    # decoder only so that a request naming one is refused (400 naming it) instead of silently served
-    # without it (node.api.validate.reject_unsupported).
-    guided_json: Any = None  # vLLM structured output
+    # Structured output (node.api.structured): OpenAI's response_format, vLLM's structured_outputs and
+    # its older guided_* names.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: Any = None
+    guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    structured_outputs: Any = None
+    # Fields that change what is generated and that this server does not implement: accepted by the
+    # decoder only so that a request naming one is refused (400 naming it) instead of silently served
+    # without it (node.api.validate.reject_unsupported).
     use_beam_search: bool = False
     logits_processors: Any = None
 
@@ -86,7 +89,6 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     function_call: Any = None
     modalities: list[str] | None = None  # only ["text"]
     audio: Any = None
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}: structured output is not supported
 
 
 class PeerChange(msgspec.Struct, forbid_unknown_fields=True):

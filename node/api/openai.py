@@ -23,6 +23,7 @@ from node.api.errors import APIError, bad_request, delta_error, error_body
 from node.api.frontend_node import FrontNode
 from node.api.responses import ChoiceState, chat_logprobs, completion_logprobs, envelope, usage
 from node.api.sse import Backlog, SSEWriter, StreamLimits
+from node.api.structured import structured
 from node.api.validate import chat_prompt, check_model, completion_prompts, reject_unsupported, sampling_params
 from node.core.sequence import SamplingParams
 from node.log import request_lines
@@ -271,12 +272,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise bad_request(f"{len(prompts)} prompts x n={req.n} = {len(prompts) * req.n} sequences in one request exceed "
                           f"the queue limit of {node.config.max_queue} (--max-queue)", param="prompt")
     echo_lp = req.logprobs if req.echo else None
+    grammar = await structured(node, req)
     jobs = []
     for p, ids in enumerate(prompts):
         params = sampling_params(req, prompt_len=len(ids), max_model_len=node.max_model_len, max_tokens=req.max_tokens,
                                  default_max_tokens=16, vocab_size=vocab, logprobs=req.logprobs, prompt_logprobs=echo_lp,
                                  max_n=node.config.max_num_seqs)
-        jobs.append(Job(ids, params, p * req.n))
+        jobs.append(Job(ids, msgspec.structs.replace(params, grammar=grammar), p * req.n))
     request_id = node.new_request_id("cmpl")
     env = envelope("text_completion", request_id, node.config.model_name)
     n = req.n
@@ -347,9 +349,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     reject_unsupported(req)
     if req.tools:
         raise bad_request("tools are not supported by this server", param="tools")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise bad_request(f"response_format {req.response_format.get('type')!r} is not supported by this server "
-                          "(only 'text'; no structured output)", param="response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
     tok = node.tokenizer
@@ -359,6 +358,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                              default_max_tokens=None, vocab_size=node.info.cfg.vocab_size,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_logprobs=None,
                              max_n=node.config.max_num_seqs, logprobs_param="top_logprobs", prompt_param="messages")
+    params = msgspec.structs.replace(params, grammar=await structured(node, req))
     request_id = node.new_request_id("chatcmpl")
     env = envelope("chat.completion.chunk", request_id, node.config.model_name)
 

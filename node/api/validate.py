@@ -161,13 +161,12 @@ def sampling_params(req: _SamplingFields, *, prompt_len: int, max_model_len: int
     )
 
 
-_UNSUPPORTED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                "logits_processors", "functions", "audio")
+_UNSUPPORTED = ("logits_processors", "functions", "audio")
 
 
 def reject_unsupported(req) -> None:
     """Refuse a request naming a field that would change what is generated and that this server does
-    not implement (structured output, beam search, tools and functions, audio), as vLLM refuses what
+    not implement (beam search, legacy functions, audio), as vLLM refuses what
     it cannot do: 400 naming the field, rather than an answer that silently ignores it.
 
     Raises:

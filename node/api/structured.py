@@ -1,0 +1,177 @@
+"""Structured-output request fields → a :class:`~node.core.grammar_spec.GrammarSpec`, checked before
+anything is queued.
+
+The forms (one per request at most):
+
+* ``response_format``: ``{"type": "text"}`` (nothing), ``{"type": "json_object"}``,
+  ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`` and
+  ``{"type": "structural_tag", ...}`` (the whole object is xgrammar's structural tag), on chat and
+  completions. The schema is always enforced, ``strict`` or not (OpenAI's non-strict mode only
+  promises less).
+* vLLM's ``structured_outputs``: ``{"json": schema}``, ``{"regex": pattern}``, ``{"choice": [..]}``,
+  ``{"grammar": EBNF}``, ``{"structural_tag": ..}``, ``{"json_object": true}``.
+* vLLM's older names ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``.
+
+:func:`check_grammar` compiles the spec off the event loop (the node's copy is cached, and an engine
+in this process reuses it), within :data:`COMPILE_TIMEOUT_S`; a spec that does not compile, accepts
+no output, is larger than :data:`MAX_SPEC_BYTES` or takes too long to compile is a 400 naming the
+field. JSON is generated compactly (no free whitespace between tokens), so a model cannot fill its
+``max_tokens`` with blanks; a ``max_tokens`` cut-off still ends the output part-way (finish_reason
+``length``), and the text is then not valid JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from node.api.errors import bad_request
+from node.core.grammar_spec import GrammarSpec
+from node.worker.grammar import GrammarCache, GrammarError, grammar_cache
+
+MAX_SPEC_BYTES = 256 * 1024  # a schema, pattern or grammar larger than this is refused (compile time grows with it)
+COMPILE_TIMEOUT_S = 10.0  # compiling longer than this is a 400 (the compile thread finishes on its own)
+
+_compile_pool = ThreadPoolExecutor(2, thread_name_prefix="grammar-compile")  # off the loop and off the default pool
+
+
+def _text(value: Any, param: str) -> str:
+    """A schema given as an object or as JSON text → JSON text (a string must parse as JSON)."""
+    if isinstance(value, str):
+        try:
+            json.loads(value)
+        except ValueError as e:
+            raise bad_request(f"{param} is not valid JSON: {e}", param=param) from e
+        return value
+    if isinstance(value, (dict, bool)):
+        return json.dumps(value)
+    raise bad_request(f"{param} must be a JSON schema (an object)", param=param)
+
+
+def _string(value: Any, param: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"{param} must be a non-empty string", param=param)
+    return value
+
+
+def _choice(value: Any, param: str) -> str:
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+        raise bad_request(f"{param} must be a non-empty list of non-empty strings", param=param)
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _response_format(rf: dict[str, Any]) -> GrammarSpec | None:
+    kind = rf.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object")
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or "schema" not in js:
+            raise bad_request("response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                              param="response_format")
+        return GrammarSpec("json_schema", _text(js["schema"], "response_format"))
+    if kind == "structural_tag":
+        return GrammarSpec("structural_tag", json.dumps(rf))
+    raise bad_request(f"response_format type {kind!r} is not one of text, json_object, json_schema, structural_tag",
+                      param="response_format")
+
+
+_SO_KEYS = {"json": ("json_schema", _text), "regex": ("regex", _string), "choice": ("choice", _choice),
+            "grammar": ("ebnf", _string), "structural_tag": ("structural_tag", None)}
+
+
+def _structured_outputs(so: Any) -> GrammarSpec | None:
+    if not isinstance(so, dict):
+        raise bad_request("structured_outputs must be an object", param="structured_outputs")
+    given = [k for k in (*_SO_KEYS, "json_object") if so.get(k) not in (None, False)]
+    if len(given) > 1:
+        raise bad_request(f"structured_outputs takes one of json, regex, choice, grammar, structural_tag, "
+                          f"json_object; got {', '.join(given)}", param="structured_outputs")
+    if not given:
+        return None
+    key = given[0]
+    if key == "json_object":
+        return GrammarSpec("json_object")
+    kind, convert = _SO_KEYS[key]
+    value = so[key]
+    if key == "structural_tag":
+        return GrammarSpec(kind, value if isinstance(value, str) else json.dumps(value))
+    return GrammarSpec(kind, convert(value, "structured_outputs"))
+
+
+_GUIDED = {"guided_json": ("json_schema", _text), "guided_regex": ("regex", _string),
+           "guided_choice": ("choice", _choice), "guided_grammar": ("ebnf", _string)}
+
+
+def grammar_spec(req) -> tuple[GrammarSpec, str] | None:
+    """The request's structured-output constraint and the field it came from, or None.
+
+    Raises:
+        APIError: 400 for a malformed form, two forms at once, a spec over :data:`MAX_SPEC_BYTES`, or a
+            grammar beside ``ignore_eos``/``min_tokens`` (the grammar decides where the output ends).
+    """
+    found: list[tuple[GrammarSpec, str]] = []
+    rf = getattr(req, "response_format", None)
+    if rf is not None:
+        spec = _response_format(rf)
+        if spec is not None:
+            found.append((spec, "response_format"))
+    if req.structured_outputs is not None:
+        spec = _structured_outputs(req.structured_outputs)
+        if spec is not None:
+            found.append((spec, "structured_outputs"))
+    for name, (kind, convert) in _GUIDED.items():
+        value = getattr(req, name)
+        if value is not None:
+            found.append((GrammarSpec(kind, convert(value, name)), name))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise bad_request(f"only one structured-output form per request; got {', '.join(p for _, p in found)}",
+                          param=found[1][1])
+    spec, param = found[0]
+    size = len(spec.spec.encode())
+    if size > MAX_SPEC_BYTES:
+        raise bad_request(f"the {spec.kind} is {size} bytes, more than the limit of {MAX_SPEC_BYTES} bytes", param=param)
+    if req.ignore_eos or req.min_tokens:
+        bad = "ignore_eos" if req.ignore_eos else "min_tokens"
+        raise bad_request(f"{bad} cannot be combined with {param}: the grammar decides where the output ends", param=bad)
+    return spec, param
+
+
+def node_grammars(node) -> GrammarCache:
+    """The node's compiled-grammar cache (its tokenizer, logits width and stop ids)."""
+    tok = node.tokenizer
+    cfg = node.info.cfg
+    return grammar_cache(tok, cfg.vocab_size, tok.eos_token_ids or list(cfg.eos_token_ids))
+
+
+async def check_grammar(node, spec: GrammarSpec, param: str, timeout_s: float | None = None) -> None:
+    """Compile ``spec`` (cached) in a compile thread, within ``timeout_s`` (default
+    :data:`COMPILE_TIMEOUT_S`).
+
+    Raises:
+        APIError: 400 naming ``param`` when it does not compile, accepts nothing or takes too long.
+    """
+    timeout_s = COMPILE_TIMEOUT_S if timeout_s is None else timeout_s
+    loop = asyncio.get_running_loop()
+    cache = await loop.run_in_executor(_compile_pool, node_grammars, node)
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(_compile_pool.submit(cache.get, spec)), timeout_s)
+    except GrammarError as e:
+        raise bad_request(f"{param}: {e}", param=param) from e
+    except TimeoutError as e:
+        raise bad_request(f"{param}: the {spec.kind} did not compile within {timeout_s:g} s", param=param) from e
+
+
+async def structured(node, req) -> GrammarSpec | None:
+    """:func:`grammar_spec` then :func:`check_grammar`: the checked spec, or None."""
+    found = grammar_spec(req)
+    if found is None:
+        return None
+    await check_grammar(node, *found)
+    return found[0]

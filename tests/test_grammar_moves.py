@@ -1,0 +1,122 @@
+"""Issue 44 item 1: a sequence's grammar state travels with it. Each move below rebuilds the matcher on
+the engine that samples next from the tokens already emitted, so the greedy output equals the
+unmoved run's and validates against its schema:
+
+* a KV move between devices mid-output (``DeviceEngine.migrate``, as the time-shared fallback moves);
+* a resume after the engine carrying the sequence is killed (recomputed on the other device);
+* a pooled hand-off inside one node (prefill device → decode device);
+* a pooled hand-off to a peer node over TCP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+
+import jsonschema
+
+from node.config import NodeConfig
+from node.core.grammar_spec import GrammarSpec
+from node.core.sequence import SamplingParams
+from node.runtime.node import Node
+from support import STORIES
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 30},
+        "story": {"type": "string", "maxLength": 240},
+        "mood": {"enum": ["happy", "sad", "brave"]},
+        "pages": {"type": "integer", "minimum": 1, "maximum": 99},
+    },
+    "required": ["title", "story", "mood", "pages"],
+}
+PROMPT = "Once upon a time, there was a little girl named Lily."
+MAX_TOKENS = 200
+
+
+def params() -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, grammar=GrammarSpec("json_schema", json.dumps(SCHEMA)))
+
+
+def valid(text: str) -> dict:
+    doc = json.loads(text)
+    jsonschema.validate(doc, SCHEMA)
+    return doc
+
+
+async def _run(node: Node, rid: str, at: int | None = None, act=None) -> tuple[list[int], str, str | None]:
+    """Generate greedily; when ``at`` output tokens have arrived, await ``act(node, seq)`` once."""
+    ids, text, finish, done = [], "", None, at is None
+    async for req, d in node.generate(rid, node.tokenizer.encode(PROMPT), params()):
+        assert d.error is None, d.error
+        ids += d.token_ids
+        text += d.text
+        finish = d.finish_reason or finish
+        if not done and len(ids) >= at:
+            done = True
+            await act(node, req.seqs[0])
+    assert done, "the output ended before the move"
+    return ids, text, finish
+
+
+def test_a_device_move_and_an_engine_kill_keep_the_grammar_and_the_greedy_output():
+    async def migrate(node, seq):
+        src = node.engine(seq.device_id)
+        dst = next(e for e in node.engines if e is not src)
+        assert await src.migrate(seq, dst, "manual") is not None
+
+    async def kill(node, seq):
+        pid = next(d["engine"]["pid"] for d in node.status()["devices"] if d["device"] == seq.device_id)
+        os.kill(pid, signal.SIGKILL)
+
+    async def go():
+        node = await Node.create(NodeConfig(model=str(STORIES), devices=["cpu:0", "cpu:1"], imbalance_threshold=0.0,
+                                            engine_restart_max=0))
+        node.start()
+        try:
+            unmoved = await _run(node, "still")
+            moved = await _run(node, "moved", 12, migrate)
+            moved_back = await _run(node, "moved-twice", 25, migrate)
+            killed = await _run(node, "killed", 18, kill)
+            used = [e.batcher.ledger.num_used for e in node.engines if e.failure is None]
+            return unmoved, moved, moved_back, killed, used, node.metrics.render().decode()
+        finally:
+            await node.close()
+
+    unmoved, moved, moved_back, killed, used, metrics = asyncio.run(go())
+    ids, text, finish = unmoved
+    assert finish == "stop" and len(ids) > 30, (finish, len(ids))  # long enough that the moves fall mid-output
+    valid(text)
+    assert moved == unmoved and moved_back == unmoved and killed == unmoved
+    assert "shiftnode_kv_recomputes_total 1.0" in metrics  # the killed engine's sequence was recomputed elsewhere
+    assert used == [0]  # the surviving device holds no block
+
+
+def _complete(node, body: dict) -> dict:
+    r = node.client.post("/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+BODY = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "story", "schema": SCHEMA}}}
+
+
+def test_a_pooled_hand_off_inside_a_node_keeps_the_grammar(stories_node, pooled_node):
+    before = pooled_node.status()["kv_transfers"]
+    one = _complete(stories_node, BODY)
+    handed = _complete(pooled_node, BODY)
+    assert len(pooled_node.status()["kv_transfers"]) > len(before)  # it was handed off
+    valid(one["text"])
+    assert handed["token_ids"] == one["token_ids"] and handed["text"] == one["text"]
+
+
+def test_a_pooled_hand_off_to_a_peer_node_over_tcp_keeps_the_grammar(stories_node, peer_pair):
+    prefill, _ = peer_pair
+    one = _complete(stories_node, BODY)
+    handed = _complete(prefill, BODY)
+    valid(one["text"])
+    assert handed["token_ids"] == one["token_ids"] and handed["text"] == one["text"]
