@@ -11,6 +11,7 @@ import msgspec
 
 from node.runtime.interfaces import StateSource
 from node.worker.engine_group import TPEngineGroup
+from node.worker.grammar import grammar_cache_status
 
 
 class StatusSource(StateSource, Protocol):
@@ -108,6 +109,7 @@ def node_status(node: StatusSource, history: int = 200, since_s: float | None = 
         "kv_transfers": [asdict(m) for m in recent(node.migrations)],
         "latency": node.metrics.latency_histograms(),
         "network": _network_status(node, now),
+        "grammar_cache": grammar_cache_status(),  # this process's compiled grammars (structured output)
     }
 
 

@@ -189,6 +189,15 @@ def grammar_cache(tok: TextTokenizer, vocab_size: int, stop_ids: list[int]) -> G
         return cache
 
 
+def grammar_cache_status() -> dict:
+    """This process's compiled-grammar caches together: ``entries``, ``bytes`` and their bounds (for
+    ``GET /v1/node``)."""
+    with _caches_lock:
+        caches = list(_caches.values())
+    return {"entries": sum(c.num_entries for c in caches), "bytes": sum(c.num_bytes for c in caches),
+            "max_entries": MAX_ENTRIES, "max_bytes": MAX_BYTES}
+
+
 class SeqGrammar:
     """One sequence's grammar matcher, rebuilt from the tokens it has already emitted.
 
