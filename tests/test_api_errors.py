@@ -100,7 +100,7 @@ def test_b03_context_limit(stories_node):
     (b'{"prompt": "hi", "logit_bias": {"5": 1}}', 400),
     (b'{"prompt": "hi", "model": "gpt-4"}', 404),
     (b'{"messages": "hi"}', 400),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}', 400),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}', 400),
 ])
 def test_b05_malformed(stories_node, body, status):
     path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"

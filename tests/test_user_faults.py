@@ -38,9 +38,6 @@ def test_bearer_scheme_is_case_insensitive():
 
 
 @pytest.mark.parametrize("path,field,value", [
-    ("/v1/completions", "guided_json", {"type": "object"}),
-    ("/v1/completions", "guided_regex", "[a-z]+"),
-    ("/v1/completions", "guided_choice", ["yes", "no"]),
     ("/v1/completions", "use_beam_search", True),
     ("/v1/completions", "logit_bias", {"5": 10.0}),
     ("/v1/chat/completions", "tool_choice", "required"),
@@ -48,7 +45,6 @@ def test_bearer_scheme_is_case_insensitive():
     ("/v1/chat/completions", "function_call", {"name": "f"}),
     ("/v1/chat/completions", "modalities", ["text", "audio"]),
     ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "wav"}),
-    ("/v1/chat/completions", "structured_outputs", {"json": {"type": "object"}}),
 ])
 def test_unsupported_fields_that_change_the_output_are_a_400(stories_node, path, field, value):
     body = {"prompt": "Once"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
