@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from node.protocol_structured import ResponseFormat, StructuredOutputs
+
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
@@ -38,12 +40,12 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     return_token_ids: bool = False  # vLLM extension: choices carry "token_ids" (and the prompt's ids)
     # Structured output (node.api.structured): OpenAI's response_format, vLLM's structured_outputs and
     # its older guided_* names.
-    response_format: dict[str, Any] | None = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Fields that change what is generated and that this server does not implement: accepted by the
     # decoder only so that a request naming one is refused (400 naming it) instead of silently served
     # without it (node.api.validate.reject_unsupported).

@@ -104,6 +104,21 @@ def test_json_object_on_chat_and_guided_json(stories_node):
     jsonschema.validate(json.loads(r.json()["choices"][0]["text"]), SCHEMA)
 
 
+def test_structural_tags_new_and_old_forms(stories_node):
+    inner = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}
+    new = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "Answer: "}, {"type": "regex", "pattern": "[0-9]{2}[a-z]{3}"}]}}
+    r = post(stories_node, "/v1/completions", {"prompt": PROMPT, "max_tokens": 30, "temperature": 0, "response_format": new})
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["text"]
+    assert re.fullmatch("Answer: [0-9]{2}[a-z]{3}", text), text
+    old = {"type": "structural_tag", "structures": [{"begin": "<n>", "schema": inner, "end": "</n>"}], "triggers": ["<n>"]}
+    r = post(stories_node, "/v1/completions", {"prompt": PROMPT, "max_tokens": 30, "temperature": 0, "response_format": old})
+    assert r.status_code == 200, r.text  # free text, with a JSON body inside any <n>...</n> it writes
+    for body in re.findall(r"<n>(.*?)</n>", r.json()["choices"][0]["text"]):
+        jsonschema.validate(json.loads(body), inner)
+
+
 def test_n_seed_stop_and_logprobs_beside_a_grammar(stories_node):
     body = {"prompt": PROMPT, "max_tokens": 120, "n": 3, "seed": 7, "temperature": 1.0, "logprobs": 2,
             "response_format": RF}
@@ -144,7 +159,8 @@ def test_max_tokens_cut_off_is_length_and_eos_waits_for_the_grammar(stories_node
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "only one structured-output form"),
     ({"guided_choice": []}, "guided_choice", "non-empty list"),
     ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
-    ({"response_format": {"type": "xml"}}, "response_format", "not one of"),
+    ({"response_format": {"type": "xml"}}, "response_format", "response_format.type"),
+    ({"structured_outputs": {"regexp": "a"}}, "structured_outputs", "unknown field `regexp`"),
     ({"guided_regex": "[a-z]+", "ignore_eos": True}, "ignore_eos", "grammar decides"),
     ({"guided_regex": "[a-z]+", "min_tokens": 3}, "min_tokens", "grammar decides"),
 ])

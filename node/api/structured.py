@@ -27,8 +27,11 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import msgspec
+
 from node.api.errors import bad_request
 from node.core.grammar_spec import GrammarSpec
+from node.protocol_structured import ResponseFormat, StructuredOutputs
 from node.worker.grammar import GrammarCache, GrammarError, grammar_cache
 
 MAX_SPEC_BYTES = 256 * 1024  # a schema, pattern or grammar larger than this is refused (compile time grows with it)
@@ -62,44 +65,52 @@ def _choice(value: Any, param: str) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _response_format(rf: dict[str, Any]) -> GrammarSpec | None:
-    kind = rf.get("type", "text")
-    if kind == "text":
+def _response_format(rf: ResponseFormat) -> GrammarSpec | None:
+    if rf.type == "text":
         return None
-    if kind == "json_object":
+    if rf.type == "json_object":
         return GrammarSpec("json_object")
-    if kind == "json_schema":
-        js = rf.get("json_schema")
-        if not isinstance(js, dict) or "schema" not in js:
+    if rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema is None:
             raise bad_request("response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}",
                               param="response_format")
-        return GrammarSpec("json_schema", _text(js["schema"], "response_format"))
-    if kind == "structural_tag":
-        return GrammarSpec("structural_tag", json.dumps(rf))
-    raise bad_request(f"response_format type {kind!r} is not one of text, json_object, json_schema, structural_tag",
-                      param="response_format")
+        return GrammarSpec("json_schema", _text(rf.json_schema.schema, "response_format"))
+    return GrammarSpec("structural_tag", json.dumps(_structural_tag(rf)))
+
+
+def _structural_tag(rf: ResponseFormat) -> dict:
+    """xgrammar's structural tag: the object itself when it has ``format``; the older form (vLLM's
+    ``structures`` of ``{begin, schema, end}`` and ``triggers``) becomes a ``triggered_tags`` format."""
+    if rf.format is not None or rf.structures is None:
+        return msgspec.to_builtins(rf)
+    tags = []
+    for s in rf.structures:
+        if not isinstance(s.get("begin"), str) or not isinstance(s.get("end"), str) or "schema" not in s:
+            raise bad_request("each response_format structure needs begin, schema and end", param="response_format")
+        tags.append({"type": "tag", "begin": s["begin"], "end": s["end"],
+                     "content": {"type": "json_schema", "json_schema": s["schema"]}})
+    return {"type": "structural_tag",
+            "format": {"type": "triggered_tags", "triggers": list(rf.triggers or []), "tags": tags}}
 
 
 _SO_KEYS = {"json": ("json_schema", _text), "regex": ("regex", _string), "choice": ("choice", _choice),
-            "grammar": ("ebnf", _string), "structural_tag": ("structural_tag", None)}
+            "grammar": ("ebnf", _string)}
 
 
-def _structured_outputs(so: Any) -> GrammarSpec | None:
-    if not isinstance(so, dict):
-        raise bad_request("structured_outputs must be an object", param="structured_outputs")
-    given = [k for k in (*_SO_KEYS, "json_object") if so.get(k) not in (None, False)]
+def _structured_outputs(so: StructuredOutputs) -> GrammarSpec | None:
+    given = [k for k in (*_SO_KEYS, "structural_tag", "json_object") if getattr(so, k) not in (None, False)]
     if len(given) > 1:
         raise bad_request(f"structured_outputs takes one of json, regex, choice, grammar, structural_tag, "
                           f"json_object; got {', '.join(given)}", param="structured_outputs")
     if not given:
         return None
     key = given[0]
+    value = getattr(so, key)
     if key == "json_object":
         return GrammarSpec("json_object")
-    kind, convert = _SO_KEYS[key]
-    value = so[key]
     if key == "structural_tag":
-        return GrammarSpec(kind, value if isinstance(value, str) else json.dumps(value))
+        return GrammarSpec("structural_tag", value if isinstance(value, str) else json.dumps(value))
+    kind, convert = _SO_KEYS[key]
     return GrammarSpec(kind, convert(value, "structured_outputs"))
 
 
