@@ -103,6 +103,8 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
                     help="the stats line (throughput, running and waiting requests, KV use, roles, switches) every S "
                          "seconds while there is traffic, none while idle (default: 10; 0: never)")
     add_stream_flags(p)
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],  # tool_parsers.PARSERS
+                   help="reads tool calls of tool_choice auto (vLLM's names; none: auto with tools is refused)")
     g = p.add_argument_group("adaptive and time-shared modes")
     g.add_argument("--mode", default="adaptive", choices=["adaptive", "time-shared", "colocated", "pooled"],
                    help="adaptive (default): per device, decode, decode plus prompt chunks sized online from the TPOT "
@@ -251,10 +253,8 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         log_level=a.log_level, log_requests=a.log_requests, stats_interval_s=a.stats_interval_s,
         enforce_eager=a.enforce_eager, compile=a.compile, compile_sizes=a.compile_sizes,
         engine_layout=a.engine_layout, prefix_caching=a.prefix_caching,
-        tensor_parallel_size=a.tensor_parallel_size,
-        decode_tp=a.decode_tp,
-        prefill_tp=a.prefill_tp,
-        benchmark_model=a.benchmark_model,
+        tensor_parallel_size=a.tensor_parallel_size, decode_tp=a.decode_tp, prefill_tp=a.prefill_tp,
+        benchmark_model=a.benchmark_model, tool_call_parser=a.tool_call_parser,
         reconfig_pause_ms=a.reconfig_pause_ms, cost_model=a.cost_model, ttft_slo_ms=a.ttft_slo_ms, tpot_slo_ms=a.tpot_slo_ms,
         min_window_ms=a.min_window_ms, max_window_ms=a.max_window_ms, stagger=a.stagger,
         **stream_config(a),

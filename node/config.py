@@ -106,6 +106,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     sse_stall_bytes: int = 64 << 20  # a client with more unsent and held is aborted as stalled (its KV freed)
     sse_stall_s: float = 60.0  # a client above sse_buffer_bytes that acknowledges nothing this long: aborted, too
     body_timeout_s: float = 30.0  # a request body slower than this is answered 408
+    tool_call_parser: str | None = None  # reads tool calls of tool_choice "auto" (node.api.tool_parsers); None: refused
     api_processes: int = 1  # HTTP front-end processes (node.api.frontend); 1: the API runs in the node's process
     api_heartbeat_timeout_s: float = 10.0  # a front end silent this long (loop stuck, process stopped) is killed and restarted
 

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from node.protocol_structured import ResponseFormat, StructuredOutputs
+from node.protocol_tools import Tool, ToolCall, ToolChoice
 
 
 class StreamOptions(msgspec.Struct):
@@ -74,6 +75,8 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message's answer to that call
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -85,8 +88,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None
-    tool_choice: Any = None  # refused unless "none" or "auto" (there are no tools)
+    tools: list[Tool] | None = None  # tool calling: node.api.tool_calls
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
     functions: list[Any] | None = None  # the legacy form of tools
     function_call: Any = None
     modalities: list[str] | None = None  # only ["text"]

@@ -102,3 +102,18 @@ def test_a_compile_past_the_time_bound_is_a_400():
     with pytest.raises(APIError) as e:
         asyncio.run(go())
     assert e.value.status == 400 and "did not compile within 0.001 s" in str(e.value)
+
+
+def test_length_bounded_strings_exclude_raw_control_characters(cache):
+    """xgrammar's class for strings with maxLength lets U+0000-U+001F through (its issue #800); JSON forbids
+    them, so json.loads of such output failed. After the opening quote no control byte is allowed."""
+    ids = {TOK.id_to_token(i): i for i in range(VOCAB)}
+    g = SeqGrammar(cache.get(GrammarSpec("json_schema", '{"type": "string", "maxLength": 8}')), [])
+    assert g.matcher.accept_string('"')
+    allowed = torch.zeros(1, VOCAB)
+    from node.worker.grammar import apply_mask
+
+    apply_mask(allowed, fill_masks([g], [0], 1, VOCAB), [0])
+    controls = [ids[f"<0x{b:02X}>"] for b in range(0x20)]
+    assert all(allowed[0, t] == float("-inf") for t in controls)
+    assert allowed[0, ids["▁the"]] == 0.0

@@ -23,7 +23,8 @@ from node.api.errors import APIError, bad_request, delta_error, error_body
 from node.api.frontend_node import FrontNode
 from node.api.responses import ChoiceState, chat_logprobs, completion_logprobs, envelope, usage
 from node.api.sse import Backlog, SSEWriter, StreamLimits
-from node.api.structured import structured
+from node.api.structured import check_grammar, structured
+from node.api.tool_calls import ChatToolOutput, plan_tools
 from node.api.validate import chat_prompt, check_model, completion_prompts, reject_unsupported, sampling_params
 from node.core.sequence import SamplingParams
 from node.log import request_lines
@@ -347,18 +348,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req: ChatCompletionRequest = await read_json(request, ChatCompletionRequest)  # type: ignore[assignment]
     check_model(req, node.config.model_name)
     reject_unsupported(req)
-    if req.tools:
-        raise bad_request("tools are not supported by this server", param="tools")
+    plan = plan_tools(req, node.config.tool_call_parser)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
     tok = node.tokenizer
-    ids = await off_loop(chat_prompt, req, tok, node.max_model_len)
+    ids = await off_loop(chat_prompt, req, tok, node.max_model_len, plan.tools)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, prompt_len=len(ids), max_model_len=node.max_model_len, max_tokens=max_tokens,
                              default_max_tokens=None, vocab_size=node.info.cfg.vocab_size,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_logprobs=None,
                              max_n=node.config.max_num_seqs, logprobs_param="top_logprobs", prompt_param="messages")
-    params = msgspec.structs.replace(params, grammar=await structured(node, req))
+    if plan.grammar is not None:
+        await check_grammar(node, plan.grammar, "tools")
+    params = msgspec.structs.replace(params, grammar=plan.grammar or await structured(node, req))
+    tool_out = ChatToolOutput(plan) if plan.parser else None
     request_id = node.new_request_id("chatcmpl")
     env = envelope("chat.completion.chunk", request_id, node.config.model_name)
 
@@ -370,9 +373,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         if not d.text and d.finish_reason is None and not (req.logprobs and d.logprobs) and not req.return_token_ids:
             return None
         delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+        finish = d.finish_reason
+        if tool_out is not None:  # content, and tool calls as they become known
+            delta, finish = tool_out.delta(c.index, d.text, finish)
+            if not delta and finish is None and not (req.logprobs and d.logprobs) and not req.return_token_ids:
+                return None  # text held back: it may begin a tool call
         entry = {"index": c.index, "delta": delta,
-                 "logprobs": chat_logprobs(tok, d.logprobs) if req.logprobs else None,
-                 "finish_reason": d.finish_reason}
+                 "logprobs": chat_logprobs(tok, d.logprobs) if req.logprobs else None, "finish_reason": finish}
         if req.return_token_ids:
             entry["token_ids"] = list(d.token_ids)
         return entry
@@ -384,9 +391,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     def final_body(choices: list[ChoiceState], use: dict) -> dict:
         out = []
         for c in choices:
-            entry = {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                     "logprobs": chat_logprobs(tok, [e for e in c.logprobs if e is not None]) if req.logprobs else None,
-                     "finish_reason": c.finish_reason}
+            msg, finish = tool_out.message(c.index, c.finish_reason) if tool_out else ({"role": "assistant", "content": c.text}, c.finish_reason)
+            entry = {"index": c.index, "message": msg, "finish_reason": finish,
+                     "logprobs": chat_logprobs(tok, [e for e in c.logprobs if e is not None]) if req.logprobs else None}
             if req.return_token_ids:
                 entry |= {"token_ids": c.token_ids, "prompt_token_ids": ids}
             out.append(entry)

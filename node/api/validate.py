@@ -7,6 +7,7 @@ queued, so a bad request can never reach the engine.
 from __future__ import annotations
 
 from node.api.errors import APIError, bad_request
+from node.api.tool_calls import template_message
 from node.core.sequence import SamplingParams
 from node.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from node.worker.tokenizer import TextTokenizer, TokenizerError
@@ -67,8 +68,9 @@ def completion_prompts(req: CompletionRequest, tok: TextTokenizer, vocab_size: i
     return prompts
 
 
-def chat_prompt(req: ChatCompletionRequest, tok: TextTokenizer, max_model_len: int) -> list[int]:
-    """Render the chat template and tokenize it (the template carries BOS itself). Run off the loop."""
+def chat_prompt(req: ChatCompletionRequest, tok: TextTokenizer, max_model_len: int, tools: list[dict] | None = None) -> list[int]:
+    """Render the chat template (with ``tools`` when given, as ``apply_chat_template(tools=)`` does) and
+    tokenize it (the template carries BOS itself). Run off the loop."""
     messages = []  # at least one, each with a known role: the decoder checked (node.protocol)
     for m in req.messages:
         content = m.content
@@ -76,9 +78,9 @@ def chat_prompt(req: ChatCompletionRequest, tok: TextTokenizer, max_model_len: i
             if any(part.type != "text" for part in content):
                 raise bad_request("only text content parts are supported", param="messages")
             content = "\n".join(part.text or "" for part in content)
-        messages.append({"role": m.role, "content": content or ""})
+        messages.append(template_message(m, content or ""))
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+        text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tools=tools)
     except TokenizerError as e:
         raise bad_request(str(e), param="messages") from e
     ids = _encode(tok, text, max_model_len, "messages", add_special_tokens=False)
@@ -177,9 +179,7 @@ def reject_unsupported(req) -> None:
             raise bad_request(f"{name} is not supported by this server", param=name)
     if req.use_beam_search:
         raise bad_request("beam search is not supported by this server", param="use_beam_search")
-    for name in ("tool_choice", "function_call"):
-        if getattr(req, name, None) not in (None, "none", "auto"):  # with no tools, "auto" calls none either
-            raise bad_request(f"{name} is not supported by this server (there are no tools): only \"none\" or \"auto\"",
-                              param=name)
+    if getattr(req, "function_call", None) not in (None, "none", "auto"):  # the legacy form: use tools
+        raise bad_request("function_call is not supported by this server: use tools and tool_choice", param="function_call")
     if getattr(req, "modalities", None) not in (None, ["text"]):
         raise bad_request(f"modalities {req.modalities} are not supported: only [\"text\"]", param="modalities")

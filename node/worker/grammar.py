@@ -146,8 +146,7 @@ class GrammarCache:
         c = self._compiler
         try:
             if spec.kind == "json_schema":
-                # compact JSON (no free whitespace): a model cannot pad its output with endless blanks
-                return c.compile_json_schema(spec.spec, any_whitespace=False, strict_mode=True)
+                return c.compile_grammar(json_schema_ebnf(spec.spec))
             if spec.kind == "json_object":
                 return c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             if spec.kind == "regex":
@@ -163,6 +162,21 @@ class GrammarCache:
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse and conversion errors
             raise GrammarError(f"the {spec.kind} does not compile: {_clean(e)}") from e
         raise GrammarError(f"unknown grammar kind {spec.kind!r}")
+
+
+# xgrammar 0.2.9 writes a string with minLength/maxLength as a repetition of this class, which lets raw
+# control characters U+0000-U+001F (but CR, LF) through, and JSON forbids them (xgrammar issue #800): the
+# class is replaced by one that does not. (Escapes stay out of such strings, as xgrammar has them.)
+_LOOSE_CHARS = '[^\\"\\\\\\r\\n]'
+_JSON_CHARS = '[^\\0-\\x1f\\"\\\\]'
+
+
+def json_schema_ebnf(schema: str) -> str:
+    """The EBNF of a JSON schema as xgrammar converts it (compact JSON: no free whitespace, so a model
+    cannot pad its output with endless blanks; no properties beyond the schema's), with length-bounded
+    strings kept free of raw control characters."""
+    ebnf = str(xgrammar().Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True))
+    return ebnf.replace(_LOOSE_CHARS, _JSON_CHARS)
 
 
 def _accepts_something(grammar: xgr.CompiledGrammar, vocab_size: int) -> bool:

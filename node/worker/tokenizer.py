@@ -149,8 +149,10 @@ class TextTokenizer:
         anchor = self._anchor_text
         return self._tok.decode([self._anchor_id, token_id], skip_special_tokens=False)[len(anchor) :]
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` with the model's chat template.
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """Render ``messages`` with the model's chat template (``tools``: the function definitions,
+        passed to the template as ``tools``, as transformers' ``apply_chat_template`` does).
 
         Raises:
             TokenizerError: the model has no chat template, or rendering failed (e.g. the template
@@ -160,7 +162,7 @@ class TextTokenizer:
             raise TokenizerError("this model has no chat template; use /v1/completions")
         try:
             return _compile(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "",
             )
         except jinja2.TemplateError as e:
