@@ -247,16 +247,14 @@ class SeqGrammar:
             log.warning("grammar_token_rejected", token_id=token_id)
 
 
-def fill_masks(grammars: list[SeqGrammar], rows: list[int], num_rows: int, vocab_size: int,
-               batch: xgr.BatchGrammarMatcher | None = None) -> torch.Tensor:
+def fill_masks(grammars: list[SeqGrammar], rows: list[int], num_rows: int, vocab_size: int) -> torch.Tensor:
     """The bitmask ``[num_rows, ceil(vocab_size / 32)]`` int32 (CPU) with row ``rows[i]`` filled from
-    ``grammars[i]`` (other rows all ones: nothing masked). ``batch``: fills the rows on several threads."""
+    ``grammars[i]`` (other rows all ones: nothing masked). One row after another: xgrammar's
+    ``BatchGrammarMatcher`` spreads rows over threads, but at a 512-token vocabulary on 2 cores its
+    hand-off cost more than the rows (68 µs a row against 1 µs at a JSON object's start)."""
     mask = xgrammar().allocate_token_bitmask(num_rows, vocab_size)
-    if batch is not None and len(grammars) > 1:
-        batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], mask, indices=rows)
-    else:
-        for g, r in zip(grammars, rows):
-            g.matcher.fill_next_token_bitmask(mask, r)
+    for g, r in zip(grammars, rows):
+        g.matcher.fill_next_token_bitmask(mask, r)
     return mask
 
 

@@ -14,21 +14,17 @@ also compiles its grammar there (a cache hit when the node already compiled it i
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import structlog
 
-from node.worker.grammar import GrammarCache, GrammarError, SeqGrammar, fill_masks, grammar_cache, xgrammar
+from node.worker.grammar import GrammarCache, GrammarError, SeqGrammar, fill_masks, grammar_cache
 from node.worker.tokenizer import TextTokenizer
-
-if TYPE_CHECKING:
-    import xgrammar as xgr
 
 log = structlog.get_logger("shiftnode.grammar")
 
 
 class GrammarMasks:
-    """Per-engine grammar state: the compiled-grammar cache, a batch matcher and the mask thread.
+    """Per-engine grammar state: the compiled-grammar cache and the mask thread.
 
     Args:
         tokenizer: the model's tokenizer (the cache is built from it on first use, not before: an
@@ -43,7 +39,6 @@ class GrammarMasks:
         self.stop_ids = list(stop_ids)
         self._cache: GrammarCache | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._batch: xgr.BatchGrammarMatcher | None = None
 
     @classmethod
     def for_model(cls, info) -> "GrammarMasks":
@@ -73,7 +68,6 @@ class GrammarMasks:
         """
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-            self._batch = xgrammar().BatchGrammarMatcher(max_threads=2)
         return self._pool.submit(self._fill, seqs, num_rows)
 
     def _fill(self, seqs: list, num_rows: int):
@@ -87,7 +81,7 @@ class GrammarMasks:
                 rows.append(row)
         if not rows:
             return None
-        return fill_masks(grammars, rows, num_rows, self.vocab_size, self._batch), rows
+        return fill_masks(grammars, rows, num_rows, self.vocab_size), rows
 
     def _compiled(self, spec):
         """The compiled grammar, or None (logged) when it fails here after the node accepted it (a

@@ -1,0 +1,171 @@
+"""Structured output's cost (issue 44): throughput and ITL with a JSON schema against none, the mask's
+cost per token, compile times, and the grammar cache's bound.
+
+    python -m bench.load.structured [--duration S] [--rounds R] [--json PATH] [--skip-node]
+
+Against one ``shiftnode serve --model stories260k`` node (one CPU device), closed-loop streaming load
+(each client sends ``POST /v1/completions`` again as soon as its stream ends): 64 clients with a
+``json_schema`` response format against 64 without (``ignore_eos``), and 1 against 1; cells interleaved,
+``--rounds`` times each, each ``--duration`` seconds after a 2 s warm-up. ``tok/s``: streamed tokens /
+wall; ``ITL p50``: median gap between a stream's token chunks (ms). Then, in this process: the mask's
+cost per token (fill for a 64-row batch on the mask thread's code path, apply, accept; over sequences
+walked through the grammar), the compile time of a 50-field schema cold (a new cache) and cached, and
+the cache's entries and bytes over 10,000 distinct schemas against its bounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from bench.load.node_process import NodeServer
+
+STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260k"
+SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
+                                           "story": {"type": "string"}, "mood": {"enum": ["happy", "sad"]}},
+          "required": ["title", "story", "mood"]}
+MAX_TOKENS = 128
+
+
+def fifty_fields(salt: int = 0) -> dict:
+    kinds = [{"type": "integer", "minimum": 0, "maximum": 1000}, {"type": "string", "maxLength": 20},
+             {"type": "boolean"}, {"enum": ["a", "b", "c"]}, {"type": "array", "items": {"type": "number"}, "maxItems": 4}]
+    props = {f"field_{salt}_{i}": kinds[i % len(kinds)] for i in range(50)}
+    return {"type": "object", "properties": props, "required": list(props)}
+
+
+async def _client(http: httpx.AsyncClient, body: dict, stop_at: float, tokens: list[int], gaps: list[float]) -> None:
+    while time.monotonic() < stop_at:
+        last = None
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                now = time.monotonic()
+                n = sum(len(c.get("token_ids") or []) for c in json.loads(line[6:]).get("choices", []))
+                if n:
+                    if last is not None:
+                        gaps.append((now - last) / n)
+                    last = now
+                    if now < stop_at:
+                        tokens.append(n)
+
+
+async def _cell(url: str, constrained: bool, clients: int, duration: float) -> dict:
+    body = {"prompt": "Once upon a time", "max_tokens": MAX_TOKENS, "temperature": 0.8, "stream": True,
+            "return_token_ids": True}
+    body |= {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}} if constrained \
+        else {"ignore_eos": True}
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=clients + 4)) as http:
+        await asyncio.gather(*(_client(http, body, time.monotonic() + 2.0, [], []) for _ in range(clients)))  # warm-up
+        tokens: list[int] = []
+        gaps: list[float] = []
+        t0 = time.monotonic()
+        await asyncio.gather(*(_client(http, body, t0 + duration, tokens, gaps) for _ in range(clients)))
+    return {"tok_s": sum(tokens) / duration, "itl_p50_ms": 1000 * statistics.median(gaps) if gaps else None}
+
+
+def node_cells(duration: float, rounds: int) -> dict:
+    out: dict = {}
+    with NodeServer(["--model", str(STORIES), "--devices", "cpu:0"], log_path="/tmp/bench_structured_node.log") as node:
+        for _ in range(rounds):
+            for clients in (64, 1):
+                for constrained in (False, True):
+                    r = asyncio.run(_cell(node.url, constrained, clients, duration))
+                    out.setdefault(f"c{clients}_{'schema' if constrained else 'free'}", []).append(r)
+        out["grammar_cache"] = node.get_json("/v1/node")["grammar_cache"]
+    return out
+
+
+def in_process() -> dict:
+    from node.core.grammar_spec import GrammarSpec
+    from node.worker.grammar import GrammarCache, SeqGrammar, apply_mask, fill_masks, tokenizer_info
+    from node.worker.tokenizer import TextTokenizer
+
+    tok = TextTokenizer.from_folder(STORIES)
+    vocab = 512
+    info = tokenizer_info(tok, vocab, tok.eos_token_ids)
+    out: dict = {}
+    t = time.perf_counter()
+    cache = GrammarCache(info)
+    spec = GrammarSpec("json_schema", json.dumps(fifty_fields()))
+    cache.get(spec)
+    out["compile_50_fields_cold_ms"] = 1000 * (time.perf_counter() - t)
+    t = time.perf_counter()
+    for _ in range(100):
+        cache.get(spec)
+    out["compile_50_fields_cached_ms"] = 1000 * (time.perf_counter() - t) / 100
+    # mask cost per token: 64 sequences walked through the grammar by seeded draws under the mask
+    grammar = cache.get(GrammarSpec("json_schema", json.dumps(SCHEMA)))
+    seqs = [SeqGrammar(grammar, []) for _ in range(64)]
+    gen = torch.Generator().manual_seed(0)
+    fill_s = apply_s = accept_s = 0.0
+    tokens = 0
+    for _ in range(MAX_TOKENS):
+        live = [(i, g) for i, g in enumerate(seqs) if g.active]
+        if not live:
+            break
+        rows = [i for i, _ in live]
+        t = time.perf_counter()
+        mask = fill_masks([g for _, g in live], rows, len(seqs), vocab)
+        t1 = time.perf_counter()
+        logits = torch.randn(len(seqs), vocab, generator=gen)
+        t2 = time.perf_counter()
+        apply_mask(logits, mask, rows)
+        t3 = time.perf_counter()
+        picks = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen).flatten().tolist()
+        t4 = time.perf_counter()
+        for i, g in live:
+            g.accept(picks[i])
+        t5 = time.perf_counter()
+        fill_s += t1 - t
+        apply_s += t3 - t2
+        accept_s += t5 - t4
+        tokens += len(live)
+    out["mask_us_per_token"] = {"fill": 1e6 * fill_s / tokens, "apply": 1e6 * apply_s / tokens,
+                                "accept": 1e6 * accept_s / tokens, "tokens": tokens}
+    # the cache's bound over 10,000 distinct schemas
+    bounded = GrammarCache(info)
+    peak_entries = peak_bytes = 0
+    t = time.perf_counter()
+    for i in range(10_000):
+        schema = {"type": "object", "properties": {f"k{i}": {"type": "integer"}, "v": {"enum": [str(i)]}}, "required": ["v"]}
+        bounded.get(GrammarSpec("json_schema", json.dumps(schema)))
+        peak_entries, peak_bytes = max(peak_entries, bounded.num_entries), max(peak_bytes, bounded.num_bytes)
+    out["cache_10k"] = {"peak_entries": peak_entries, "max_entries": bounded.max_entries, "peak_bytes": peak_bytes,
+                        "max_bytes": bounded.max_bytes, "seconds": time.perf_counter() - t}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--skip-node", action="store_true")
+    a = ap.parse_args()
+    res = {"in_process": in_process()}
+    if not a.skip_node:
+        res["node"] = node_cells(a.duration, a.rounds)
+        for c in (64, 1):
+            free, schema = res["node"][f"c{c}_free"], res["node"][f"c{c}_schema"]
+            tf, ts = statistics.mean(r["tok_s"] for r in free), statistics.mean(r["tok_s"] for r in schema)
+            lf = statistics.median(r["itl_p50_ms"] for r in free)
+            ls = statistics.median(r["itl_p50_ms"] for r in schema)
+            res[f"c{c}_summary"] = {"free_tok_s": tf, "schema_tok_s": ts, "ratio": ts / tf,
+                                    "free_itl_p50_ms": lf, "schema_itl_p50_ms": ls, "itl_ratio": ls / lf}
+    text = json.dumps(res, indent=1)
+    print(text)
+    if a.json:
+        Path(a.json).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
