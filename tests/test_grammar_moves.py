@@ -2,7 +2,8 @@
 the engine that samples next from the tokens already emitted, so the greedy output equals the
 unmoved run's and validates against its schema:
 
-* a KV move between devices mid-output (``DeviceEngine.migrate``, as the time-shared fallback moves);
+* a KV move between devices mid-output (``DeviceEngine.migrate``, as the time-shared fallback moves), and
+  one whose copy overlaps the source's next steps (as the adaptive hand-off moves);
 * a resume after the engine carrying the sequence is killed (recomputed on the other device);
 * a pooled hand-off inside one node (prefill device → decode device);
 * a pooled hand-off to a peer node over TCP.
@@ -62,11 +63,16 @@ async def _run(node: Node, rid: str, at: int | None = None, act=None) -> tuple[l
     return ids, text, finish
 
 
-def test_a_device_move_and_an_engine_kill_keep_the_grammar_and_the_greedy_output():
+def test_device_moves_a_hand_off_and_an_engine_kill_keep_the_grammar_and_the_greedy_output():
     async def migrate(node, seq):
         src = node.engine(seq.device_id)
         dst = next(e for e in node.engines if e is not src)
         assert await src.migrate(seq, dst, "manual") is not None
+
+    async def hand_off(node, seq):  # as the adaptive hand-off moves: the copy overlaps the source's next steps
+        src = node.engine(seq.device_id)
+        dst = next(e for e in node.engines if e is not src)
+        assert await src.migrate(seq, dst, "handoff", overlap=True) is not None
 
     async def kill(node, seq):
         pid = next(d["engine"]["pid"] for d in node.status()["devices"] if d["device"] == seq.device_id)
@@ -80,17 +86,18 @@ def test_a_device_move_and_an_engine_kill_keep_the_grammar_and_the_greedy_output
             unmoved = await _run(node, "still")
             moved = await _run(node, "moved", 12, migrate)
             moved_back = await _run(node, "moved-twice", 25, migrate)
+            handed = await _run(node, "handed-off", 15, hand_off)
             killed = await _run(node, "killed", 18, kill)
             used = [e.batcher.ledger.num_used for e in node.engines if e.failure is None]
-            return unmoved, moved, moved_back, killed, used, node.metrics.render().decode()
+            return unmoved, moved, moved_back, handed, killed, used, node.metrics.render().decode()
         finally:
             await node.close()
 
-    unmoved, moved, moved_back, killed, used, metrics = asyncio.run(go())
+    unmoved, moved, moved_back, handed, killed, used, metrics = asyncio.run(go())
     ids, text, finish = unmoved
     assert finish == "stop" and len(ids) > 30, (finish, len(ids))  # long enough that the moves fall mid-output
     valid(text)
-    assert moved == unmoved and moved_back == unmoved and killed == unmoved
+    assert moved == unmoved and moved_back == unmoved and handed == unmoved and killed == unmoved
     assert "shiftnode_kv_recomputes_total 1.0" in metrics  # the killed engine's sequence was recomputed elsewhere
     assert used == [0]  # the surviving device holds no block
 

@@ -188,3 +188,16 @@ def test_auto_with_a_parser_gives_content_when_the_model_calls_nothing(family_no
         assert whole.choices[0].finish_reason == "tool_calls"
     else:
         assert msg.content == text and whole.choices[0].finish_reason in ("stop", "length")
+
+
+def test_the_flag_offers_exactly_the_parsers():
+    import argparse
+
+    from node.cli import config_from_args, serve_parser
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    serve_parser(sub)
+    serve = sub.choices["serve"]
+    flag = next(a for a in serve._actions if "--tool-call-parser" in a.option_strings)
+    assert tuple(flag.choices) == PARSERS
+    assert config_from_args(serve.parse_args(["--tool-call-parser", "mistral"])).tool_call_parser == "mistral"
