@@ -77,6 +77,8 @@ GROUPS: tuple[Group, ...] = (
         Tool("load.fuzz", "Does any generated API request get a 5xx or hang? (the long run of the API fuzzer)"),
         Tool("load.restart", "When an engine is killed under greedy streams, how long do they pause, do they "
                              "end exactly, and how soon does the device serve again?"),
+        Tool("load.structured", "What does structured output cost: tokens/s and ITL with a JSON schema against none, "
+             "the mask per token, a 50-field schema's compile, the grammar cache's bound?"),
         Tool("load.membership", "How fast do peer sets follow a join, a kill -9 and a clean stop through etcd?"),
     ), ("load.node_process", "load.etcd_server", "load.host_compare", "load.host_cells", "load.stream_client"),
         frozenset({"traffic"})),
