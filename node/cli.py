@@ -104,7 +104,7 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
                          "seconds while there is traffic, none while idle (default: 10; 0: never)")
     add_stream_flags(p)
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],  # tool_parsers.PARSERS
-                   help="reads tool calls of tool_choice auto (vLLM's names; none: auto with tools is refused)")
+                   help="reads tool calls of tool_choice auto (vLLM's names; default: the one the chat template names, if any)")
     g = p.add_argument_group("adaptive and time-shared modes")
     g.add_argument("--mode", default="adaptive", choices=["adaptive", "time-shared", "colocated", "pooled"],
                    help="adaptive (default): per device, decode, decode plus prompt chunks sized online from the TPOT "

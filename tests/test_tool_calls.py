@@ -201,3 +201,12 @@ def test_the_flag_offers_exactly_the_parsers():
     flag = next(a for a in serve._actions if "--tool-call-parser" in a.option_strings)
     assert tuple(flag.choices) == PARSERS
     assert config_from_args(serve.parse_args(["--tool-call-parser", "mistral"])).tool_call_parser == "mistral"
+
+
+def test_the_parser_is_detected_from_unambiguous_templates():
+    from node.api.tool_parsers import detect_parser
+
+    assert [detect_parser(FAMILIES[f][0]) for f in FAMILIES] == [FAMILIES[f][1] for f in FAMILIES]
+    assert detect_parser((STORIES / "chat_template.jinja").read_text()) is None
+    assert detect_parser(None) is None
+    assert detect_parser(FAMILIES["qwen2-style"][0] + "[TOOL_CALLS]") is None  # two families' markers: ambiguous

@@ -25,6 +25,7 @@ from node.api.responses import ChoiceState, chat_logprobs, completion_logprobs, 
 from node.api.sse import Backlog, SSEWriter, StreamLimits
 from node.api.structured import check_grammar, structured
 from node.api.tool_calls import ChatToolOutput, plan_tools
+from node.api.tool_parsers import detect_parser
 from node.api.validate import chat_prompt, check_model, completion_prompts, reject_unsupported, sampling_params
 from node.core.sequence import SamplingParams
 from node.log import request_lines
@@ -348,7 +349,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req: ChatCompletionRequest = await read_json(request, ChatCompletionRequest)  # type: ignore[assignment]
     check_model(req, node.config.model_name)
     reject_unsupported(req)
-    plan = plan_tools(req, node.config.tool_call_parser)
+    plan = plan_tools(req, node.config.tool_call_parser or detect_parser(node.tokenizer.chat_template))
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
     tok = node.tokenizer

@@ -4,8 +4,8 @@ history's calls and results in the shape chat templates read, and the reply's ``
 ``tool_choice``:
 
 * ``none``: the tools reach the template, the output is plain content.
-* ``auto`` (the default with tools): the output is read by the node's ``--tool-call-parser``
-  (:mod:`node.api.tool_parsers`); without one it is a 400, as vLLM answers.
+* ``auto`` (the default with tools): the output is read by the node's ``--tool-call-parser``, or the
+  parser the chat template's markers name (:mod:`node.api.tool_parsers`); without either it is a 400.
 * ``required``: the output is constrained by a grammar (:mod:`node.worker.grammar`) to a JSON list of
   ``{"name": <one of the tools>, "parameters": <its schema>}`` (one item at most when
   ``parallel_tool_calls`` is false), whatever the model family, as vLLM does.
@@ -59,7 +59,7 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan:
 
     Args:
         req: the decoded chat request.
-        parser: the node's ``--tool-call-parser`` (None: none).
+        parser: the node's ``--tool-call-parser``, else the one its template names (None: none).
 
     Raises:
         APIError: 400 for a choice without tools, a named function that is not among them, duplicate

@@ -8,6 +8,9 @@ The formats (``--tool-call-parser``, vLLM's names):
   after ``<|python_tag|>``), or several separated by ``;``; an output that does not start with one is content.
 * ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name": .., "arguments": {..}}``.
 
+Without ``--tool-call-parser`` the parser is taken from the chat template where that is unambiguous
+(:func:`detect_parser`).
+
 ``tool_choice`` ``required`` and named choices are constrained by a grammar instead
 (:mod:`node.api.tool_calls`): the output is a JSON list of ``{"name", "parameters"}`` objects
 (``list``), or just the named function's arguments object (``named``), whatever the model family.
@@ -29,6 +32,18 @@ from partial_json_parser import Allow
 
 PARSERS = ("hermes", "llama3_json", "mistral")
 _ARG_KEYS = ("arguments", "parameters")
+
+
+_TEMPLATE_MARKS = {"hermes": ("<tool_call>",), "mistral": ("[TOOL_CALLS]",),
+                   "llama3_json": ("<|start_header_id|>", "ipython")}
+
+
+def detect_parser(template: str | None) -> str | None:
+    """The parser a chat template's own markers name, when exactly one family's are there (its
+    ``<tool_call>`` tags, Mistral's ``[TOOL_CALLS]``, or Llama 3's headers with the ``ipython`` role);
+    else None."""
+    found = [name for name, marks in _TEMPLATE_MARKS.items() if template and all(m in template for m in marks)]
+    return found[0] if len(found) == 1 else None
 
 
 def call_id() -> str:
