@@ -392,7 +392,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     def final_body(choices: list[ChoiceState], use: dict) -> dict:
         out = []
         for c in choices:
-            msg, finish = tool_out.message(c.index, c.finish_reason) if tool_out else ({"role": "assistant", "content": c.text}, c.finish_reason)
+            msg, finish = ({"role": "assistant", "content": c.text}, c.finish_reason) if tool_out is None \
+                else tool_out.message(c.index, c.finish_reason)
             entry = {"index": c.index, "message": msg, "finish_reason": finish,
                      "logprobs": chat_logprobs(tok, [e for e in c.logprobs if e is not None]) if req.logprobs else None}
             if req.return_token_ids:
