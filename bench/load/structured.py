@@ -1,7 +1,8 @@
 """Structured output's cost (issue 44): throughput and ITL with a JSON schema against none, the mask's
 cost per token, compile times, and the grammar cache's bound.
 
-    python -m bench.load.structured [--duration S] [--rounds R] [--json PATH] [--skip-node]
+    python -m bench.load.structured [--duration S] [--rounds R] [--clients 64,1] [--json PATH]
+                                    [--skip-node] [--skip-in-process]
 
 Against one ``shiftnode serve --model stories260k`` node (one CPU device), closed-loop streaming load
 (each client sends ``POST /v1/completions`` again as soon as its stream ends): 64 clients with a
@@ -72,11 +73,11 @@ async def _cell(url: str, constrained: bool, clients: int, duration: float) -> d
     return {"tok_s": sum(tokens) / duration, "itl_p50_ms": 1000 * statistics.median(gaps) if gaps else None}
 
 
-def node_cells(duration: float, rounds: int) -> dict:
+def node_cells(duration: float, rounds: int, client_counts: list[int]) -> dict:
     out: dict = {}
     with NodeServer(["--model", str(STORIES), "--devices", "cpu:0"], log_path="/tmp/bench_structured_node.log") as node:
         for _ in range(rounds):
-            for clients in (64, 1):
+            for clients in client_counts:
                 for constrained in (False, True):
                     r = asyncio.run(_cell(node.url, constrained, clients, duration))
                     out.setdefault(f"c{clients}_{'schema' if constrained else 'free'}", []).append(r)
@@ -150,11 +151,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip-node", action="store_true")
+    ap.add_argument("--skip-in-process", action="store_true")
+    ap.add_argument("--clients", default="64,1", help="client counts of the node cells (default: 64,1)")
     a = ap.parse_args()
-    res = {"in_process": in_process()}
+    counts = [int(x) for x in a.clients.split(",")]
+    res = {} if a.skip_in_process else {"in_process": in_process()}
     if not a.skip_node:
-        res["node"] = node_cells(a.duration, a.rounds)
-        for c in (64, 1):
+        res["node"] = node_cells(a.duration, a.rounds, counts)
+        for c in counts:
             free, schema = res["node"][f"c{c}_free"], res["node"][f"c{c}_schema"]
             tf, ts = statistics.mean(r["tok_s"] for r in free), statistics.mean(r["tok_s"] for r in schema)
             lf = statistics.median(r["itl_p50_ms"] for r in free)
