@@ -23,9 +23,8 @@ from node.api.errors import APIError, bad_request, delta_error, error_body
 from node.api.frontend_node import FrontNode
 from node.api.responses import ChoiceState, chat_logprobs, completion_logprobs, envelope, usage
 from node.api.sse import Backlog, SSEWriter, StreamLimits
-from node.api.structured import check_grammar, structured
+from node.api.structured import structured
 from node.api.tool_calls import ChatToolOutput, plan_tools
-from node.api.tool_parsers import detect_parser
 from node.api.validate import chat_prompt, check_model, completion_prompts, reject_unsupported, sampling_params
 from node.core.sequence import SamplingParams
 from node.log import request_lines
@@ -349,7 +348,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req: ChatCompletionRequest = await read_json(request, ChatCompletionRequest)  # type: ignore[assignment]
     check_model(req, node.config.model_name)
     reject_unsupported(req)
-    plan = plan_tools(req, node.config.tool_call_parser or detect_parser(node.tokenizer.chat_template))
+    plan = plan_tools(req, node.config.tool_call_parser, node.tokenizer.chat_template)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
     tok = node.tokenizer
@@ -359,10 +358,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                              default_max_tokens=None, vocab_size=node.info.cfg.vocab_size,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_logprobs=None,
                              max_n=node.config.max_num_seqs, logprobs_param="top_logprobs", prompt_param="messages")
-    if plan.grammar is not None:
-        await check_grammar(node, plan.grammar, "tools")
-    params = msgspec.structs.replace(params, grammar=plan.grammar or await structured(node, req))
-    tool_out = ChatToolOutput(plan) if plan.parser else None
+    params = msgspec.structs.replace(params, grammar=await structured(node, req, plan.grammar))
+    tool_out = ChatToolOutput(plan)
     request_id = node.new_request_id("chatcmpl")
     env = envelope("chat.completion.chunk", request_id, node.config.model_name)
 
@@ -371,14 +368,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         c.token_ids += d.token_ids
         c.logprobs += d.logprobs
         c.finish_reason = d.finish_reason
-        if not d.text and d.finish_reason is None and not (req.logprobs and d.logprobs) and not req.return_token_ids:
-            return None
-        delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-        finish = d.finish_reason
-        if tool_out is not None:  # content, and tool calls as they become known
-            delta, finish = tool_out.delta(c.index, d.text, finish)
-            if not delta and finish is None and not (req.logprobs and d.logprobs) and not req.return_token_ids:
-                return None  # text held back: it may begin a tool call
+        delta, finish = tool_out.delta(c.index, d.text, d.finish_reason)  # content, and tool calls once known
+        if not any(delta.values()) and finish is None and not (req.logprobs and d.logprobs) and not req.return_token_ids:
+            return None  # nothing new (or text held back: it may begin a tool call)
         entry = {"index": c.index, "delta": delta,
                  "logprobs": chat_logprobs(tok, d.logprobs) if req.logprobs else None, "finish_reason": finish}
         if req.return_token_ids:
@@ -392,8 +384,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     def final_body(choices: list[ChoiceState], use: dict) -> dict:
         out = []
         for c in choices:
-            msg, finish = ({"role": "assistant", "content": c.text}, c.finish_reason) if tool_out is None \
-                else tool_out.message(c.index, c.finish_reason)
+            msg, finish = tool_out.message(c.index, c.text, c.finish_reason)
             entry = {"index": c.index, "message": msg, "finish_reason": finish,
                      "logprobs": chat_logprobs(tok, [e for e in c.logprobs if e is not None]) if req.logprobs else None}
             if req.return_token_ids:

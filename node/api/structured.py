@@ -179,9 +179,10 @@ async def check_grammar(node, spec: GrammarSpec, param: str, timeout_s: float | 
         raise bad_request(f"{param}: the {spec.kind} did not compile within {timeout_s:g} s", param=param) from e
 
 
-async def structured(node, req) -> GrammarSpec | None:
-    """:func:`grammar_spec` then :func:`check_grammar`: the checked spec, or None."""
-    found = grammar_spec(req)
+async def structured(node, req, tools: GrammarSpec | None = None) -> GrammarSpec | None:
+    """:func:`grammar_spec` then :func:`check_grammar`: the checked spec, or None. ``tools``: the grammar of
+    a required or named tool choice (:mod:`node.api.tool_calls`), checked instead (param ``tools``)."""
+    found = grammar_spec(req) if tools is None else (tools, "tools")
     if found is None:
         return None
     await check_grammar(node, *found)

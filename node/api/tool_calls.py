@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass
 
 from node.api.errors import bad_request
-from node.api.tool_parsers import PARSERS, ToolCallParser
+from node.api.tool_parsers import PARSERS, ToolCallParser, detect_parser
 from node.core.grammar_spec import GrammarSpec
 from node.protocol import ChatCompletionRequest, ChatMessage
 from node.protocol_tools import NamedToolChoice
@@ -54,12 +54,12 @@ def _schema(params: dict | None) -> dict:
     return params if params else ANY_OBJECT
 
 
-def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan:
+def plan_tools(req: ChatCompletionRequest, parser: str | None, template: str | None = None) -> ToolPlan:
     """Check ``tools``/``tool_choice``/``parallel_tool_calls`` and say how the request is served.
 
     Args:
         req: the decoded chat request.
-        parser: the node's ``--tool-call-parser``, else the one its template names (None: none).
+        parser: the node's ``--tool-call-parser`` (None: the one ``template``, the chat template, names, if any).
 
     Raises:
         APIError: 400 for a choice without tools, a named function that is not among them, duplicate
@@ -83,6 +83,7 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan:
     if choice == "none":
         return ToolPlan(tools)
     if choice == "auto":
+        parser = parser or detect_parser(template)
         if parser is None:
             raise bad_request("tool_choice \"auto\" needs a node started with --tool-call-parser "
                               f"({', '.join(PARSERS)}); use \"required\", a named function or \"none\"", param="tool_choice")
@@ -134,7 +135,8 @@ def finish_reason(reason: str | None, tool_calls: list | bool) -> str | None:
 
 
 class ChatToolOutput:
-    """The tool calls of a chat reply's choices, read as their text arrives (one parser per choice)."""
+    """A chat reply's choices: their tool calls read as their text arrives (one parser per choice), or,
+    when the plan reads none, their plain content."""
 
     def __init__(self, plan: ToolPlan):
         self.plan = plan
@@ -149,6 +151,8 @@ class ChatToolOutput:
     def delta(self, index: int, text: str, finish: str | None) -> tuple[dict, str | None]:
         """A stream chunk's ``delta`` fields (``content``, ``tool_calls``) for ``text``, and its
         finish reason (``tool_calls`` once calls were made)."""
+        if self.plan.parser is None:
+            return ({"content": text} if text or finish is None else {}), finish
         p = self._parser(index)
         content, calls = p.feed(text)
         if finish is not None:
@@ -158,8 +162,11 @@ class ChatToolOutput:
             delta["tool_calls"] = calls
         return delta, finish_reason(finish, any(c.sent_name for c in p.calls))
 
-    def message(self, index: int, finish: str | None) -> tuple[dict, str | None]:
-        """The whole message's fields (``content``, ``tool_calls`` when any) and its finish reason."""
+    def message(self, index: int, text: str, finish: str | None) -> tuple[dict, str | None]:
+        """The whole message (``role``, ``content``, ``tool_calls`` when any) of the choice whose text is
+        ``text``, and its finish reason."""
+        if self.plan.parser is None:
+            return {"role": "assistant", "content": text}, finish
         content, calls = self._parser(index).result()
         msg: dict = {"role": "assistant", "content": content}
         if calls:
