@@ -14,7 +14,12 @@ run start) as ``POST /v1/completions`` with ``stream: true``:
   instead (:func:`bench.traffic.traces.hash_prompt_ids`): shared hashes give shared tokens, so the node's
   prefix cache sees the trace's reuse;
 * ``max_tokens`` is the trace's output length and ``ignore_eos: true``, so every request generates
-  exactly that many tokens (``return_token_ids`` counts them per chunk); greedy sampling;
+  exactly that many tokens (``return_token_ids`` counts them per chunk); greedy sampling. With
+  ``natural_eos`` (``--natural-eos``) a request is sent as clients send it: ``max_tokens`` is only a cap
+  (the trace's output length, e.g. 448 above the model's usual output) and the model's EOS ends it, so the
+  node is never told the true length; any count from 1 to the cap is then a success. ``temperature``
+  (``--temperature``) above 0 samples, with a per-request ``seed`` from the replay's seed (the same
+  request draws the same tokens on every node that samples alike);
   ``stream_options.include_usage`` asks for the final usage chunk, whose
   ``prompt_tokens_details.cached_tokens`` gives the request's prefix-cache hit.
 
@@ -79,12 +84,14 @@ class RequestProgress:
     cached_tokens: int | None = None  # from the usage chunk: prompt tokens the node's prefix cache held
     error: str | None = None
     done: bool = False
+    exact: bool = True  # the request must produce exactly req.output_tokens (ignore_eos); False: up to it (natural EOS)
 
     def record(self, t0: float) -> RequestRecord:
         err = self.error
         if err is None and not self.done:
             err = "not finished within the drain timeout" if self.start_s is not None else "never sent"
-        if err is None and self.tokens != self.req.output_tokens:
+        if err is None and (self.tokens != self.req.output_tokens if self.exact
+                            else not 0 < self.tokens <= self.req.output_tokens):
             err = f"got {self.tokens} of {self.req.output_tokens} tokens"
         ok = err is None and self.first_s is not None
         return RequestRecord(
@@ -183,15 +190,20 @@ async def send_request(session: aiohttp.ClientSession, url: str, body: dict, p: 
 
 async def replay(url: str, requests: list[TraceRequest], info: ServerInfo, *, seed: int = 0,
                  ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None,
-                 drain_timeout_s: float = 60.0, progress: bool = True) -> ReplayResult:
+                 drain_timeout_s: float = 60.0, progress: bool = True, natural_eos: bool = False,
+                 temperature: float = 0.0) -> ReplayResult:
     """Send ``requests`` at their arrival times, wait for them (at most ``drain_timeout_s`` after the
-    last arrival) and summarize."""
+    last arrival) and summarize. ``natural_eos``: ``max_tokens`` is a cap and EOS ends a request (no
+    ``ignore_eos``); ``temperature`` > 0: sampled, request ``i`` with seed ``seed * 100003 + i``."""
     rng = random.Random(seed)
-    bodies = [{"model": info.model, "max_tokens": r.output_tokens, "ignore_eos": True, "temperature": 0.0,
+    bodies = [{"model": info.model, "max_tokens": r.output_tokens, "temperature": temperature,
+               **({} if natural_eos else {"ignore_eos": True}),
+               **({"seed": (seed * 100003 + i) % (1 << 63)} if temperature > 0 else {}),
                "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
                "prompt": (hash_prompt_ids(r, info.vocab_size, first_id=FIRST_ID, bos_id=BOS_ID, seed=seed)
-                          if r.hash_ids else prompt_ids(r.prompt_tokens, info.vocab_size, rng))} for r in requests]
-    states = [RequestProgress(r) for r in requests]
+                          if r.hash_ids else prompt_ids(r.prompt_tokens, info.vocab_size, rng))}
+              for i, r in enumerate(requests)]
+    states = [RequestProgress(r, exact=not natural_eos) for r in requests]
     bar = tqdm(total=len(requests), unit="req", disable=not progress, file=sys.stderr, dynamic_ncols=True)
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as session:
@@ -246,7 +258,8 @@ async def run(args: argparse.Namespace) -> tuple[dict, ReplayResult]:
     ttft = args.ttft_slo_ms if args.ttft_slo_ms is not None else (info.ttft_slo_ms or 1000.0)
     tpot = args.tpot_slo_ms if args.tpot_slo_ms is not None else (info.tpot_slo_ms or 100.0)
     res = await replay(url, wl.requests, info, seed=args.seed, ttft_slo_ms=ttft, tpot_slo_ms=tpot,
-                       drain_timeout_s=args.drain_timeout, progress=not args.no_progress)
+                       drain_timeout_s=args.drain_timeout, progress=not args.no_progress,
+                       natural_eos=args.natural_eos, temperature=args.temperature)
     config = {"url": url, "model": info.model, "max_model_len": info.max_model_len, "vocab_size": info.vocab_size,
               "workload": wl.describe(), "ttft_slo_ms": ttft, "tpot_slo_ms": tpot, "drain_timeout_s": args.drain_timeout}
     doc = result_json(res, config, wl.requests)
@@ -265,6 +278,9 @@ def add_replay_args(p: argparse.ArgumentParser, *, slo: bool = True) -> None:
         p.add_argument("--tpot-slo-ms", type=float, default=None, help="TPOT target (default: the node's, else 100)")
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to wait for requests after the last arrival")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--natural-eos", action="store_true",
+                   help="send requests as clients do: max_tokens (the trace's output length) is a cap, EOS ends them")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy; >0: seeded per request)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,6 +36,16 @@ replays the workload of ``--seed`` + ``k`` (the same requests for every entry of
 round, so a prefix cache does not carry hits from one round into the next). Rows carry
 their round (files ``<entry>_r<rate>_k<round>.json``); ``--baseline A[,B]`` adds a table of every other
 entry's p90 TTFT and p90 ITL over each baseline's in the same round and rate, per round and their median.
+
+**Fresh-instance pairs** (``--pairs N``, N >= 8 to decide anything; :mod:`bench.studies.paired`). Rounds
+on kept nodes cannot separate a mode from its instance on a shared machine (one instance read 1.45x
+worse in two rounds, the next 0.69x). With ``--pairs`` every pair starts a new node for each entry in
+turn, replays that pair's workload (seed ``--seed`` + pair) on it and stops it before the next entry's
+node starts (no idle node beside the measured one); the order of the entries alternates between pairs.
+Rows carry the pair as their round, and ``--baseline`` gives each entry's p90 TTFT, p90 ITL and output
+tokens/s over each baseline's as a median over the pairs with a bootstrap 95 % interval. Clients as they
+are: ``--natural-eos`` (``max_tokens`` a cap, e.g. ``--lengths-from fixed:32:448``, EOS ends the
+request) and ``--temperature`` (sampled, seeded per request).
 """
 
 from __future__ import annotations
@@ -57,12 +67,13 @@ from bench.load.host_compare import cpu_by_role
 from bench.load.node_process import REPO, NodeServer, NodeUnavailable
 from bench.load.replay import add_replay_args, fetch_server_info, replay, result_json
 from bench.studies import plots
+from bench.studies.paired import interval_table, pair_order
 from bench.studies.timeline import switches_in
 from bench.traffic.metrics import request_tpot_s
 from bench.traffic.traces import infinite_cache_hit_ratio
 from bench.traffic.workload import add_workload_args, build_workload, shared_dir, spec_from_args
 
-__all__ = ["counters", "split_entry", "node_args", "markdown_table", "ratio_table", "main"]
+__all__ = ["counters", "split_entry", "node_args", "markdown_table", "ratio_table", "run_pairs", "main"]
 
 COUNTERS = ("shiftnode_role_switches_total", "shiftnode_kv_transfers_total")
 
@@ -199,7 +210,8 @@ def run_rate(node: NodeServer, a: argparse.Namespace, mode: str, rate: float, in
     pid = node.proc.pid if node.proc else None
     cpu0 = cpu_by_role(pid)
     res = asyncio.run(replay(node.url, wl.requests, info, seed=a.seed, ttft_slo_ms=a.ttft_slo_ms, tpot_slo_ms=a.tpot_slo_ms,
-                             drain_timeout_s=a.drain_timeout, progress=not a.no_progress))
+                             drain_timeout_s=a.drain_timeout, progress=not a.no_progress,
+                             natural_eos=a.natural_eos, temperature=a.temperature))
     cpu = [b - a for a, b in zip(cpu0, cpu_by_role(pid))]
     status = node.get_json("/v1/node")
     delta = {k: v - before[k] for k, v in counters(node.get_text("/metrics")).items()}
@@ -282,6 +294,32 @@ def run_rounds(a: argparse.Namespace, entries: list[str], rates: list[float], ou
     return rows
 
 
+def run_pairs(a: argparse.Namespace, entries: list[str], rates: list[float], out: Path, pairs: int) -> list[dict]:
+    """``pairs`` fresh-instance pairs (module doc): in pair ``k`` each entry, in :func:`pair_order`, gets a
+    node of its own that replays every rate with seed ``a.seed + k`` and is then stopped. A node that will
+    not start or dies gives 'not available' rows for the runs it misses (that pair then has no ratio)."""
+    env = {"OMP_NUM_THREADS": str(a.omp_threads)} if a.omp_threads else {}
+    rows: list[dict] = []
+    for k in range(pairs):
+        ak = argparse.Namespace(**{**vars(a), "seed": a.seed + k})  # fresh prompts per pair, the same within it
+        for entry in pair_order(entries, k):
+            try:
+                with NodeServer(node_args(a, entry), log_path=out / f"node_{entry}_k{k}.log", env=env,
+                                startup_timeout_s=a.startup_timeout) as node:
+                    info = asyncio.run(_server_info(node.url, a.vocab_size))
+                    for rate in rates:
+                        if not node.alive():
+                            rows.append({"mode": entry, "rate": rate, "round": k, "available": False,
+                                         "reason": f"node exited during the run: {node.log_tail()}"})
+                            continue
+                        print(f"bench.studies.compare: pair {k}, {entry} at {rate:g} req/s", file=sys.stderr)
+                        rows.append(run_rate(node, ak, entry, rate, info, out, round_=k))
+            except NodeUnavailable as e:
+                rows += [{"mode": entry, "rate": rate, "round": k, "available": False, "reason": str(e)}
+                         for rate in rates]
+    return rows
+
+
 def write_plots(rows: list[dict], a: argparse.Namespace, out: Path) -> None:
     ok = [r for r in rows if r["available"]]
     points: dict[str, list[tuple[float, float]]] = {}
@@ -305,6 +343,9 @@ def parser() -> argparse.ArgumentParser:
                     help="comma-separated node modes; MODE@N: that mode with --max-num-batched-tokens N")
     ap.add_argument("--rounds", type=int, default=1,
                     help="K > 1: every node up at once, K interleaved rounds of every mode at every rate")
+    ap.add_argument("--pairs", type=int, default=0,
+                    help="N > 0: N pairs of runs, a fresh node per entry and run, the order alternating "
+                         "(ratios with bootstrap 95 %% intervals over each --baseline)")
     ap.add_argument("--baseline", default=None,
                     help="comma-separated --modes entries: add p90 TTFT and ITL ratios over each, per round")
     ap.add_argument("--devices", default="cpu:0,cpu:1")
@@ -343,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
             split_entry(m)
     except ValueError as e:
         parser().error(str(e))
+    if a.pairs and (a.rounds > 1 or a.prefix_caching != "on"):
+        parser().error("--pairs replaces --rounds and runs each node with its prefix cache on")
     if a.rounds > 1 and a.prefix_caching != "on":
         parser().error("--rounds runs each node with its prefix cache on; --prefix-caching off/both needs --rounds 1")
     rates = [float(r) for r in a.rates.split(",") if r.strip()]
@@ -351,7 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     caches = {"on": [True], "off": [False], "both": [True, False]}[a.prefix_caching]
-    if a.rounds > 1:
+    if a.pairs:
+        rows = run_pairs(a, modes, rates, out, a.pairs)
+    elif a.rounds > 1:
         rows = run_rounds(a, modes, rates, out, a.rounds)
     else:
         for mode in modes:
@@ -362,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m bench.studies.compare " + " ".join(shlex.quote(x) for x in args)
     table = markdown_table(rows)
     for base in (b.strip() for b in (a.baseline or "").split(",") if b.strip()):
-        table += "\n" + ratio_table(rows, base)
+        table += "\n" + (interval_table(rows, base, seed=a.seed) if a.pairs else ratio_table(rows, base))
     (out / "results.md").write_text(f"Command: `{command}`\n\nDate: {stamp.isoformat(timespec='seconds')}\n\n{table}")
     slim = [{k: v for k, v in r.items() if k not in ("ttft_ms", "tpot_ms")} for r in rows]
     (out / "results.json").write_text(json.dumps({"command": command, "date": stamp.isoformat(), "rows": slim}, indent=1))
