@@ -80,3 +80,22 @@ def test_role_segments_follow_switch_records():
         (0.0, 1.0, "prefill"), (1.0, 1.2, "drain"), (1.2, 1.5, "pause"), (1.5, 3.0, "decode"),
         (3.0, 3.1, "pause"), (3.1, 4.0, "prefill")]
     assert role_segments([], 0.0, 5.0, "mixed") == [(0.0, 5.0, "mixed")]
+
+
+def test_natural_eos_replay_sends_a_cap_and_counts_an_early_end_as_success(node, tmp_path):
+    """--natural-eos: no ignore_eos, max_tokens only a cap, so a sampled story that ends (EOS) before it is a
+    success with fewer tokens; every request of the same seed samples the same tokens."""
+    docs = []
+    for run in range(2):
+        out = tmp_path / f"run{run}.json"
+        cmd = [sys.executable, "-m", "bench.load.replay", "--url", node.url, "--trace", "poisson", "--rate", "3",
+               "--duration", "3", "--lengths-from", "fixed:16:400", "--seed", "3", "--natural-eos",
+               "--temperature", "1.0", "--drain-timeout", "60", "--no-progress", "--out", str(out)]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, proc.stderr
+        docs.append(json.loads(out.read_text()))
+    reqs = docs[0]["requests"]
+    assert [r["error"] for r in reqs] == [None] * len(reqs) and len(reqs) >= 5
+    assert all(1 <= r["output_tokens"] <= r["max_tokens"] == 400 for r in reqs)
+    assert any(r["output_tokens"] < 400 for r in reqs)  # EOS ended some: the node was not told the length
+    assert [r["output_tokens"] for r in reqs] == [r["output_tokens"] for r in docs[1]["requests"]]  # seeded
