@@ -47,3 +47,32 @@ def test_container_args_are_valid_shiftnode_flags(monkeypatch):
     cfg = config_from_args(a)
     cfg.validate()
     assert cfg.etcd == "http://shiftnode-etcd:2379" and cfg.advertise_host == "10.0.0.7" and cfg.kv_port == 9000
+
+
+def test_split_scaling_scales_prefill_and_decode_on_metrics_the_node_exports(monkeypatch):
+    """docs/deploy/kubernetes/split-scaling.yaml: a pooled prefill and a pooled decode Deployment with valid
+    flags, each scaled by its own KEDA ScaledObject on shiftnode metrics that exist."""
+    from node.runtime import metrics
+
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in _docs()}
+    source = Path(metrics.__file__).read_text()
+    monkeypatch.setenv("SHIFTNODE_PEER_SECRET", "s")  # the Secret, as the pod's env gives it
+    parser = argparse.ArgumentParser(prog="shiftnode")
+    serve_parser(parser.add_subparsers(dest="command", required=True))
+    for role, flag in (("prefill", "--prefill-devices="), ("decode", "--decode-devices=")):
+        (c,) = docs[("Deployment", f"shiftnode-{role}")]["spec"]["template"]["spec"]["containers"]
+        args = [re.sub(r"\$\((\w+)\)", lambda m: {"POD_IP": "10.0.0.7", "POD_NAME": "p-0"}[m.group(1)], a)
+                .replace("cuda:", "cpu:") for a in c["args"]]
+        a = parser.parse_args(args)
+        assert flag_errors(a) is None and any(x.startswith(flag) for x in args)
+        config_from_args(a).validate()
+        scaled = docs[("ScaledObject", f"shiftnode-{role}")]["spec"]
+        assert scaled["scaleTargetRef"]["name"] == f"shiftnode-{role}"
+        queries = [t["metadata"]["query"] for t in scaled["triggers"]]
+        assert all(f'app="shiftnode-{role}"' in q for q in queries)
+        for name in re.findall(r"shiftnode_\w+", " ".join(queries)):
+            assert f'"{name.removesuffix("_total")}"' in source, name  # registered under that name
+    names = {role: " ".join(t["metadata"]["query"] for t in docs[("ScaledObject", f"shiftnode-{role}")]["spec"]["triggers"])
+             for role in ("prefill", "decode")}
+    assert "shiftnode_prefill_queued_tokens" in names["prefill"] and "shiftnode_prompt_tokens_total" in names["prefill"]
+    assert "shiftnode_decoding_sequences" in names["decode"] and "shiftnode_kv_usage_ratio" in names["decode"]

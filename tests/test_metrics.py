@@ -80,3 +80,31 @@ def test_b27_gauges_fall_to_idle_after_aborts():
         assert re.search(r"^# TYPE shiftnode_kv_usage_ratio gauge$", node.client.get("/metrics").text, re.M)
     finally:
         node.close()
+
+
+def test_prefill_and_decode_load_are_exported_apart():
+    """The scaling signals (docs/operations.md): with 4 sequence slots and 12 streams of a 40-token prompt
+    (token ids, so the count is exact), 4 sequences decode and the other 8 prompts, 320 tokens, wait to be
+    computed; the prompt tokens/s counter counts the admitted ones; all fall to 0 once the streams close."""
+    node = NodeProcess("--model", str(STORIES), "--max-num-seqs", "4")
+    try:
+        prompt = [1] + [300 + i for i in range(39)]
+        body = ('{"prompt": %s, "max_tokens": 400, "ignore_eos": true, "stream": true}' % prompt).encode()
+        socks = [raw_stream(node.port, body) for _ in range(12)]
+        time.sleep(0.5)
+        busy = scrape(node)
+        queued = {k: v for k, v in busy.items() if k.startswith("shiftnode_prefill_queued_tokens{")}
+        assert set(queued) == {"shiftnode_prefill_queued_tokens{device=unplaced}",
+                               "shiftnode_prefill_queued_tokens{device=cpu:0}"}
+        assert sum(queued.values()) == 8 * 40
+        assert busy["shiftnode_decoding_sequences{device=cpu:0}"] == 4
+        assert busy["shiftnode_prompt_tokens_total"] == 12 * 40
+        assert busy["shiftnode_kv_usage_ratio{device=cpu:0}"] > 0
+        for s in socks:
+            s.close()
+        node.wait_idle(5)
+        idle = scrape(node)
+        assert idle["shiftnode_decoding_sequences{device=cpu:0}"] == 0
+        assert sum(v for k, v in idle.items() if k.startswith("shiftnode_prefill_queued_tokens{")) == 0
+    finally:
+        node.close()

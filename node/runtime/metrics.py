@@ -164,6 +164,7 @@ class _StateCollector:
             queries.add_metric([e.device_id], e.batcher.prefix_query_tokens)
             hits.add_metric([e.device_id], e.batcher.prefix_hit_tokens)
         yield from (used, total, usage, running, cached, reclaimable, queries, hits)
+        yield from _load_gauges(n)
         role = GaugeMetricFamily("shiftnode_device_role", "1 for the role each device (or tensor-parallel group) "
                                  "has now, 0 for the others: prefill, decode (time-shared roles; a pooled device's "
                                  "fixed one), mixed (colocated chunked prefill) or switching (a reconfiguration pause)", labels=["device", "role"])
@@ -173,6 +174,24 @@ class _StateCollector:
             for r in DEVICE_ROLES:
                 role.add_metric([e.device_id, r], 1.0 if r == now_role else 0.0)
         yield role
+
+
+def _load_gauges(n: StateSource) -> Iterable[GaugeMetricFamily]:
+    """The scaling signals, prefill and decode load apart (docs/operations.md#scaling-prefill-and-decode-apart):
+    prompt tokens still to compute (requests not yet placed, and each device's queued and partly computed
+    prompts; with ``rate(shiftnode_prompt_tokens_total)``, the prefill load) and sequences decoding on
+    each device (with ``shiftnode_kv_usage_ratio``, the decode load)."""
+    queued = GaugeMetricFamily("shiftnode_prefill_queued_tokens", "Prompt tokens not yet computed: requests "
+                               "waiting to be placed, and each device's queued and partly computed prompts "
+                               "(prefill load)", labels=["device"])
+    pending = getattr(n.driver, "pending", None) or ()
+    queued.add_metric(["unplaced"], sum(s.num_uncomputed for r in pending for s in r.seqs))
+    decoding = GaugeMetricFamily("shiftnode_decoding_sequences", "Resident sequences past their prompt, "
+                                 "generating tokens (decode load)", labels=["device"])
+    for e in n.engines:
+        queued.add_metric([e.device_id], e.batcher.prefill_queue().tokens)
+        decoding.add_metric([e.device_id], e.batcher.num_decoding)
+    yield from (queued, decoding)
 
 
 def _peer_gauges(n: StateSource) -> Iterable[GaugeMetricFamily]:
