@@ -97,7 +97,9 @@ def test_paired_ratios_and_table_pair_runs_of_the_same_pair():
     assert r == {"TTFT p90": [1.5, 1.0], "ITL p90": [1.0, 1.2], "tokens/s": [0.9, 1.0]}
     table = interval_table(rows, "base")
     line = next(x for x in table.splitlines() if x.startswith("| new |"))
-    assert line.startswith("| new | 15 | 2 | 1.25 [1.00, 1.50] |")
+    assert line.startswith("| new | 15 | 2 | 0 | 1.25 [1.00, 1.50] |")
+    rows[0]["summary"]["failed"] = 3  # a run that did not drain: its pair is counted
+    assert "| new | 15 | 2 | 1 | 1.25" in interval_table(rows, "base")
     assert "TTFT p90: 1.50, 1.00 (median 1.25)" in table
 
 

@@ -76,12 +76,15 @@ def paired_ratios(rows: list[dict], entry: str, baseline: str, rate: float) -> d
 
 def interval_table(rows: list[dict], baseline: str, *, seed: int = 0) -> str:
     """A markdown table of every other entry over ``baseline``, per rate: each metric's median ratio over
-    the pairs with its bootstrap 95 % interval (:func:`bootstrap_median_ci` with ``seed``) and the number
-    of pairs; below it, each pair's ratios."""
+    the pairs with its bootstrap 95 % interval (:func:`bootstrap_median_ci` with ``seed``), the number
+    of pairs, and how many of them had a run with failed requests (not finished within the drain timeout:
+    an overloaded run, whose latencies say where the queue stood when arrivals stopped rather than what
+    the mode does); below it, each pair's ratios."""
     ok = [r for r in rows if r.get("available")]
-    lines = [f"| entry / {baseline} | rate (req/s) | pairs | " + " | ".join(f"{m} ratio: median [95 % CI]"
-                                                                        for m, _, _ in METRICS) + " |",
-             "|---|---:|---:|" + "---:|" * len(METRICS)]
+    lines = [f"| entry / {baseline} | rate (req/s) | pairs | pairs with failed requests | "
+             + " | ".join(f"{m} ratio: median [95 % CI]" for m, _, _ in METRICS) + " |",
+             "|---|---:|---:|---:|" + "---:|" * len(METRICS)]
+    failed = {(r["mode"], r["rate"], r.get("round")) for r in ok if r["summary"].get("failed")}
     detail: list[str] = []  # each pair's ratios, for the record
     for entry in dict.fromkeys(r["mode"] for r in ok if r["mode"] != baseline):
         for rate in dict.fromkeys(r["rate"] for r in ok if r["mode"] == entry):
@@ -97,7 +100,10 @@ def interval_table(rows: list[dict], baseline: str, *, seed: int = 0) -> str:
                     continue
                 med, lo, hi = bootstrap_median_ci(v, seed=seed)
                 cells.append(f"{med:.2f} [{lo:.2f}, {hi:.2f}]")
-            lines.append(f"| {entry} | {rate:g} | {n} | " + " | ".join(cells) + " |")
+            pairs = {r.get("round") for r in ok if r["mode"] == entry and r["rate"] == rate} & {
+                r.get("round") for r in ok if r["mode"] == baseline and r["rate"] == rate}
+            bad = sum(1 for k in pairs if (entry, rate, k) in failed or (baseline, rate, k) in failed)
+            lines.append(f"| {entry} | {rate:g} | {n} | {bad} | " + " | ".join(cells) + " |")
             detail.extend(f"- {entry} / {baseline}, {rate:g} req/s, {label}: {per_pair_line(v)}"
                           for label, v in ratios.items() if v)
     return "\n".join(lines + ([""] + detail if detail else [])) + "\n"
