@@ -175,7 +175,25 @@ def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: obj
         return runner
     attach_decode_graphs(runner, config, info.max_model_len, ops, device_id)
     attach_compiled_forward(runner, config, device_id)
+    attach_packed_weights(runner, config, device_id)
     return runner
+
+
+def attach_packed_weights(runner: ModelRunner, config: NodeConfig, device_id: str) -> None:
+    """On a CPU device at degree 1 with eager steps, point the model's projections at oneDNN-packed
+    copies of their weights (:mod:`node.worker.cpu_linear`) unless ``--cpu-weight-packing off``;
+    logs why not where it does not apply on a CPU."""
+    from node.worker.cpu_linear import pack_model, packing_unsupported
+
+    if runner.device.type != "cpu" or not config.cpu_weight_packing or config.benchmark_model:
+        return
+    reason = ("--compile (inductor packs its own)" if runner.compiled is not None
+              else packing_unsupported(runner.device, runner.model.embed_tokens.weight.dtype))
+    if reason is None:
+        nbytes = pack_model(runner.model)
+        log.info("weights_packed", device=device_id, bytes=nbytes)
+    else:
+        log.info("weights_not_packed", device=device_id, reason=reason)
 
 
 def attach_compiled_forward(runner: ModelRunner, config: NodeConfig, device_id: str) -> None:

@@ -2,7 +2,8 @@
 
 One forward pass takes a packed varlen batch (prefill chunks and decode tokens mixed), writes the new
 keys/values into their slots and attends through block tables; see ``kernels/shiftnode_kernels/reference.py`` for the
-layout. Weights are fused at load time (q|k|v and gate|up) so each layer runs four matmuls.
+layout. Weights are fused at load time (q|k|v and gate|up) so each layer runs four matmuls; on the CPU
+they run on oneDNN-packed copies of the weights (:mod:`node.worker.cpu_linear`).
 
 Tensor parallelism (Megatron-LM column/row parallel, Shoeybi et al. 2019): a model is built for a
 :class:`~node.worker.tensor_parallel.ShardLayout` (the fused weights stored in per-rank blocks for
@@ -22,8 +23,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
+from node.worker.cpu_linear import linear
 from node.worker.model_config import ModelConfig, rope_inv_freq
 from node.worker.tensor_parallel import LayerShard, ShardLayout, TPGroup, layer_shard, lm_head_rows, lm_head_shard
 from shiftnode_kernels.reference import rope_cos_sin_cache
@@ -99,7 +100,7 @@ class DecoderLayer(nn.Module):
         h, residual = ops.rms_norm(x, self.input_layernorm, eps, residual)
         # Column-parallel q|k|v: [T, blocks*(qb+2kb)] → per block [q_b|k_b|v_b] → local heads in order.
         # (One block, e.g. degree 1 on the plain layout: the very ops of the plain model, no extra view.)
-        qkv = F.linear(h, s.qkv_weight, s.qkv_bias)
+        qkv = linear(h, s.qkv_weight, s.qkv_bias)
         if s.blocks > 1:
             qkv = qkv.view(t, s.blocks, s.q_block + 2 * s.kv_block)
         q, k, v = qkv.split([s.q_block, s.kv_block, s.kv_block], dim=-1)
@@ -124,18 +125,18 @@ class DecoderLayer(nn.Module):
                 meta.max_seqlen_q, d**-0.5,
             )
         # Row-parallel o_proj: partial [T, hidden] sums, all-reduced.
-        x = F.linear(attn.reshape(t, s.num_heads * d), s.o_weight)
+        x = linear(attn.reshape(t, s.num_heads * d), s.o_weight)
         if s.reduce is not None:
             s.reduce(x)
         h, residual = ops.rms_norm(x, self.post_attention_layernorm, eps, residual)
         # Column-parallel gate|up per block, SwiGLU → the local intermediate slice [T, blocks*ib].
-        gate_up = F.linear(h, s.gate_up_weight)
+        gate_up = linear(h, s.gate_up_weight)
         if s.blocks > 1:
             act = ops.silu_and_mul(gate_up.view(t, s.blocks, 2 * s.inter_block)).view(t, s.blocks * s.inter_block)
         else:
             act = ops.silu_and_mul(gate_up)
         # Row-parallel down_proj: partial [T, hidden] sums, all-reduced.
-        x = F.linear(act, s.down_weight)
+        x = linear(act, s.down_weight)
         if s.reduce is not None:
             s.reduce(x)
         return x, residual
@@ -221,7 +222,7 @@ class CausalLM(nn.Module):
     @property
     def head_weight(self) -> torch.Tensor:
         """The LM head rows this rank computes: ``[~vocab/degree, hidden]``, a view of the stored head
-        (of the embedding when tied)."""
+        (of the embedding when tied), or its oneDNN-packed copy (:func:`node.worker.cpu_linear.pack_model`)."""
         return self._lm_shard
 
     @property
@@ -263,5 +264,5 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, hidden]`` → float32 ``[N, vocab]``: this rank's vocab rows in the model dtype,
         all-gathered over the group (degree > 1), then cast."""
-        logits = F.linear(hidden, self._lm_shard)
+        logits = linear(hidden, self._lm_shard)
         return self.tp.all_gather_logits(logits, self._vocab_width, self.cfg.vocab_size).float()
