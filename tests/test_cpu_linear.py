@@ -60,22 +60,35 @@ def test_packed_linear_matches_f_linear_with_and_without_bias():
     assert packed.is_mkldnn
     for rows in (1, 5, 64):
         x = torch.randn(rows, 64)
-        torch.testing.assert_close(linear(x, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(linear(x, w, None, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(linear(x, w, b, packed), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    wb, xb = w.bfloat16(), torch.randn(3, 64).bfloat16()  # bfloat16 rows run on the packed weight
+    torch.testing.assert_close(linear(xb, wb, None, pack_weight(wb)).float(), F.linear(xb.float(), wb.float()),
+                               rtol=2e-2, atol=2e-2)
     assert packing_unsupported(torch.device("cpu"), torch.float16) is not None
 
 
 def test_packed_float32_runner_gives_the_greedy_references_exactly():
     runner = _runner()
-    assert all(layer.shard.qkv_weight.is_mkldnn and layer.shard.down_weight.is_mkldnn for layer in runner.model.layers)
-    assert runner.model.head_weight.is_mkldnn
+    assert all(layer.packed is not None and layer.packed.qkv.is_mkldnn for layer in runner.model.layers)
+    assert runner.model.head_packed is not None and runner.model.head_packed.is_mkldnn
+    # float32 projections stored column-major for single-row steps (cpu_linear.linear)
+    assert runner.model.layers[0].shard.qkv_weight.t().is_contiguous()
     for case in reference_cases():
         assert _greedy(runner, case["prompt_token_ids"], case["max_new_tokens"]) == case["output_token_ids"], case["prompt"]
 
 
+def test_a_new_tensor_parallel_view_drops_the_packed_copies():
+    runner = _runner()
+    model = runner.model
+    model.set_tensor_parallel(model.tp)
+    assert model.layers[0].packed is None and model.head_packed is None
+
+
 def test_packing_off_keeps_plain_weights_and_the_same_logits():
     plain, packed = _runner(cpu_weight_packing=False), _runner()
-    assert not plain.model.layers[0].shard.qkv_weight.is_mkldnn and not plain.model.head_weight.is_mkldnn
+    assert plain.model.layers[0].packed is None and plain.model.head_packed is None
+    assert plain.model.layers[0].shard.qkv_weight.is_contiguous()
     prompt = reference_cases()[0]["prompt_token_ids"]
     torch.testing.assert_close(_prompt_logits(packed, prompt), _prompt_logits(plain, prompt), rtol=1e-4, atol=1e-4)
 
@@ -84,7 +97,7 @@ def test_packing_off_keeps_plain_weights_and_the_same_logits():
                     reason="no oneDNN bfloat16 on this CPU: --dtype bfloat16 then runs unpacked")
 def test_bfloat16_runner_within_tolerance_of_float32():
     fp32, bf16 = _runner(), _runner(dtype="bfloat16")
-    assert bf16.model.layers[0].shard.qkv_weight.is_mkldnn and bf16.kv_cache.dtype == torch.bfloat16
+    assert bf16.model.layers[0].packed is not None and bf16.kv_cache.dtype == torch.bfloat16
     for case in reference_cases():
         prompt = case["prompt_token_ids"]
         want, got = _prompt_logits(fp32, prompt), _prompt_logits(bf16, prompt)
