@@ -37,10 +37,12 @@ class LoadedModel:
 
 def load_model_info(config: NodeConfig) -> LoadedModel:
     """Read the model's config and tokenizer (no weights yet) from ``config.model`` (by default the
-    embedded stories260k folder, :data:`node.config.EMBEDDED_MODEL`)."""
+    embedded stories260k folder, :data:`node.config.EMBEDDED_MODEL`). A folder without ``tokenizer.json``
+    run with random weights (``--load-format dummy``) or a benchmark model gets the byte-level tokenizer."""
     cfg = ModelConfig.from_folder(config.model)
-    if config.benchmark_model and not (Path(config.model) / "tokenizer.json").is_file():
-        tok = TextTokenizer.byte_level()  # a config-only folder (bench/configs/*): bytes are text enough
+    if (config.benchmark_model or config.load_format == "dummy") and not (Path(config.model) / "tokenizer.json").is_file():
+        # a config-only folder (bench/configs/*) with no real weights either: bytes are text enough
+        tok = TextTokenizer.byte_level()
     else:
         tok = TextTokenizer.from_folder(config.model)
     if tok.vocab_size > cfg.vocab_size:
