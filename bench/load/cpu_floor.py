@@ -35,6 +35,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -87,8 +88,9 @@ class Worker:
 
     def __init__(self, checkout: Path, args: dict):
         env = dict(os.environ, PYTHONPATH=f"{checkout}:{checkout / 'kernels'}")
+        self.stderr = tempfile.TemporaryFile("w+")  # read back when the worker dies
         self.proc = subprocess.Popen([sys.executable, "-c", WORKER, json.dumps(args)], cwd=checkout, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True)
         self.checkout = checkout
         self.ready = self._reply()
 
@@ -97,7 +99,9 @@ class Worker:
         while True:
             line = self.proc.stdout.readline()
             if not line:
-                raise RuntimeError(f"worker for {self.checkout} exited with {self.proc.wait()}")
+                code = self.proc.wait()
+                self.stderr.seek(0)
+                raise RuntimeError(f"worker for {self.checkout} exited with {code}:\n{self.stderr.read()[-3000:]}")
             if line.startswith("@@"):
                 return json.loads(line[2:])
 
