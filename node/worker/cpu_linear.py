@@ -32,17 +32,23 @@ from torch.nn import functional as F
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 """Dtypes oneDNN packs on any AVX-512 CPU (float16 needs AVX512-FP16 or AVX-NE-CONVERT)."""
 
+PACK_MIN_ELEMENTS = 1 << 18
+"""Weights with fewer elements stay plain: on small matrices oneDNN's per-call cost outweighs what the
+layout saves (one ``[3h, h]`` projection at 16-64 rows, one thread: ``F.linear`` 2-3x faster at h = 64,
+even at h = 256 (197K elements), the packed kernel 1.2-1.5x faster from h = 384 (442K) up; stories260k's
+decode step at batch 16 ran 1.4x slower with every weight packed)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class PackedProjections:
     """One decoder layer's projection weights packed by :func:`pack_weight` (opaque oneDNN tensors of
     the shapes of :class:`~node.worker.tensor_parallel.LayerShard`'s ``qkv_weight``, ``o_weight``,
-    ``gate_up_weight`` and ``down_weight``)."""
+    ``gate_up_weight`` and ``down_weight``), None for a weight under :data:`PACK_MIN_ELEMENTS`."""
 
-    qkv: torch.Tensor
-    o: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    qkv: torch.Tensor | None
+    o: torch.Tensor | None
+    gate_up: torch.Tensor | None
+    down: torch.Tensor | None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -75,11 +81,16 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
 
+def _worth_packing(weight: torch.Tensor) -> bool:
+    return weight.numel() >= PACK_MIN_ELEMENTS
+
+
 def pack_model(model: Any) -> int:
     """Give every decoder layer of ``model`` (a :class:`~node.worker.model.CausalLM` at degree 1) its
     :class:`PackedProjections` (``layer.packed``) and the LM head its packed copy (``model.head_packed``),
-    and store float32 projection weights column-major (same values, ``weight.T`` contiguous: see
-    :func:`linear`); returns the bytes packed. ``set_tensor_parallel`` (or ``.to``) drops the packed copies.
+    for the weights of at least :data:`PACK_MIN_ELEMENTS` elements (None where none is), and store
+    those of them in float32 column-major (same values, ``weight.T`` contiguous: see :func:`linear`);
+    returns the bytes packed (0: nothing was). ``set_tensor_parallel`` (or ``.to``) drops the packed copies.
 
     Raises:
         ValueError: the model runs at a tensor-parallel degree above 1 (its shards are views the
@@ -92,15 +103,20 @@ def pack_model(model: Any) -> int:
         heads = [] if model.lm_head is None else [model.lm_head]  # a tied head is the embedding: rows stay rows
         for proj in [m for layer in model.layers for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
                                                              layer.down_proj)] + heads:
-            if proj.weight.dtype == torch.float32:
+            if proj.weight.dtype == torch.float32 and _worth_packing(proj.weight):
                 proj.weight.data = proj.weight.data.t().contiguous().t()
         model.set_tensor_parallel(model.tp)  # the shards' views, on the new storage
+
+        def pack(w: torch.Tensor) -> torch.Tensor | None:
+            nonlocal packed
+            if not _worth_packing(w):
+                return None
+            packed += w.numel() * w.element_size()
+            return pack_weight(w)
+
         for layer in model.layers:
             s = layer.shard
-            layer.packed = PackedProjections(pack_weight(s.qkv_weight), pack_weight(s.o_weight),
-                                             pack_weight(s.gate_up_weight), pack_weight(s.down_weight))
-            packed += sum(w.numel() * w.element_size() for w in (s.qkv_weight, s.o_weight, s.gate_up_weight, s.down_weight))
-        head = model.head_weight
-        model.head_packed = pack_weight(head)
-        packed += head.numel() * head.element_size()
+            p = PackedProjections(pack(s.qkv_weight), pack(s.o_weight), pack(s.gate_up_weight), pack(s.down_weight))
+            layer.packed = None if p == PackedProjections(None, None, None, None) else p
+        model.head_packed = pack(model.head_weight)
     return packed

@@ -185,16 +185,17 @@ def attach_packed_weights(runner: ModelRunner, config: NodeConfig, device_id: st
     """On a CPU device at degree 1 with eager steps, point the model's projections at oneDNN-packed
     copies of their weights (:mod:`node.worker.cpu_linear`) unless ``--cpu-weight-packing off``;
     logs why not where it does not apply on a CPU."""
-    from node.worker.cpu_linear import pack_model, packing_unsupported
+    from node.worker.cpu_linear import PACK_MIN_ELEMENTS, pack_model, packing_unsupported
 
     if runner.device.type != "cpu" or not config.cpu_weight_packing or config.benchmark_model:
         return
     reason = ("--compile (inductor packs its own)" if runner.compiled is not None
               else packing_unsupported(runner.device, runner.model.embed_tokens.weight.dtype))
-    if reason is None:
-        nbytes = pack_model(runner.model)
+    nbytes = pack_model(runner.model) if reason is None else 0
+    if nbytes:
         log.info("weights_packed", device=device_id, bytes=nbytes)
     else:
+        reason = reason or f"every projection under {PACK_MIN_ELEMENTS} elements (plain F.linear is faster there)"
         log.info("weights_not_packed", device=device_id, reason=reason)
 
 
