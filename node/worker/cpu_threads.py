@@ -10,8 +10,8 @@ the streams). Two candidate settings (:func:`thread_candidates`):
   while it runs (OpenMP's threads wait for the slowest at each barrier), so a step period is about
   ``step(all) + loop``.
 
-:func:`choose_threads` picks ``all`` only where that period is clearly shorter: where the step's compute
-outweighs the loop's per-step cost. On a model whose step costs less than the loop's work (stories260k:
+:func:`choose_threads` picks ``all`` only where that period is clearly shorter and the step costs at
+least four loops' work: where the step's compute outweighs the loop's per-step cost. On a model whose step costs less than the loop's work (stories260k:
 a ~0.3 ms step against ~1 ms of loop work per step at one stream, bench/RESULTS.md 2026-12-03) the
 reserved core wins; on an 85M Llama (a 30-40 ms step, nearly halved by a second thread) all cores win.
 The engine measures both settings at start-up (:func:`probe_decode_seconds`, a batch-1 decode step of
@@ -30,6 +30,11 @@ LOOP_S_PER_STEP = 1.0e-3
 """The control loop's own work per step at one stream (s): the node's ITL at one stream on stories260k
 (1.26 ms, issue 46) less its runner step (~0.3 ms), rounded. The loop's cost grows with the batch, but so
 does the step's; the batch-1 figure is the case where a reserved core can matter most."""
+
+COMPUTE_BOUND_LOOPS = 4.0
+"""All cores are considered only for a step of at least this many loops' work (at the reserved count):
+a smaller step leaves the loop a large share of each period, and its probe is a few noisy milliseconds
+on a busy machine, where a wrong pick of two threads costs far more than the right one saves."""
 
 MIN_GAIN = 0.10
 """The fraction by which the all-cores period must beat the reserved one: within it the two are a
@@ -61,7 +66,7 @@ def thread_candidates(cores: int, frontends: int, devices: int, override: int | 
 
 
 def choose_threads(step_s: dict[int, float], reserved: int, all_cores: int, loop_s: float = LOOP_S_PER_STEP,
-                   min_gain: float = MIN_GAIN) -> int:
+                   min_gain: float = MIN_GAIN, compute_bound_loops: float = COMPUTE_BOUND_LOOPS) -> int:
     """The thread count whose step period is shortest (pure; see the module docstring for the model).
 
     Args:
@@ -69,7 +74,8 @@ def choose_threads(step_s: dict[int, float], reserved: int, all_cores: int, loop
             differs, ``all_cores``).
         reserved, all_cores: the candidates of :func:`thread_candidates`.
         loop_s: the control loop's work per step (s).
-        min_gain: ``all_cores`` is chosen only when ``step(all) + loop <= (1 - min_gain) * max(step(reserved), loop)``.
+        min_gain: ``all_cores`` is chosen only when ``step(all) + loop <= (1 - min_gain) * max(step(reserved), loop)``
+        compute_bound_loops: and only when ``step(reserved) >= compute_bound_loops * loop``.
 
     Raises:
         ValueError: a candidate has no measurement, or a time is not positive.
@@ -81,6 +87,8 @@ def choose_threads(step_s: dict[int, float], reserved: int, all_cores: int, loop
             raise ValueError(f"no step time measured at {n} threads (have {sorted(step_s)})")
         if not step_s[n] > 0:
             raise ValueError(f"step time at {n} threads must be positive, got {step_s[n]}")
+    if step_s[reserved] < compute_bound_loops * loop_s:
+        return reserved
     overlapped = max(step_s[reserved], loop_s)
     shared = step_s[all_cores] + loop_s
     return all_cores if shared <= (1.0 - min_gain) * overlapped else reserved
