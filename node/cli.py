@@ -81,6 +81,12 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
                         "time the cost-model JSON PATH gives its work, KV blocks and transfers sized by --model's "
                         "geometry for --kv-cache-memory) to measure the node's own overhead or run it at GPU-like "
                         "step times")
+    p.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                   help="intra-op threads of each CPU engine (default: timed at start-up, the cores less one for the "
+                        "node's loop where the model's steps are cheaper than the loop's work, else all of them; "
+                        "docs/user-guide.md)")
+    p.add_argument("--cpu-weight-packing", default="on", choices=["on", "off"],
+                   help="on (default): CPU engines keep their projection weights packed for oneDNN; off: plain F.linear")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly (default on CUDA with the triton backend: decode steps replay CUDA graphs)")
     p.add_argument("--compile", default="none", choices=["none", "inductor"],
@@ -251,6 +257,7 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         engine_start_timeout_s=a.engine_start_timeout_s,
         seed=a.seed, attention_backend=a.attention_backend, log_format=a.log_format, mode=a.mode,
         log_level=a.log_level, log_requests=a.log_requests, stats_interval_s=a.stats_interval_s,
+        cpu_threads=a.cpu_threads, cpu_weight_packing=a.cpu_weight_packing == "on",
         enforce_eager=a.enforce_eager, compile=a.compile, compile_sizes=a.compile_sizes,
         engine_layout=a.engine_layout, prefix_caching=a.prefix_caching,
         tensor_parallel_size=a.tensor_parallel_size, decode_tp=a.decode_tp, prefill_tp=a.prefill_tp,

@@ -65,6 +65,8 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     log_requests: bool = False  # per-request and per-switch lines (node.log.request_lines: also at --log-level debug)
     stats_interval_s: float = 10.0  # the stats line's period while there is traffic (node.runtime.stats_log); 0: none
     attention_backend: str = "auto"  # auto | torch | cpu | triton
+    cpu_threads: int | None = None  # intra-op threads per CPU engine; None: timed at start-up (node.worker.cpu_threads)
+    cpu_weight_packing: bool = True  # CPU projections on oneDNN-packed weights (node.worker.cpu_linear); False: F.linear
     enforce_eager: bool = False  # no CUDA-graph decode (graphs are used on CUDA with the triton backend otherwise)
     compile: str = "none"  # none | inductor: torch.compile the forward per token-count bucket (CPU, CUDA)
     compile_sizes: list[int] | None = None  # the buckets of --compile (None: the compiled runner's default buckets)
@@ -188,6 +190,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (self.stats_interval_s >= 0, f"--stats-interval-s must be at least 0 (0: no stats line), got {self.stats_interval_s}"),
             (self.api_heartbeat_timeout_s > 1.0,  # several WATCH_S pings fit in it
              f"--api-heartbeat-timeout-s must exceed 1 s, got {self.api_heartbeat_timeout_s}"),
+            (self.cpu_threads is None or 1 <= self.cpu_threads <= 1024, f"--cpu-threads must be in [1, 1024], got {self.cpu_threads}"),
         ]
         for ok, message in checks:
             if not ok:

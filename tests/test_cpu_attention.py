@@ -145,8 +145,25 @@ def test_numba_kernel_runs_where_it_applies():
     q, k, v, table, lens, _, _, scale = args
     out = torch.empty_like(q)
     assert cpu_decode_numba.paged_decode(q, k, v, table, lens, scale, out)
-    assert not cpu_decode_numba.paged_decode(q, k.bfloat16(), v.bfloat16(), table, lens, scale, out)
+    assert not cpu_decode_numba.paged_decode(q, k.bfloat16(), v.bfloat16(), table, lens, scale, out)  # q float32
     assert not cpu_decode_numba.paged_decode(q, k.transpose(1, 2), v, table, lens, scale, out)
+    assert not cpu_decode_numba.paged_decode(q.half(), k.half(), v.half(), table, lens, scale, out.half())
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_numba_kernel_reads_bfloat16_caches_in_place_exactly_widened(head_dim):
+    """A bfloat16 cache runs the compiled kernel on its bits: the same float32 math as the kernel on
+    the cache widened to float32 (so the same result once rounded), and within bfloat16 rounding of
+    the reference."""
+    ctx = ragged(6, 120, seed=head_dim) + [1, 17]
+    args, ref_args = make_case([1] * len(ctx), ctx, 8, 2, head_dim, 16, dtype=torch.bfloat16, seed=head_dim)
+    q, k, v, table, lens, _, _, scale = ref_args
+    out = torch.empty_like(q)
+    assert cpu_decode_numba.paged_decode(q, k, v, table, lens, scale, out)
+    out32 = torch.empty_like(q, dtype=torch.float32)
+    assert cpu_decode_numba.paged_decode(q.float(), k.float(), v.float(), table, lens, scale, out32)
+    assert torch.equal(out, out32.bfloat16())
+    check(args, ref_args)  # NaN-poisoned slots past each context are never read
 
 
 def test_backend_selection():

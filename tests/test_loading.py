@@ -88,3 +88,13 @@ def test_building_a_model_does_not_import_sympy():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "kernels"), str(REPO / "tests")])}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_a_config_only_folder_with_random_weights_gets_the_byte_level_tokenizer(tmp_path):
+    from node.worker.tokenizer import TokenizerError
+
+    shutil.copy(REPO / "bench/configs/llama-85m/config.json", tmp_path / "config.json")
+    info = load_model_info(NodeConfig(model=str(tmp_path), load_format="dummy"))
+    assert info.tokenizer.vocab_size == 259 and info.cfg.hidden_size == 768
+    with pytest.raises(TokenizerError, match="no tokenizer.json"):  # real weights need their own tokenizer
+        load_model_info(NodeConfig(model=str(tmp_path)))

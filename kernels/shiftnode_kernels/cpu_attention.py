@@ -6,7 +6,7 @@ paged layout and the varlen batch), tuned for the CPU:
 * **Decode rows** (sequences with one new token) of the whole batch run in one call of the compiled
   kernel of :mod:`shiftnode_kernels.cpu_decode_numba`, which reads K/V in place through the block tables
   (block-wise online softmax, one job per sequence and KV head). Without Numba, or for caches that are
-  not float32, they run as a torch block-wise softmax over *chunks* (:func:`_decode_chunks`): a chunk
+  neither float32 nor bfloat16, they run as a torch block-wise softmax over *chunks* (:func:`_decode_chunks`): a chunk
   is ``m`` consecutive logical blocks of one sequence (``C = m * block_size`` tokens), so each
   sequence covers ``ceil(L / C)`` chunks and the work is its context plus less than one chunk, never
   the batch's longest context. The chunks' blocks are gathered with one ``index_select`` per K and V
@@ -44,7 +44,7 @@ from shiftnode_kernels import cpu_decode_numba
 __all__ = ["paged_attention", "DECODE_KERNEL", "MAX_CHUNK_TOKENS", "GATHER_BUDGET_BYTES"]
 
 DECODE_KERNEL = os.environ.get("SHIFTNODE_CPU_DECODE", "auto")
-"""Decode rows: ``"auto"`` runs the compiled kernel where it applies (Numba installed, float32) and
+"""Decode rows: ``"auto"`` runs the compiled kernel where it applies (Numba installed, a float32 or bfloat16 cache) and
 the torch chunks otherwise; ``"torch"`` always runs the torch chunks. Read from
 ``$SHIFTNODE_CPU_DECODE`` at import (benches compare the two in a node); tests set it directly."""
 

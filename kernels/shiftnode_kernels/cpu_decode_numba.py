@@ -27,7 +27,8 @@ contexts up to ~320, block size 16; see the CPU attention section of ``bench/RES
   only catches up with after a few misses; at head_dim 32 the cache reads, not the arithmetic,
   bound the kernel.
 
-Float32 only (the CPU serving dtype); other dtypes take the torch path. Slots of a block past the
+Float32 math; the cache may be float32 or bfloat16 (read as int16 bits and widened in the loop, exactly,
+so a bfloat16 cache is read in place too, at half the bytes); other cache dtypes take the torch path. Slots of a block past the
 context are never read (a prefetch may cover them: a hint, it reads no value and cannot fault).
 
 The loop runs on the calling thread, without a thread pool, on purpose: the node's event loop and
@@ -50,7 +51,7 @@ from shiftnode_kernels._numba_lazy import LazyKernel
 
 __all__ = ["available", "paged_decode", "DecodePlan", "plan_decode", "PREFETCH_BYTES"]
 
-_prefetch = _next_block = None  # compiled helpers of the kernel, set by _build
+_prefetch = _next_block = _widen = None  # compiled helpers of the kernel, set by _build
 
 PREFETCH_BYTES = 16 << 10
 """How far ahead the kernel prefetches, in K+V bytes (whole blocks, at least one): about half the
@@ -62,7 +63,7 @@ head_dim 8, 4 KiB; farther was slower for both)."""
 def _build():
     # The helpers go into module globals, not the kernel's closure: Numba keys its disk cache on the
     # pickled closure, and an intrinsic or dispatcher pickles with a per-process id (no cache hit ever).
-    global _prefetch, _next_block
+    global _prefetch, _next_block, _widen
     import math
 
     import numpy as np
@@ -89,6 +90,24 @@ def _build():
 
         return types.void(arr, idx), codegen
 
+    @intrinsic
+    def _widen(typingctx, x):
+        """A cache element as float32: a float32 as it is; an int16 holding a bfloat16's bits (the
+        cache viewed as int16, NumPy having no bfloat16) as the float32 with those 16 high bits, exact
+        (bfloat16 is float32 with the low 16 mantissa bits dropped). Branch-free, so the loops that
+        read K and V still vectorise."""
+        if x == types.float32:
+            return types.float32(x), lambda context, builder, signature, args: args[0]
+        if x != types.int16:
+            return None
+
+        def codegen(context, builder, signature, args):
+            i32 = ir.IntType(32)
+            bits = builder.shl(builder.zext(args[0], i32), i32(16))
+            return builder.bitcast(bits, ir.FloatType())
+
+        return types.float32(x), codegen
+
     # Cephes expf (kernels/shiftnode_kernels/_cephes.py); the range used here is x <= 0, clamped at -87
     log2e, ln2_hi, ln2_lo, p0, p1, p2, p3, p4, p5, x_min = float32_constants()
     prefetch_bytes = PREFETCH_BYTES
@@ -105,7 +124,8 @@ def _build():
     # No nnan/ninf: the running maximum starts at -inf and must compare as such.
     @njit(fastmath={"nsz", "arcp", "contract", "afn", "reassoc"}, cache=True, boundscheck=False, nogil=True)
     def decode(q, k, v, tables, lens, scale, out):  # pragma: no cover - compiled
-        # q, out [S, Hkv, G, D]; k, v [num_blocks, bs, Hkv, D]; tables [S, W] int32; lens [S] int32
+        # q, out [S, Hkv, G, D] float32; k, v [num_blocks, bs, Hkv, D] float32, or int16 (bfloat16 bits);
+        # tables [S, W] int32; lens [S] int32
         num_seqs, num_kv_heads, group, head_dim = q.shape
         block_size = k.shape[1]
         rows = num_kv_heads * group  # query heads, row r = h * group + g
@@ -118,7 +138,7 @@ def _build():
         pow2 = np.empty(block_size, dtype=np.int32)
         pow2f = pow2.view(np.float32)
         # Prefetch cursor: the block `dist` blocks ahead in (sequence, block) order, across sequences.
-        dist = max(1, prefetch_bytes // (2 * block_size * row_len * 4))
+        dist = max(1, prefetch_bytes // (2 * block_size * row_len * k.itemsize))
         ps, pb = _next_block(lens, block_size, 0, -1)
         for _ in range(dist):
             ps, pb = _next_block(lens, block_size, ps, pb)
@@ -159,7 +179,7 @@ def _build():
                         for g in range(group):
                             dot = np.float32(0.0)
                             for d in range(head_dim):
-                                dot += qs[h, g, d] * kb[t, h, d]
+                                dot += qs[h, g, d] * _widen(kb[t, h, d])
                             scores[h * group + g, t] = dot
                 if have_next:
                     for i in range(n * row_len, block_size * row_len, 16):
@@ -199,7 +219,7 @@ def _build():
                         for g in range(group):
                             p = scores[h * group + g, t]
                             for d in range(head_dim):
-                                acc[h, g, d] += p * vb[t, h, d]
+                                acc[h, g, d] += p * _widen(vb[t, h, d])
             for h in range(num_kv_heads):
                 for g in range(group):
                     inv = np.float32(1.0) / run_sum[h * group + g]
@@ -231,27 +251,38 @@ def available() -> bool:
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> bool:
     """Decode attention of one query row per sequence, written into ``out``; False (nothing done) when
-    this kernel does not apply: Numba missing, a dtype other than float32 or int32 tables, tensors
-    not on the CPU or not contiguous.
+    this kernel does not apply: Numba missing, a cache dtype other than float32 or bfloat16 (or ``q``,
+    ``out`` not of the cache's dtype), tables not int32, tensors not on the CPU or not contiguous.
 
     Args:
-        q, out: ``[num_seqs, num_heads, head_dim]`` float32; row ``i`` is sequence ``i``'s new token.
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32.
+        q, out: ``[num_seqs, num_heads, head_dim]`` in the cache's dtype; row ``i`` is sequence ``i``'s
+            new token (bfloat16 rows are widened to float32 for the kernel and the result rounded back).
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32 or bfloat16.
         block_tables: ``[num_seqs, width]`` int32; the first ``ceil(seq_lens[i] / block_size)`` entries
             of row ``i`` must be valid block ids (they are read unchecked), the rest are never read.
         seq_lens: ``[num_seqs]`` int32 contexts; a sequence with 0 gets zeros.
         scale: softmax scale.
     """
     tensors = (q, k_cache, v_cache, block_tables, seq_lens, out)
-    if (q.dtype != torch.float32 or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32
-            or out.dtype != torch.float32 or block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32
+    cache_dtype = k_cache.dtype
+    if (cache_dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != cache_dtype
+            or q.dtype != cache_dtype or out.dtype != cache_dtype
+            or block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32
             or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors) or not available()):
         return False
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     shape4 = (num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    _lazy.kernel(q.view(shape4).numpy(), k_cache.numpy(), v_cache.numpy(), block_tables.numpy(),
-            seq_lens.numpy(), float(scale), out.view(shape4).numpy())
+    if cache_dtype == torch.float32:
+        _lazy.kernel(q.view(shape4).numpy(), k_cache.numpy(), v_cache.numpy(), block_tables.numpy(),
+                     seq_lens.numpy(), float(scale), out.view(shape4).numpy())
+        return True
+    # bfloat16: the cache in place as int16 bits; the (small) query and output rows in float32
+    q32 = q.float()
+    out32 = torch.empty_like(q32)
+    _lazy.kernel(q32.view(shape4).numpy(), k_cache.view(torch.int16).numpy(), v_cache.view(torch.int16).numpy(),
+                 block_tables.numpy(), seq_lens.numpy(), float(scale), out32.view(shape4).numpy())
+    out.copy_(out32)
     return True
 
 

@@ -42,7 +42,9 @@ def node_status(node: StatusSource, history: int = 200, since_s: float | None = 
         d = {
             "device": e.device_id,
             "role": node.role_of(e, decoders),
-            "engine": {"layout": node.config.engine_layout, "pid": e.runner.pid},  # pid: null in the thread layout; a group's rank 0
+            "engine": {"layout": node.config.engine_layout, "pid": e.runner.pid,  # pid: null in the thread layout; a group's rank 0
+                       # intra-op threads its steps run with (--cpu-threads, or timed at start-up on a CPU)
+                       "threads": getattr(e.runner, "threads", None)},
             "engine_busy_s": round(e.busy_s, 6),  # the engine's own time in steps, summed (wall minus this: waiting)
             "kv_blocks_total": e.batcher.ledger.num_blocks,
             # bytes of the pool allocated (small on a timed device, whose blocks only stand for the geometry's)

@@ -60,10 +60,15 @@ def _exit_rank(tp: TPRank | None) -> None:
         os._exit(0)
 
 
-def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid: int, threads: int,
+def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid: int, threads: tuple[int, int],
                 tp: TPRank | None = None) -> None:
     """Entry point of an engine process: load, report :class:`Ready`, then serve requests until told
     to stop or until the node's end of ``conn`` closes.
+
+    ``threads``: ``(reserved, all)`` intra-op thread counts of a CPU engine
+    (:func:`~node.worker.engine_process.engine_thread_candidates`); it loads with ``reserved``, then
+    keeps the one whose measured decode step serves faster (:mod:`node.worker.cpu_threads`) and
+    reports it in :class:`Ready`.
 
     ``tp``: this engine is one rank of a tensor-parallel group. It joins the group's process group
     (gloo on the CPU, NCCL on CUDA) before loading, loads its shard, and serves the same requests in
@@ -79,7 +84,7 @@ def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid
 
         configure_logging(config.log_format, config.log_level, config.log_requests)
         if device_id.startswith("cpu"):
-            torch.set_num_threads(threads)
+            torch.set_num_threads(threads[0])
         info = load_model_info(config)
         ops = select_ops(config.attention_backend, device_id.partition(":")[0])
         holder: dict = {}
@@ -103,6 +108,14 @@ def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid
                               held_degree=(tp.prefill_degree or None) if tp is not None else None)
         core = EngineCore(runner, layouts, GrammarMasks.for_model(info))
         core.warm_up()
+        if device_id.startswith("cpu"):
+            from node.worker.cpu_threads import settle_threads
+
+            # a benchmark model's steps are paced or empty: nothing to time, the reserved count stays
+            candidates = (threads[0], threads[0]) if config.benchmark_model else threads
+            chosen, measured = settle_threads(runner, *candidates)
+            log.info("engine_threads", device=device_id, threads=chosen, candidates=list(threads),
+                     probe_step_ms={n: round(s * 1e3, 3) for n, s in measured.items()})
         kv = runner.kv_cache
         conn.send_bytes(enc.encode(Ready(runner.num_blocks, list(kv.shape), str(kv.dtype).removeprefix("torch."),
                                          kv.is_cuda, torch.get_num_threads())))

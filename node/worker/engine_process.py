@@ -67,6 +67,7 @@ import torch
 
 from node.config import NodeConfig, usable_cores
 from node.transport.protocol import Fingerprint
+from node.worker.cpu_threads import thread_candidates
 from node.worker.engine_main import engine_main
 from node.worker.engine_messages import (
     EngineDied, EngineError, Failed, GetFingerprint, PeerPools, Prepare, Ready, Reply, Shutdown, TPRank,
@@ -124,6 +125,14 @@ def engine_threads(config: NodeConfig, cores: int) -> int:
     return max(1, (cores - 1 - frontends) // max(1, len(config.devices)))
 
 
+def engine_thread_candidates(config: NodeConfig, cores: int, tensor_parallel: bool = False) -> tuple[int, int]:
+    """``(reserved, all)`` intra-op threads of each CPU engine (:func:`node.worker.cpu_threads.thread_candidates`):
+    ``reserved`` is :func:`engine_threads`, ``all`` gives the engines the loop's core too; both are
+    ``--cpu-threads`` when it is given. The engine picks one by timing its steps at start-up."""
+    frontends = config.api_processes if config.api_processes > 1 else 0
+    return thread_candidates(cores, frontends, len(config.devices), config.cpu_threads, tensor_parallel)
+
+
 class EngineProcess:
     """The node's handle on one device's engine process; the runner-like surface of a device
     (``submit``, ``prepare_decode``, ``kv_cache``, ``num_blocks``, ``fingerprint``).
@@ -139,7 +148,7 @@ class EngineProcess:
     def __init__(self, config: NodeConfig, device_id: str, method: str, tp: TPRank | None = None):
         self.device_id = device_id
         self.method = method
-        threads = engine_threads(config, usable_cores())
+        threads = engine_thread_candidates(config, usable_cores(), tensor_parallel=tp is not None)
         ctx = multiprocessing.get_context(method)
         self._conn, child = ctx.Pipe(duplex=True)
         self.process = ctx.Process(target=engine_main, name=f"shiftnode-engine-{device_id}",

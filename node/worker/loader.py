@@ -37,10 +37,12 @@ class LoadedModel:
 
 def load_model_info(config: NodeConfig) -> LoadedModel:
     """Read the model's config and tokenizer (no weights yet) from ``config.model`` (by default the
-    embedded stories260k folder, :data:`node.config.EMBEDDED_MODEL`)."""
+    embedded stories260k folder, :data:`node.config.EMBEDDED_MODEL`). A folder without ``tokenizer.json``
+    run with random weights (``--load-format dummy``) or a benchmark model gets the byte-level tokenizer."""
     cfg = ModelConfig.from_folder(config.model)
-    if config.benchmark_model and not (Path(config.model) / "tokenizer.json").is_file():
-        tok = TextTokenizer.byte_level()  # a config-only folder (bench/configs/*): bytes are text enough
+    if (config.benchmark_model or config.load_format == "dummy") and not (Path(config.model) / "tokenizer.json").is_file():
+        # a config-only folder (bench/configs/*) with no real weights either: bytes are text enough
+        tok = TextTokenizer.byte_level()
     else:
         tok = TextTokenizer.from_folder(config.model)
     if tok.vocab_size > cfg.vocab_size:
@@ -175,7 +177,26 @@ def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: obj
         return runner
     attach_decode_graphs(runner, config, info.max_model_len, ops, device_id)
     attach_compiled_forward(runner, config, device_id)
+    attach_packed_weights(runner, config, device_id)
     return runner
+
+
+def attach_packed_weights(runner: ModelRunner, config: NodeConfig, device_id: str) -> None:
+    """On a CPU device at degree 1 with eager steps, point the model's projections at oneDNN-packed
+    copies of their weights (:mod:`node.worker.cpu_linear`) unless ``--cpu-weight-packing off``;
+    logs why not where it does not apply on a CPU."""
+    from node.worker.cpu_linear import PACK_MIN_ELEMENTS, pack_model, packing_unsupported
+
+    if runner.device.type != "cpu" or not config.cpu_weight_packing or config.benchmark_model:
+        return
+    reason = ("--compile (inductor packs its own)" if runner.compiled is not None
+              else packing_unsupported(runner.device, runner.model.embed_tokens.weight.dtype))
+    nbytes = pack_model(runner.model) if reason is None else 0
+    if nbytes:
+        log.info("weights_packed", device=device_id, bytes=nbytes)
+    else:
+        reason = reason or f"every projection under {PACK_MIN_ELEMENTS} elements (plain F.linear is faster there)"
+        log.info("weights_not_packed", device=device_id, reason=reason)
 
 
 def attach_compiled_forward(runner: ModelRunner, config: NodeConfig, device_id: str) -> None:

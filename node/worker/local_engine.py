@@ -9,6 +9,8 @@ import asyncio
 import concurrent.futures
 from typing import Any
 
+import torch
+
 from node.config import NodeConfig
 from node.transport.protocol import Fingerprint
 from node.worker.engine_core import EngineCore, StepMsg
@@ -26,6 +28,7 @@ class LocalEngine:
         self.runner = core.runner
         self.kv_cache = core.kv_cache
         self.num_blocks = core.num_blocks
+        self.threads = torch.get_num_threads()  # the node process's own (this layout runs its steps there)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
     def submit(self, msg: StepMsg) -> concurrent.futures.Future:

@@ -2,7 +2,8 @@
 
 One forward pass takes a packed varlen batch (prefill chunks and decode tokens mixed), writes the new
 keys/values into their slots and attends through block tables; see ``kernels/shiftnode_kernels/reference.py`` for the
-layout. Weights are fused at load time (q|k|v and gate|up) so each layer runs four matmuls.
+layout. Weights are fused at load time (q|k|v and gate|up) so each layer runs four matmuls; on the CPU
+they run on oneDNN-packed copies of the weights (:mod:`node.worker.cpu_linear`).
 
 Tensor parallelism (Megatron-LM column/row parallel, Shoeybi et al. 2019): a model is built for a
 :class:`~node.worker.tensor_parallel.ShardLayout` (the fused weights stored in per-rank blocks for
@@ -22,8 +23,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
+from node.worker.cpu_linear import PackedProjections, linear
 from node.worker.model_config import ModelConfig, rope_inv_freq
 from node.worker.tensor_parallel import LayerShard, ShardLayout, TPGroup, layer_shard, lm_head_rows, lm_head_shard
 from shiftnode_kernels.reference import rope_cos_sin_cache
@@ -76,6 +77,7 @@ class DecoderLayer(nn.Module):
             self.k_norm = nn.Parameter(torch.ones(d, **kw))
         self.cfg = cfg
         self.shard: LayerShard | None = None  # set by CausalLM.set_tensor_parallel
+        self.packed: PackedProjections | None = None  # the CPU's packed weights (node.worker.cpu_linear.pack_model)
 
     def forward(
         self,
@@ -99,7 +101,8 @@ class DecoderLayer(nn.Module):
         h, residual = ops.rms_norm(x, self.input_layernorm, eps, residual)
         # Column-parallel q|k|v: [T, blocks*(qb+2kb)] → per block [q_b|k_b|v_b] → local heads in order.
         # (One block, e.g. degree 1 on the plain layout: the very ops of the plain model, no extra view.)
-        qkv = F.linear(h, s.qkv_weight, s.qkv_bias)
+        p = self.packed
+        qkv = linear(h, s.qkv_weight, s.qkv_bias, p and p.qkv)
         if s.blocks > 1:
             qkv = qkv.view(t, s.blocks, s.q_block + 2 * s.kv_block)
         q, k, v = qkv.split([s.q_block, s.kv_block, s.kv_block], dim=-1)
@@ -124,18 +127,18 @@ class DecoderLayer(nn.Module):
                 meta.max_seqlen_q, d**-0.5,
             )
         # Row-parallel o_proj: partial [T, hidden] sums, all-reduced.
-        x = F.linear(attn.reshape(t, s.num_heads * d), s.o_weight)
+        x = linear(attn.reshape(t, s.num_heads * d), s.o_weight, None, p and p.o)
         if s.reduce is not None:
             s.reduce(x)
         h, residual = ops.rms_norm(x, self.post_attention_layernorm, eps, residual)
         # Column-parallel gate|up per block, SwiGLU → the local intermediate slice [T, blocks*ib].
-        gate_up = F.linear(h, s.gate_up_weight)
+        gate_up = linear(h, s.gate_up_weight, None, p and p.gate_up)
         if s.blocks > 1:
             act = ops.silu_and_mul(gate_up.view(t, s.blocks, 2 * s.inter_block)).view(t, s.blocks * s.inter_block)
         else:
             act = ops.silu_and_mul(gate_up)
         # Row-parallel down_proj: partial [T, hidden] sums, all-reduced.
-        x = F.linear(act, s.down_weight)
+        x = linear(act, s.down_weight, None, p and p.down)
         if s.reduce is not None:
             s.reduce(x)
         return x, residual
@@ -197,6 +200,7 @@ class CausalLM(nn.Module):
         self.register_buffer("cos_sin", table, persistent=False)
         self.tp = TPGroup.single()
         self._lm_shard: torch.Tensor | None = None
+        self.head_packed: torch.Tensor | None = None  # its packed copy on the CPU (node.worker.cpu_linear.pack_model)
         self._vocab_width = cfg.vocab_size
         if layout.held_degree == 1:  # a device holding part of the weights runs once it has its group
             self.set_tensor_parallel(self.tp)
@@ -216,6 +220,8 @@ class CausalLM(nn.Module):
             self._lm_shard, self._vocab_width = lm_head_shard(head, self.cfg, self.layout, tp, self.lm_head is None)
         for layer, shard in zip(self.layers, shards):
             layer.shard = shard
+            layer.packed = None  # packed copies (node.worker.cpu_linear) are of the old views
+        self.head_packed = None
         self.tp = tp
 
     @property
@@ -263,5 +269,5 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, hidden]`` → float32 ``[N, vocab]``: this rank's vocab rows in the model dtype,
         all-gathered over the group (degree > 1), then cast."""
-        logits = F.linear(hidden, self._lm_shard)
+        logits = linear(hidden, self._lm_shard, None, self.head_packed)
         return self.tp.all_gather_logits(logits, self._vocab_width, self.cfg.vocab_size).float()
