@@ -60,7 +60,7 @@ def test_one_configuration_refits_prompt_costs_on_the_decode_fixed_cost():
     for one, penalty in ((False, 0.003), (True, 0.0)):
         driver = RoleDriver(node, role_scheduler(config), lambda: 0.0, one_configuration=one)
         for s, k in ((1, 40), (4, 300), (16, 900), (32, 2500), (8, 100)):
-            driver._decode.append((s, k, 0.002 + 5e-5 * s + 1e-6 * k))
+            driver._decode.append((0, s, k, 0.002 + 5e-5 * s + 1e-6 * k))
         for n in (32, 64, 96, 128):
             driver._prefill.append((n, 0.005 + 2e-5 * n))
         driver.refit()
@@ -122,6 +122,40 @@ def test_the_adaptive_driver_skips_the_snapshot_while_every_device_only_decodes(
     driver.snapshot = snapshot
     with pytest.raises(Built):
         driver.tick()
+
+
+def test_a_device_that_mixes_every_step_refits_its_decode_terms_from_the_mixed_steps():
+    """A CPU node (one configuration) whose device runs mixed steps only, on a virtual clock: each step
+    is 1.5 ms + 80 us a sequence + 0.5 us a context token + 15 us a prompt token, while the model starts at
+    the CPU defaults (2 ms, 100 us a sequence, nothing per context token, 20 us a prompt token). The
+    refits fit decode and mixed steps jointly, so the decode terms are learnt from the mixed steps (before,
+    the decode part was refitted from decode steps alone, none here, and each mixed step's prompt share was
+    its time less the current model's decode cost: the model's own error, fed back into its samples)."""
+    from node.core.batcher import StepKind
+    from node.core.roles import Role
+    from node.runtime.role_driver import REFIT_EVERY
+
+    true = CostModel(prefill_fixed_s=0.0015, prefill_per_token_s=1.5e-5, decode_fixed_s=0.0015, decode_per_seq_s=8e-5,
+                     decode_per_context_token_s=5e-7)
+    clock = [0.0]
+    engine = SimpleNamespace(device_id="cpu:0", failure=None, role=SimpleNamespace(role=Role.MIXED),
+                             batcher=SimpleNamespace(running=[], waiting=[], has_work=lambda kind: True),
+                             step_listeners=[], switch_listeners=[], migration_listeners=[])
+    node = SimpleNamespace(config=SimpleNamespace(imbalance_threshold=0.0, link_gbps=0.0), engines=[engine], draining=False)
+    driver = RoleDriver(node, role_scheduler(NodeConfig(mode="adaptive", devices=DEVICES[:1])), lambda: clock[0],
+                        one_configuration=True)
+    assert driver.scheduler.cost.decode_per_context_token_s == 0.0
+    for i in range(40 * REFIT_EVERY):
+        b, ctx, prompt = 2 + i % 7, 100 + (i * 37) % 400, 8 + (i * 13) % 57
+        items = [SimpleNamespace(seq=SimpleNamespace(num_computed=ctx, num_output=3), num_tokens=1) for _ in range(b)]
+        items.append(SimpleNamespace(seq=SimpleNamespace(num_computed=0, num_output=0), num_tokens=prompt))
+        seconds = true.mixed_step_s(prompt, b, b * ctx)
+        clock[0] += max(seconds, 0.02)  # refits at least REFIT_MIN_S apart
+        driver._on_step(engine, SimpleNamespace(kind=StepKind.MIXED, items=items, preempted=[],
+                                                num_tokens=b + prompt), seconds)
+    cost = driver.scheduler.cost
+    for field in ("decode_fixed_s", "decode_per_seq_s", "decode_per_context_token_s", "prefill_per_token_s"):
+        assert getattr(cost, field) == pytest.approx(getattr(true, field), rel=0.02), field
 
 
 def test_refits_are_at_most_every_refit_min_s_and_quiet_decode_steps_do_not_kick():

@@ -46,7 +46,10 @@ Each decision round, for every device in the decode configuration (switch reason
   mixed step against a 20 ms TPOT SLO: the device runs mixed steps of ``c*`` within ``Wmax`` longer
   than ``T`` and decodes
   ``S = (m - T) d / (T - d)`` between them, so the residents' mean token gap stays at ``T``;
-  :func:`node.core.chunk_budget.spacing_s`) or "no_headroom" (``c = 0``: even one prompt token would
+  :func:`node.core.chunk_budget.spacing_s`; where some resident's own mean cannot absorb even a
+  one-token step, its later tokens counted at ``d``, the device *holds*: decode steps do not win that
+  back, so its queue's work is judged as starting when those residents will have ended, and placement
+  and the TTFT window see the wait) or "no_headroom" (``c = 0``: even one prompt token would
   stretch the step past ``Wmax``, or past ``L`` where decode alone misses ``T``, or ``S > Wmax``).
 
 A window ends as in the two-role policy (queue drained, budget spent, or blocked on KV), and an idle
@@ -67,7 +70,8 @@ that arrives after a quiet spell of ``G`` is mixed at once (holding it would not
 
 **Liveness.** A MIXED step runs every resident's decode token and at most ``c`` prompt tokens, so
 residents progress exactly as in DECODE. Gathering holds a queue at most ``G`` after its oldest
-prompt's arrival; spacing holds it at most ``S`` after its last mixed step. Where ``c = 0`` the queue's
+prompt's arrival; spacing holds it at most ``S`` after its last mixed step, or until the residents
+that block a spaced step have ended (bounded outputs). Where ``c = 0`` the queue's
 head becomes urgent with age and the two-role policy's forced window takes it (or, cheaper, a window
 of its own: ``E_chunks`` is infinite). Queued prompt work on a device is therefore computed (chunks,
 a window, or a forced window), and outputs are bounded, so every sequence ends. The property test in
@@ -81,7 +85,7 @@ import math
 import msgspec
 
 from node.core.chunk_budget import (chunk_budget, chunks_extra_s, chunks_s, efficient_chunk, fastest_chunk, gather_s,
-                                    keep_up_chunk, spacing_s, step_limit_s, window_extra_s)
+                                    hold_s, keep_up_chunk, mean_budget_s, spacing_s, step_limit_s, window_extra_s)
 from node.core.cost import CostModel
 from node.core.handoff_windows import Handoffs
 from node.core.imbalance import Migrate
@@ -117,8 +121,8 @@ class _Mix:
     start ``t0``, residents (``s`` holding ``k`` tokens), gathering time ``G`` and the arrival of its
     oldest queued prompt (None: none; prompts placed this round included); ``spacing``: True where no
     chunk fits ``L`` and the chunk is spaced instead (:func:`node.core.chunk_budget.spacing_s`; ``t0``
-    then the earliest start of the next mixed step; ``hold``: a resident's own mean would not absorb the
-    step yet)."""
+    then the earliest start of the next mixed step; ``hold``: a resident's own mean cannot absorb the
+    step, and ``t0`` is when the residents that block it will have ended)."""
 
     __slots__ = ("chunk", "limit_s", "t0", "s", "k", "gather_s", "oldest_s", "max_chunk", "knee", "spacing", "d",
                  "hold")
@@ -205,22 +209,14 @@ class AdaptiveScheduler(Handoffs, RoleScheduler):
             if start + EPS < now_s:  # its last spaced step has begun: the next waits for the spacing
                 mix.t0 = max(t0, nxt)
             # every resident must still meet its own mean: its remaining tokens at d after the step
-            allow = min(self._mean_budget_s(r, d) for r in st.resident) - mix.t0
-            mix.chunk = chunk_budget(m, allow, c)
-            mix.hold = mix.chunk == 0  # none fits yet: decode (each decode step wins T - d back)
-            mix.chunk = mix.chunk or c
+            tau = self.config.tpot_slo_ms / 1e3
+            budgets = [mean_budget_s(r.first_token_s, r.output_tokens, r.expected_output_tokens, tau, d)
+                       for r in st.resident]
+            mix.chunk = chunk_budget(m, min(budgets) - mix.t0, c)
+            if mix.chunk == 0:  # none fits: hold until the residents that cannot absorb one have ended
+                mix.hold, mix.chunk = True, c
+                mix.t0 += hold_s(st.resident, budgets, mix.t0, m(1), d)
         return mix
-
-    def _mean_budget_s(self, r, d: float) -> float:
-        """Latest end (s) of a step that leaves resident ``r``'s mean token gap within the TPOT SLO ``τ`` if
-        its other tokens come every ``d``: ``f + (N - 1) τ - (N - n - 1) d`` (``f`` first token, ``n``
-        tokens out, ``N`` expected, at least ``n + 1``: an unknown length may end with the next token).
-        The SLO itself, not ``T``: ``d`` is already optimistic for later tokens only if no later step is
-        long, which the spacing ``S`` and this check on every later step see to (Azure conversation
-        trace, 70B at degree 8, 9 req/s: SLO attainment 0.84 with ``T``, TTFT-bound; 0.92 with ``τ``)."""
-        n = r.output_tokens
-        N = max(r.expected_output_tokens, n + 1)
-        return r.first_token_s + (N - 1) * self.config.tpot_slo_ms / 1e3 - (N - n - 1) * d
 
     def chunk_budget_of(self, st, now_s: float) -> tuple[int, float]:
         """``(c, L)`` of a device state (:mod:`node.core.chunk_budget`): its chunk budget (prompt tokens)
@@ -381,12 +377,27 @@ class AdaptiveScheduler(Handoffs, RoleScheduler):
             return "ttft", work_s
         return None
 
+    def _reserve(self, w: WaitingPrompt, devs: list[_Dev], mixes: dict[str, _Mix]) -> bool:
+        """Reserve an urgent prompt's KV blocks and slots on the mixing device that lacks the fewest blocks
+        for it (it fits none now): that device takes no later prompt until its residents have freed them,
+        so prompts that fit elsewhere pass the head without delaying it. False where no device could
+        hold it even empty."""
+        fit = [(max(0, need - dv.kv), dv.idx, dv, need) for dv in devs
+               if mixes[dv.st.device_id].chunk > 0 and (need := self._need_blocks(dv.st, w)) >= 0]
+        if not fit:
+            return False
+        _, _, dv, need = min(fit, key=lambda x: x[:2])
+        dv.kv, dv.slots = dv.kv - need, dv.slots - w.seqs
+        return True
+
     def _place_mixed(self, now_s: float, waiting: list[WaitingPrompt], devs: list[_Dev], mixes: dict[str, _Mix],
                      out: list[Place]) -> tuple[list[WaitingPrompt], int]:
         """Place prompts FIFO on decode-configuration devices with a positive chunk budget: where they
         fit KV and slots and their chunked prefill ends within the TTFT target (one prompt at least on
         an empty queue), least finish plus expected decode first; return those left waiting, and the
-        prompt tokens of those among them that some device had the KV and slots for (not the time)."""
+        prompt tokens of those among them that some device had the KV and slots for (not the time).
+        An urgent prompt left waiting holds back every later one, unless only KV or slots bind it: then
+        its blocks are reserved (:meth:`_reserve`) and later prompts that fit beside the reservation pass."""
         left: list[WaitingPrompt] = []
         capped = 0
         target_s = self.config.ttft_urgency * self.config.ttft_slo_ms / 1e3
@@ -413,7 +424,8 @@ class AdaptiveScheduler(Handoffs, RoleScheduler):
             if best is None:
                 left.append(w)
                 capped += w.prompt_tokens if room else 0
-                blocked = blocked or self.urgent(w, now_s)
+                if not blocked and self.urgent(w, now_s):  # an urgent head: later prompts must not delay it
+                    blocked = room or not self._reserve(w, devs, mixes)  # only KV or slots bind it: reserve them
                 continue
             _, _, dv, need = best
             out.append(dv.take(w, need))

@@ -17,7 +17,8 @@ hand-off windows (:mod:`node.core.handoff_windows`) return their moves among its
 beside the source's later steps (``overlap``), as a pooled prefill device's hand-offs do.
 
 The cost model the policy sizes windows with is refitted online from the node's own measured steps
-(least squares over the last samples of each kind), starting from CPU-sized defaults.
+(:func:`node.core.refit.fit_steps`: decode and mixed steps in one non-negative least-squares fit, each
+coefficient's change bounded per refit), starting from CPU-sized defaults.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ import structlog
 
 from node.core.adaptive import ChunkBudget
 from node.core.batcher import StepKind, StepPlan
-from node.core.cost import CostModel, fit_cost_model
+from node.core.cost import CostModel
 from node.core.handoff_windows import HANDOFF
 from node.core.imbalance import ImbalanceConfig, ImbalancePolicy, Migrate
+from node.core.refit import MAX_SHIFT, fit_steps
 from node.core.sequence import Sequence, SeqStatus
 from node.core.group_cost import GroupCost
 from node.core.roles import DeviceState, NodeSnapshot, Place, Reject, ResidentSeq, Role, RoleScheduler, SwitchRole
@@ -72,10 +74,12 @@ class RoleDriver(Driver):
         # snapshot shows it switching from the order on (the engine does from the switch task's start)
         self._switching: dict[str, tuple[Role, float]] = {}
         self._prefill: deque[tuple[int, float]] = deque(maxlen=SAMPLES)
-        self._decode: deque[tuple[int, int, float]] = deque(maxlen=SAMPLES)
+        # steps in the decode configuration, decode and mixed: (prompt tokens, decode seqs, their context, s)
+        self._decode: deque[tuple[int, int, int, float]] = deque(maxlen=SAMPLES)
         self._pauses: deque[float] = deque(maxlen=SAMPLES)
         self._steps = 0
         self._refit_s = -float("inf")
+        self._fitted = False  # a refit has replaced the start-up cost model
         self._quiet = False  # the last tick left every device decoding with nothing to decide (quiet_when_decoding)
         self._can_be_quiet = getattr(scheduler, "quiet_when_decoding", False)  # the adaptive policy
         self._rounds = 0  # full decision rounds (with a snapshot) so far
@@ -323,19 +327,13 @@ class RoleDriver(Driver):
             if resident:
                 self.node.metrics.decode_stall.labels(device=engine.device_id, cause="prefill_window").inc(resident * seconds)
         elif plan.kind is StepKind.DECODE:
-            self._decode.append((len(plan.items), sum(it.seq.num_computed for it in plan.items), seconds))
+            self._decode.append((0, len(plan.items), sum(it.seq.num_computed for it in plan.items), seconds))
         elif plan.kind is StepKind.MIXED and engine.role is not None:  # adaptive: decode plus prompt chunks
             decodes = [it for it in plan.items if it.num_tokens == 1 and it.seq.num_output > 0]
-            prompt = plan.num_tokens - len(decodes)
-            ctx = sum(it.seq.num_computed for it in decodes)
-            if not prompt:
-                self._decode.append((len(decodes), ctx, seconds))
-            else:  # the chunk's share: the step less the decode part's variable cost (CostModel.mixed_step_s)
-                cost = cost.decode if isinstance(cost, GroupCost) else cost
-                share = seconds - (cost.decode_step_s(len(decodes), ctx) - getattr(cost, "decode_fixed_s", 0.0)
-                                   if decodes else 0.0)
-                if share > 0:
-                    self._prefill.append((prompt, share))
+            # the whole step, fitted jointly with the decode steps (node.core.refit): no share of it is
+            # estimated from the model being fitted
+            self._decode.append((plan.num_tokens - len(decodes), len(decodes), sum(it.seq.num_computed for it in decodes),
+                                 seconds))
         self._steps += 1
         if self.refits and self._steps % REFIT_EVERY == 0:
             now = self.clock()
@@ -378,21 +376,19 @@ class RoleDriver(Driver):
             self._pauses.append(rec.pause_ms / 1e3)  # a free switch (DECODE <-> MIXED) is no pause sample
 
     def refit(self) -> None:
-        """Refit the policy's cost model from the recent measured steps (keeps parts with few samples).
+        """Refit the policy's cost model from the recent measured steps (:func:`node.core.refit.fit_steps`:
+        joint, damped; keeps parts with few samples).
         A roofline model (timed devices started from one) is kept as it is; a group's model
         (:class:`GroupCost`) gets its one fitted model as both its prefill instance's and its decode's."""
         group = self.scheduler.cost if isinstance(self.scheduler.cost, GroupCost) else None
         base = group.decode if group is not None else self.scheduler.cost
         if not isinstance(base, CostModel):  # a timed device's roofline model: kept (not of the linear fit's form)
             return
-        prefill = list(self._prefill) if len({n for n, _ in self._prefill}) >= 3 else []
-        decode = list(self._decode) if len({(b, k) for b, k, _ in self._decode}) >= 4 else []
-        fitted = fit_cost_model(prefill, decode, list(self._pauses), base=base, nonneg=True,  # no negative step costs
-                                shared_fixed=self.one_configuration)
-        # A noisy fit must not produce negative per-token costs: fall back to the mean cost per token.
-        if fitted.prefill_per_token_s <= 0 and prefill:
-            fitted = msgspec.structs.replace(fitted, prefill_fixed_s=0.0, prefill_per_token_s=sum(
-                s for _, s in prefill) / max(1, sum(n for n, _ in prefill)))
+        # the first refit replaces the start-up defaults (no measurement behind them) outright; later ones
+        # move each coefficient a bounded step from the last fit (node.core.refit.MAX_SHIFT)
+        fitted = fit_steps(list(self._prefill), list(self._decode), list(self._pauses), base=base,
+                           shared_fixed=self.one_configuration, max_shift=MAX_SHIFT if self._fitted else float("inf"))
+        self._fitted = self._fitted or msgspec.structs.replace(fitted, pause_s=base.pause_s) != base
         if group is not None:
             fitted = msgspec.structs.replace(group, prefill=fitted, decode=fitted, pause_s=fitted.pause_s)
         self.scheduler.cost = self.imbalance.cost = fitted

@@ -176,6 +176,72 @@ def test_a_spaced_step_waits_until_every_resident_can_win_it_back():
     assert switches(pol.decide(now, NodeSnapshot((st,)))) == [("d0", Role.MIXED, "chunks_fit")]
 
 
+def test_a_held_spaced_device_is_judged_by_when_its_blocking_resident_ends():
+    """A resident whose own mean cannot absorb even a one-token spaced step, 150 tokens from its end: decode
+    steps do not win the step back (its budget counts every later token at d, so it moves with the clock),
+    so on a virtual clock the hold lasts until that resident ends, and the policy says so: its queue's work
+    starts then, and a new prompt is not queued behind it (before: the policy judged the held
+    queue as if its chunks ran now, and took every prompt that came, which only a forced window served)."""
+    cost = EagerMixed(**{f: getattr(COST, f) for f in COST.__struct_fields__} | {"decode_fixed_s": 0.0355})
+    pol = AdaptiveScheduler(CFG, cost)
+    tau, now = CFG.tpot_slo_ms / 1e3, 1.0
+    healthy = on_pace(3, now, T)
+    k = sum(r.context_tokens for r in healthy) + 500
+    d, m1 = cost.decode_step_s(4, k), cost.mixed_step_s(1, 4, k)
+    n, N = 50, 200  # the blocker's mean so far leaves it m1 / 2 of slack with its 149 later tokens at d
+    f = now + m1 / 2 + (N - n - 1) * d - (N - 1) * tau
+    queue = dict(prefill_queue_tokens=1000, prefill_queue_seqs=2, prefill_queue_oldest_s=now)
+
+    def held(out=n):
+        return dev(Role.DECODE, healthy + (ResidentSeq("late", f, out, 500, N),), **queue, device_id="d0")
+
+    t, ends = now, []
+    for step in range(5):  # decode steps on the virtual clock: the hold stays, and so does its end
+        mix = pol._mix(pol._prepare(t, NodeSnapshot((held(n + step),)))[0], t)
+        assert mix.hold and mix.spacing
+        ends.append(mix.t0)
+        t += d
+    assert ends == pytest.approx([now + (N - n) * d] * 5)
+    # a prompt arrives: as chunks behind the hold it would miss the TTFT target, so it is not queued there
+    # (it waits to be placed where, or when, it can be served: a window, or this device once the hold ends)
+    w = WaitingPrompt("r", 32, now, 100)
+    out = pol.decide(now, NodeSnapshot((held(),), waiting=(w,)))
+    assert not any(isinstance(x, Place) for x in out) and switches(out) == []
+    # once the blocker has ended, the device mixes again
+    t = ends[0]
+    out = pol.decide(t, NodeSnapshot((dev(Role.DECODE, on_pace(3, t, T), **queue),)))
+    assert switches(out) == [("d0", Role.MIXED, "chunks_fit")]
+
+
+def test_prompts_pass_a_kv_bound_head_beside_its_reserved_blocks():
+    """An urgent head needs 82 KV blocks and each device has 50 free: its blocks are reserved on d0 (the
+    fewest missing; a tie, the first), and a later small prompt passes it on d1 (before: every later
+    prompt waited behind the head, though d1 had room). Rounds later on the virtual clock d0's residents
+    have freed 70 blocks, still short: the small prompts that keep arriving go to d1, never into the
+    head's blocks, and the head is placed on d0 as soon as 82 are free."""
+    pol = AdaptiveScheduler(CFG, COST)
+    now = 1.0
+    head = WaitingPrompt("head", 1200, now - 1.0, 100)  # ceil(1300 / 16) = 82 blocks; waited past urgency
+    assert pol.urgent(head, now)
+
+    def small(i, at):
+        return WaitingPrompt(f"small{i}", 32, at, 100)  # 9 blocks
+
+    def node(at, free0, waiting):
+        return NodeSnapshot(tuple(dev(Role.DECODE, on_pace(2, at, T), device_id=d, kv_free_blocks=free)
+                                  for d, free in (("d0", free0), ("d1", 50))), waiting=waiting)
+
+    def placed(out):
+        return [(x.request_id, x.device_id) for x in out if isinstance(x, Place)]
+
+    assert placed(pol.decide(now, node(now, 50, (head, small(0, now))))) == [("small0", "d1")]
+    for i, free in enumerate((60, 70, 81), start=1):
+        t = now + 0.01 * i
+        assert placed(pol.decide(t, node(t, free, (head, small(i, t))))) == [(f"small{i}", "d1")]
+    t = now + 0.05
+    assert placed(pol.decide(t, node(t, 82, (head, small(9, t)))))[0] == ("head", "d0")
+
+
 def test_window_when_a_burst_is_cheaper_as_a_window():
     """The prefill configuration runs two instances: 4,000 tokens cost 2 x 5 ms of pauses plus ~42 ms as
     a window, ~80 ms on top of decode as chunks; the residents have seconds of headroom."""
