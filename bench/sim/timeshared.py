@@ -38,7 +38,7 @@ import math
 
 import msgspec
 
-from bench.sim.batched import SimDevice, finished, prompt_token_ids
+from bench.sim.batched import SimDevice, output_length, client_bound, prompt_token_ids
 from bench.sim.config import SimAborted, SimConfig, count_late
 from bench.sim.trace import RequestTrace, SimRequest, StepRecord
 from bench.traffic.traces import TraceRequest
@@ -47,6 +47,7 @@ from node.core.cost import CostModel
 from node.core.roofline import RooflineCost
 from node.core.adaptive import AdaptiveScheduler, ChunkBudget
 from node.core.imbalance import ImbalanceConfig, ImbalancePolicy, Migrate
+from node.core.output_estimate import PRIOR_TOKENS, OutputEstimator
 from node.core.roles import NodeSnapshot, Place, Reject, Role, RoleScheduler, RoleSchedulerConfig, SwitchRole
 from node.core.sequence import SamplingParams, Sequence
 from node.core.snapshot import DeviceView, Placement, node_snapshot, waiting_prompt
@@ -54,9 +55,8 @@ from node.core.snapshot import DeviceView, Placement, node_snapshot, waiting_pro
 __all__ = ["NODE_EXPECTED_OUTPUT_TOKENS", "TICK_S", "TimeSharedSim", "simulate_time_shared"]
 
 # What the live node's placement driver assumes of a request's output before it has seen requests end
-# on their own (DEFAULT_EXPECTED_OUTPUT in node/runtime/driver.py; not imported: node.runtime is the
-# asyncio side); ignore_eos requests never end on their own.
-NODE_EXPECTED_OUTPUT_TOKENS = 128
+# on their own (node.core.output_estimate's prior); ignore_eos requests never end on their own.
+NODE_EXPECTED_OUTPUT_TOKENS = PRIOR_TOKENS
 TICK_S = 0.005  # the live driver's timer while work exists (node/runtime/driver.py TICK_S)
 _KIND = {Role.PREFILL: StepKind.PREFILL, Role.DECODE: StepKind.DECODE, Role.MIXED: StepKind.MIXED}
 _FREE = frozenset({Role.DECODE, Role.MIXED})  # one configuration: switches between them are free and at once
@@ -117,7 +117,9 @@ class TimeSharedSim:
         self.switches: list[tuple[float, str, Role, str]] = []  # (decided s, device, to role, reason)
         self.traces: dict[str, RequestTrace] = {}
         self.waiting: list[tuple[SimRequest, Sequence]] = []  # arrived, not placed
-        self._expected: dict[str, int] = {}  # seq id → output tokens placement is told
+        self._expected: dict[str, int | None] = {}  # seq id → output tokens placement is told (None: the estimate)
+        self._eos: dict[str, bool] = {}  # seq id → it ends by EOS (a sample for the estimate)
+        self.outputs = OutputEstimator()  # the node's running output estimate (node.core.output_estimate)
         self._reserve: dict[str, int] = {}  # seq id → blocks reserved at placement
         self._moves: dict[str, _Move] = {}  # seq id → its move, queued or copying
         self._moved_s: dict[str, float] = {}  # seq id → end of its last move or refusal (the cooldown)
@@ -148,10 +150,10 @@ class TimeSharedSim:
         """What ``RoleDriver.snapshot`` shows the policies: the same function
         (:func:`node.core.snapshot.node_snapshot`) over this simulation's devices."""
         batchers = {d.device_id: d.batcher for d in self.devices}
-        waiting = [waiting_prompt(r.request_id, [s], r.arrival_s, self._expected[s.seq_id], batchers, i)
+        waiting = [waiting_prompt(r.request_id, [s], r.arrival_s, self.expected_of(s), batchers, i)
                    for i, (r, s) in enumerate(self.waiting)]
         return node_snapshot(now, self.views(now), moving={k: m.dst.device_id for k, m in self._moves.items()},
-                             moved_s=self._moved_s, expected=lambda s: self._expected[s.seq_id], waiting=waiting,
+                             moved_s=self._moved_s, expected=self.expected_of, waiting=waiting,
                              pause_s=self.pause_s)
 
     # --- the replay --------------------------------------------------------------------------
@@ -164,7 +166,8 @@ class TimeSharedSim:
         """
         pending = sorted(requests, key=lambda r: (r.arrival_s, r.request_id))
         for r in pending:
-            self.traces[r.request_id] = RequestTrace(r.request_id, r.arrival_s, r.prompt_tokens, r.output_tokens)
+            self.traces[r.request_id] = RequestTrace(r.request_id, r.arrival_s, r.prompt_tokens, r.output_tokens,
+                                                     ends_by_eos=r.ends_by_eos)
         pi = 0
         now = pending[0].arrival_s if pending else 0.0
         for d in self.devices:
@@ -200,11 +203,21 @@ class TimeSharedSim:
         return self.traces
 
     def _arrive(self, r: SimRequest) -> None:
-        params = SamplingParams(max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=r.max_tokens or r.output_tokens, temperature=0.0, ignore_eos=not r.ends_by_eos)
         ids = list(r.token_ids) if r.token_ids else [-1 - len(self.traces)] + [0] * (r.prompt_tokens - 1)
         seq = Sequence(r.request_id, r.request_id, 0, r.arrival_s, ids[: r.prompt_tokens], params, self.cfg.max_model_len)
-        self._expected[seq.seq_id] = r.expected_output_tokens or r.output_tokens
+        # None: the node's estimate at each snapshot (expected_of); else what the request says
+        self._expected[seq.seq_id] = (r.expected_output_tokens if r.expected_output_tokens or r.max_tokens is not None
+                                      else r.output_tokens)
+        self._eos[seq.seq_id] = r.ends_by_eos
         self.waiting.append((r, seq))
+
+    def expected_of(self, seq: Sequence) -> int:
+        """The output placement and the policies are told of ``seq``: its request's own figure, or the
+        node's estimate, ``min(max_tokens, running estimate)`` (:class:`OutputEstimator`, fed by the
+        requests that ended by EOS, as the live driver's)."""
+        e = self._expected[seq.seq_id]
+        return e if e is not None else self.outputs.expected(seq.params.max_tokens)
 
     def _round(self, now: float, on_decide) -> None:
         snap = self.snapshot(now)
@@ -350,8 +363,10 @@ class TimeSharedSim:
                     if seq.first_token_s is None:
                         seq.first_token_s = t
                         tr.cached_tokens = seq.num_cached_tokens or 0
-                    if finished(seq):
+                    if tr.done:
                         d.batcher.remove(seq)
+                        if self._eos.get(seq.seq_id):  # the live driver learns from natural ends only
+                            self.outputs.observe(len(tr.token_times_s))
                         self._forget(seq)
             if d.move is not None and d.move.done_s <= now:
                 m, d.move = d.move, None
@@ -364,7 +379,7 @@ class TimeSharedSim:
                 d.switching_to, d.switch_done_s = None, math.inf
 
     def _forget(self, seq: Sequence) -> None:
-        for table in (self._expected, self._reserve, self._moved_s):
+        for table in (self._expected, self._eos, self._reserve, self._moved_s):
             table.pop(seq.seq_id, None)
         m = self._moves.pop(seq.seq_id, None)
         if m is not None and m.done_s < math.inf:  # cannot happen: a copying sequence is in no batcher
@@ -400,10 +415,11 @@ def simulate_time_shared(requests: list[TraceRequest], cfg: SimConfig, cost: Cos
     sim = TimeSharedSim(scheduler, cost, cfg, imbalance=imbalance, initial_role=Role.DECODE if adaptive else Role.PREFILL)
     sreqs = []
     for i, r in enumerate(requests):
-        expected = r.output_tokens if cfg.expected_output == "oracle" else min(r.output_tokens, NODE_EXPECTED_OUTPUT_TOKENS)
+        n, eos = output_length(r, cfg)
         rid = f"{prefix}{i}"
-        sreqs.append(SimRequest(rid, r.arrival_s, r.prompt_tokens, r.output_tokens, expected,
-                                tuple(prompt_token_ids(rid, r, cfg.prefix_caching))))
+        sreqs.append(SimRequest(rid, r.arrival_s, r.prompt_tokens, n, n if cfg.expected_output == "oracle" else None,
+                                tuple(prompt_token_ids(rid, r, cfg.prefix_caching)),
+                                max_tokens=client_bound(r, cfg)[0], ends_by_eos=eos))
     t_end = (requests[0].arrival_s if requests else 0.0) + cfg.max_sim_s
     slo_s, limit = cfg.ttft_slo_ms / 1e3, cfg.abort_late
 
