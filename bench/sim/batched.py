@@ -76,6 +76,9 @@ class SimDevice:
         self.sending = False
         self.version = 0  # bumped on every change of its queues or blocks (views of it may be cached)
         self.chunk_tokens: int | None = None  # adaptive MIXED steps: prompt tokens per step (None: the budget's rest)
+        self.copy_until_s = -math.inf  # end of the last KV copy from or to this device (its steps slow down beside it)
+        self.copy_slowdown = cfg.copy_slowdown
+        self.last_step: _SimStep | None = None  # the step complete() ended last
 
     @property
     def plan(self) -> StepPlan | None:
@@ -98,7 +101,9 @@ class SimDevice:
 
     def start(self, now_s: float, cost: CostModel | RooflineCost) -> list[_SimStep]:
         """Send steps of this device's kind while fewer than ``depth`` are in flight and there is work
-        (none while ``sending``); returns the steps sent."""
+        (none while ``sending``), each starting at ``now_s`` or when the one before it ends, whichever is
+        later; a step that starts while a KV copy from or to the device runs (``copy_until_s``) lasts
+        ``1 + cfg.copy_slowdown`` times its cost. Returns the steps sent."""
         sent = []
         while len(self.inflight) < self.depth and not self.sending and self.batcher.has_work(self.kind):
             plan = self.batcher.schedule(self.kind, self.chunk_tokens if self.kind is StepKind.MIXED else None)
@@ -113,7 +118,9 @@ class SimDevice:
                     pending.append((it.seq, len(it.seq.token_ids) - 1))
             self.batcher.commit(plan)
             self.version += 1
-            start = self.inflight[-1].end_s if self.inflight else now_s
+            start = max(self.inflight[-1].end_s, now_s) if self.inflight else now_s
+            if start < self.copy_until_s:  # a copy from or to this device runs beside the step
+                dur *= 1 + self.copy_slowdown
             step = _SimStep(plan, pending, start, start + dur)
             self.inflight.append(step)
             self.busy_s += dur
@@ -123,7 +130,7 @@ class SimDevice:
     def complete(self) -> list[Sequence]:
         """End the oldest step in flight: its sampled tokens replace their placeholders; returns the
         sequences that got one."""
-        step = self.inflight.popleft()
+        step = self.last_step = self.inflight.popleft()
         self.batcher.settle(step.plan)  # its blocks are written: transfers may reuse them (node.core.ledger)
         self.version += 1
         out = []
@@ -200,6 +207,8 @@ def simulate_colocated(requests: list[TraceRequest], cfg: SimConfig, cost: CostM
             while d.busy_until_s <= now:
                 for seq in d.complete():
                     tr = traces[seq.request_id]
+                    if tr.done:  # a token of a step planned before its EOS was seen: discarded, as live
+                        continue
                     tr.token_times_s.append(now)
                     tr.device_id = tr.device_id or d.device_id
                     if tr.done:

@@ -14,7 +14,9 @@ crosses a link, then the source frees its blocks and the destination adopts the 
 devices run MIXED steps, as the node's role-less decode engines do (decode, and recompute of a
 sequence they had to preempt).
 
-Links (each a FIFO queue; a transfer takes ``bytes x 8 / (gbps x 1e9)`` s, :func:`node.plan.transfer_s`):
+Links (each a FIFO queue; a transfer takes ``bytes x 8 / (gbps x copy_rate x 1e9)`` s, :func:`node.plan.transfer_s`,
+``copy_rate`` the assumed share of the line rate a copy gets, and the steps that start on either end while it
+runs last ``1 + copy_slowdown`` times their cost: :class:`bench.sim.config.SimConfig`):
 
 * inside a node: the source device's link at ``link_gbps``;
 * between nodes (``pool_scope="cluster"``): the source device's network link and the destination
@@ -222,6 +224,8 @@ class _Pool:
     def on_tokens(self, dev: SimDevice, seqs: list[Sequence], now_s: float) -> None:
         for seq in seqs:
             tr = self.traces[seq.request_id]
+            if tr.done:  # a token of a step planned before its EOS was seen: discarded, as live
+                continue
             tr.token_times_s.append(now_s)
             if tr.device_id is None:
                 tr.device_id = dev.device_id
@@ -259,9 +263,11 @@ class _Pool:
         start = max([now_s] + [self.link_free.get(k, 0.0) for k in links])
         if src.node == dst.node:  # the node's copy waits for the destination's steps in flight (DeviceEngine.migrate)
             start = max(start, dst.last_end_s)
-        end = start + transfer_s(nbytes, gbps)
+        end = start + transfer_s(nbytes, gbps * self.cfg.copy_rate)  # SimConfig.copy_rate of the line rate
         for k in links:
             self.link_free[k] = end
+        for d in (src, dst):  # the steps beside the copy slow down (SimConfig.copy_slowdown)
+            d.copy_until_s = max(d.copy_until_s, end)
         self.flying.append(_Transfer(p, src_blocks, dst_blocks, nbytes, end))
         self.transfers += 1
         self.transfer_bytes += nbytes
