@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from bench.traffic.clients import DEFAULT_CLIENT_MIX, TRUE_LENGTH, parse_client_mix
 from node.plan import DTYPE_BYTES, Geometry, kv_bytes_per_token, kv_token_capacity, param_count
 
-__all__ = ["MODES", "ORACLES", "PLANNING", "SimAborted", "SimConfig", "kv_geometry", "count_late"]
+__all__ = ["CONTROL_COST_US", "MODES", "ORACLES", "PLANNING", "SimAborted", "SimConfig", "kv_geometry", "count_late"]
 
 PLANNING = ("refit", "perturbed", "exact")
-# CPU time of one role-policy decision round on the node's loop (µs, and µs per resident sequence), measured
-# with `python -m bench.sim.control_cost` on the 2-core sandbox CPU (SimConfig.control_round_us)
-CONTROL_ROUND_US = 0.0
-CONTROL_PER_RESIDENT_US = 0.0
+# CPU time of one role-policy decision round on the node's loop, per mode: (µs per round, µs per resident
+# sequence), measured with `python -m bench.sim.control_cost --rate 20 --duration 5` (8B H200 roofline, azure-code,
+# 8 devices; adaptive's figures agree at 50 req/s: 123 + 5.5) on the 2-core sandbox CPU (SimConfig.control_round_us)
+CONTROL_COST_US = {"adaptive": (120.0, 5.3), "time-shared": (66.0, 2.1)}
 # Every oracle the simulator had before issue 43, for comparisons and for tests pinned on figures computed
 # with them: SimConfig(**ORACLES, ...). (expected_output stays "node": with max_tokens = the true length and
 # ignore_eos, nothing ends by EOS, so the node's estimate stays at its prior and gives min(output, 128), the old
@@ -101,10 +101,10 @@ class SimConfig:
             (0.2: each 20 % high or low) and the seed of their signs.
         control_round_us, control_per_resident_us: CPU time of one decision round of a role policy on the
             node's event loop (µs, plus µs per resident sequence): decisions and step sends wait for it,
-            and rounds asked for while it runs are coalesced into one when it ends. Defaults measured on
-            the 2-core sandbox CPU with :mod:`bench.sim.control_cost` (the real policy objects' snapshot
-            and decide calls); 0 and 0: free decisions (the oracle). Pooled and colocated placement is not
-            charged.
+            and rounds asked for while it runs are coalesced into one when it ends. None: the mode's
+            figures measured on the 2-core sandbox CPU with :mod:`bench.sim.control_cost` (the real policy
+            objects' snapshot and decide calls, CPU time; :data:`CONTROL_COST_US`); 0 and 0: free
+            decisions (the oracle). Pooled and colocated placement is not charged.
         group_decode_graphs: tensor-parallel groups (degree > 1) replay decode CUDA graphs. The live node
             captures decode graphs for single-device instances only (``node.core.role_config``: a group's
             steps run eagerly), so False (default) runs their decode steps eagerly
@@ -175,8 +175,8 @@ class SimConfig:
     planning: str = "refit"
     cost_error: float = 0.2
     cost_error_seed: int = 0
-    control_round_us: float = CONTROL_ROUND_US
-    control_per_resident_us: float = CONTROL_PER_RESIDENT_US
+    control_round_us: float | None = None
+    control_per_resident_us: float | None = None
     group_decode_graphs: bool = False
     copy_rate: float = 0.8
     copy_slowdown: float = 0.05
@@ -189,6 +189,14 @@ class SimConfig:
     max_item_tokens: int | None = None
     step_pipeline: int = 2
     mixed_graphs: str = "eager"
+
+    @property
+    def control_us(self) -> tuple[float, float]:
+        """``(µs per decision round, µs per resident sequence)`` charged to the node's loop: the fields, else the
+        mode's measured defaults (:data:`CONTROL_COST_US`; ``(0, 0)`` for modes without a role policy)."""
+        a, b = CONTROL_COST_US.get(self.mode, (0.0, 0.0))
+        return (a if self.control_round_us is None else self.control_round_us,
+                b if self.control_per_resident_us is None else self.control_per_resident_us)
 
     @property
     def fallback_threshold(self) -> float:
@@ -205,7 +213,7 @@ class SimConfig:
             raise ValueError(f"expected_output must be node or oracle, got {self.expected_output!r}")
         if self.planning not in PLANNING:
             raise ValueError(f"planning must be one of {', '.join(PLANNING)}, got {self.planning!r}")
-        if not (0 <= self.cost_error < 1) or min(self.control_round_us, self.control_per_resident_us) < 0:
+        if not (0 <= self.cost_error < 1) or min(self.control_us) < 0:
             raise ValueError("cost_error must be in [0, 1), control costs at least 0")
         if not (0 < self.copy_rate <= 1) or self.copy_slowdown < 0:
             raise ValueError("copy_rate must be in (0, 1], copy_slowdown at least 0")

@@ -35,6 +35,7 @@ has seen requests end on their own) or, with ``expected_output="oracle"``, the t
 from __future__ import annotations
 
 import math
+import time
 
 import msgspec
 
@@ -129,6 +130,7 @@ class TimeSharedSim:
         self.loop_free_s = -math.inf
         self.control_s = 0.0  # loop time spent on decision rounds (s)
         self.rounds = 0
+        self.round_timer = None  # called (resident sequences, CPU s) after each round when set (bench.sim.control_cost)
         self.devices = [RoleDevice(f"dev{i}", cfg, initial_role) for i in range(cfg.devices)]
         self._by_id = {d.device_id: d for d in self.devices}
         self.steps: list[StepRecord] = []
@@ -195,8 +197,14 @@ class TimeSharedSim:
             while pi < len(pending) and pending[pi].arrival_s <= now:
                 self._arrive(pending[pi])
                 pi += 1
-            if now >= self.loop_free_s:
-                self._round(now, on_decide)
+            deferred = now < self.loop_free_s  # the loop is busy: this event's round runs when it is free
+            if not deferred:
+                if self.round_timer is None:
+                    self._round(now, on_decide)
+                else:  # bench.sim.control_cost: the round's CPU time here, by the resident sequences
+                    t0 = time.thread_time()  # CPU time: other jobs on the machine do not count
+                    self._round(now, on_decide)
+                    self.round_timer(sum(len(d.batcher.running) for d in self.devices), time.thread_time() - t0)
                 self._charge_round(now)
             send_s = max(now, self.loop_free_s)  # the loop sends steps once the round is done
             for d in self.devices:
@@ -212,7 +220,7 @@ class TimeSharedSim:
                 if d.move is not None:
                     events.append(d.move.done_s)
             events += [m.done_s for m in self._moves.values() if m.overlap and m.done_s < math.inf]
-            if self.loop_free_s > now:  # the round (and the steps) put off by the busy loop
+            if deferred:  # the round put off by the busy loop (rounds asked for meanwhile: coalesced into it)
                 events.append(self.loop_free_s)
             if self.waiting or any(d.batcher.running or d.batcher.waiting for d in self.devices):
                 events.append(now + TICK_S)
@@ -246,7 +254,8 @@ class TimeSharedSim:
         """Hold the node's loop for the round just run: ``control_round_us`` plus ``control_per_resident_us``
         per resident sequence (SimConfig; measured by :mod:`bench.sim.control_cost`)."""
         self.rounds += 1
-        us = self.cfg.control_round_us + self.cfg.control_per_resident_us * sum(len(d.batcher.running) for d in self.devices)
+        a, b = self.cfg.control_us
+        us = a + b * sum(len(d.batcher.running) for d in self.devices) if a or b else 0.0
         if us > 0:
             self.loop_free_s = now + us / 1e6
             self.control_s += us / 1e6
@@ -439,9 +448,10 @@ class TimeSharedSim:
 
 
 def simulate_time_shared(requests: list[TraceRequest], cfg: SimConfig, cost: CostModel | RooflineCost,
-                         prefix: str = "r") -> tuple[list[RequestTrace], dict]:
+                         prefix: str = "r", round_timer=None) -> tuple[list[RequestTrace], dict]:
     """Replay ``requests`` on one time-shared node; ``(traces in request order, stats)``.
 
+    ``round_timer(resident sequences, CPU s)`` is called after every decision round (:mod:`bench.sim.control_cost`).
     The policy is configured as :class:`node.runtime.node.Node` configures it from the same flags;
     it plans with ``cost`` whose ``pause_s`` is the switch's true pause: ``max(cost.pause_s,
     pause_ms)`` of swap plus the ``reconfig_pause_ms`` floor (the live node adds the floor to every
@@ -474,6 +484,7 @@ def simulate_time_shared(requests: list[TraceRequest], cfg: SimConfig, cost: Cos
     # the node starts adaptive devices in the decode configuration, time-shared ones parked in PREFILL
     sim = TimeSharedSim(scheduler, cost, cfg, imbalance=imbalance, initial_role=Role.DECODE if adaptive else Role.PREFILL,
                         refit=refit, pause_s=true_pause, measured_pause=cfg.planning != "exact")
+    sim.round_timer = round_timer
     sreqs = []
     for i, r in enumerate(requests):
         n, eos = output_length(r, cfg)
