@@ -111,7 +111,7 @@ def test_time_shared_one_device_runs_the_role_scheduler_with_pauses():
     #           tokens 2, 3 at 0.031, 0.037; the empty device parks in PREFILL 0.037 -> 0.042.
     # r1 (t=0.1): prefill 0.100 -> 0.130 (token 1); switch 0.130 -> 0.135; decode -> token 2 at 0.141.
     reqs = [TraceRequest(0.0, 10, 3), TraceRequest(0.1, 20, 2)]
-    cfg = SimConfig(mode="time-shared", devices=1, max_model_len=512, reconfig_pause_ms=5.0)
+    cfg = SimConfig(mode="time-shared", devices=1, max_model_len=512, reconfig_pause_ms=5.0, **ORACLES)
     res = simulate(reqs, cfg, COST)
     assert token_times(res) == [[0.020, 0.031, 0.037], [0.130, 0.141]]
     assert res.stats["switches"] == 4  # decode, park, decode (and park again at the end)

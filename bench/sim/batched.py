@@ -102,8 +102,9 @@ class SimDevice:
     def start(self, now_s: float, cost: CostModel | RooflineCost) -> list[_SimStep]:
         """Send steps of this device's kind while fewer than ``depth`` are in flight and there is work
         (none while ``sending``), each starting at ``now_s`` or when the one before it ends, whichever is
-        later; a step that starts while a KV copy from or to the device runs (``copy_until_s``) lasts
-        ``1 + cfg.copy_slowdown`` times its cost. Returns the steps sent."""
+        later; a step whose start falls inside a KV copy from or to the device that is under way when the
+        step is sent (``copy_until_s``) lasts ``1 + cfg.copy_slowdown`` times its cost (a step sent before
+        the copy began keeps its cost: an approximation). Returns the steps sent."""
         sent = []
         while len(self.inflight) < self.depth and not self.sending and self.batcher.has_work(self.kind):
             plan = self.batcher.schedule(self.kind, self.chunk_tokens if self.kind is StepKind.MIXED else None)

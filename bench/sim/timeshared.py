@@ -234,6 +234,8 @@ class TimeSharedSim:
         return self.traces
 
     def _arrive(self, r: SimRequest) -> None:
+        if r.max_tokens is not None and r.output_tokens > r.max_tokens:
+            raise ValueError(f"{r.request_id}: {r.output_tokens} output tokens above its max_tokens {r.max_tokens}")
         params = SamplingParams(max_tokens=r.max_tokens or r.output_tokens, temperature=0.0, ignore_eos=not r.ends_by_eos)
         ids = list(r.token_ids) if r.token_ids else [-1 - len(self.traces)] + [0] * (r.prompt_tokens - 1)
         seq = Sequence(r.request_id, r.request_id, 0, r.arrival_s, ids[: r.prompt_tokens], params, self.cfg.max_model_len)
