@@ -27,9 +27,15 @@ is done here the same way, in the same order, every round:
    fails the request.
 
 Rounds run after every event (arrival, step end, switch end, transfer end) and at least every
-:data:`TICK_S` while work exists, as the live driver's timer. Requests are ``ignore_eos`` with one
-choice; placement is told ``min(output, 128)`` of each output (what the live node assumes before it
-has seen requests end on their own) or, with ``expected_output="oracle"``, the true length.
+:data:`TICK_S` while work exists, as the live driver's timer, each holding the node's loop for its
+measured CPU cost (``SimConfig.control_us``: steps are sent after it, and rounds asked for meanwhile run as
+one when it ends). Requests have one choice and the client's ``max_tokens``; each ends by an EOS the node
+does not foresee, or at its bound. Placement and the policies are told the node's own estimate,
+``min(max_tokens, running estimate)`` (:class:`node.core.output_estimate.OutputEstimator`, fed by the requests
+that ended by EOS), or, with ``expected_output="oracle"``, the true length. The policies plan with
+``SimConfig.planning``'s model (:mod:`bench.sim.planning`; with ``refit`` the node's
+:class:`node.core.online_refit.OnlineRefit` is fed every simulated step, as ``RoleDriver`` feeds it live);
+the steps are timed by the true one.
 """
 
 from __future__ import annotations
