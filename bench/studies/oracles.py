@@ -8,7 +8,8 @@ preset, an Azure trace, ``--devices``, 256 sequences per device, 8,192-token con
   clients' ``max_tokens`` mix with unforeseen EOS and the node's output estimate; the node's refit from its
   start-up model; each planning coefficient off by 20 %; the decision rounds' CPU cost; eager decode in
   tensor-parallel groups; copies at 0.8 of the link with a 5 % slowdown beside them;
-* ``none``: every oracle removed (the defaults, planning by the refit), and ``none+perturbed``.
+* ``none``: every oracle removed (the defaults, planning by the refit), ``none+perturbed``, and ``none`` with one
+  oracle kept back: ``none+exact``, ``none+true-clients``, ``none+free-control``.
 
 One line per run (JSON with ``--json``): variant, mode, rate, goodput, SLO attainment, p50/p90 TTFT, p90 TPOT,
 switches, decision rounds and their loop time. Colocated runs with ``--colocated-tokens`` as its token budget.
@@ -40,6 +41,9 @@ VARIANTS = {
     "-copies": ORACLES | {"copy_rate": 0.8, "copy_slowdown": 0.05},
     "none": {},
     "none+perturbed": {"planning": "perturbed"},
+    "none+exact": {"planning": "exact"},  # every oracle removed but the planning model's
+    "none+true-clients": {"client_max_tokens": "true"},  # ... but the clients' max_tokens
+    "none+free-control": {"control_round_us": 0.0, "control_per_resident_us": 0.0},  # ... but the rounds' cost
 }
 
 
