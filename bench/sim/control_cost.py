@@ -22,6 +22,7 @@ import dataclasses
 import json
 import statistics
 import sys
+from pathlib import Path
 
 from bench.sim.config import SimConfig
 from bench.sim.parallel import ParallelModel
@@ -30,6 +31,9 @@ from bench.traffic.clients import with_client_max_tokens
 from bench.traffic.workload import WorkloadSpec, build_workload
 
 __all__ = ["fit_line", "measure", "main"]
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = {"8b": "llama3-8b", "70b": "llama3-70b", "1b": "llama3.2-1b"}  # bench/configs/, as bench.studies.tp_study
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -70,7 +74,7 @@ def measure(cfg: SimConfig, cost, requests) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.sim.control_cost", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="8b", help="bench.studies.tp_study model (8b, 70b, 1b)")
+    ap.add_argument("--model", default="8b", choices=sorted(CONFIGS), help="a geometry of bench/configs on the H200 preset")
     ap.add_argument("--trace", default="azure-code")
     ap.add_argument("--rate", type=float, default=20.0)
     ap.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals")
@@ -78,10 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="adaptive,time-shared")
     ap.add_argument("--tpot-slo-ms", type=float, default=50.0)
     args = ap.parse_args(argv)
-    from bench.studies.tp_study import MODELS
     from node.plan import load_config
 
-    pm = ParallelModel(load_config(MODELS[args.model]))
+    pm = ParallelModel(load_config(REPO / "bench" / "configs" / CONFIGS[args.model]))
     reqs = build_workload(WorkloadSpec(trace=args.trace, rate_rps=args.rate, duration_s=args.duration,
                                        max_model_len=8192)).requests
     for mode in args.modes.split(","):
