@@ -60,12 +60,16 @@ GROUPS: tuple[Group, ...] = (
                                        "cell (probes, and the heat map redrawn from them)?"),
         Tool("studies.attainment", "Does one crossover cell meet its SLOs at given rates (a capacity search's "
                                    "single probes: is a mode within 0.95x of a baseline's capacity)?"),
+        Tool("studies.oracles", "What was each oracle of the simulator worth (clients' max_tokens, the planning "
+                                "model, free decisions, group decode graphs, copies) on one cell, adaptive and colocated?"),
     ), ("studies.plots", "studies.timeline"), frozenset({"traffic", "load", "cost", "sim"})),
     Group("sim", "the discrete-event simulator, driving the node's own pure policies on a virtual clock", (
         Tool("sim", "How would a deployment (mode, devices, link, cost model) serve a workload? Simulated "
                     "TTFT/TPOT/goodput per mode; --tune gives each mode its best knobs first"),
+        Tool("sim.control_cost", "How much CPU does a role policy's decision round cost, per round and per resident "
+                                 "sequence (the simulator's default control cost)?"),
     ), ("sim.config", "sim.run", "sim.timeshared", "sim.batched", "sim.pooled", "sim.parallel", "sim.stepcost",
-        "sim.trace", "sim.tuning"), frozenset({"traffic", "cost"})),
+        "sim.trace", "sim.tuning", "sim.planning"), frozenset({"traffic", "cost"})),
     Group("load", "live load against real `shiftnode serve` processes", (
         Tool("load.replay", "What TTFT, TPOT, ITL and goodput does a running node give a trace at a rate?"),
         Tool("load.host_overhead", "How much host (CPU) time does the node spend per decode step under "
@@ -103,7 +107,7 @@ GROUPS: tuple[Group, ...] = (
                                  "the H200 preset?"),
     ), (), frozenset({"traffic", "load"})),
     Group("traffic", "what a run sends and how it is measured, shared by the live tools and the simulator",
-          (), ("traffic.traces", "traffic.workload", "traffic.metrics"), frozenset()),
+          (), ("traffic.traces", "traffic.workload", "traffic.metrics", "traffic.clients"), frozenset()),
 )
 
 

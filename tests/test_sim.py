@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench.sim import SimConfig, simulate
+from bench.sim.config import ORACLES  # the hand-computed schedules below that need them say so
 from bench.sim.stepcost import mixed_step_s
 from bench.traffic.metrics import summarize
 from bench.traffic.traces import TraceRequest
@@ -61,7 +62,9 @@ def test_colocated_steps_are_pipelined_as_on_the_node():
     # t=0.012  r1 arrives: both steps are already planned
     # t=0.020  step 3 is planned: r0's decode + r1's prompt, 0.031 s, run 0.026 -> 0.057
     # t=0.026  step 4: r0 is complete (its last token is in flight), r1 decodes 0.057 -> 0.063
-    res = simulate(TWO, SimConfig(mode="colocated", devices=1, max_model_len=512), COST)
+    # with the oracle's max_tokens = the true length the node knows r0 ends at its third token (EOS would not
+    # stop step 4 from carrying it: test_an_unforeseen_eos_wastes_the_step_planned_past_it)
+    res = simulate(TWO, SimConfig(mode="colocated", devices=1, max_model_len=512, **ORACLES), COST)
     assert token_times(res) == [[0.020, 0.026, 0.057], [0.057, 0.063]]
     assert res.records[1].ttft_s == pytest.approx(0.045)  # against 0.039 with one step in flight
     with pytest.raises(ValueError, match="step_pipeline"):
@@ -73,7 +76,7 @@ def test_pooled_one_prefill_one_decode_device_with_kv_transfer():
     # prefill device: r0 0 -> 0.020 (token 1); r1 0.020 -> 0.050 (token 1, TTFT 0.038)
     # link: r0's 10 tokens 0.020 -> 0.030; r1's 20 tokens 0.050 -> 0.070
     # decode device: r0 steps of 0.006 from 0.030 -> tokens 2, 3 at 0.036, 0.042; r1 0.070 -> 0.076
-    cfg = SimConfig(mode="pooled", devices=2, max_model_len=512, kv_bytes_per_token=125, link_gbps=1e-3,
+    cfg = SimConfig(mode="pooled", devices=2, max_model_len=512, kv_bytes_per_token=125, link_gbps=1e-3, **ORACLES,
                     transfer="overlap")
     res = simulate(TWO, cfg, COST)
     assert token_times(res) == [[0.020, 0.036, 0.042], [0.050, 0.076]]
@@ -108,7 +111,7 @@ def test_time_shared_one_device_runs_the_role_scheduler_with_pauses():
     #           tokens 2, 3 at 0.031, 0.037; the empty device parks in PREFILL 0.037 -> 0.042.
     # r1 (t=0.1): prefill 0.100 -> 0.130 (token 1); switch 0.130 -> 0.135; decode -> token 2 at 0.141.
     reqs = [TraceRequest(0.0, 10, 3), TraceRequest(0.1, 20, 2)]
-    cfg = SimConfig(mode="time-shared", devices=1, max_model_len=512, reconfig_pause_ms=5.0)
+    cfg = SimConfig(mode="time-shared", devices=1, max_model_len=512, reconfig_pause_ms=5.0, **ORACLES)
     res = simulate(reqs, cfg, COST)
     assert token_times(res) == [[0.020, 0.031, 0.037], [0.130, 0.141]]
     assert res.stats["switches"] == 4  # decode, park, decode (and park again at the end)
@@ -143,7 +146,7 @@ def test_cluster_pool_sends_kv_between_nodes_over_both_device_links():
     # r0: prefill 0 -> 0.020; KV (10 tokens) 0.020 -> 0.030; decode 0.030 -> 0.036 -> 0.042.
     # r1 (t=0.012): prefill 0.020 -> 0.050 (overlapped transfers: the prefill device goes on while
     #     r0's KV leaves); KV (20 tokens) 0.050 -> 0.070; decode step 0.070 -> 0.076.
-    cfg = SimConfig(mode="pooled", devices=1, nodes=2, pool_scope="cluster", max_model_len=512,
+    cfg = SimConfig(mode="pooled", devices=1, nodes=2, pool_scope="cluster", max_model_len=512, **ORACLES,
                     kv_bytes_per_token=125, internode_gbps=1e-3, link_gbps=1.0)
     res = simulate(TWO, cfg, COST)
     assert token_times(res) == [[0.020, 0.036, 0.042], [0.050, 0.076]]
@@ -153,7 +156,7 @@ def test_cluster_pool_sends_kv_between_nodes_over_both_device_links():
     # Both prompts prefill at once on n0 and n1 (0 -> 0.020); both KV caches (10 tokens, 10 ms each)
     # want n2/dev0's link: one 0.020 -> 0.030, the other 0.030 -> 0.040.
     three = SimConfig(mode="pooled", devices=1, nodes=3, pool_scope="cluster", prefill_nodes=2, max_model_len=512,
-                      kv_bytes_per_token=125, internode_gbps=1e-3)
+                      kv_bytes_per_token=125, internode_gbps=1e-3, **ORACLES)
     res = simulate([TraceRequest(0.0, 10, 2), TraceRequest(0.0, 10, 2)], three, COST)
     second = sorted(tr.token_times_s[1] for tr in res.traces)
     assert second == pytest.approx([0.030 + 0.006, 0.040 + 0.006])
@@ -316,7 +319,7 @@ def test_overloaded_runs_abort_once_enough_requests_are_certainly_late(mode):
 
     # 200 prompts at once, each 100 ms of prefill on one prefill device: most wait past a 150 ms TTFT SLO.
     reqs = [TraceRequest(0.0, 90, 2) for _ in range(200)]
-    cfg = SimConfig(mode=mode, devices=2, max_model_len=512, ttft_slo_ms=150.0, abort_late=20,
+    cfg = SimConfig(mode=mode, devices=2, max_model_len=512, ttft_slo_ms=150.0, abort_late=20, **ORACLES,
                     max_num_batched_tokens=90)
     with pytest.raises(SimAborted):
         simulate(reqs, cfg, COST)

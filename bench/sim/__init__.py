@@ -19,6 +19,13 @@ colocated instances at ``T``, pooled prefill and decode instances at their own d
 each device's memory leaves beside its weight shard (:mod:`bench.sim.parallel`).
 :mod:`bench.sim.run` splits requests over nodes and produces :mod:`bench.traffic.metrics` summaries, the same
 ones the live replay prints. ``python -m bench.sim --help`` for the command line.
+What the policies are told is what the live node gets (``SimConfig``, docs/adaptive.md "What the simulator
+knows"): clients' ``max_tokens`` from a seeded mix (:mod:`bench.traffic.clients`) with EOS at the trace's
+length, the node's own output estimate (:mod:`node.core.output_estimate`), a planning model refitted by the
+node's code from the simulated steps or perturbed (:mod:`bench.sim.planning`), the decision rounds' CPU cost
+on the node's loop (:mod:`bench.sim.control_cost` measures it), eager decode in tensor-parallel groups, and KV
+copies at a share of the link's rate that slow the steps beside them; ``bench.sim.config.ORACLES`` restores
+the oracles the simulator had before (``--oracles``).
 :mod:`bench.sim.tuning` is the tuning protocol (each mode's best setting of its main knobs) that
 ``--tune`` and the studies follow. Imports :mod:`bench.traffic` and :mod:`bench.cost` (cost models).
 """

@@ -24,7 +24,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from bench.cost.calibrate import load_cost_model
-from bench.sim.config import MODES, SimConfig, kv_geometry
+from bench.sim.config import MODES, ORACLES, PLANNING, SimConfig, kv_geometry
+from bench.traffic.clients import DEFAULT_CLIENT_MIX
 from bench.sim.run import simulate
 from bench.sim.tuning import candidates, pick_best, setting_of
 from bench.traffic.metrics import format_summary
@@ -87,7 +88,28 @@ def parser() -> argparse.ArgumentParser:
                     help="time-shared and adaptive: the node's fallback that moves decoding sequences (0: off; "
                          "default the node's: 1 in time-shared mode, 0 in adaptive mode)")
     ap.add_argument("--expected-output", default="node", choices=["node", "oracle"],
-                    help="time-shared: output length the policy is told (node: min(max_tokens, 128))")
+                    help="output length placement and the role policies are told (node: the node's own estimate, "
+                         "min(max_tokens, running mean of EOS-ended outputs); oracle: the true length)")
+    ap.add_argument("--client-max-tokens", default=DEFAULT_CLIENT_MIX,
+                    help="clients' max_tokens mix VALUE:SHARE,... (none: absent), or 'true' (the oracle: the true "
+                         f"length, ignore_eos); default {DEFAULT_CLIENT_MIX}")
+    ap.add_argument("--client-seed", type=int, default=0, help="seed of the max_tokens draws")
+    ap.add_argument("--planning", default="refit", choices=list(PLANNING),
+                    help="the role policies' cost model: the node's start refitted from the simulated steps (refit), "
+                         "the true one off by --cost-error (perturbed), or the true one (exact: the oracle)")
+    ap.add_argument("--cost-error", type=float, default=0.2, help="--planning perturbed: each coefficient's error")
+    ap.add_argument("--cost-error-seed", type=int, default=0, help="--planning perturbed: seed of the errors' signs")
+    ap.add_argument("--control-round-us", type=float, default=None,
+                    help="CPU µs of a role-policy decision round on the node's loop (default: the mode's measured)")
+    ap.add_argument("--control-per-resident-us", type=float, default=None,
+                    help="... plus this per resident sequence (default: the mode's measured)")
+    ap.add_argument("--group-decode-graphs", action="store_true",
+                    help="tensor-parallel groups replay decode CUDA graphs (the live node's run eagerly)")
+    ap.add_argument("--copy-rate", type=float, default=0.8, help="KV copies run at this fraction of the link rate")
+    ap.add_argument("--copy-slowdown", type=float, default=0.05,
+                    help="steps beside a KV copy last this much longer (0.05: 5 %%; an assumption)")
+    ap.add_argument("--oracles", action="store_true",
+                    help="every oracle of the simulator before issue 43 (bench.sim.config.ORACLES); overrides the above")
     ap.add_argument("--max-sim-s", type=float, default=3600.0, help="simulated seconds before unfinished requests fail")
     ap.add_argument("--prefix-caching", default="off", choices=["on", "off", "both"],
                     help="the devices' prefix cache (and placement that follows it): on, off, or both side by side")
@@ -124,9 +146,22 @@ def config_for(args: argparse.Namespace, mode: str, model_cfg: dict, prefill_dev
         ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms, reconfig_pause_ms=args.reconfig_pause_ms,
         min_window_ms=args.min_window_ms, max_window_ms=args.max_window_ms, stagger=args.stagger,
         expected_output=args.expected_output, max_sim_s=args.max_sim_s,
+        **_oracle_args(args),
         imbalance_threshold=getattr(args, "imbalance_threshold", None),
         prefix_caching=getattr(args, "prefix_caching", "off") == "on",
         mixed_graphs=getattr(args, "mixed_graphs", "eager"))
+
+
+def _oracle_args(args: argparse.Namespace) -> dict:
+    """The SimConfig fields of the oracles' flags (``--oracles``: :data:`bench.sim.config.ORACLES`)."""
+    got = dict(client_max_tokens=getattr(args, "client_max_tokens", DEFAULT_CLIENT_MIX),
+               client_seed=getattr(args, "client_seed", 0), planning=getattr(args, "planning", "refit"),
+               cost_error=getattr(args, "cost_error", 0.2), cost_error_seed=getattr(args, "cost_error_seed", 0),
+               control_round_us=getattr(args, "control_round_us", None),
+               control_per_resident_us=getattr(args, "control_per_resident_us", None),
+               group_decode_graphs=getattr(args, "group_decode_graphs", False),
+               copy_rate=getattr(args, "copy_rate", 0.8), copy_slowdown=getattr(args, "copy_slowdown", 0.05))
+    return got | (ORACLES if getattr(args, "oracles", False) else {})
 
 
 def configs_for(args: argparse.Namespace, model_cfg: dict) -> list[SimConfig]:

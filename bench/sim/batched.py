@@ -21,6 +21,7 @@ import math
 from collections import deque
 
 from bench.sim.config import SimAborted, SimConfig, count_late
+from bench.traffic.clients import TRUE_LENGTH
 from bench.sim.stepcost import plan_step_s
 from bench.traffic.traces import TraceRequest, hash_prompt_ids
 from node.core.batcher import BatchConfig, Batcher, StepKind, StepPlan
@@ -30,7 +31,7 @@ from node.core.ledger import BlockLedger
 from node.core.sequence import PENDING, SamplingParams, Sequence
 from bench.sim.trace import RequestTrace
 
-__all__ = ["SimDevice", "simulate_colocated"]
+__all__ = ["SimDevice", "client_bound", "new_sequence", "new_trace", "output_length", "simulate_colocated"]
 
 
 class _SimStep:
@@ -75,6 +76,9 @@ class SimDevice:
         self.sending = False
         self.version = 0  # bumped on every change of its queues or blocks (views of it may be cached)
         self.chunk_tokens: int | None = None  # adaptive MIXED steps: prompt tokens per step (None: the budget's rest)
+        self.copy_until_s = -math.inf  # end of the last KV copy from or to this device (its steps slow down beside it)
+        self.copy_slowdown = cfg.copy_slowdown
+        self.last_step: _SimStep | None = None  # the step complete() ended last
 
     @property
     def plan(self) -> StepPlan | None:
@@ -97,7 +101,10 @@ class SimDevice:
 
     def start(self, now_s: float, cost: CostModel | RooflineCost) -> list[_SimStep]:
         """Send steps of this device's kind while fewer than ``depth`` are in flight and there is work
-        (none while ``sending``); returns the steps sent."""
+        (none while ``sending``), each starting at ``now_s`` or when the one before it ends, whichever is
+        later; a step whose start falls inside a KV copy from or to the device that is under way when the
+        step is sent (``copy_until_s``) lasts ``1 + cfg.copy_slowdown`` times its cost (a step sent before
+        the copy began keeps its cost: an approximation). Returns the steps sent."""
         sent = []
         while len(self.inflight) < self.depth and not self.sending and self.batcher.has_work(self.kind):
             plan = self.batcher.schedule(self.kind, self.chunk_tokens if self.kind is StepKind.MIXED else None)
@@ -112,7 +119,9 @@ class SimDevice:
                     pending.append((it.seq, len(it.seq.token_ids) - 1))
             self.batcher.commit(plan)
             self.version += 1
-            start = self.inflight[-1].end_s if self.inflight else now_s
+            start = max(self.inflight[-1].end_s, now_s) if self.inflight else now_s
+            if start < self.copy_until_s:  # a copy from or to this device runs beside the step
+                dur *= 1 + self.copy_slowdown
             step = _SimStep(plan, pending, start, start + dur)
             self.inflight.append(step)
             self.busy_s += dur
@@ -122,7 +131,7 @@ class SimDevice:
     def complete(self) -> list[Sequence]:
         """End the oldest step in flight: its sampled tokens replace their placeholders; returns the
         sequences that got one."""
-        step = self.inflight.popleft()
+        step = self.last_step = self.inflight.popleft()
         self.batcher.settle(step.plan)  # its blocks are written: transfers may reuse them (node.core.ledger)
         self.version += 1
         out = []
@@ -150,16 +159,38 @@ def prompt_token_ids(rid: str, r: TraceRequest, prefix_caching: bool) -> list[in
     return [first] + [0] * (r.prompt_tokens - 1)
 
 
+def client_bound(r: TraceRequest, cfg: SimConfig) -> tuple[int, bool]:
+    """``(max_tokens, ignore_eos)`` of the request the client sends: its drawn ``max_tokens``
+    (:mod:`bench.traffic.clients`; absent: the context left beside the prompt, the node's default) with EOS
+    honoured, or, with ``cfg.client_max_tokens == "true"`` (the oracle), the true length and ``ignore_eos``."""
+    if cfg.client_max_tokens == TRUE_LENGTH:
+        return r.output_tokens, True
+    return (r.max_tokens if r.max_tokens is not None else max(1, cfg.max_model_len - r.prompt_tokens)), False
+
+
+def output_length(r: TraceRequest, cfg: SimConfig) -> tuple[int, bool]:
+    """``(output tokens the request produces, whether EOS ends it)``: the true length (the trace's) where it
+    comes before the client's bound and the context limit (EOS: a stop the node does not foresee), else the
+    bound (a ``length`` end, which teaches the node's output estimate nothing)."""
+    max_tokens, ignore_eos = client_bound(r, cfg)
+    bound = max(1, min(max_tokens, cfg.max_model_len - r.prompt_tokens))
+    if not ignore_eos and r.output_tokens <= bound:
+        return max(1, r.output_tokens), True
+    return max(1, min(r.output_tokens, bound) if ignore_eos else bound), False
+
+
 def new_sequence(rid: str, r: TraceRequest, cfg: SimConfig) -> Sequence:
-    """The sequence a live node would make of a trace request (token-id prompt, ``ignore_eos``)."""
-    params = SamplingParams(max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True)
+    """The sequence a live node would make of a trace request (token-id prompt, the client's ``max_tokens``;
+    :func:`client_bound`). It ends where :func:`output_length` says (the simulators check their traces)."""
+    max_tokens, ignore_eos = client_bound(r, cfg)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     return Sequence(rid, rid, 0, r.arrival_s, prompt_token_ids(rid, r, cfg.prefix_caching), params, cfg.max_model_len)
 
 
-def finished(seq: Sequence) -> bool:
-    """The sequence has all its tokens (placeholders of steps still in flight do not count)."""
-    done = len(seq.token_ids) - seq.num_pending
-    return done - seq.prompt_len >= seq.params.max_tokens or done >= seq.max_len
+def new_trace(rid: str, r: TraceRequest, cfg: SimConfig) -> RequestTrace:
+    """The trace of a request: its output the length :func:`output_length` gives."""
+    n, eos = output_length(r, cfg)
+    return RequestTrace(rid, r.arrival_s, r.prompt_tokens, n, ends_by_eos=eos)
 
 
 def simulate_colocated(requests: list[TraceRequest], cfg: SimConfig, cost: CostModel | RooflineCost,
@@ -167,7 +198,7 @@ def simulate_colocated(requests: list[TraceRequest], cfg: SimConfig, cost: CostM
     """Replay ``requests`` on one colocated node; ``(traces in request order, stats)``."""
     devices = [SimDevice(f"dev{i}", StepKind.MIXED, cfg) for i in range(cfg.devices)]
     ids = [f"{prefix}{i}" for i in range(len(requests))]
-    traces = {rid: RequestTrace(rid, r.arrival_s, r.prompt_tokens, r.output_tokens) for rid, r in zip(ids, requests)}
+    traces = {rid: new_trace(rid, r, cfg) for rid, r in zip(ids, requests)}
     pending = sorted(zip(ids, requests), key=lambda x: (x[1].arrival_s, x[0]))
     i = 0
     now = pending[0][1].arrival_s if pending else 0.0
@@ -177,9 +208,11 @@ def simulate_colocated(requests: list[TraceRequest], cfg: SimConfig, cost: CostM
             while d.busy_until_s <= now:
                 for seq in d.complete():
                     tr = traces[seq.request_id]
+                    if tr.done:  # a token of a step planned before its EOS was seen: discarded, as live
+                        continue
                     tr.token_times_s.append(now)
                     tr.device_id = tr.device_id or d.device_id
-                    if finished(seq):
+                    if tr.done:
                         d.batcher.remove(seq)
         while i < len(pending) and pending[i][1].arrival_s <= now:
             rid, r = pending[i]

@@ -10,9 +10,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bench.traffic.clients import DEFAULT_CLIENT_MIX, TRUE_LENGTH, parse_client_mix
 from node.plan import DTYPE_BYTES, Geometry, kv_bytes_per_token, kv_token_capacity, param_count
 
-__all__ = ["MODES", "SimAborted", "SimConfig", "kv_geometry", "count_late"]
+__all__ = ["CONTROL_COST_US", "MODES", "ORACLES", "PLANNING", "SimAborted", "SimConfig", "kv_geometry", "count_late"]
+
+PLANNING = ("refit", "perturbed", "exact")
+# CPU time of one role-policy decision round on the node's loop, per mode: (µs per round, µs per resident
+# sequence), measured with `python -m bench.sim.control_cost --rate 20 --duration 5` (8B H200 roofline, azure-code,
+# 8 devices; adaptive's figures agree at 50 req/s: 123 + 5.5) on the 2-core sandbox CPU (SimConfig.control_round_us)
+CONTROL_COST_US = {"adaptive": (120.0, 5.3), "time-shared": (66.0, 2.1)}
+# Every oracle the simulator had before issue 43, for comparisons and for tests pinned on figures computed
+# with them: SimConfig(**ORACLES, ...). (expected_output stays "node": with max_tokens = the true length and
+# ignore_eos, nothing ends by EOS, so the node's estimate stays at its prior and gives min(output, 128), the old
+# "node" figure; expected_output="oracle" is the true length.)
+ORACLES = dict(client_max_tokens=TRUE_LENGTH, planning="exact", control_round_us=0.0, control_per_resident_us=0.0,
+               group_decode_graphs=True, copy_rate=1.0, copy_slowdown=0.0)
 
 MODES = ("time-shared", "colocated", "pooled", "adaptive")
 ROLE_MODES = ("time-shared", "adaptive")  # a role policy over time-shared groups (the node's role driver)
@@ -66,8 +79,43 @@ class SimConfig:
             ``reconfig_pause_ms`` floor are smaller (the switch's measured swap on the live node).
         max_num_batched_tokens: per-step token budget (chunked prefill; the prefill budget in
             time-shared mode), as the node's ``--max-num-batched-tokens``.
-        expected_output: what time-shared placement is told of each output length: ``node`` (what
-            the live node assumes for ``ignore_eos`` requests: ``min(max_tokens, 128)``) or ``oracle``.
+        client_max_tokens: what clients send as ``max_tokens`` (:mod:`bench.traffic.clients`): a mix
+            ``VALUE:SHARE,...`` drawn per request with ``client_seed`` (default 60 % at 4,096, 30 % at 1,024,
+            10 % absent: the context left beside the prompt), each request ending by an EOS the node does not
+            foresee at its true length (the trace's) or at its bound; ``true``: the oracle, ``max_tokens`` =
+            the true length with ``ignore_eos`` (the simulator before issue 43).
+        client_seed: seed of the ``max_tokens`` draws.
+        expected_output: what placement and the role policies are told of each output length: ``node``
+            (the node's own estimate, ``min(max_tokens, running estimate)``: the same
+            :class:`node.core.output_estimate.OutputEstimator`, fed by the requests that ended by EOS) or
+            ``oracle`` (the length the request will produce).
+        planning: the cost model the role policies (time-shared, adaptive) plan with; steps are always
+            timed by the true one. ``refit``: the node's start-up model
+            (``node.runtime.role_policy.DEFAULT_CPU_COST``) refitted online from the simulated step times by
+            the node's own code (:class:`node.core.online_refit.OnlineRefit`; a roofline start would be
+            kept as it is, so the live node without ``--policy-cost-model`` is what this runs), the pause
+            the mean measured one; ``perturbed``: the true model with each hardware coefficient off by
+            ``cost_error`` (sign seeded by ``cost_error_seed``; :func:`bench.sim.planning.perturbed`);
+            ``exact``: the true model (the oracle).
+        cost_error, cost_error_seed: ``planning="perturbed"``: the relative error of every coefficient
+            (0.2: each 20 % high or low) and the seed of their signs.
+        control_round_us, control_per_resident_us: CPU time of one decision round of a role policy on the
+            node's event loop (µs, plus µs per resident sequence): decisions and step sends wait for it,
+            and rounds asked for while it runs are coalesced into one when it ends. None: the mode's
+            figures measured on the 2-core sandbox CPU with :mod:`bench.sim.control_cost` (the real policy
+            objects' snapshot and decide calls, CPU time; :data:`CONTROL_COST_US`); 0 and 0: free
+            decisions (the oracle). Pooled and colocated placement is not charged.
+        group_decode_graphs: tensor-parallel groups (degree > 1) replay decode CUDA graphs. The live node
+            captures decode graphs for single-device instances only (``node.core.role_config``: a group's
+            steps run eagerly), so False (default) runs their decode steps eagerly
+            (:class:`bench.sim.parallel.ParallelModel`); True is the oracle.
+        copy_rate: KV copies (moves, hand-offs, pooled transfers) run at this fraction of ``link_gbps``
+            / ``internode_gbps`` (an assumed 0.8: no GPU copy rate is measured in this project; the CPU
+            NIXL/TCP figures of bench/RESULTS.md are not GPU ones). The policies are still told the link's
+            rate, as the node is by ``--link-gbps``.
+        copy_slowdown: steps that start on a device while a copy from or to it runs last this much longer
+            (0.05: 5 %, an assumption, not a measurement: copies share the device's memory bandwidth and,
+            for NCCL or NIXL transfers, some of its SMs); 0: copies never touch the steps beside them.
         max_sim_s: requests not finished this long after the first arrival count as failed (s).
         prefix_caching: every device keeps the node's prefix cache (its block ledger's, and placement
             that follows it); prompts get token ids from their hash ids (Mooncake traces, see
@@ -121,7 +169,17 @@ class SimConfig:
     min_window_ms: float = 20.0
     max_window_ms: float = 500.0
     stagger: str = "soft"
+    client_max_tokens: str = DEFAULT_CLIENT_MIX
+    client_seed: int = 0
     expected_output: str = "node"
+    planning: str = "refit"
+    cost_error: float = 0.2
+    cost_error_seed: int = 0
+    control_round_us: float | None = None
+    control_per_resident_us: float | None = None
+    group_decode_graphs: bool = False
+    copy_rate: float = 0.8
+    copy_slowdown: float = 0.05
     max_sim_s: float = 3600.0
     abort_late: int | None = None
     prefix_caching: bool = False
@@ -133,6 +191,14 @@ class SimConfig:
     mixed_graphs: str = "eager"
 
     @property
+    def control_us(self) -> tuple[float, float]:
+        """``(µs per decision round, µs per resident sequence)`` charged to the node's loop: the fields, else the
+        mode's measured defaults (:data:`CONTROL_COST_US`; ``(0, 0)`` for modes without a role policy)."""
+        a, b = CONTROL_COST_US.get(self.mode, (0.0, 0.0))
+        return (a if self.control_round_us is None else self.control_round_us,
+                b if self.control_per_resident_us is None else self.control_per_resident_us)
+
+    @property
     def fallback_threshold(self) -> float:
         """The imbalance fallback's threshold this deployment runs with (0: off): ``imbalance_threshold``,
         else the node's default for the mode (``shiftnode serve``: 0 in adaptive mode, 1 otherwise)."""
@@ -141,6 +207,16 @@ class SimConfig:
         return 0.0 if self.mode == "adaptive" else 1.0
 
     def __post_init__(self) -> None:
+        if self.client_max_tokens != TRUE_LENGTH:
+            parse_client_mix(self.client_max_tokens)  # raises ValueError on a bad mix
+        if self.expected_output not in ("node", "oracle"):
+            raise ValueError(f"expected_output must be node or oracle, got {self.expected_output!r}")
+        if self.planning not in PLANNING:
+            raise ValueError(f"planning must be one of {', '.join(PLANNING)}, got {self.planning!r}")
+        if not (0 <= self.cost_error < 1) or min(self.control_us) < 0:
+            raise ValueError("cost_error must be in [0, 1), control costs at least 0")
+        if not (0 < self.copy_rate <= 1) or self.copy_slowdown < 0:
+            raise ValueError("copy_rate must be in (0, 1], copy_slowdown at least 0")
         if self.mixed_graphs not in ("eager", "piecewise"):
             raise ValueError(f"mixed_graphs must be eager or piecewise, got {self.mixed_graphs!r}")
         if self.mode not in MODES:

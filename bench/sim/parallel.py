@@ -15,6 +15,10 @@ Passed to :func:`bench.sim.run.simulate` as the cost model, it turns a :class:`S
   budget is the group step's (:func:`node.core.group_cost.group_policy`, as the live node's). Moves of the imbalance fallback copy every device's share at once: the
   group's link is ``D x link_gbps``.
 * **colocated** — ``devices / T`` instances at ``T = decode_tp``, MIXED steps at degree ``T``.
+* **decode graphs** — an instance of degree above 1 (time-shared group, colocated or pooled decode instance)
+  decodes eagerly (``max_graph_batch`` 0): the live node captures decode CUDA graphs for one-device
+  instances only (``node.core.role_config``). ``SimConfig.group_decode_graphs`` gives groups graphs (the
+  oracle the simulator had before issue 43).
 * **pooled** (node scope) — ``prefill_devices / P`` prefill instances at ``P`` and ``(devices -
   prefill_devices) / D`` decode instances at ``D``; a hand-off moves the whole KV, each of
   ``min(P, D)`` devices sending (or receiving) its share over its own link: ``min(P, D) x link_gbps``.
@@ -41,6 +45,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+
+import msgspec
 
 from bench.cost.derive_cost import H200_NVLINK, HardwarePreset, derive_at
 from bench.sim.config import SimConfig
@@ -93,11 +99,13 @@ class ParallelModel:
         """KV of one token, all layers and heads (bytes)."""
         return kv_bytes_per_token(self.geometry, DTYPE_BYTES[self.dtype])
 
-    def cost(self, degree: int) -> RooflineCost:
-        """The per-rank roofline model at ``degree`` (computed once per degree)."""
+    def cost(self, degree: int, decode_graphs: bool = True) -> RooflineCost:
+        """The per-rank roofline model at ``degree`` (computed once per degree); ``decode_graphs`` False: its
+        decode steps run eagerly (``max_graph_batch`` 0), as the live node's tensor-parallel groups do."""
         if degree not in self._costs:
             self._costs[degree] = derive_at(self.config, degree, self.preset, self.dtype)
-        return self._costs[degree]
+        cost = self._costs[degree]
+        return cost if decode_graphs else msgspec.structs.replace(cost, max_graph_batch=0)
 
     def activation_bytes(self, degree: int, step_tokens: int, rows: int) -> int:
         """Estimated peak activations of one step on one device at ``degree`` (bytes; module doc)."""
@@ -137,17 +145,18 @@ class ParallelModel:
             ValueError: pooled with cluster scope (not modelled at degrees).
         """
         d, p = cfg.decode_tp, cfg.prefill_tp
+        graphs = cfg.group_decode_graphs or d == 1  # the node captures decode graphs for one-device instances only
         budget, bs = cfg.max_num_batched_tokens, cfg.block_size
         rows = cfg.max_num_seqs * (d if self.seqs_per_device else 1)
         plain = dict(decode_tp=1, prefill_tp=1, kv_bytes_per_token=self.kv_bytes_per_token, max_num_seqs=rows)
         if cfg.mode == "colocated":
             blocks = self.instance_blocks(d, d, bs, budget, rows)
-            return dataclasses.replace(cfg, devices=cfg.devices // d, kv_blocks=blocks, **plain), self.cost(d), None
+            return dataclasses.replace(cfg, devices=cfg.devices // d, kv_blocks=blocks, **plain), self.cost(d, graphs), None
         if cfg.mode in ("time-shared", "adaptive"):
             prefill = time_shared_roles(d, p, budget, rows)["prefill"]  # the node's role configuration
             inst = prefill.instances
             blocks = self.instance_blocks(d, p, bs, budget, rows)
-            cost: RooflineCost | GroupCost = self.cost(d)
+            cost: RooflineCost | GroupCost = self.cost(d, graphs)
             if inst > 1:
                 pre = self.cost(p)
                 scatter = kv_scatter_s(1, pre.kv_bytes_per_token, p, d, self.preset.link_Bps)
@@ -166,4 +175,4 @@ class ParallelModel:
         dec_blocks = self.instance_blocks(d, d, bs, rows, rows)  # a decode step: one token per sequence
         out = dataclasses.replace(cfg, devices=front + back, prefill_devices=front, kv_blocks=dec_blocks,
                                   link_gbps=cfg.link_gbps * min(p, d), **plain)
-        return out, self.cost(d), layout
+        return out, self.cost(d, graphs), layout

@@ -3,8 +3,9 @@
 Placement is :class:`node.core.pooled.PooledRouter` — the object the node's ``PooledDriver`` runs —
 fed the same :class:`~node.core.pooled.PoolSnapshot` the driver builds: arrivals wait (FIFO) until the
 router places each on a (prefill device, decode device) pair and reserves its decode blocks (prompt +
-expected output, the expected output being ``min(max_tokens, 128)`` as the node assumes for
-``ignore_eos`` requests, or the true length with ``expected_output="oracle"``); prefill devices take at
+expected output, the expected output being the node's ``min(max_tokens, running estimate)``
+(:class:`node.core.output_estimate.OutputEstimator`, fed by the requests that ended by EOS, as the node's
+``PooledDriver``), or the true length with ``expected_output="oracle"``); prefill devices take at
 most ``max_unsent`` prompts in flight plus unsent caches.
 
 Prefill devices run PREFILL steps. When a sequence's first token is out (its TTFT) it is handed to its
@@ -13,7 +14,9 @@ crosses a link, then the source frees its blocks and the destination adopts the 
 devices run MIXED steps, as the node's role-less decode engines do (decode, and recompute of a
 sequence they had to preempt).
 
-Links (each a FIFO queue; a transfer takes ``bytes x 8 / (gbps x 1e9)`` s, :func:`node.plan.transfer_s`):
+Links (each a FIFO queue; a transfer takes ``bytes x 8 / (gbps x copy_rate x 1e9)`` s, :func:`node.plan.transfer_s`,
+``copy_rate`` the assumed share of the line rate a copy gets, and the steps that start on either end while it
+runs last ``1 + copy_slowdown`` times their cost: :class:`bench.sim.config.SimConfig`):
 
 * inside a node: the source device's link at ``link_gbps``;
 * between nodes (``pool_scope="cluster"``): the source device's network link and the destination
@@ -42,13 +45,13 @@ from collections import deque
 from dataclasses import dataclass
 from itertools import islice
 
-from bench.sim.batched import SimDevice, finished, new_sequence
+from bench.sim.batched import SimDevice, client_bound, new_sequence, new_trace, output_length
 from bench.sim.config import SimAborted, SimConfig, count_late
-from bench.sim.timeshared import NODE_EXPECTED_OUTPUT_TOKENS
 from bench.traffic.traces import TraceRequest
 from node.core.batcher import StepKind
 from node.core.cost import CostModel
 from node.core.roofline import RooflineCost
+from node.core.output_estimate import OutputEstimator
 from node.core.pooled import PlacePooled, PoolDevice, PooledRouter, PoolSnapshot
 from node.core.roles import Reject, WaitingPrompt
 from node.core.sequence import Sequence
@@ -122,6 +125,7 @@ class _Pool:
         self._views: dict[str, tuple[int, PoolDevice]] = {}  # device id → (its version, its view)
         self._seqs: dict[str, Sequence] = {}  # waiting request id → its sequence (token ids, key memo)
         self._blocked_at: tuple | None = None  # state in which the router last placed nothing more
+        self.outputs = OutputEstimator()  # the node's running output estimate, fed by EOS ends
 
     # --- the router's view, as node.runtime.pooled_driver.PooledDriver._device builds it -----------
     def _view(self, d: SimDevice, decode_side: bool) -> PoolDevice:
@@ -157,8 +161,8 @@ class _Pool:
 
     def _expected(self, r: TraceRequest) -> int:
         if self.cfg.expected_output == "oracle":
-            return r.output_tokens
-        return min(r.output_tokens, NODE_EXPECTED_OUTPUT_TOKENS)
+            return output_length(r, self.cfg)[0]
+        return self.outputs.expected(client_bound(r, self.cfg)[0])
 
     def _state(self) -> tuple:
         return (self.waiting[0][0] if self.waiting else None,
@@ -220,11 +224,15 @@ class _Pool:
     def on_tokens(self, dev: SimDevice, seqs: list[Sequence], now_s: float) -> None:
         for seq in seqs:
             tr = self.traces[seq.request_id]
+            if tr.done:  # a token of a step planned before its EOS was seen: discarded, as live
+                continue
             tr.token_times_s.append(now_s)
             if tr.device_id is None:
                 tr.device_id = dev.device_id
             p = self.placed[seq.request_id]
-            if finished(seq):
+            if tr.done:
+                if tr.ends_by_eos:
+                    self.outputs.observe(len(tr.token_times_s))
                 dev.batcher.remove(seq)
                 dev.version += 1
                 if p.arrived:
@@ -255,9 +263,11 @@ class _Pool:
         start = max([now_s] + [self.link_free.get(k, 0.0) for k in links])
         if src.node == dst.node:  # the node's copy waits for the destination's steps in flight (DeviceEngine.migrate)
             start = max(start, dst.last_end_s)
-        end = start + transfer_s(nbytes, gbps)
+        end = start + transfer_s(nbytes, gbps * self.cfg.copy_rate)  # SimConfig.copy_rate of the line rate
         for k in links:
             self.link_free[k] = end
+        for d in (src, dst):  # the steps beside the copy slow down (SimConfig.copy_slowdown)
+            d.copy_until_s = max(d.copy_until_s, end)
         self.flying.append(_Transfer(p, src_blocks, dst_blocks, nbytes, end))
         self.transfers += 1
         self.transfer_bytes += nbytes
@@ -295,7 +305,7 @@ class _Pool:
     def run(self, requests: list[tuple[str, TraceRequest]]) -> None:
         pending = sorted(requests, key=lambda x: (x[1].arrival_s, x[0]))
         for rid, r in pending:
-            self.traces[rid] = RequestTrace(rid, r.arrival_s, r.prompt_tokens, r.output_tokens)
+            self.traces[rid] = new_trace(rid, r, self.cfg)
         i = 0
         now = pending[0][1].arrival_s if pending else 0.0
         t_end = now + self.cfg.max_sim_s

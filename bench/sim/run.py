@@ -26,6 +26,7 @@ from bench.sim.config import SimConfig
 from bench.sim.pooled import simulate_pooled
 from bench.sim.timeshared import simulate_time_shared
 from bench.traffic.metrics import RequestRecord, Summary, summarize
+from bench.traffic.clients import with_client_max_tokens
 from bench.traffic.traces import TraceRequest
 from node.core.cost import CostModel
 from node.core.roofline import RooflineCost
@@ -110,6 +111,7 @@ def simulate(requests: list[TraceRequest], cfg: SimConfig, cost) -> SimResult:
         layout = replace(layout, prefill_cost=with_mixed_graphs(layout.prefill_cost, cfg.mixed_graphs))
     if layout is not None and cfg.step_overhead_ms > 0:
         layout = replace(layout, prefill_cost=with_step_overhead(layout.prefill_cost, cfg.step_overhead_ms / 1e3))
+    requests = with_client_max_tokens(requests, cfg.client_max_tokens, cfg.client_seed)  # what clients send
     arrivals = [r.arrival_s for r in requests]
     if cfg.request_overhead_ms > 0:
         requests = [replace(r, arrival_s=r.arrival_s + cfg.request_overhead_ms / 1e3) for r in requests]

@@ -27,26 +27,37 @@ is done here the same way, in the same order, every round:
    fails the request.
 
 Rounds run after every event (arrival, step end, switch end, transfer end) and at least every
-:data:`TICK_S` while work exists, as the live driver's timer. Requests are ``ignore_eos`` with one
-choice; placement is told ``min(output, 128)`` of each output (what the live node assumes before it
-has seen requests end on their own) or, with ``expected_output="oracle"``, the true length.
+:data:`TICK_S` while work exists, as the live driver's timer, each holding the node's loop for its
+measured CPU cost (``SimConfig.control_us``: steps are sent after it, and rounds asked for meanwhile run as
+one when it ends). Requests have one choice and the client's ``max_tokens``; each ends by an EOS the node
+does not foresee, or at its bound. Placement and the policies are told the node's own estimate,
+``min(max_tokens, running estimate)`` (:class:`node.core.output_estimate.OutputEstimator`, fed by the requests
+that ended by EOS), or, with ``expected_output="oracle"``, the true length. The policies plan with
+``SimConfig.planning``'s model (:mod:`bench.sim.planning`; with ``refit`` the node's
+:class:`node.core.online_refit.OnlineRefit` is fed every simulated step, as ``RoleDriver`` feeds it live);
+the steps are timed by the true one.
 """
 
 from __future__ import annotations
 
 import math
+import time
 
 import msgspec
 
-from bench.sim.batched import SimDevice, finished, prompt_token_ids
+from bench.sim.batched import SimDevice, output_length, client_bound, prompt_token_ids
 from bench.sim.config import SimAborted, SimConfig, count_late
 from bench.sim.trace import RequestTrace, SimRequest, StepRecord
 from bench.traffic.traces import TraceRequest
 from node.core.batcher import StepKind
 from node.core.cost import CostModel
 from node.core.roofline import RooflineCost
+from node.core.group_cost import GroupCost
+from bench.sim.planning import perturbed, start_model
 from node.core.adaptive import AdaptiveScheduler, ChunkBudget
 from node.core.imbalance import ImbalanceConfig, ImbalancePolicy, Migrate
+from node.core.online_refit import REFIT_MIN_S, OnlineRefit
+from node.core.output_estimate import PRIOR_TOKENS, OutputEstimator
 from node.core.roles import NodeSnapshot, Place, Reject, Role, RoleScheduler, RoleSchedulerConfig, SwitchRole
 from node.core.sequence import SamplingParams, Sequence
 from node.core.snapshot import DeviceView, Placement, node_snapshot, waiting_prompt
@@ -54,9 +65,8 @@ from node.core.snapshot import DeviceView, Placement, node_snapshot, waiting_pro
 __all__ = ["NODE_EXPECTED_OUTPUT_TOKENS", "TICK_S", "TimeSharedSim", "simulate_time_shared"]
 
 # What the live node's placement driver assumes of a request's output before it has seen requests end
-# on their own (DEFAULT_EXPECTED_OUTPUT in node/runtime/driver.py; not imported: node.runtime is the
-# asyncio side); ignore_eos requests never end on their own.
-NODE_EXPECTED_OUTPUT_TOKENS = 128
+# on their own (node.core.output_estimate's prior); ignore_eos requests never end on their own.
+NODE_EXPECTED_OUTPUT_TOKENS = PRIOR_TOKENS
 TICK_S = 0.005  # the live driver's timer while work exists (node/runtime/driver.py TICK_S)
 _KIND = {Role.PREFILL: StepKind.PREFILL, Role.DECODE: StepKind.DECODE, Role.MIXED: StepKind.MIXED}
 _FREE = frozenset({Role.DECODE, Role.MIXED})  # one configuration: switches between them are free and at once
@@ -102,22 +112,40 @@ class TimeSharedSim:
         cfg: devices, KV pool, batch limits, link and pauses (only the time-shared fields are read).
         imbalance: the fallback policy (``None``: off).
         initial_role: every device's role at the first arrival.
+        refit: the node's online refit (``SimConfig.planning="refit"``): every step's true time is
+            recorded, and due refits replace the policies' cost model, as ``RoleDriver`` does live; the
+            snapshot's pause is then the mean measured one (None before any), as live. ``None``: the
+            policies keep their model, and the snapshot carries the true pause.
+        pause_s: a role switch's true pause (s; default the scheduler's, its model being the true one).
     Raises:
         RuntimeError: a placement on a device not in (or switching to) the prefill role, or a switch
             ordered for a device already switching: the policy broke its own contract.
     """
 
     def __init__(self, scheduler: RoleScheduler, cost: CostModel | RooflineCost, cfg: SimConfig, *,
-                 imbalance: ImbalancePolicy | None = None, initial_role: Role = Role.PREFILL):
+                 imbalance: ImbalancePolicy | None = None, initial_role: Role = Role.PREFILL,
+                 refit: OnlineRefit | None = None, pause_s: float | None = None, measured_pause: bool = False):
         self.scheduler, self.cost, self.cfg, self.imbalance = scheduler, cost, cfg, imbalance
-        self.pause_s = scheduler.pause_s
+        self.pause_s = scheduler.pause_s if pause_s is None else pause_s
+        self.refit = refit
+        # the snapshot's pause: the mean measured one (as RoleDriver.measured_pause_s), or the true one
+        self.measured_pause = measured_pause
+        self._pauses: list[float] = []
+        # the node's event loop: a decision round holds it for control_round_us + per resident (SimConfig);
+        # rounds asked for meanwhile run as one when it is free, and steps are sent after the round
+        self.loop_free_s = -math.inf
+        self.control_s = 0.0  # loop time spent on decision rounds (s)
+        self.rounds = 0
+        self.round_timer = None  # called (resident sequences, CPU s) after each round when set (bench.sim.control_cost)
         self.devices = [RoleDevice(f"dev{i}", cfg, initial_role) for i in range(cfg.devices)]
         self._by_id = {d.device_id: d for d in self.devices}
         self.steps: list[StepRecord] = []
         self.switches: list[tuple[float, str, Role, str]] = []  # (decided s, device, to role, reason)
         self.traces: dict[str, RequestTrace] = {}
         self.waiting: list[tuple[SimRequest, Sequence]] = []  # arrived, not placed
-        self._expected: dict[str, int] = {}  # seq id → output tokens placement is told
+        self._expected: dict[str, int | None] = {}  # seq id → output tokens placement is told (None: the estimate)
+        self._eos: dict[str, bool] = {}  # seq id → it ends by EOS (a sample for the estimate)
+        self.outputs = OutputEstimator()  # the node's running output estimate (node.core.output_estimate)
         self._reserve: dict[str, int] = {}  # seq id → blocks reserved at placement
         self._moves: dict[str, _Move] = {}  # seq id → its move, queued or copying
         self._moved_s: dict[str, float] = {}  # seq id → end of its last move or refusal (the cooldown)
@@ -148,11 +176,11 @@ class TimeSharedSim:
         """What ``RoleDriver.snapshot`` shows the policies: the same function
         (:func:`node.core.snapshot.node_snapshot`) over this simulation's devices."""
         batchers = {d.device_id: d.batcher for d in self.devices}
-        waiting = [waiting_prompt(r.request_id, [s], r.arrival_s, self._expected[s.seq_id], batchers, i)
+        waiting = [waiting_prompt(r.request_id, [s], r.arrival_s, self.expected_of(s), batchers, i)
                    for i, (r, s) in enumerate(self.waiting)]
+        pause = (sum(self._pauses) / len(self._pauses) if self._pauses else None) if self.measured_pause else self.pause_s
         return node_snapshot(now, self.views(now), moving={k: m.dst.device_id for k, m in self._moves.items()},
-                             moved_s=self._moved_s, expected=lambda s: self._expected[s.seq_id], waiting=waiting,
-                             pause_s=self.pause_s)
+                             moved_s=self._moved_s, expected=self.expected_of, waiting=waiting, pause_s=pause)
 
     # --- the replay --------------------------------------------------------------------------
     def run(self, requests: list[SimRequest], *, until_s: float = math.inf, max_events: int = 50_000_000,
@@ -164,7 +192,8 @@ class TimeSharedSim:
         """
         pending = sorted(requests, key=lambda r: (r.arrival_s, r.request_id))
         for r in pending:
-            self.traces[r.request_id] = RequestTrace(r.request_id, r.arrival_s, r.prompt_tokens, r.output_tokens)
+            self.traces[r.request_id] = RequestTrace(r.request_id, r.arrival_s, r.prompt_tokens, r.output_tokens,
+                                                     ends_by_eos=r.ends_by_eos)
         pi = 0
         now = pending[0].arrival_s if pending else 0.0
         for d in self.devices:
@@ -174,12 +203,21 @@ class TimeSharedSim:
             while pi < len(pending) and pending[pi].arrival_s <= now:
                 self._arrive(pending[pi])
                 pi += 1
-            self._round(now, on_decide)
+            deferred = now < self.loop_free_s  # the loop is busy: this event's round runs when it is free
+            if not deferred:
+                if self.round_timer is None:
+                    self._round(now, on_decide)
+                else:  # bench.sim.control_cost: the round's CPU time here, by the resident sequences
+                    t0 = time.thread_time()  # CPU time: other jobs on the machine do not count
+                    self._round(now, on_decide)
+                    self.round_timer(sum(len(d.batcher.running) for d in self.devices), time.thread_time() - t0)
+                self._charge_round(now)
+            send_s = max(now, self.loop_free_s)  # the loop sends steps once the round is done
             for d in self.devices:
                 self._start_move(now, d)
                 self._start_copies(now, d)
                 if not d.switching and d.move is None and not self._move_queued(d):  # a queued move drains
-                    for step in d.start(now, self.cost):
+                    for step in d.start(send_s, self.cost):
                         self.steps.append(StepRecord(d.device_id, d.kind.value, step.start_s, step.end_s,
                                                      step.plan.num_tokens))
             events = [pending[pi].arrival_s] if pi < len(pending) else []
@@ -188,6 +226,8 @@ class TimeSharedSim:
                 if d.move is not None:
                     events.append(d.move.done_s)
             events += [m.done_s for m in self._moves.values() if m.overlap and m.done_s < math.inf]
+            if deferred:  # the round put off by the busy loop (rounds asked for meanwhile: coalesced into it)
+                events.append(self.loop_free_s)
             if self.waiting or any(d.batcher.running or d.batcher.waiting for d in self.devices):
                 events.append(now + TICK_S)
             if not events:
@@ -200,11 +240,33 @@ class TimeSharedSim:
         return self.traces
 
     def _arrive(self, r: SimRequest) -> None:
-        params = SamplingParams(max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True)
+        if r.max_tokens is not None and r.output_tokens > r.max_tokens:
+            raise ValueError(f"{r.request_id}: {r.output_tokens} output tokens above its max_tokens {r.max_tokens}")
+        params = SamplingParams(max_tokens=r.max_tokens or r.output_tokens, temperature=0.0, ignore_eos=not r.ends_by_eos)
         ids = list(r.token_ids) if r.token_ids else [-1 - len(self.traces)] + [0] * (r.prompt_tokens - 1)
         seq = Sequence(r.request_id, r.request_id, 0, r.arrival_s, ids[: r.prompt_tokens], params, self.cfg.max_model_len)
-        self._expected[seq.seq_id] = r.expected_output_tokens or r.output_tokens
+        # None: the node's estimate at each snapshot (expected_of); else what the request says
+        self._expected[seq.seq_id] = (r.expected_output_tokens if r.expected_output_tokens or r.max_tokens is not None
+                                      else r.output_tokens)
+        self._eos[seq.seq_id] = r.ends_by_eos
         self.waiting.append((r, seq))
+
+    def expected_of(self, seq: Sequence) -> int:
+        """The output placement and the policies are told of ``seq``: its request's own figure, or the
+        node's estimate, ``min(max_tokens, running estimate)`` (:class:`OutputEstimator`, fed by the
+        requests that ended by EOS, as the live driver's)."""
+        e = self._expected[seq.seq_id]
+        return e if e is not None else self.outputs.expected(seq.params.max_tokens)
+
+    def _charge_round(self, now: float) -> None:
+        """Hold the node's loop for the round just run: ``control_round_us`` plus ``control_per_resident_us``
+        per resident sequence (SimConfig; measured by :mod:`bench.sim.control_cost`)."""
+        self.rounds += 1
+        a, b = self.cfg.control_us
+        us = a + b * sum(len(d.batcher.running) for d in self.devices) if a or b else 0.0
+        if us > 0:
+            self.loop_free_s = now + us / 1e6
+            self.control_s += us / 1e6
 
     def _round(self, now: float, on_decide) -> None:
         snap = self.snapshot(now)
@@ -291,7 +353,8 @@ class TimeSharedSim:
             if nbytes is None:
                 continue
             start = max(now, m.dst.last_end_s)  # the copy waits for the destination's steps in flight
-            m.done_s = start + nbytes * 8 / (self.cfg.link_gbps * 1e9)
+            m.done_s = start + nbytes * 8 / (self.cfg.link_gbps * self.cfg.copy_rate * 1e9)
+            m.dst.copy_until_s = max(m.dst.copy_until_s, m.done_s)  # the source runs no step meanwhile
             d.move = m
             d.version += 1
             self.transfer_bytes += nbytes
@@ -323,7 +386,9 @@ class TimeSharedSim:
             if nbytes is None:
                 continue
             start = max(now, m.dst.last_end_s, d.link_free_s)
-            m.done_s = d.link_free_s = start + nbytes * 8 / (self.cfg.link_gbps * 1e9)
+            m.done_s = d.link_free_s = start + nbytes * 8 / (self.cfg.link_gbps * self.cfg.copy_rate * 1e9)
+            for end in (d, m.dst):  # the steps beside the copy slow down (SimConfig.copy_slowdown)
+                end.copy_until_s = max(end.copy_until_s, m.done_s)
             d.version += 1
             self.transfer_bytes += nbytes
             self.steps.append(StepRecord(d.device_id, "transfer", start, m.done_s))
@@ -344,14 +409,21 @@ class TimeSharedSim:
         for d in self.devices:
             while d.busy_until_s <= now:
                 t = d.busy_until_s
-                for seq in d.complete():
+                seqs = d.complete()
+                if self.refit is not None:
+                    self._on_step(d, t)
+                for seq in seqs:
                     tr = self.traces[seq.request_id]
+                    if tr.done:  # a token of a step planned before its EOS was seen: discarded, as live
+                        continue
                     tr.token_times_s.append(t)
                     if seq.first_token_s is None:
                         seq.first_token_s = t
                         tr.cached_tokens = seq.num_cached_tokens or 0
-                    if finished(seq):
+                    if tr.done:
                         d.batcher.remove(seq)
+                        if self._eos.get(seq.seq_id):  # the live driver learns from natural ends only
+                            self.outputs.observe(len(tr.token_times_s))
                         self._forget(seq)
             if d.move is not None and d.move.done_s <= now:
                 m, d.move = d.move, None
@@ -360,11 +432,23 @@ class TimeSharedSim:
                 self._finish_move(m)
             self._begin_pause(now, d)
             if d.switching and d.switch_done_s <= now:
+                self._pauses.append(self.pause_s)  # measured as it ran (free switches are no sample)
+                if self.refit is not None:
+                    self.refit.record_pause(self.pause_s)
                 d.role, d.role_since_s, d.kind = d.switching_to, d.switch_done_s, _KIND[d.switching_to]
                 d.switching_to, d.switch_done_s = None, math.inf
 
+    def _on_step(self, d: RoleDevice, now: float) -> None:
+        """The node's refit fed with the step that just ended on ``d`` (``RoleDriver._on_step``)."""
+        step = d.last_step
+        self.refit.record(step.plan, step.end_s - step.start_s, self.scheduler.cost, in_role=True)
+        if self.refit.due(lambda: now):
+            self.scheduler.cost = self.refit.refit(self.scheduler.cost)
+            if self.imbalance is not None:
+                self.imbalance.cost = self.scheduler.cost
+
     def _forget(self, seq: Sequence) -> None:
-        for table in (self._expected, self._reserve, self._moved_s):
+        for table in (self._expected, self._eos, self._reserve, self._moved_s):
             table.pop(seq.seq_id, None)
         m = self._moves.pop(seq.seq_id, None)
         if m is not None and m.done_s < math.inf:  # cannot happen: a copying sequence is in no batcher
@@ -372,9 +456,10 @@ class TimeSharedSim:
 
 
 def simulate_time_shared(requests: list[TraceRequest], cfg: SimConfig, cost: CostModel | RooflineCost,
-                         prefix: str = "r") -> tuple[list[RequestTrace], dict]:
+                         prefix: str = "r", round_timer=None) -> tuple[list[RequestTrace], dict]:
     """Replay ``requests`` on one time-shared node; ``(traces in request order, stats)``.
 
+    ``round_timer(resident sequences, CPU s)`` is called after every decision round (:mod:`bench.sim.control_cost`).
     The policy is configured as :class:`node.runtime.node.Node` configures it from the same flags;
     it plans with ``cost`` whose ``pause_s`` is the switch's true pause: ``max(cost.pause_s,
     pause_ms)`` of swap plus the ``reconfig_pause_ms`` floor (the live node adds the floor to every
@@ -386,24 +471,35 @@ def simulate_time_shared(requests: list[TraceRequest], cfg: SimConfig, cost: Cos
         prefill_token_budget=cfg.max_num_batched_tokens, stagger=cfg.stagger,
         copy_s_per_token=cfg.kv_bytes_per_token * 8 / (cfg.link_gbps * 1e9))  # as the node sets it from --link-gbps
     cost = msgspec.structs.replace(cost, pause_s=max(cost.pause_s, cfg.pause_ms / 1e3) + cfg.reconfig_pause_ms / 1e3)
+    true_pause = max(cfg.reconfig_pause_ms / 1e3, cost.pause_s)
+    # what the policies plan with (SimConfig.planning, bench.sim.planning); the steps are timed by `cost`
+    plan_cost = {"exact": cost, "refit": start_model(cost, cfg.reconfig_pause_ms),
+                 "perturbed": perturbed(cost, cfg.cost_error, cfg.cost_error_seed)}[cfg.planning]
     adaptive = cfg.mode == "adaptive"
-    scheduler = (AdaptiveScheduler(policy, cost, max_step_tokens=cfg.max_num_batched_tokens) if adaptive
-                 else RoleScheduler(policy, cost))
+    scheduler = (AdaptiveScheduler(policy, plan_cost, max_step_tokens=cfg.max_num_batched_tokens) if adaptive
+                 else RoleScheduler(policy, plan_cost))
     imbalance = None
     if cfg.fallback_threshold > 0:
         imbalance = ImbalancePolicy(ImbalanceConfig(
             threshold=cfg.fallback_threshold, tpot_slo_ms=policy.tpot_slo_ms, slo_margin=policy.slo_margin,
             reconfig_pause_ms=policy.reconfig_pause_ms, prefill_token_budget=policy.prefill_token_budget,
             local_transfer_s_per_token=policy.copy_s_per_token,
-            ttft_slo_ms=policy.ttft_slo_ms), cost)
+            ttft_slo_ms=policy.ttft_slo_ms), plan_cost)
+    refit = None
+    if cfg.planning == "refit":  # as Node builds RoleDriver: one configuration where no decode graphs and one degree
+        one = not (isinstance(cost, RooflineCost) and cost.max_graph_batch > 0) and not isinstance(cost, GroupCost)
+        refit = OnlineRefit(one_configuration=one, min_interval_s=REFIT_MIN_S if adaptive else 0.0)
     # the node starts adaptive devices in the decode configuration, time-shared ones parked in PREFILL
-    sim = TimeSharedSim(scheduler, cost, cfg, imbalance=imbalance, initial_role=Role.DECODE if adaptive else Role.PREFILL)
+    sim = TimeSharedSim(scheduler, cost, cfg, imbalance=imbalance, initial_role=Role.DECODE if adaptive else Role.PREFILL,
+                        refit=refit, pause_s=true_pause, measured_pause=cfg.planning != "exact")
+    sim.round_timer = round_timer
     sreqs = []
     for i, r in enumerate(requests):
-        expected = r.output_tokens if cfg.expected_output == "oracle" else min(r.output_tokens, NODE_EXPECTED_OUTPUT_TOKENS)
+        n, eos = output_length(r, cfg)
         rid = f"{prefix}{i}"
-        sreqs.append(SimRequest(rid, r.arrival_s, r.prompt_tokens, r.output_tokens, expected,
-                                tuple(prompt_token_ids(rid, r, cfg.prefix_caching))))
+        sreqs.append(SimRequest(rid, r.arrival_s, r.prompt_tokens, n, n if cfg.expected_output == "oracle" else None,
+                                tuple(prompt_token_ids(rid, r, cfg.prefix_caching)),
+                                max_tokens=client_bound(r, cfg)[0], ends_by_eos=eos))
     t_end = (requests[0].arrival_s if requests else 0.0) + cfg.max_sim_s
     slo_s, limit = cfg.ttft_slo_ms / 1e3, cfg.abort_late
 
@@ -419,5 +515,6 @@ def simulate_time_shared(requests: list[TraceRequest], cfg: SimConfig, cost: Cos
              "transfers": sim.num_moves, "transfer_bytes": sim.transfer_bytes,
              **{f"moves_{k}": v for k, v in sorted(sim.moves_by_reason.items())},
              "preemptions": sum(d.batcher.num_preemptions for d in sim.devices),
+             "rounds": sim.rounds, "control_s": sim.control_s, "refits": refit.refits if refit else 0,
              "cached_tokens": sum(d.batcher.prefix_hit_tokens for d in sim.devices)}
     return [traces[r.request_id] for r in sreqs], stats

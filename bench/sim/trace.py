@@ -13,9 +13,12 @@ __all__ = ["SimRequest", "RequestTrace", "StepRecord"]
 
 
 class SimRequest(msgspec.Struct, frozen=True):
-    """A request to replay: arrival (s), prompt and true output length (tokens).
+    """A request to replay: arrival (s), prompt and output length (tokens: what it produces).
 
-    ``expected_output_tokens`` is what placement is told of its output (``None``: the true length);
+    ``expected_output_tokens`` is what placement is told of its output; ``None``: the node's own estimate,
+    ``min(max_tokens, running estimate)`` (:class:`node.core.output_estimate.OutputEstimator`), where
+    ``max_tokens`` (the client's bound) is given, else the true length. ``ends_by_eos``: the output ends by
+    an EOS the node does not foresee (it then feeds the node's estimate); else by ``max_tokens``.
     ``token_ids``: the prompt's token ids, for the prefix cache (``()``: none given; the prompt is
     then ``prompt_tokens`` ids unique to the request, never shared).
     """
@@ -26,10 +29,13 @@ class SimRequest(msgspec.Struct, frozen=True):
     output_tokens: int
     expected_output_tokens: int | None = None
     token_ids: tuple[int, ...] = ()
+    max_tokens: int | None = None
+    ends_by_eos: bool = False
 
 
 class RequestTrace(msgspec.Struct):
-    """What happened to one request: its (first) device, and the time of each output token (s)."""
+    """What happened to one request: its (first) device, and the time of each output token (s).
+    ``output_tokens``: what it produces (the true length, or the client's bound where that comes first)."""
 
     request_id: str
     arrival_s: float
@@ -39,6 +45,7 @@ class RequestTrace(msgspec.Struct):
     token_times_s: list[float] = []
     rejected: bool = False
     cached_tokens: int = 0  # prompt tokens found in the device's prefix cache when admitted
+    ends_by_eos: bool = False  # its last token is an EOS the node did not foresee (else max_tokens or the context ends it)
 
     @property
     def done(self) -> bool:

@@ -35,7 +35,9 @@ class TraceRequest:
 
     ``hash_ids``: Mooncake prefix-block hashes, kept only when asked for; ``hash_block_tokens``: the
     tokens each of them stands for in ``prompt_tokens`` (512 as read; fewer once scaled down by
-    :func:`scale_hash_blocks`; 0 without hashes).
+    :func:`scale_hash_blocks`; 0 without hashes). ``output_tokens`` is the true length (where EOS ends
+    the request); ``max_tokens`` what the client sends (:mod:`bench.traffic.clients`; None: absent, the
+    node's context limit bounds the request).
     """
 
     arrival_s: float
@@ -43,6 +45,7 @@ class TraceRequest:
     output_tokens: int
     hash_ids: tuple[int, ...] = ()
     hash_block_tokens: int = 0
+    max_tokens: int | None = None
 
 
 _EPOCH = datetime(2000, 1, 1)

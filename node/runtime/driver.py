@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import suppress
-from collections import deque
 from typing import Callable
 
 import structlog
 
+from node.core.output_estimate import PRIOR_TOKENS, OutputEstimator
 from node.core.snapshot import CACHE_LOOKUPS, cached_tokens
 from node.runtime.request import RequestState
 
@@ -23,7 +23,7 @@ TICK_S = 0.005  # re-decide at least this often while prompts wait or sequences 
 # forever (a resumed sequence once did, behind a quiet adaptive driver)
 RESTING_TICK_S = 0.1
 SAMPLES = 256  # most recent samples kept
-DEFAULT_EXPECTED_OUTPUT = 128  # tokens, until enough requests have finished to estimate it
+DEFAULT_EXPECTED_OUTPUT = PRIOR_TOKENS  # tokens, until enough requests have ended on their own
 
 
 class Driver:
@@ -37,10 +37,8 @@ class Driver:
         self._event = asyncio.Event()  # wakes the driver's task
         self._due = False  # a decision round was asked for and has not run yet
         self._task: asyncio.Task | None = None
-        self._outputs: deque[int] = deque(maxlen=SAMPLES)
-        # their running sum: a snapshot asks for the estimate once per resident sequence, and summing the
-        # 256 samples each time was most of the adaptive driver's snapshot on a CPU node
-        self._outputs_sum = 0
+        # output lengths of naturally-ended requests (node.core.output_estimate: the simulator runs the same)
+        self.outputs = OutputEstimator()
 
     def start(self) -> None:
         for e in self.node.engines:
@@ -68,11 +66,7 @@ class Driver:
         """Forget the request's reservation; learn output lengths from requests that ended naturally."""
         self.reserve.pop(req.request_id, None)
         if "stop" in reasons:
-            if len(self._outputs) == self._outputs.maxlen:
-                self._outputs_sum -= self._outputs[0]  # the sample the append below drops
-            n = max(1, output_tokens // max(1, len(req.seqs)))
-            self._outputs.append(n)
-            self._outputs_sum += n
+            self.outputs.observe(output_tokens, len(req.seqs))
         if self.round_on_finish():
             self.kick()
 
@@ -81,14 +75,14 @@ class Driver:
         return True
 
     def expected_output(self, req: RequestState) -> int:
-        """Expected output tokens per choice: the mean of recent naturally-ended requests, capped by
-        ``max_tokens`` (the request's own bound), or a default until 8 have been seen."""
-        return min(req.params.max_tokens, self.expected_estimate())
+        """Expected output tokens per choice: the running estimate capped by ``max_tokens`` (the request's
+        own bound; :meth:`node.core.output_estimate.OutputEstimator.expected`)."""
+        return self.outputs.expected(req.params.max_tokens)
 
     def expected_estimate(self) -> int:
-        """Expected output tokens per choice before a request's own bound: the mean of the recent
-        naturally-ended requests plus one, or ``DEFAULT_EXPECTED_OUTPUT`` until 8 have been seen."""
-        return DEFAULT_EXPECTED_OUTPUT if len(self._outputs) < 8 else int(self._outputs_sum / len(self._outputs)) + 1
+        """Expected output tokens per choice before a request's own bound (the mean of the recent
+        naturally-ended requests plus one, or the prior until 8 have been seen: :mod:`node.core.output_estimate`)."""
+        return self.outputs.estimate()
 
     def cached_tokens(self, req: RequestState, position: int, device_ids: list[str]) -> dict[str, int]:
         """Prompt tokens (all choices) each device's prefix cache holds for pending ``req`` (the

@@ -24,23 +24,19 @@ coefficient's change bounded per refit), starting from CPU-sized defaults.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from typing import Callable
 
-import msgspec
 import structlog
 
 from node.core.adaptive import ChunkBudget
 from node.core.batcher import StepKind, StepPlan
-from node.core.cost import CostModel
 from node.core.handoff_windows import HANDOFF
 from node.core.imbalance import ImbalanceConfig, ImbalancePolicy, Migrate
-from node.core.refit import MAX_SHIFT, fit_steps
+from node.core.online_refit import REFIT_EVERY, REFIT_MIN_S, OnlineRefit  # noqa: F401 (REFIT_EVERY: tests)
 from node.core.sequence import Sequence, SeqStatus
-from node.core.group_cost import GroupCost
 from node.core.roles import DeviceState, NodeSnapshot, Place, Reject, ResidentSeq, Role, RoleScheduler, SwitchRole
 from node.core.snapshot import DeviceView, Placement, node_snapshot, waiting_prompt
-from node.runtime.driver import SAMPLES, Driver
+from node.runtime.driver import Driver
 from node.runtime.engine import DeviceEngine
 from node.runtime.peer_state import is_peer
 from node.runtime.switching import FREE, SwitchAbandoned, SwitchRecord
@@ -48,15 +44,6 @@ from node.runtime.switching import FREE, SwitchAbandoned, SwitchRecord
 from node.runtime.interfaces import DriverHost
 
 log = structlog.get_logger("shiftnode.roles")
-
-REFIT_EVERY = 32  # steps between refits of the cost model
-# ... and, in adaptive mode, at least this long (s): a refit (non-negative least squares over up to
-# 2 x 256 samples) holds the event loop ~2.5 ms; every 32 steps of a 1.6 ms CPU step that was 5 % of the
-# loop, and a stall of the step pipeline each time (stories260k at 10 req/s: adaptive ran 13 % fewer
-# steps than colocated in 10 s). The two-role policy keeps a refit every 32 steps: its windows and
-# fallback moves follow the fitted model, and with refits 0.5 s apart its moves under a burst changed
-# (tests/test_migration.py).
-REFIT_MIN_S = 0.5
 
 
 class RoleDriver(Driver):
@@ -73,18 +60,17 @@ class RoleDriver(Driver):
         # device -> the role a switch ordered for it goes to, from the order until the switch ends: the
         # snapshot shows it switching from the order on (the engine does from the switch task's start)
         self._switching: dict[str, tuple[Role, float]] = {}
-        self._prefill: deque[tuple[int, float]] = deque(maxlen=SAMPLES)
-        # steps in the decode configuration, decode and mixed: (prompt tokens, decode seqs, their context, s)
-        self._decode: deque[tuple[int, int, int, float]] = deque(maxlen=SAMPLES)
-        self._pauses: deque[float] = deque(maxlen=SAMPLES)
-        self._steps = 0
-        self._refit_s = -float("inf")
-        self._fitted = False  # a refit has replaced the start-up cost model
+        # the refit's samples and schedule (node.core.online_refit, which the simulator runs too); a refit
+        # (non-negative least squares over up to 2 x 256 samples) holds the event loop ~2.5 ms, so in adaptive
+        # mode at most one per REFIT_MIN_S (its module doc); the two-role policy keeps one every 32 steps: its
+        # windows and fallback moves follow the fitted model (tests/test_migration.py)
+        self.online = OnlineRefit(one_configuration=one_configuration,
+                                  min_interval_s=REFIT_MIN_S if getattr(scheduler, "quiet_when_decoding", False) else 0.0)
+        self._prefill, self._decode, self._pauses = self.online.prefill, self.online.decode, self.online.pauses
         self._quiet = False  # the last tick left every device decoding with nothing to decide (quiet_when_decoding)
         self._can_be_quiet = getattr(scheduler, "quiet_when_decoding", False)  # the adaptive policy
         self._rounds = 0  # full decision rounds (with a snapshot) so far
         self._rounds_seen: dict[str, int] = {}  # device -> self._rounds at its last step end
-        self._refit_min_s = REFIT_MIN_S if self._can_be_quiet else 0.0
         rc = scheduler.config
         copy_s_per_token = rc.copy_s_per_token  # the node's link (kv_copy_s_per_token): peers and own devices
         self.imbalance = ImbalancePolicy(ImbalanceConfig(
@@ -317,29 +303,13 @@ class RoleDriver(Driver):
 
     # --- measurements ----------------------------------------------------------------------------------
     def _on_step(self, engine: DeviceEngine, plan: StepPlan, seconds: float) -> None:
-        cost = self.scheduler.cost
+        self.online.record(plan, seconds, self.scheduler.cost, in_role=engine.role is not None)
         if plan.kind is StepKind.PREFILL:
-            # a group's step lasts its longest instance: that is what its prefill model is fitted to
-            tokens = (cost.longest_instance_tokens([it.num_tokens for it in plan.items]) if isinstance(cost, GroupCost)
-                      else plan.num_tokens)
-            self._prefill.append((tokens, seconds))
             resident = sum(1 for s in engine.batcher.running if s.is_decoding)  # a loop per sequence: PREFILL steps only
             if resident:
                 self.node.metrics.decode_stall.labels(device=engine.device_id, cause="prefill_window").inc(resident * seconds)
-        elif plan.kind is StepKind.DECODE:
-            self._decode.append((0, len(plan.items), sum(it.seq.num_computed for it in plan.items), seconds))
-        elif plan.kind is StepKind.MIXED and engine.role is not None:  # adaptive: decode plus prompt chunks
-            decodes = [it for it in plan.items if it.num_tokens == 1 and it.seq.num_output > 0]
-            # the whole step, fitted jointly with the decode steps (node.core.refit): no share of it is
-            # estimated from the model being fitted
-            self._decode.append((plan.num_tokens - len(decodes), len(decodes), sum(it.seq.num_computed for it in decodes),
-                                 seconds))
-        self._steps += 1
-        if self.refits and self._steps % REFIT_EVERY == 0:
-            now = self.clock()
-            if now - self._refit_s >= self._refit_min_s:
-                self._refit_s = now
-                self.refit()
+        if self.refits and self.online.due(self.clock):
+            self.refit()
         # A decode step that preempted nothing leaves a quiet node quiet: no decision round for it
         # (arrivals, ends, moves and restarts kick the driver; the TICK_S timer runs meanwhile).
         seen = self._rounds_seen.get(engine.device_id)
@@ -376,20 +346,8 @@ class RoleDriver(Driver):
             self._pauses.append(rec.pause_ms / 1e3)  # a free switch (DECODE <-> MIXED) is no pause sample
 
     def refit(self) -> None:
-        """Refit the policy's cost model from the recent measured steps (:func:`node.core.refit.fit_steps`:
-        joint, damped; keeps parts with few samples).
-        A roofline model (timed devices started from one) is kept as it is; a group's model
-        (:class:`GroupCost`) gets its one fitted model as both its prefill instance's and its decode's."""
-        group = self.scheduler.cost if isinstance(self.scheduler.cost, GroupCost) else None
-        base = group.decode if group is not None else self.scheduler.cost
-        if not isinstance(base, CostModel):  # a timed device's roofline model: kept (not of the linear fit's form)
-            return
-        # the first refit replaces the start-up defaults (no measurement behind them) outright; later ones
-        # move each coefficient a bounded step from the last fit (node.core.refit.MAX_SHIFT)
-        fitted = fit_steps(list(self._prefill), list(self._decode), list(self._pauses), base=base,
-                           shared_fixed=self.one_configuration, max_shift=MAX_SHIFT if self._fitted else float("inf"))
-        self._fitted = self._fitted or msgspec.structs.replace(fitted, pause_s=base.pause_s) != base
-        if group is not None:
-            fitted = msgspec.structs.replace(group, prefill=fitted, decode=fitted, pause_s=fitted.pause_s)
-        self.scheduler.cost = self.imbalance.cost = fitted
-
+        """Refit the policy's cost model from the recent measured steps (:meth:`node.core.online_refit.OnlineRefit.refit`:
+        :func:`node.core.refit.fit_steps`, joint and damped; keeps parts with few samples). A roofline model
+        (timed devices started from one) is kept as it is; a group's model (:class:`GroupCost`) gets its one
+        fitted model as both its prefill instance's and its decode's."""
+        self.scheduler.cost = self.imbalance.cost = self.online.refit(self.scheduler.cost)
