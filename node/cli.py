@@ -10,6 +10,7 @@ import sys
 
 from node.api.flags import add_stream_flags, stream_config
 from node.config import DEFAULT_REQUEST_TIMEOUT_S, EMBEDDED_MODEL, NodeConfig
+from node.serving_options import add_serving_arguments, serving_options_from_args
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
@@ -172,6 +173,7 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-window-ms", type=float, default=500.0, help="longest prefill window")
     g.add_argument("--stagger", default="soft", choices=["hard", "soft", "off"],
                    help="keep another device decoding while one prefills (hard), unless a prompt is urgent (soft)")
+    add_serving_arguments(p)
 
 
 def _device_list(text: str | None) -> list[str]:
@@ -261,7 +263,7 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         enforce_eager=a.enforce_eager, compile=a.compile, compile_sizes=a.compile_sizes,
         engine_layout=a.engine_layout, prefix_caching=a.prefix_caching,
         tensor_parallel_size=a.tensor_parallel_size, decode_tp=a.decode_tp, prefill_tp=a.prefill_tp,
-        benchmark_model=a.benchmark_model, tool_call_parser=a.tool_call_parser,
+        benchmark_model=a.benchmark_model, tool_call_parser=a.tool_call_parser, serving=serving_options_from_args(a),
         reconfig_pause_ms=a.reconfig_pause_ms, cost_model=a.cost_model, ttft_slo_ms=a.ttft_slo_ms, tpot_slo_ms=a.tpot_slo_ms,
         min_window_ms=a.min_window_ms, max_window_ms=a.max_window_ms, stagger=a.stagger,
         **stream_config(a),

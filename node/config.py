@@ -8,6 +8,7 @@ from pathlib import Path
 import msgspec
 
 from node.identity import default_node_id, is_host_port, is_own_kv_address
+from node.serving_options import ServingOptions
 
 
 ETCD_KEEPALIVE_TIMEOUT_S = 2.0  # each etcd lease keep-alive call; a slower one is tried again (node.runtime.membership)
@@ -111,6 +112,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     tool_call_parser: str | None = None  # reads tool calls of tool_choice "auto" (node.api.tool_parsers); None: refused
     api_processes: int = 1  # HTTP front-end processes (node.api.frontend); 1: the API runs in the node's process
     api_heartbeat_timeout_s: float = 10.0  # a front end silent this long (loop stuck, process stopped) is killed and restarted
+    serving: ServingOptions = msgspec.field(default_factory=ServingOptions)  # chat template, reasoning, CORS, policy
 
     def is_own_kv_address(self, addr: str) -> bool:
         """Whether peer address ``addr`` is this node's own KV listener (:func:`node.identity.is_own_kv_address`)."""
@@ -131,8 +133,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
              f"--request-timeout-s must be positive (0: no bound), got {self.request_timeout_s}"),
             (self.engine_restart_max >= 0, f"--engine-restart-max must be at least 0 (0: never restart), got {self.engine_restart_max}"),
             (self.engine_restart_window_s > 0, f"--engine-restart-window-s must be positive, got {self.engine_restart_window_s}"),
-            (self.engine_start_timeout_s >= 0,
-             f"--engine-start-timeout-s must be at least 0 (0: no bound), got {self.engine_start_timeout_s}"),
+            (self.engine_start_timeout_s >= 0, f"--engine-start-timeout-s must be at least 0 (0: no bound), got {self.engine_start_timeout_s}"),
             (self.max_model_len is None or self.max_model_len >= 2, f"--max-model-len must be at least 2, got {self.max_model_len}"),
             (1 <= self.block_size <= 1024, f"--block-size must be in [1, 1024], got {self.block_size}"),
             (self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "--kv-cache-memory must be positive"),
@@ -141,8 +142,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (self.engine_layout in ("process", "thread"), f"--engine-layout must be process or thread, got {self.engine_layout!r}"),
             (_benchmark_model_error(self.benchmark_model) is None, _benchmark_model_error(self.benchmark_model)),
             (_cost_file_error("--cost-model", self.cost_model) is None, _cost_file_error("--cost-model", self.cost_model)),
-            (self.cost_model is None or self.role_policy,
-             f"--cost-model seeds the role policy (adaptive and time-shared modes): not with --mode {self.mode}"),
+            (self.cost_model is None or self.role_policy, f"--cost-model seeds the role policy (adaptive and time-shared modes): not with --mode {self.mode}"),
             (self.timed_error() is None, self.timed_error()),
             (self.tensor_parallel_error() is None, self.tensor_parallel_error()),
             (self.mode in MODES, f"--mode must be adaptive, time-shared, colocated or pooled, got {self.mode!r}"),

@@ -2,7 +2,9 @@
 
 Fields follow the OpenAI API, plus the vLLM extensions that users of open servers expect
 (``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``).
-Responses are plain dicts built in ``node.api.responses``.
+Responses are plain dicts built in ``node.api.responses``. A field no type declares is a 400 naming it
+(``forbid_unknown_fields``): nothing a client sends is dropped without a word. More fields are in
+:mod:`node.protocol_extras`; :mod:`node.api.fields` lists how each one is honoured or refused.
 """
 
 from __future__ import annotations
@@ -11,15 +13,15 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from node.protocol_extras import MessageExtras, SamplingExtras, StreamOptions
 from node.protocol_structured import ResponseFormat, StructuredOutputs
 from node.protocol_tools import Tool, ToolCall, ToolChoice
 
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "PeerChange", "StreamOptions", "TextPart",
+           "decode_request"]
 
-class StreamOptions(msgspec.Struct):
-    include_usage: bool = False
 
-
-class _SamplingFields(msgspec.Struct, kw_only=True):
+class _SamplingFields(SamplingExtras, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     n: int = 1
     temperature: float | None = None
@@ -59,6 +61,8 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     list of token-id lists. ``logprobs``: number of alternatives (0–20) per token."""
 
     prompt: str | list[str | int | list[int]]
+    add_special_tokens: bool = True  # the tokenizer's BOS before a text prompt
+    prompt_embeds: Any = None  # refused: the node takes text or token ids
     max_tokens: int | None = None  # None: 16, capped by the room left in the context
     echo: bool = False
     logprobs: int | None = None
@@ -66,12 +70,12 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     best_of: int | None = None
 
 
-class TextPart(msgspec.Struct, kw_only=True):
+class TextPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     type: str
     text: str | None = None
 
 
-class ChatMessage(msgspec.Struct, kw_only=True):
+class ChatMessage(MessageExtras, kw_only=True, forbid_unknown_fields=True):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -83,6 +87,18 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     """``POST /v1/chat/completions``. ``logprobs``: whether to return them; ``top_logprobs``: 0–20."""
 
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    add_special_tokens: bool = False  # the template writes BOS itself
+    continue_final_message: bool = False  # extend the last (assistant) message instead of starting a new one
+    echo: bool = False  # the reply starts with the last message's content, when it is the assistant's
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (Qwen3's enable_thinking)
+    chat_template: str | None = None  # refused: the node renders its own template (--chat-template)
+    include_reasoning: bool = True  # with --reasoning-parser: false leaves reasoning_content out
+    reasoning_effort: str | None = None  # passed to the chat template as `reasoning_effort`
+    documents: Any = None  # refused: retrieval documents for templates that take them
+    mm_processor_kwargs: Any = None  # refused: the node serves text models
+    prediction: Any = None  # refused: predicted outputs
+    web_search_options: Any = None  # refused
+    verbosity: str | None = None  # refused: the model has no verbosity control
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -106,7 +122,10 @@ class PeerChange(msgspec.Struct, forbid_unknown_fields=True):
 
 def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
     """Decode ``body`` as JSON into ``kind``. Raises ``msgspec.DecodeError``/``ValidationError``."""
-    return _decoders[kind].decode(body)
+    decoder = _decoders.get(kind)
+    if decoder is None:  # another route's type (/tokenize...): made once
+        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
+    return decoder.decode(body)
 
 
 _decoders = {k: msgspec.json.Decoder(k) for k in (CompletionRequest, ChatCompletionRequest)}

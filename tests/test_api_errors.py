@@ -97,7 +97,9 @@ def test_b03_context_limit(stories_node):
     (b'{"prompt": "hi", "logprobs": 50}', 400),
     (b'{"prompt": "hi", "stop": [""]}', 400),
     (b'{"prompt": "hi", "stop_token_ids": [-3]}', 400),
-    (b'{"prompt": "hi", "logit_bias": {"5": 1}}', 400),
+    (b'{"prompt": "hi", "logit_bias": {"5": 101}}', 400),  # out of [-100, 100]
+    (b'{"prompt": "hi", "logit_bias": {"x": 1}}', 400),  # not a token id
+    (b'{"prompt": "hi", "no_such_field": 1}', 400),  # unknown fields are refused, never ignored
     (b'{"prompt": "hi", "model": "gpt-4"}', 404),
     (b'{"messages": "hi"}', 400),
     (b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}', 400),

@@ -39,7 +39,7 @@ def test_bearer_scheme_is_case_insensitive():
 
 @pytest.mark.parametrize("path,field,value", [
     ("/v1/completions", "use_beam_search", True),
-    ("/v1/completions", "logit_bias", {"5": 10.0}),
+    ("/v1/completions", "logit_bias", {"5": 1000.0}),  # out of [-100, 100] (logit_bias itself works)
     ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
     ("/v1/chat/completions", "function_call", {"name": "f"}),

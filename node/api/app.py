@@ -15,11 +15,14 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from node.api.auth import bearer_ok
+from node.api.cors import install_cors
 from node.api.dashboard import dashboard_handler
 from node.api.errors import APIError, bad_request, error_response, retry_after
 from node.api.openai import NODE_KEY, chat_completions, completions
 from node.config import NodeConfig
 from node.api.openapi import openapi_document
+from node.api.request_ids import echo_request_id
+from node.api.tokenize import detokenize, tokenize
 from node.protocol import PeerChange
 from node.runtime.health import node_health
 from node.runtime.memory import trim_periodically
@@ -66,7 +69,7 @@ async def errors_middleware(request: web.Request, handler):
 def auth_middleware(api_key: str | None):
     @web.middleware
     async def check(request: web.Request, handler):
-        if api_key and request.path.startswith("/v1/"):
+        if api_key and (request.path.startswith("/v1/") or request.path in ("/tokenize", "/detokenize")):
             if not bearer_ok(request.headers.get("Authorization", ""), api_key):
                 return error_response(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
         return await handler(request)
@@ -197,6 +200,10 @@ def create_app(config: NodeConfig, node: Node | None = None, prelaunched: dict |
     app.router.add_post("/v1/node/peers", change_peers)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.on_response_prepare.append(echo_request_id)
+    install_cors(app, config.serving)
     document = msgspec.json.encode(openapi_document(config.model_name, _version()))  # built once: it never changes
 
     async def openapi(request: web.Request) -> web.Response:

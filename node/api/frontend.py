@@ -34,10 +34,12 @@ import structlog
 from aiohttp import web
 
 from node.api.app import GC_THRESHOLDS, auth_middleware, errors_middleware
+from node.api.cors import install_cors
 from node.api.errors import error_response
 from node.api.frontend_node import FrontNode
 from node.api.link_protocol import Admitted, FrameReader, FrameWriter, Ping, Pong, Ready, Step, frame
 from node.api.openai import NODE_KEY, chat_completions, completions
+from node.api.request_ids import echo_request_id
 from node.api.serving import NodeRunner
 from node.config import NodeConfig
 
@@ -109,6 +111,8 @@ def frontend_app(config: NodeConfig, front: FrontNode, control_http: str) -> web
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_route("*", "/{tail:.*}", forward)
+    app.on_response_prepare.append(echo_request_id)
+    install_cors(app, config.serving)
     return app
 
 

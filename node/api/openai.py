@@ -8,7 +8,6 @@ handler is cancelled and every engine request is aborted, so its KV blocks retur
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -16,68 +15,30 @@ from typing import Callable
 import msgspec
 import structlog
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestPayloadError
 
 from node.api.errors import APIError, bad_request, delta_error, error_body
+from node.api.chat_content import ChatContent
+from node.api.fields import reject_refused
 from node.api.frontend_node import FrontNode
-from node.api.responses import ChoiceState, chat_logprobs, completion_logprobs, envelope, usage
+from node.api.request_body import NODE_KEY, read_json  # noqa: F401 - NODE_KEY: imported from here by the apps
+from node.api.request_ids import public_id
+from node.api.request_options import prompt_logprobs_count, truncate_prompt, with_request_options
+from node.api.responses import ChoiceState, chat_logprobs, completion_logprobs, envelope, prompt_logprobs_body, usage
 from node.api.sse import Backlog, SSEWriter, StreamLimits
 from node.api.structured import structured
 from node.api.tool_calls import ChatToolOutput, plan_tools
 from node.api.validate import chat_prompt, check_model, completion_prompts, reject_unsupported, sampling_params
 from node.core.sequence import SamplingParams
 from node.log import request_lines
-from node.protocol import ChatCompletionRequest, CompletionRequest, decode_request
+from node.protocol import ChatCompletionRequest, CompletionRequest
 from node.runtime.delta_stream import DeltaStream
 from node.runtime.admission import EnginesDown, KVCapacityExceeded, NodeDraining, QueueFullError
-from node.runtime.interfaces import ApiNode
 from node.runtime.output import SeqDelta
 from node.runtime.request import RequestState
+from node.worker.sample_request import TokenLogprobs
 from node.worker.tokenizer import IncrementalDetokenizer
 
 log = structlog.get_logger("shiftnode.api")
-
-NODE_KEY = web.AppKey("node", ApiNode)
-
-
-def _error_param(message: str) -> str | None:
-    """The request field a msgspec validation message points at (``$.messages[0].role`` → ``messages``)."""
-    if " - at `$." in message:
-        return re.split(r"[.\[`]", message.rpartition(" - at `$.")[2])[0] or None
-    missing = re.search(r"missing required field `([^`]+)`", message)
-    return missing.group(1) if missing else None
-
-
-async def read_json(request: web.Request, kind: type) -> object:
-    """Read and decode a JSON body into ``kind``.
-
-    Raises:
-        APIError: 415 for a missing or non-JSON content type, 413 for a body over the size limit, 408 for a body
-            slower than ``--body-timeout-s``, 400 for anything that does not decode.
-    """
-    node = request.app[NODE_KEY]
-    # A missing Content-Type is refused like a wrong one: the body's type is never guessed. aiohttp
-    # reports a missing header as application/octet-stream, so the header itself is checked.
-    if "Content-Type" not in request.headers:
-        raise APIError(415, "Content-Type: application/json is required")
-    if request.content_type != "application/json" and not request.content_type.endswith("+json"):
-        raise APIError(415, f"Content-Type must be application/json, got {request.content_type!r}")
-    if request.content_length is not None and request.content_length > node.config.max_body_bytes:
-        raise APIError(413, f"request body of {request.content_length} bytes exceeds the limit of {node.config.max_body_bytes} bytes")
-    try:
-        async with asyncio.timeout(node.config.body_timeout_s):
-            body = await request.read()  # aiohttp raises 413 past client_max_size without Content-Length
-    except TimeoutError as e:
-        raise APIError(408, f"request body not received within {node.config.body_timeout_s:g} s") from e
-    except (RequestPayloadError, HttpProcessingError) as e:  # e.g. a Content-Encoding the body does not have
-        raise bad_request(f"request body could not be read: {e}") from e
-    try:
-        return decode_request(body, kind)
-    except msgspec.ValidationError as e:
-        raise bad_request(f"invalid request: {e}", param=_error_param(str(e))) from e
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise bad_request(f"request body is not valid JSON: {str(e)[:200]}") from e
 
 
 @dataclass
@@ -107,7 +68,7 @@ def _queue_full(e: QueueFullError) -> APIError:
 async def run_request(request: web.Request, *, request_id: str, jobs: list[Job], n: int, stream: bool,
                       include_usage: bool, on_delta: Callable[[ChoiceState, SeqDelta], dict | None],
                       first_chunks: Callable[[list[ChoiceState]], list[dict]], final_body: Callable[[list[ChoiceState], dict], dict],
-                      chunk_envelope: dict) -> web.StreamResponse:
+                      chunk_envelope: dict, continuous_usage: bool = False) -> web.StreamResponse:
     """Drive a request to its end, as SSE chunks or one JSON body.
 
     Each prompt becomes one engine request; all of them push to one :class:`DeltaStream`. A stream's
@@ -116,7 +77,8 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
     awaits the deltas instead. A client that leaves mid-stream ends its requests. ``on_delta``
     folds a delta into its choice and returns the stream chunk's choice entry (or None to send
     nothing); ``first_chunks`` gives chunks sent before any token (e.g. the chat role);
-    ``final_body`` builds the non-streamed body.
+    ``final_body`` builds the non-streamed body. ``continuous_usage`` (with ``include_usage``): every
+    chunk carries the usage so far (vLLM's ``stream_options.continuous_usage_stats``).
 
     Raises:
         APIError: 503 (``Retry-After``) when the node takes no request now, before anything is sent;
@@ -161,6 +123,9 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
             return web.json_response(final_body(choices, usage(prompt_tokens, completion, sum(cached))))
         sse = SSEWriter(request, StreamLimits.of(node.config), node.metrics.stalled_clients.inc)
         extra = {"usage": None} if include_usage else {}
+
+        def usage_now() -> dict:  # continuous_usage: each chunk's usage, counted when it is built
+            return {"usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices), sum(cached))}
         ended = asyncio.get_running_loop().create_future()  # done: every choice ended, or one failed
         interval = node.config.stream_interval
         held: dict[int, SeqDelta] = {}  # choice → tokens not yet sent (--stream-interval > 1)
@@ -181,7 +146,7 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
 
         def emit(d: SeqDelta, chunks: list) -> None:  # ``d``'s event, if one is due now
             if (d := due(d)) is not None and (entry := fold(d)) is not None:
-                chunks.append({**chunk_envelope, "choices": [entry], **extra})
+                chunks.append({**chunk_envelope, "choices": [entry], **(usage_now() if continuous_usage else extra)})
 
         def flush(chunks: list) -> list:  # the deltas held for a congested client, each choice's joined
             for d in backlog.take():
@@ -226,7 +191,7 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
 
         try:
             await sse.prepare()
-            sse.send_many([{**chunk_envelope, **c} for c in first_chunks(choices)])
+            sse.send_many([{**chunk_envelope, **c, **(usage_now() if continuous_usage else {})} for c in first_chunks(choices)])
             if open_choices():
                 deltas.consume(write_step)  # each step's deltas are written from here on, in one call per step
                 await ended
@@ -262,28 +227,31 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req: CompletionRequest = await read_json(request, CompletionRequest)  # type: ignore[assignment]
     check_model(req, node.config.model_name)
     reject_unsupported(req)
-    if req.suffix:
-        raise bad_request("suffix is not supported", param="suffix")
-    if req.best_of is not None and req.best_of != req.n:
-        raise bad_request("best_of other than n is not supported", param="best_of")
+    reject_refused(req)
     tok = node.tokenizer
     vocab = node.info.cfg.vocab_size
     prompts = await off_loop(completion_prompts, req, tok, vocab, node.max_model_len)
+    prompts = [truncate_prompt(ids, req.truncate_prompt_tokens, node.max_model_len) for ids in prompts]
     if len(prompts) * req.n > node.config.max_queue:
         raise bad_request(f"{len(prompts)} prompts x n={req.n} = {len(prompts) * req.n} sequences in one request exceed "
                           f"the queue limit of {node.config.max_queue} (--max-queue)", param="prompt")
     echo_lp = req.logprobs if req.echo else None
     grammar = await structured(node, req)
+    want_plp = prompt_logprobs_count(req)
+    prompt_lp = max((k for k in (echo_lp, want_plp) if k is not None), default=None)
     jobs = []
     for p, ids in enumerate(prompts):
         params = sampling_params(req, prompt_len=len(ids), max_model_len=node.max_model_len, max_tokens=req.max_tokens,
-                                 default_max_tokens=16, vocab_size=vocab, logprobs=req.logprobs, prompt_logprobs=echo_lp,
+                                 default_max_tokens=16, vocab_size=vocab, logprobs=req.logprobs, prompt_logprobs=prompt_lp,
                                  max_n=node.config.max_num_seqs)
+        params = with_request_options(params, req, tok, vocab, priority_policy=_priority_policy(node))
         jobs.append(Job(ids, msgspec.structs.replace(params, grammar=grammar), p * req.n))
     request_id = node.new_request_id("cmpl")
-    env = envelope("text_completion", request_id, node.config.model_name)
+    env = envelope("text_completion", public_id(request, "cmpl", req.request_id, request_id), node.config.model_name)
     n = req.n
     states: dict[int, RequestEcho] = {}
+    prompt_lps: dict[int, list] = {}  # prompt → its tokens' logprobs (prompt_logprobs), from its choice 0
+    as_ids = req.return_tokens_as_token_ids
 
     def echo_for(c: ChoiceState) -> RequestEcho:
         if c.index not in states:
@@ -293,12 +261,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
     def on_delta(c: ChoiceState, d: SeqDelta) -> dict | None:
         text, ids, lps = d.text, list(d.token_ids), list(d.logprobs)
+        if d.prompt_logprobs is not None:
+            prompt_lps[c.index // n] = d.prompt_logprobs
         if req.echo and not c.token_ids and not c.parts:
             e = echo_for(c)
             text = e.text + text
             if req.logprobs is not None:
                 ids = e.prompt_ids + ids
-                lps = [None, *(d.prompt_logprobs or [])] + lps
+                k = req.logprobs  # prompt_logprobs may have asked for more alternatives than the echo lists
+                lps = [None, *(x if x is None or len(x.top) <= k else TokenLogprobs(x.token_id, x.logprob, x.top[:k])
+                               for x in d.prompt_logprobs or [])] + lps
         c.add_text(text)
         c.token_ids += d.token_ids
         c.finish_reason = d.finish_reason
@@ -306,7 +278,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if req.logprobs is not None:
             if c.detok is None:
                 c.detok = IncrementalDetokenizer(tok, [] if req.echo else jobs[c.index // n].prompt_ids)
-            lp_body, c.text_offset = completion_logprobs(tok, lps, ids, c.detok, c.text_offset)
+            lp_body, c.text_offset = completion_logprobs(tok, lps, ids, c.detok, c.text_offset, as_ids)
             c.logprobs += lps
         if not text and d.finish_reason is None and lp_body is None and not req.return_token_ids:
             return None
@@ -322,8 +294,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
             if req.logprobs is not None:
                 prompt = echo_for(c).prompt_ids
                 ids = (prompt if req.echo else []) + c.token_ids
-                lp = completion_logprobs(tok, c.logprobs, ids, IncrementalDetokenizer(tok, [] if req.echo else prompt), 0)[0]
+                lp = completion_logprobs(tok, c.logprobs, ids, IncrementalDetokenizer(tok, [] if req.echo else prompt), 0,
+                                         as_ids)[0]
             entry = {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+            if want_plp is not None:
+                job = jobs[c.index // n]
+                entry["prompt_logprobs"] = prompt_logprobs_body(tok, job.prompt_ids, prompt_lps.get(c.index // n, []), as_ids)
             if req.return_token_ids:
                 entry |= {"token_ids": c.token_ids, "prompt_token_ids": jobs[c.index // n].prompt_ids}
             out.append(entry)
@@ -332,8 +308,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await run_request(
         request, request_id=request_id, jobs=jobs, n=n, stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
         on_delta=on_delta, first_chunks=lambda _: [], final_body=final_body, chunk_envelope=env,
     )
+
+
+def _priority_policy(node) -> bool:
+    return node.config.serving.scheduling_policy == "priority"
 
 
 @dataclass
@@ -348,52 +329,69 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req: ChatCompletionRequest = await read_json(request, ChatCompletionRequest)  # type: ignore[assignment]
     check_model(req, node.config.model_name)
     reject_unsupported(req)
+    reject_refused(req)
     plan = plan_tools(req, node.config.tool_call_parser, node.tokenizer.chat_template)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
     tok = node.tokenizer
     ids = await off_loop(chat_prompt, req, tok, node.max_model_len, plan.tools)
+    ids = truncate_prompt(ids, req.truncate_prompt_tokens, node.max_model_len)
+    want_plp = prompt_logprobs_count(req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, prompt_len=len(ids), max_model_len=node.max_model_len, max_tokens=max_tokens,
                              default_max_tokens=None, vocab_size=node.info.cfg.vocab_size,
-                             logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_logprobs=None,
+                             logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_logprobs=want_plp,
                              max_n=node.config.max_num_seqs, logprobs_param="top_logprobs", prompt_param="messages")
+    params = with_request_options(params, req, tok, node.info.cfg.vocab_size, priority_policy=_priority_policy(node))
     params = msgspec.structs.replace(params, grammar=await structured(node, req, plan.grammar))
     tool_out = ChatToolOutput(plan)
     request_id = node.new_request_id("chatcmpl")
-    env = envelope("chat.completion.chunk", request_id, node.config.model_name)
+    env = envelope("chat.completion.chunk", public_id(request, "chatcmpl", req.request_id, request_id),
+                   node.config.model_name)
+    text = ChatContent(req, node.config.serving.reasoning_parser, tok, ids)
+    as_ids = req.return_tokens_as_token_ids
+    prompt_lps: list = []
 
     def on_delta(c: ChoiceState, d: SeqDelta) -> dict | None:
         c.add_text(d.text)
         c.token_ids += d.token_ids
         c.logprobs += d.logprobs
         c.finish_reason = d.finish_reason
-        delta, finish = tool_out.delta(c.index, d.text, d.finish_reason)  # content, and tool calls once known
+        if d.prompt_logprobs is not None:
+            prompt_lps[:] = d.prompt_logprobs
+        reasoning, content = text.split(c.index, d.text, d.finish_reason is not None)  # --reasoning-parser
+        delta, finish = tool_out.delta(c.index, content, d.finish_reason)  # content, and tool calls once known
+        delta = text.with_reasoning(delta, reasoning)
         if not any(delta.values()) and finish is None and not (req.logprobs and d.logprobs) and not req.return_token_ids:
-            return None  # nothing new (or text held back: it may begin a tool call)
+            return None  # nothing new (or text held back: it may begin a tool call or a tag)
         entry = {"index": c.index, "delta": delta,
-                 "logprobs": chat_logprobs(tok, d.logprobs) if req.logprobs else None, "finish_reason": finish}
+                 "logprobs": chat_logprobs(tok, d.logprobs, as_ids) if req.logprobs else None, "finish_reason": finish}
         if req.return_token_ids:
             entry["token_ids"] = list(d.token_ids)
         return entry
 
     def first_chunks(choices: list[ChoiceState]) -> list[dict]:
-        return [{"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}]} for c in choices]
+        return [{"choices": [{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}]}
+                for c in choices for delta in text.first_deltas()]
 
     def final_body(choices: list[ChoiceState], use: dict) -> dict:
         out = []
         for c in choices:
-            msg, finish = tool_out.message(c.index, c.text, c.finish_reason)
-            entry = {"index": c.index, "message": msg, "finish_reason": finish,
-                     "logprobs": chat_logprobs(tok, [e for e in c.logprobs if e is not None]) if req.logprobs else None}
+            reasoning, content = text.split_whole(c.text)
+            msg, finish = tool_out.message(c.index, content, c.finish_reason)
+            entry = {"index": c.index, "message": text.finish_message(msg, reasoning), "finish_reason": finish,
+                     "logprobs": chat_logprobs(tok, [e for e in c.logprobs if e is not None], as_ids) if req.logprobs else None}
             if req.return_token_ids:
                 entry |= {"token_ids": c.token_ids, "prompt_token_ids": ids}
             out.append(entry)
-        return {**env, "object": "chat.completion", "choices": out, "usage": use}
+        body = {**env, "object": "chat.completion", "choices": out, "usage": use}
+        if want_plp is not None:  # vLLM: on the response, beside the choices
+            body["prompt_logprobs"] = prompt_logprobs_body(tok, ids, prompt_lps, as_ids)
+        return body
 
     return await run_request(
         request, request_id=request_id, jobs=[Job(ids, params, 0)], n=req.n, stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
         on_delta=on_delta, first_chunks=first_chunks, final_body=final_body, chunk_envelope=env,
     )

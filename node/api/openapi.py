@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
+from node.api.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from node.protocol import ChatCompletionRequest, CompletionRequest, PeerChange
 
 _REF = "#/components/schemas/{name}"
@@ -41,6 +42,12 @@ def _generate(kind: type, summary: str) -> dict:
                       **_errors(400, 401, 404, 408, 413, 415, 503)}}}
 
 
+def _tokenizer_route(summary: str, schema: dict) -> dict:
+    return {"post": {"summary": summary, "security": [{"bearer": []}, {}],
+                     "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+                     "responses": {"200": _json("the answer"), **_errors(400, 401, 404, 408, 413, 415)}}}
+
+
 def openapi_document(model_name: str, version: str) -> dict:
     """The OpenAPI 3.1 document of this node's HTTP API (a JSON-able dict).
 
@@ -48,7 +55,9 @@ def openapi_document(model_name: str, version: str) -> dict:
         model_name: the served model's name (shown in the description).
         version: shiftnode's version (``info.version``).
     """
-    _, components = msgspec.json.schema_components([CompletionRequest, ChatCompletionRequest, PeerChange], ref_template=_REF)
+    _, components = msgspec.json.schema_components(
+        [CompletionRequest, ChatCompletionRequest, PeerChange, TokenizeCompletionRequest, TokenizeChatRequest,
+         DetokenizeRequest], ref_template=_REF)
     components["Error"] = ERROR
     node_get = {"get": {"summary": "the node's state: mode, devices and their roles, queue, KV, peers",
                         "security": [{"bearer": []}, {}],
@@ -66,6 +75,12 @@ def openapi_document(model_name: str, version: str) -> dict:
         "paths": {
             "/v1/completions": _generate(CompletionRequest, "text completion (OpenAI legacy completions)"),
             "/v1/chat/completions": _generate(ChatCompletionRequest, "chat completion"),
+            "/tokenize": _tokenizer_route("token ids of a text prompt or of chat messages rendered by the chat "
+                                          "template (vLLM's shape: count, max_model_len, tokens, token_strs)",
+                                          {"oneOf": [{"$ref": _REF.format(name="TokenizeCompletionRequest")},
+                                                     {"$ref": _REF.format(name="TokenizeChatRequest")}]}),
+            "/detokenize": _tokenizer_route("the text of token ids (vLLM's shape: prompt)",
+                                            {"$ref": _REF.format(name="DetokenizeRequest")}),
             "/v1/models": {"get": {"summary": "the served model", "security": [{"bearer": []}, {}],
                                    "responses": {"200": _json("model list"), **_errors(401)}}},
             "/v1/node": node_get,

@@ -48,34 +48,61 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": min(cached_tokens, prompt_tokens)}}
 
 
+def token_name(tok: TextTokenizer, token_id: int, as_ids: bool = False) -> str:
+    """A token's name in logprob listings: its text, ``bytes:\\xNN`` for a partial character
+    (:func:`logprob_token`), or ``token_id:N`` with ``as_ids`` (vLLM's ``return_tokens_as_token_ids``)."""
+    return f"token_id:{token_id}" if as_ids else logprob_token(tok, token_id)
+
+
 def completion_logprobs(tok: TextTokenizer, entries: list[TokenLogprobs | None], token_ids: list[int],
-                        detok: IncrementalDetokenizer, offset0: int) -> tuple[dict, int]:
+                        detok: IncrementalDetokenizer, offset0: int, as_ids: bool = False) -> tuple[dict, int]:
     """Legacy completions logprobs ``{tokens, token_logprobs, top_logprobs, text_offset}``.
 
     Token strings come from ``detok`` (the choice's running detokenizer), so they concatenate to the
     returned text and ``text_offset`` indexes into it (a character split over byte tokens is given to
     the token that completes it). ``entries[i] is None`` marks the first prompt token under echo (it
-    has no logprob). Returns the body and the text offset after the last token.
+    has no logprob). ``as_ids``: tokens and ``top_logprobs`` keys are ``token_id:N`` (the text offsets
+    still count the text). Returns the body and the text offset after the last token.
     """
     tokens, lps, tops, offsets = [], [], [], []
     off = offset0
     for tid, e in zip(token_ids, entries):
         text = detok.add(tid)
-        tokens.append(text)
+        tokens.append(f"token_id:{tid}" if as_ids else text)
         offsets.append(off)
         off += len(text)
         lps.append(None if e is None else e.logprob)
-        tops.append(None if e is None else {logprob_token(tok, t): lp for t, lp in e.top})  # distinct keys
+        tops.append(None if e is None else {token_name(tok, t, as_ids): lp for t, lp in e.top})  # distinct keys
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, off
 
 
-def chat_logprobs(tok: TextTokenizer, entries: list[TokenLogprobs]) -> dict:
-    """Chat logprobs ``{"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}``."""
+def chat_logprobs(tok: TextTokenizer, entries: list[TokenLogprobs], as_ids: bool = False) -> dict:
+    """Chat logprobs ``{"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}`` (``as_ids``:
+    tokens named ``token_id:N``)."""
     def item(t: int, lp: float) -> dict:  # bytes: the token's own (part of a character's), not U+FFFD's
-        return {"token": logprob_token(tok, t), "logprob": lp, "bytes": list(token_bytes(tok, t))}
+        return {"token": token_name(tok, t, as_ids), "logprob": lp, "bytes": list(token_bytes(tok, t))}
 
     return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
 
 
 def envelope(kind: str, request_id: str, model: str, created: int | None = None) -> dict:
     return {"id": request_id, "object": kind, "created": created or int(time.time()), "model": model}
+
+
+def prompt_logprobs_body(tok: TextTokenizer, prompt_ids: list[int], entries: list[TokenLogprobs | None],
+                         as_ids: bool = False) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: ``None`` for the first prompt token (nothing predicts it), then per
+    token a dict keyed by **token id** (as a string; never by text, so partial characters stay apart) of
+    ``{logprob, rank, decoded_token}`` for the prompt's own token and its top alternatives. ``rank``:
+    1-based position among the alternatives, None for a prompt token outside them."""
+    out: list[dict | None] = [None]
+    for tid, e in zip(prompt_ids[1:], entries):
+        if e is None:
+            out.append(None)
+            continue
+        ranks = {t: r for r, (t, _) in enumerate(e.top, 1)}
+        row = {str(tid): {"logprob": e.logprob, "rank": ranks.get(tid), "decoded_token": token_name(tok, tid, as_ids)}}
+        for t, lp in e.top:
+            row.setdefault(str(t), {"logprob": lp, "rank": ranks[t], "decoded_token": token_name(tok, t, as_ids)})
+        out.append(row)
+    return out

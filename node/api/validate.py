@@ -47,12 +47,15 @@ def completion_prompts(req: CompletionRequest, tok: TextTokenizer, vocab_size: i
     Tokenization can take seconds for a long text: callers run this off the event loop.
     """
     p = req.prompt
+    # a prompt to be cut to its last tokens may be any length (the body limit bounds it)
+    limit = max_model_len if req.truncate_prompt_tokens is None else 2**40
+    special = req.add_special_tokens
     if isinstance(p, str):
-        prompts = [_encode(tok, p, max_model_len, "prompt")]
+        prompts = [_encode(tok, p, limit, "prompt", special)]
     elif not p:
         raise bad_request("prompt must not be an empty list", param="prompt")
     elif all(isinstance(x, str) for x in p):
-        prompts = [_encode(tok, x, max_model_len, "prompt") for x in p]
+        prompts = [_encode(tok, x, limit, "prompt", special) for x in p]
     elif all(isinstance(x, int) for x in p):
         prompts = [list(p)]
     elif all(isinstance(x, list) for x in p):
@@ -70,7 +73,9 @@ def completion_prompts(req: CompletionRequest, tok: TextTokenizer, vocab_size: i
 
 def chat_prompt(req: ChatCompletionRequest, tok: TextTokenizer, max_model_len: int, tools: list[dict] | None = None) -> list[int]:
     """Render the chat template (with ``tools`` when given, as ``apply_chat_template(tools=)`` does) and
-    tokenize it (the template carries BOS itself). Run off the loop."""
+    tokenize it (the template carries BOS itself; ``add_special_tokens`` adds the tokenizer's too).
+    ``chat_template_kwargs`` and ``reasoning_effort`` become template variables;
+    ``continue_final_message`` leaves the last message open. Run off the loop."""
     messages = []  # at least one, each with a known role: the decoder checked (node.protocol)
     for m in req.messages:
         content = m.content
@@ -78,12 +83,23 @@ def chat_prompt(req: ChatCompletionRequest, tok: TextTokenizer, max_model_len: i
             if any(part.type != "text" for part in content):
                 raise bad_request("only text content parts are supported", param="messages")
             content = "\n".join(part.text or "" for part in content)
-        messages.append(template_message(m, content or ""))
+        message = template_message(m, content or "")
+        if m.reasoning_content is not None:
+            message["reasoning_content"] = m.reasoning_content
+        messages.append(message)
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true (a final message "
+                          "is either continued or followed by a new one)", param="continue_final_message")
+    variables = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        variables.setdefault("reasoning_effort", req.reasoning_effort)
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tools=tools)
+        text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tools=tools,
+                                       continue_final_message=req.continue_final_message, **variables)
     except TokenizerError as e:
         raise bad_request(str(e), param="messages") from e
-    ids = _encode(tok, text, max_model_len, "messages", add_special_tokens=False)
+    limit = max_model_len if getattr(req, "truncate_prompt_tokens", None) is None else 2**40  # /tokenize has none
+    ids = _encode(tok, text, limit, "messages", add_special_tokens=req.add_special_tokens)
     if not ids:
         raise bad_request("the rendered chat prompt is empty", param="messages")
     return ids
@@ -139,8 +155,6 @@ def sampling_params(req: _SamplingFields, *, prompt_len: int, max_model_len: int
     stop_ids = list(req.stop_token_ids or [])
     if any(not 0 <= t < vocab_size for t in stop_ids):
         raise bad_request(f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported by this server", param="logit_bias")
     if req.seed is not None and not -(2**63) <= req.seed < 2**63:
         raise bad_request("seed must fit in 64 bits", param="seed")
     return SamplingParams(

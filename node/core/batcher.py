@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from node.core.ledger import BlockLedger
+from node.core.ledger import BlockLedger, salt_root
 from node.core.sequence import Sequence, SeqStatus
 
 
@@ -328,7 +328,7 @@ class Batcher:
         if not self._may_reuse(seq):
             return []
         # pending blocks too: they are this device's own steps' (the ledger's fence invariant)
-        return self.ledger.match(seq.token_ids, len(seq.token_ids) - 1, seq.block_keys, pending=True)
+        return self.ledger.match(seq.token_ids, len(seq.token_ids) - 1, seq.block_keys, True, salt_root(seq.params.cache_salt))
 
     def _admission(self, seq: Sequence, budget: int) -> tuple[list[int], int, int] | None:
         """How the waiting head ``seq`` would start this step: (cached blocks it reuses, tokens it
@@ -365,10 +365,10 @@ class Batcher:
         full = min(upto_tokens // bs, len(seq.block_ids))
         if seq.num_registered >= full:
             return
-        keys = self.ledger.keys(seq.token_ids, full, seq.block_keys)
+        keys = self.ledger.keys(seq.token_ids, full, seq.block_keys, root := salt_root(seq.params.cache_salt))
         for i in range(seq.num_registered, full):
             b = seq.block_ids[i]
-            if self.ledger.register(b, keys[i], keys[i - 1] if i else None, seq.token_ids[i * bs : (i + 1) * bs],
+            if self.ledger.register(b, keys[i], keys[i - 1] if i else root, seq.token_ids[i * bs : (i + 1) * bs],
                                     pending=True):
                 plan.registered.append(b)
         seq.num_registered = full

@@ -41,6 +41,7 @@ pending=True)``) is *pending* until that step's outcome is known. Invariant:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from array import array
 from collections import deque
@@ -59,6 +60,16 @@ def block_key(parent: bytes | None, tokens: Seq[int]) -> bytes:
     h = hashlib.blake2b(parent or b"", digest_size=16)
     h.update(array("q", tokens))
     return h.digest()
+
+
+@functools.lru_cache(maxsize=1024)
+def salt_root(salt: str | None) -> bytes | None:
+    """The parent key of a salted sequence's first block (``cache_salt``, as vLLM salts its first block
+    hash): a digest of the salt, so every key of the sequence, and the parent a hit is confirmed
+    against, differs from an unsalted or otherwise salted sequence's; None without a salt."""
+    if salt is None:
+        return None
+    return hashlib.blake2b(b"cache_salt\0" + salt.encode(), digest_size=16).digest()
 
 
 class BlockLedger:
@@ -185,33 +196,34 @@ class BlockLedger:
                     self._free.append(b)
 
     # --- the prefix cache -----------------------------------------------------------------------
-    def keys(self, token_ids: Seq[int], num_blocks: int, memo: list[bytes]) -> list[bytes]:
+    def keys(self, token_ids: Seq[int], num_blocks: int, memo: list[bytes], root: bytes | None = None) -> list[bytes]:
         """Keys of the first ``num_blocks`` full blocks of ``token_ids``, extending ``memo`` (the keys
-        already computed for these tokens, which only ever grow) as needed."""
+        already computed for these tokens, which only ever grow) as needed. ``root``: the first
+        block's parent (:func:`salt_root` of the sequence's ``cache_salt``; None unsalted)."""
         bs = self.block_size
         while len(memo) < num_blocks:
             i = len(memo)
-            memo.append(block_key(memo[-1] if memo else None, token_ids[i * bs : (i + 1) * bs]))
+            memo.append(block_key(memo[-1] if memo else root, token_ids[i * bs : (i + 1) * bs]))
         return memo
 
     def match(self, token_ids: Seq[int], max_tokens: int, memo: list[bytes] | None = None,
-              pending: bool = False) -> list[int]:
+              pending: bool = False, root: bytes | None = None) -> list[int]:
         """Cached blocks holding the longest run of leading full blocks of ``token_ids[:max_tokens]``
         (``[]`` with caching off). Changes nothing; take them with :meth:`take`.
 
         ``memo``: the tokens' key list (see :meth:`keys`); keys are computed only as far as the match
         goes. A candidate must also carry the same parent key and the same token ids. ``pending``:
         pending blocks match too (only the device's own planner may ask: see the module docstring);
-        otherwise the match stops at the first pending block.
+        otherwise the match stops at the first pending block. ``root``: as in :meth:`keys`.
         """
         if not self.prefix_caching or not len(self._index):
             return []
         bs, index = self.block_size, self._index
         memo = [] if memo is None else memo
         out: list[int] = []
-        parent = None
+        parent = root
         for i in range(max(0, max_tokens) // bs):
-            key = self.keys(token_ids, i + 1, memo)[i]
+            key = self.keys(token_ids, i + 1, memo, root)[i]
             b = index.find(key)
             if b is None or not index.confirms(b, parent, token_ids[i * bs : (i + 1) * bs]):
                 break
@@ -222,13 +234,13 @@ class BlockLedger:
         return out
 
     def reserve(self, token_ids: Seq[int], max_tokens: int, num_blocks: int,
-                memo: list[bytes] | None = None) -> tuple[list[int], int] | None:
+                memo: list[bytes] | None = None, root: bytes | None = None) -> tuple[list[int], int] | None:
         """Blocks for a sequence of ``num_blocks`` blocks arriving from elsewhere (a move, a peer
         hand-off) whose first ``max_tokens`` tokens are computed: the *written* cached blocks of its
         longest cached prefix (never pending ones: the module docstring's invariant), referenced now so
         never evicted, then new ones; all or nothing. Returns ``(blocks, reused)``, the first
         ``reused`` being the cached ones (their KV need not be sent), or ``None`` (nothing changed)."""
-        hits = self.match(token_ids, max_tokens, memo)[:num_blocks]
+        hits = self.match(token_ids, max_tokens, memo, root=root)[:num_blocks]
         new = self.take(hits, num_blocks - len(hits))
         if new is None:
             return None

@@ -38,6 +38,11 @@ class WaitingPrompt(msgspec.Struct, frozen=True):
     expected_output_tokens: int
     seqs: int = 1  # sequences the prompt becomes (its ``n`` choices); each takes a sequence slot
     cached_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    priority: int = 0  # lower first (--scheduling-policy priority; node.core.priority)
+
+    def order_key(self) -> tuple[int, float, str]:
+        """Placement order: priority (lower first), then arrival, then request id."""
+        return (self.priority, self.arrival_s, self.request_id)
 
     def new_tokens(self, device_id: str) -> int:
         """Prompt tokens the device would compute: those its prefix cache does not hold."""

@@ -177,9 +177,9 @@ class RoleScheduler(WindowMath):
 
     @staticmethod
     def _reject(snapshot: NodeSnapshot, devs: list[_Dev], out: list[Decision]) -> list[WaitingPrompt]:
-        """Reject prompts no empty device could hold; the others in (arrival, request id) order."""
+        """Reject prompts no empty device could hold; the others in (priority, arrival, request id) order."""
         remaining: list[WaitingPrompt] = []
-        for w in sorted(snapshot.waiting, key=lambda w: (w.arrival_s, w.request_id)):
+        for w in sorted(snapshot.waiting, key=WaitingPrompt.order_key):
             if not any(blocks_for(w.prompt_tokens + 1, dv.st.block_size) <= dv.st.kv_total_blocks for dv in devs):
                 out.append(Reject(w.request_id, "prompt does not fit the KV memory of any device"))
             else:

@@ -16,8 +16,17 @@ class SamplingParams(msgspec.Struct, frozen=True):
     filters. ``seed`` makes sampling reproducible per sequence regardless of batching (the sampler
     derives each token's randomness from ``(seed, output index)``). ``logprobs``: number of top
     alternatives to return per sampled token (``None``: no logprobs). ``prompt_logprobs``: the same
-    for prompt tokens (``echo`` with ``logprobs``). ``grammar``: the output must match it (structured
-    output); every sampled token is masked to those the grammar allows (:mod:`node.worker.grammar`).
+    for prompt tokens (``echo`` with ``logprobs``, or ``prompt_logprobs``). ``grammar``: the output must
+    match it (structured output); every sampled token is masked to those the grammar allows
+    (:mod:`node.worker.grammar`).
+
+    Token controls (applied after the raw logprobs, before the penalties): ``logit_bias`` adds
+    ``(token_id, bias)``; ``allowed_token_ids`` (non-empty) masks every other id; ``bad_words`` are
+    token sequences never completed (a sequence's last token is masked where the output ends with the
+    others). Output: ``include_stop_str_in_output`` keeps a matched stop string; ``skip_special_tokens``
+    leaves special tokens out of the text. ``cache_salt``: prefix-cache keys are salted with it, so
+    hits happen only among sequences of the same salt. ``priority``: lower is served first under the
+    priority scheduling policy.
     """
 
     max_tokens: int
@@ -36,6 +45,13 @@ class SamplingParams(msgspec.Struct, frozen=True):
     prompt_logprobs: int | None = None
     min_tokens: int = 0
     grammar: GrammarSpec | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    cache_salt: str | None = None
+    priority: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -118,8 +134,9 @@ class Sequence:
         n = len(self.token_ids)  # num_uncomputed == 1 and num_output > 0, without two more property calls:
         return n - self.num_computed == 1 and n > self.prompt_len  # the batcher and snapshot ask per sequence
 
-    def sort_key(self) -> tuple[float, str]:
-        return (self.arrival_s, self.seq_id)
+    def sort_key(self) -> tuple[int, float, str]:
+        """Queue order: priority (lower first; all 0 under first-come-first-served), then arrival."""
+        return (self.params.priority, self.arrival_s, self.seq_id)
 
     def __repr__(self) -> str:
         return f"Sequence({self.seq_id}, {self.status.value}, computed={self.num_computed}/{len(self.token_ids)})"

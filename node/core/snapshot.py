@@ -92,7 +92,7 @@ def waiting_prompt(request_id: str, seqs: Seq[Sequence], arrival_s: float, expec
     n = len(seqs)
     cached = cached_tokens(seqs, batchers) if position < CACHE_LOOKUPS else {}
     return WaitingPrompt(request_id, seqs[0].prompt_len * n, arrival_s, expected_per_seq * n, seqs=n,
-                         cached_tokens=cached)
+                         cached_tokens=cached, priority=seqs[0].params.priority)
 
 
 def _leaving(p: Placement, v: DeviceView, moving: Mapping[str, str]) -> bool:

@@ -10,6 +10,7 @@ from typing import Callable
 import structlog
 
 from node.core.output_estimate import PRIOR_TOKENS, OutputEstimator
+from node.core.priority import insert_by_priority
 from node.core.snapshot import CACHE_LOOKUPS, cached_tokens
 from node.runtime.request import RequestState
 
@@ -24,6 +25,10 @@ TICK_S = 0.005  # re-decide at least this often while prompts wait or sequences 
 RESTING_TICK_S = 0.1
 SAMPLES = 256  # most recent samples kept
 DEFAULT_EXPECTED_OUTPUT = PRIOR_TOKENS  # tokens, until enough requests have ended on their own
+
+
+def _priority_of(req: RequestState) -> int:
+    return req.params.priority
 
 
 class Driver:
@@ -52,7 +57,8 @@ class Driver:
                 await self._task
 
     def submit(self, req: RequestState) -> None:
-        self.pending.append(req)
+        """Queue ``req`` for placement, in priority order (node.core.priority; arrival order at equal priority)."""
+        insert_by_priority(self.pending, req, _priority_of)
         self.kick()
 
     def withdraw(self, req: RequestState) -> bool:

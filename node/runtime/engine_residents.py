@@ -13,6 +13,7 @@ from typing import Callable
 
 import structlog
 
+from node.core.ledger import salt_root
 from node.core.sequence import Sequence
 from node.runtime.block_pins import PinnedBlocks, check_ownership, stale
 from node.runtime.request import RequestState
@@ -159,20 +160,22 @@ class Residents:
             self._aborts.append(request_id)
             self.wake()
 
-    def cached_blocks_of(self, token_ids: list[int], num_computed: int, memo: list[bytes] | None = None) -> list[int]:
+    def cached_blocks_of(self, token_ids: list[int], num_computed: int, memo: list[bytes] | None = None,
+                         salt: str | None = None) -> list[int]:
         """This device's cached blocks of the longest cached prefix of full blocks within the first
-        ``num_computed`` tokens of a sequence arriving from elsewhere (changes nothing)."""
-        return self.batcher.ledger.match(token_ids, num_computed, memo)
+        ``num_computed`` tokens of a sequence arriving from elsewhere (changes nothing); ``salt``: its
+        ``cache_salt`` (hits only among sequences of the same salt)."""
+        return self.batcher.ledger.match(token_ids, num_computed, memo, root=salt_root(salt))
 
     def reserve_for(self, token_ids: list[int], num_computed: int, num_blocks: int,
-                    memo: list[bytes] | None = None) -> tuple[list[int] | None, int]:
+                    memo: list[bytes] | None = None, salt: str | None = None) -> tuple[list[int] | None, int]:
         """Blocks here for a sequence of ``num_blocks`` blocks arriving from elsewhere: this device's
         cached blocks of its longest cached prefix (:meth:`cached_blocks_of`; referenced now, so never
         evicted, and never written by the copy, since their tokens lie before ``num_computed``), then
         new ones. Returns ``(blocks, reused)`` — the first ``reused`` are the cached ones, which need
         not be received — or ``(None, 0)`` when they do not fit. Blocks a step in flight registered
         are never reused (:meth:`BlockLedger.reserve`): that step may still fail to write them."""
-        got = self.batcher.ledger.reserve(token_ids, num_computed, num_blocks, memo)
+        got = self.batcher.ledger.reserve(token_ids, num_computed, num_blocks, memo, root=salt_root(salt))
         return (self._pin(got[0]), got[1]) if got is not None else (None, 0)
 
     def adopt(self, req: RequestState, index: int, seq: Sequence) -> None:

@@ -140,13 +140,13 @@ class KVReceiver:
         best = None
         for e in self._decode_engines():
             free, slots = self._room(e)
-            hits = len(e.cached_blocks_of(st.token_ids, reusable))
+            hits = len(e.cached_blocks_of(st.token_ids, reusable, salt=st.sampling.get("cache_salt")))
             if slots > 0 and free >= need and (best is None or free + hits > best[0]):
                 best = (free + hits, e)
         if best is None:
             return None
         e = best[1]
-        blocks, reused = e.reserve_for(st.token_ids, reusable, offer.num_blocks)
+        blocks, reused = e.reserve_for(st.token_ids, reusable, offer.num_blocks, salt=st.sampling.get("cache_salt"))
         if blocks is None:
             return None
         self.incoming[offer.transfer_id] = (e, blocks, reused)

@@ -100,7 +100,8 @@ class KVMoves:
         blocks = None
         if entry is not None and seq in self.batcher.running and seq.is_decoding and not seq.num_pending \
                 and dst.failure is None:
-            blocks, m.reused = dst.reserve_for(seq.token_ids, seq.num_computed, len(seq.block_ids), seq.block_keys)
+            blocks, m.reused = dst.reserve_for(seq.token_ids, seq.num_computed, len(seq.block_ids), seq.block_keys,
+                                               seq.params.cache_salt)
         if blocks is None:
             m.fut.set_result(None)
             return False

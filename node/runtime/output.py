@@ -78,7 +78,7 @@ class OutputState:
 
     def __init__(self, seq: Sequence, tokenizer: TextTokenizer, eos_token_ids: list[int]):
         self.seq = seq
-        self.detok = IncrementalDetokenizer(tokenizer, seq.token_ids[: seq.prompt_len])
+        self.detok = IncrementalDetokenizer(tokenizer, seq.token_ids[: seq.prompt_len], seq.params.skip_special_tokens)
         self.eos = set(eos_token_ids)
         self.stops = seq.params.stop
         self.longest = max((len(s) for s in self.stops), default=0)
@@ -126,10 +126,11 @@ class OutputState:
             return new
         start = max(0, len(self.text) - self.longest)
         self.text += new
-        hits = [i for i in (self.text.find(s, start) for s in stops) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((self.text.find(s, start), s) for s in stops) if i >= 0]
         n = self.seq.num_output if num_output is None else num_output
         if hits and n >= self.seq.params.min_tokens:
-            self.text = self.text[: min(hits)]
+            at, length = min(hits)  # the earliest match (the shorter one where two start together)
+            self.text = self.text[: at + length if self.seq.params.include_stop_str_in_output else at]
             self.finish_reason = "stop"
             final = True
         end = len(self.text) if final else len(self.text) - _held_suffix(self.text, stops)

@@ -123,7 +123,8 @@ class PooledDriver(Driver):
             decode=tuple(self._device(d, True) for d in decode_ids) + tuple(self._peer_device(p) for p in peers),
             waiting=tuple(WaitingPrompt(r.request_id, len(r.prompt_ids) * len(r.seqs), r.stats.arrival_s,
                                         self.expected_output(r) * len(r.seqs), seqs=len(r.seqs),
-                                        cached_tokens=self.cached_tokens(r, i, self.prefill_ids + self.decode_ids))
+                                        cached_tokens=self.cached_tokens(r, i, self.prefill_ids + self.decode_ids),
+                                        priority=r.params.priority)
                           for i, r in enumerate(self.pending)),
         )
         by_id = {r.request_id: r for r in self.pending}

@@ -45,6 +45,12 @@ def load_model_info(config: NodeConfig) -> LoadedModel:
         tok = TextTokenizer.byte_level()
     else:
         tok = TextTokenizer.from_folder(config.model)
+    try:
+        override = config.serving.template_text()  # --chat-template replaces the checkpoint's
+    except ValueError as e:
+        raise StartupError(str(e)) from e
+    if override is not None:
+        tok.chat_template = override
     if tok.vocab_size > cfg.vocab_size:
         raise StartupError(f"tokenizer has {tok.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}")
     max_len = config.max_model_len or cfg.max_position_embeddings

@@ -1,6 +1,7 @@
 """Token sampling, batched: penalties, temperature, top-k/top-p/min-p, per-sequence seeds, logprobs.
 
-Order (vLLM's): repetition penalty (CTRL, Keskar et al. 2019, arXiv:1909.05858: positive logits
+Order (vLLM's): the request's token controls (``logit_bias``, ``allowed_token_ids``, ``bad_words``:
+:mod:`node.worker.token_masks`) → repetition penalty (CTRL, Keskar et al. 2019, arXiv:1909.05858: positive logits
 divided, negative multiplied, over prompt and output tokens) → presence/frequency penalties (OpenAI
 API: subtract ``frequency * count + presence * (count > 0)`` over output tokens; both in
 :mod:`node.worker.penalties`) → greedy rows take
@@ -66,6 +67,7 @@ from node.core.sequence import SamplingParams
 from node.worker.grammar import apply_mask
 from node.worker.penalties import apply_penalties
 from node.worker.sample_request import SampleRequest, TokenLogprobs
+from node.worker.token_masks import apply_token_masks
 
 CPU_SAMPLER = os.environ.get("SHIFTNODE_CPU_SAMPLER", "auto")
 """CPU rows without top-k: ``"auto"`` runs the compiled kernel where it applies (Numba installed, float32
@@ -314,6 +316,7 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest], generator: torch.Gen
         k_lp = min(vocab, max(params[i].logprobs for i in lp_rows))
         if k_lp > 0:
             top_v, top_i = lp.topk(k_lp, dim=-1)
+    apply_token_masks(logits, reqs)  # logit_bias, allowed_token_ids, bad_words (after the raw logprobs)
     apply_penalties(logits, reqs)
     if grammar_mask is not None:
         apply_mask(logits, *grammar_mask)

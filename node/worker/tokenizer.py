@@ -150,23 +150,41 @@ class TextTokenizer:
         return self._tok.decode([self._anchor_id, token_id], skip_special_tokens=False)[len(anchor) :]
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+                            **variables: Any) -> str:
         """Render ``messages`` with the model's chat template (``tools``: the function definitions,
-        passed to the template as ``tools``, as transformers' ``apply_chat_template`` does).
+        passed to the template as ``tools``, as transformers' ``apply_chat_template`` does);
+        ``variables`` are extra template variables (``enable_thinking``...), as its keyword arguments.
+
+        ``continue_final_message``: as Hugging Face's, the text ends right after the last message's
+        content (whatever the template writes after it, an end-of-turn token, is cut), so generation
+        continues that message.
 
         Raises:
-            TokenizerError: the model has no chat template, or rendering failed (e.g. the template
-                raised for an unsupported role).
+            TokenizerError: the model has no chat template, rendering failed (e.g. the template
+                raised for an unsupported role), or the final message to continue is empty or not
+                found in the rendered text.
         """
         if not self.chat_template:
             raise TokenizerError("this model has no chat template; use /v1/completions")
         try:
-            return _compile(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            text = _compile(self.chat_template).render(
+                **{**variables, "messages": messages, "add_generation_prompt": add_generation_prompt, "tools": tools,
+                   "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""},
             )
         except jinja2.TemplateError as e:
             raise TokenizerError(f"chat template failed: {e}") from e
+        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as e:
+            # a template variable of a type the template cannot use (chat_template_kwargs come from the client)
+            raise TokenizerError(f"chat template failed: {type(e).__name__}: {e}") from e
+        if continue_final_message:
+            final = str(messages[-1].get("content") or "").strip() if messages else ""
+            at = text.rfind(final) if final else -1
+            if at < 0:
+                raise TokenizerError("continue_final_message: the final message's content is empty or does not "
+                                     "appear in the rendered template")
+            text = text[: at + len(final)]
+        return text
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -246,11 +264,13 @@ class IncrementalDetokenizer:
     The window method of vLLM/TGI: decode ``ids[prefix:]`` and ``ids[prefix:read]`` and emit the
     difference; decoding from a few tokens back keeps leading-space rules (sentencepiece ``Strip``)
     and byte-fallback pieces right. A delta ending in U+FFFD (an incomplete byte sequence) is held
-    back until the character completes, or until :meth:`flush` at the end.
+    back until the character completes, or until :meth:`flush` at the end. ``skip_special_tokens``:
+    special tokens leave no text (the default, as vLLM's).
     """
 
-    def __init__(self, tokenizer: TextTokenizer, prompt_ids: list[int]):
+    def __init__(self, tokenizer: TextTokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
         self.tok = tokenizer
+        self.skip = skip_special_tokens
         self.ids = list(prompt_ids)
         self.prefix = max(len(self.ids) - 6, 0)
         self.read = len(self.ids)
@@ -258,8 +278,8 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one token; return the text that became final."""
         self.ids.append(token_id)
-        prefix_text = self.tok.decode(self.ids[self.prefix : self.read])
-        new_text = self.tok.decode(self.ids[self.prefix :])
+        prefix_text = self.tok.decode(self.ids[self.prefix : self.read], self.skip)
+        new_text = self.tok.decode(self.ids[self.prefix :], self.skip)
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             delta = new_text[len(prefix_text) :]
             self.prefix, self.read = self.read, len(self.ids)
@@ -268,7 +288,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Text still held back (an incomplete character at the very end becomes U+FFFD)."""
-        prefix_text = self.tok.decode(self.ids[self.prefix : self.read])
-        new_text = self.tok.decode(self.ids[self.prefix :])
+        prefix_text = self.tok.decode(self.ids[self.prefix : self.read], self.skip)
+        new_text = self.tok.decode(self.ids[self.prefix :], self.skip)
         self.prefix = self.read = len(self.ids)
         return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
