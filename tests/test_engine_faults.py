@@ -156,7 +156,7 @@ def test_a_failed_reconfiguration_still_completes_the_switch():
         def broken(to_role):
             raise RuntimeError("graph capture exploded")
 
-        engine.reconfigure = broken
+        engine.roles.reconfigure = broken
         ids, errors = await collect(node, "switching")
         assert errors == [] and ids == expected
         assert engine.errors["reconfigure"] >= 1

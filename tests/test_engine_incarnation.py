@@ -355,8 +355,8 @@ def test_a_revive_during_a_switch_pause_configures_the_role_being_taken():
     async def body(node: Node):
         e = node.engines[0]
         calls = []
-        real = e.reconfigure
-        e.reconfigure = lambda role: (calls.append(role), real(role))
+        real = e.roles.reconfigure
+        e.roles.reconfigure = lambda role: (calls.append(role), real(role))
         before = kill(e)
         await wait_for(lambda: e.failure is not None)
         target = Role.DECODE if e.role.role is not Role.DECODE else Role.PREFILL

@@ -20,7 +20,6 @@ live on the device in :mod:`node.runtime.engine_residents`, role switches in
 from __future__ import annotations
 
 import asyncio
-import random
 import threading
 from collections import Counter, deque
 from contextlib import suppress
@@ -30,15 +29,13 @@ from typing import Callable
 
 import structlog
 
-from node.core.batcher import BatchConfig, Batcher, ScheduledSeq, StepKind, StepPlan
+from node.core.batcher import Batcher, ScheduledSeq, StepPlan
 from node.core.quarantine import Quarantine
-from node.core.role_config import RoleConfig, assign_instances, scatter_bytes, shared_block_units
-from node.core.roles import Role
 from node.core.sequence import PENDING, Sequence
 from node.runtime import block_pins
 from node.runtime.engine_residents import Residents
 from node.runtime.engine_revival import Revival
-from node.runtime.engine_roles import RoleSwitching
+from node.runtime.engine_roles import RoleSwitcher
 from node.runtime.moves import COPY_GRACE_S, KVMoves, MigrationRecord, Move
 from node.runtime.request import RequestState
 from node.runtime.switching import DeviceRole, SwitchRecord
@@ -49,6 +46,14 @@ from node.worker.local_engine import LocalEngine
 from node.worker.runner import SeqOutput
 
 log = structlog.get_logger("shiftnode.engine")
+
+
+def _part(part: str, name: str) -> property:
+    """A read-only attribute of the engine that is ``name`` of its part ``part`` (a method comes bound
+    to the part): callers keep the engine's names while the part owns the state."""
+    def get(engine):
+        return getattr(getattr(engine, part), name)
+    return property(get, doc=f"the ``{part}`` part's ``{name}``")
 
 
 @dataclass
@@ -62,7 +67,7 @@ class _InFlight:
     pending: list[tuple[Sequence, int, int]]  # sequences given a placeholder token, its index, the item's position
 
 
-class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
+class DeviceEngine(Residents, Revival, KVMoves):
     """Runs continuous batching on one device.
 
     Args:
@@ -82,7 +87,6 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
         self.runner = runner
         self.batcher = batcher
         self.clock = clock
-        self.role = role  # None: colocated (every step is MIXED)
         self.requests: dict[str, RequestState] = {}  # request id → state, for sequences on this device
         self._by_seq: dict[str, tuple[RequestState, int]] = {}
         self._aborts: list[str] = []
@@ -123,12 +127,10 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
         self.fatal, self.fatal_alone, self._fatal_step = {}, False, None
         # called for each sequence held here when the engine process dies (node.runtime.resume); None: they fail
         self.orphan_listener: Callable[[DeviceEngine, RequestState, int], None] | None = None
-        self.role_configs: dict[Role, RoleConfig] = {}  # time-shared: each role's configuration (configure_roles)
-        self._role_batch: dict[Role, BatchConfig] = {}
-        self._kv_bytes_per_token = 0
-        self._rng = random.Random(0)  # seeds of composite steps (StepMsg.rng_seed)
-        self.kv_scatter_bytes = 0  # KV written into other devices' pools by prefill instances (role_layouts)
-        self.chunk_tokens = 0  # adaptive mode: prompt tokens a MIXED step may take (the policy's chunk budget)
+        # the device's role and its switches (time-shared and adaptive modes; role None: colocated)
+        self.roles = RoleSwitcher(device_id, role, batcher, clock, lambda: self.runner, self._executor, self._idle,
+                                  lambda: self.failure, self.wake, lambda rec: self._notify(self.switch_listeners, rec),
+                                  self._count_error)
 
     @property
     def kv_pools(self) -> list:
@@ -136,6 +138,21 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
         single device; a group's ranks each hold ``K/D`` heads): what in-node moves copy between."""
         pools = getattr(self.runner, "kv_caches", None)
         return list(pools) if pools is not None else [self.runner.kv_cache]
+
+    # --- the role part's face (engine_roles.py): the names drivers, status pages and tests use ---
+    role = _part("roles", "role")  # the DeviceRole; None: colocated (every step is MIXED)
+    role_configs = _part("roles", "role_configs")
+    active_config = _part("roles", "active_config")
+    chunk_tokens = _part("roles", "chunk_tokens")
+    kv_scatter_bytes = _part("roles", "kv_scatter_bytes")
+    configure_roles = _part("roles", "configure_roles")
+    set_chunk_budget = _part("roles", "set_chunk_budget")
+    switch_free = _part("roles", "switch_free")
+    switch_role = _part("roles", "switch_role")
+
+    def _count_error(self, stage: str) -> None:
+        """One more contained failure at ``stage`` (step | listener | reconfigure | postprocess)."""
+        self.errors[stage] = self.errors.get(stage, 0) + 1
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -211,8 +228,8 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
         if self._jobs:
             await self._run_jobs()
             return
-        kind = StepKind.MIXED if self.role is None else self.role.step_kind
-        chunk = self.chunk_tokens if self.role is not None and kind is StepKind.MIXED else None  # adaptive's MIXED role
+        kind = self.roles.step_kind()
+        chunk = self.roles.chunk_budget(kind)  # adaptive's MIXED role: the policy's chunk budget
         runnable = kind is not None and self.batcher.has_work(kind)
         plan = self.quarantine.schedule(self.batcher, kind, chunk) if runnable else None  # (node.core.quarantine)
         if plan:
@@ -229,17 +246,7 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
         self._current_plan = plan
         try:
             msg = self._encoder.encode(plan, self._by_seq)
-            rc = self.active_config
-            # one step, several instances; a group whose switch failed runs in the layout it is in (getattr: a group)
-            if (rc is not None and rc.instances > 1 and plan.kind is StepKind.PREFILL
-                    and getattr(self.runner, "active_role", None) == "prefill"):
-                # a sequence reading a block another item writes now (a prefix hit registered this step) goes with it
-                units = shared_block_units([(it.seq.block_ids, m.start, m.num_tokens) for it, m in zip(plan.items, msg.items)],
-                                           self.batcher.ledger.block_size)
-                msg.instances = assign_instances([it.num_tokens for it in plan.items], rc.instances, units)
-                msg.rng_seed = self._rng.getrandbits(62)
-                self.kv_scatter_bytes += scatter_bytes(plan.num_tokens, self._kv_bytes_per_token, rc.tp_degree,
-                                                       rc.group_size)
+            self.roles.split_prefill(plan, msg)  # one step, several instances (a prefill role's layout)
         except BaseException:
             self.batcher.discard(plan)  # never sent: nothing will write the blocks it registered (node.core.ledger)
             raise
@@ -321,7 +328,7 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
     def _contain(self, stage: str, error: BaseException, plan: StepPlan | None) -> None:
         """Fail the requests ``plan`` touched (all of this device's when unknown: their state may be
         inconsistent), log and count the error; the device keeps serving the others."""
-        self.errors[stage] = self.errors.get(stage, 0) + 1
+        self._count_error(stage)
         log.error("engine_error", device=self.device_id, stage=stage, error=f"{type(error).__name__}: {error}",
                   exc_info=error)
         if plan is not None and plan.items:
@@ -350,7 +357,7 @@ class DeviceEngine(Residents, RoleSwitching, Revival, KVMoves):
             try:
                 listener(self, *args)
             except Exception as e:  # noqa: BLE001 - an observer's bug must not stop the device
-                self.errors["listener"] = self.errors.get("listener", 0) + 1
+                self._count_error("listener")
                 log.error("engine_listener_failed", device=self.device_id, listener=getattr(listener, "__qualname__", repr(listener)),
                           error=f"{type(e).__name__}: {e}", exc_info=e)
 

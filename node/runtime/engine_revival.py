@@ -126,9 +126,9 @@ class Revival:
         self._aborts.clear()
         self._dead = None
         self.step_started_s = None
-        if self.role is not None:  # e.g. a group's decode layout, or CUDA graphs for the decode role
-            role = self.role.switching_to or self.role.role  # in a switch's pause: the role it is taking
-            await asyncio.get_running_loop().run_in_executor(self._executor, self.reconfigure, role)
+        role = self.roles.revived_role()  # in a switch's pause: the role it is taking
+        if role is not None:  # e.g. a group's decode layout, or CUDA graphs for the decode role
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.roles.reconfigure, role)
         self.failure, self.engine_died = None, False
         self.start()
 
