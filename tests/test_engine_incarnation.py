@@ -240,7 +240,7 @@ def test_a_destination_restarted_during_an_in_node_move_does_not_adopt_it(monkey
         src = node.engine(seq.device_id)
         dst = next(x for x in node.engines if x is not src)
         move = src.migrate(seq, dst, "test", overlap=True)
-        await wait_for(lambda: src._copying is not None)
+        await wait_for(lambda: src.moves.copying is not None)
         before = kill(dst)
         await restarted(dst, before)
         local = asyncio.create_task(collect(node, "local", other))
@@ -272,7 +272,7 @@ def test_a_source_dying_mid_copy_aborts_the_copy_at_once_and_resumes_the_sequenc
         src.link_gbps = 0.01  # 1.25 MB/s
         src.block_layer_bytes = int(60 * 1.25e6 / (layers * len(seq.block_ids)))  # the copy takes ~60 s
         move = src.migrate(seq, dst, "test", overlap=True)
-        await wait_for(lambda: src._copying is not None)
+        await wait_for(lambda: src.moves.copying is not None)
         await asyncio.sleep(0.3)
         t0 = time.monotonic()
         before = kill(src)

@@ -31,7 +31,7 @@ def test_stop_aborts_a_slow_kv_copy_in_flight():
             async for _ in node.generate("r", list(range(3, 123)), params):
                 break  # the first token (from the prefill device): the hand-off's copy starts; the client leaves
             await asyncio.sleep(0.3)
-            assert any(e._copying is not None for e in node.engines), "no copy in flight to abort"
+            assert any(e.moves.copying is not None for e in node.engines), "no copy in flight to abort"
         finally:
             t0 = time.monotonic()
             await asyncio.wait_for(node.close(), 30)

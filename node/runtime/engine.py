@@ -12,15 +12,15 @@ includes) and the engine's stop. Membership changes (new sequences, aborts, deta
 between sends, on the loop; a block freed while a step is in flight goes only to a later step, which
 the engine runs after it.
 
-The class is split by concept: the step loop and the engine process's lifecycle here, which sequences
-live on the device in :mod:`node.runtime.engine_residents`, role switches in
-:mod:`node.runtime.engine_roles`, KV moves to another device in :mod:`node.runtime.moves`.
+The step loop and the engine process's lifecycle are here; the role and its switches are a part that
+owns them (``roles``: :class:`~node.runtime.engine_roles.RoleSwitcher`), as are the KV moves leaving the
+device (``moves``: :class:`~node.runtime.moves.KVMover`); which sequences live on the device
+(:mod:`node.runtime.engine_residents`) and death and revival (:mod:`node.runtime.engine_revival`) are mixins.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections import Counter, deque
 from contextlib import suppress
 from dataclasses import dataclass
@@ -36,7 +36,8 @@ from node.runtime import block_pins
 from node.runtime.engine_residents import Residents
 from node.runtime.engine_revival import Revival
 from node.runtime.engine_roles import RoleSwitcher
-from node.runtime.moves import COPY_GRACE_S, KVMoves, MigrationRecord, Move
+from node.runtime.moves import COPY_GRACE_S, KVMover
+from node.runtime.parts import part as _part
 from node.runtime.request import RequestState
 from node.runtime.switching import DeviceRole, SwitchRecord
 from node.runtime.step_encoder import StepEncoder
@@ -46,14 +47,6 @@ from node.worker.local_engine import LocalEngine
 from node.worker.runner import SeqOutput
 
 log = structlog.get_logger("shiftnode.engine")
-
-
-def _part(part: str, name: str) -> property:
-    """A read-only attribute of the engine that is ``name`` of its part ``part`` (a method comes bound
-    to the part): callers keep the engine's names while the part owns the state."""
-    def get(engine):
-        return getattr(getattr(engine, part), name)
-    return property(get, doc=f"the ``{part}`` part's ``{name}``")
 
 
 @dataclass
@@ -67,7 +60,7 @@ class _InFlight:
     pending: list[tuple[Sequence, int, int]]  # sequences given a placeholder token, its index, the item's position
 
 
-class DeviceEngine(Residents, Revival, KVMoves):
+class DeviceEngine(Residents, Revival):
     """Runs continuous batching on one device.
 
     Args:
@@ -90,15 +83,7 @@ class DeviceEngine(Residents, Revival, KVMoves):
         self.requests: dict[str, RequestState] = {}  # request id → state, for sequences on this device
         self._by_seq: dict[str, tuple[RequestState, int]] = {}
         self._aborts: list[str] = []
-        self._migrations: list[Move] = []  # queued moves, not begun
-        self._copies: deque[Move] = deque()  # overlapped moves begun, copied by _copy_loop in order
-        self._copier: asyncio.Task | None = None
-        self._copying: Move | None = None  # the overlapped move being copied now
-        self._abort_copies = threading.Event()  # set by stop(): a copy in flight ends at its next layer
         self._detaches: list[tuple[Sequence, asyncio.Future]] = []
-        self.link_gbps: float | None = None  # emulated interconnect for KV leaving this device
-        self.block_layer_bytes: int | None = None  # a timed device: KV bytes one block of one layer emulates
-        self.migration_listeners: list[Callable[[DeviceEngine, DeviceEngine, Sequence, MigrationRecord], None]] = []
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"worker-{device_id}")
         self._task: asyncio.Task | None = None
@@ -131,13 +116,7 @@ class DeviceEngine(Residents, Revival, KVMoves):
         self.roles = RoleSwitcher(device_id, role, batcher, clock, lambda: self.runner, self._executor, self._idle,
                                   lambda: self.failure, self.wake, lambda rec: self._notify(self.switch_listeners, rec),
                                   self._count_error)
-
-    @property
-    def kv_pools(self) -> list:
-        """The device's KV pool as this process sees it, one tensor per rank in rank order (one for a
-        single device; a group's ranks each hold ``K/D`` heads): what in-node moves copy between."""
-        pools = getattr(self.runner, "kv_caches", None)
-        return list(pools) if pools is not None else [self.runner.kv_cache]
+        self.moves = KVMover(self, clock, self._executor, self.wake, self._notify)  # KV moves leaving this device
 
     # --- the role part's face (engine_roles.py): the names drivers, status pages and tests use ---
     role = _part("roles", "role")  # the DeviceRole; None: colocated (every step is MIXED)
@@ -149,6 +128,20 @@ class DeviceEngine(Residents, Revival, KVMoves):
     set_chunk_budget = _part("roles", "set_chunk_budget")
     switch_free = _part("roles", "switch_free")
     switch_role = _part("roles", "switch_role")
+    # the moves part's (moves.py)
+    migrate = _part("moves", "migrate")
+    outgoing_tokens = _part("moves", "outgoing_tokens")
+    link_gbps = _part("moves", "link_gbps", settable=True)
+    block_layer_bytes = _part("moves", "block_layer_bytes", settable=True)
+    migration_listeners = _part("moves", "migration_listeners")
+
+    def _busy_seq_ids(self) -> set[str]:
+        """The sequences of the steps in flight."""
+        return {it.seq.seq_id for r in self._inflight for it in r.plan.items}
+
+    def replies_in_flight(self) -> list[asyncio.Future]:
+        """The replies of the steps in flight now (a move's copy into blocks freed before waits for them)."""
+        return [r.reply for r in self._inflight]
 
     def _count_error(self, stage: str) -> None:
         """One more contained failure at ``stage`` (step | listener | reconfigure | postprocess)."""
@@ -163,12 +156,8 @@ class DeviceEngine(Residents, Revival, KVMoves):
 
     async def stop(self, grace_s: float = COPY_GRACE_S) -> None:
         """Stop the loop and the engine. A KV copy in flight gets ``grace_s`` seconds to end, then is
-        aborted (:meth:`KVMoves.abort_copies`): a stop never waits on a slow link without bound."""
-        await self.abort_copies(grace_s)
-        if self._copier and not self._copier.done():
-            self._copier.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._copier
+        aborted (:meth:`KVMover.abort_copies`): a stop never waits on a slow link without bound."""
+        await self.moves.stop(grace_s)
         if self._task and not self._task.done():  # a loop that already ended was reported by _on_loop_done
             self._task.cancel()
             with suppress(asyncio.CancelledError):
@@ -217,13 +206,13 @@ class DeviceEngine(Residents, Revival, KVMoves):
         for hook in self.plan_hooks:
             hook()
         self._apply_aborts()
-        self._start_overlapped_moves()
-        if (self._detaches or self._migrations or self._jobs) and self._inflight:
+        self.moves.start_overlapped(self._busy_seq_ids)
+        if (self._detaches or self.moves.queued or self._jobs) and self._inflight:
             await self._complete()
             return
         self._apply_detaches()
-        if self._migrations:
-            await self._apply_migrations()
+        if self.moves.queued:
+            await self.moves.apply_blocking()
             return
         if self._jobs:
             await self._run_jobs()

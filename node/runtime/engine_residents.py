@@ -230,3 +230,27 @@ class Residents:
         for seq in req.seqs:
             self._finish_seq(seq)
         self.requests.pop(req.request_id, None)
+
+    # --- what a KV move needs of its ends (node.runtime.moves.MoveEnd) --------------------------------
+    @property
+    def down_reason(self) -> str | None:
+        """Why the device is down (its step loop ended, or its engine process was seen to exit), else None."""
+        return self.failure or self._dead
+
+    def movable(self, seq: Sequence) -> tuple[RequestState, int] | None:
+        """``(request, index)`` of ``seq`` if it decodes here with no token pending (a move may take it), else None."""
+        entry = self._by_seq.get(seq.seq_id)
+        if entry is not None and seq in self.batcher.running and seq.is_decoding and not seq.num_pending:
+            return entry
+        return None
+
+    def release_for_move(self, seq: Sequence) -> PinnedBlocks:
+        """Take a :meth:`movable` sequence off the device, keeping its blocks pinned for the copy (no step
+        or abort touches it meanwhile); its request stays listed until the move ends (:meth:`forget_if_empty`)."""
+        blocks = self._pin(self.batcher.release(seq))
+        del self._by_seq[seq.seq_id]
+        return blocks
+
+    def forget_if_empty(self, req: RequestState) -> None:
+        """Drop ``req`` from this device once none of its sequences is held here."""
+        self._forget_if_empty(req)

@@ -29,6 +29,13 @@ class Revival:
     ``orphan_listener``, the step encoder and the queues of steps in flight and aborts), and the watch
     on its engine processes (:meth:`_on_engine_exit` marks the device dead when one ends)."""
 
+    @property
+    def kv_pools(self) -> list:
+        """The device's KV pool as this process sees it, one tensor per rank in rank order (one for a
+        single device; a group's ranks each hold ``K/D`` heads): what in-node moves copy between."""
+        pools = getattr(self.runner, "kv_caches", None)
+        return list(pools) if pools is not None else [self.runner.kv_cache]
+
     def _processes(self) -> list:
         """The engine's processes: none in the thread layout, one per rank of a tensor-parallel group."""
         processes = getattr(self.runner, "processes", None)
@@ -43,7 +50,7 @@ class Revival:
         loop.remove_reader(process.sentinel)
         if not self.runner.stopping and not self._dead:
             self._dead = self.runner.death_reason(process)
-            self._abort_copies.set()  # a KV copy in flight ends now: the restart must not wait on it (moves.py)
+            self.moves.abort_now()  # a KV copy in flight ends now: the restart must not wait on it (moves.py)
             self.wake()
 
     def _note_fatal_step(self) -> None:
@@ -120,7 +127,7 @@ class Revival:
         self.incarnation += 1  # blocks pinned before now are of the dead pool (node.runtime.block_pins)
         self._pinned.clear()
         self.quarantine.clear()
-        self._abort_copies.clear()
+        self.moves.rearm()
         self._encoder.reset()
         self._inflight.clear()
         self._aborts.clear()
@@ -146,7 +153,7 @@ class Revival:
         log.error("engine_down", device=self.device_id, reason=self.failure)
         self.engine_died = isinstance(error, EngineDied)
         self._note_fatal_step()
-        self._abort_copies.set()  # begun copies of this device end at once (their sequences are resumed)
+        self.moves.abort_now()  # begun copies of this device end at once (their sequences are resumed)
         if self.engine_died and self.orphan_listener is not None:
             self._orphan_all()
         for req in list(self.requests.values()):
@@ -163,11 +170,8 @@ class Revival:
         for _seq, fut in self._detaches:  # hand-offs waiting for a step boundary: the sequence stays here
             if not fut.done():
                 fut.set_result(None)
-        for m in self._migrations:  # moves not begun: refused
-            if not m.fut.done():
-                m.fut.set_result(None)
+        self.moves.refuse_queued()  # moves not begun: refused
         self._detaches.clear()
-        self._migrations.clear()
         while self._jobs:  # a transfer waiting for this device's worker fails instead of hanging
             _fn, _args, fut = self._jobs.popleft()
             if not fut.done():

@@ -1,5 +1,6 @@
 """Moves of a decoding sequence's KV from one device of the node to another (pooled hand-offs, the
-time-shared fallback's moves): the source side of :class:`node.runtime.engine.DeviceEngine`.
+time-shared fallback's moves): :class:`KVMover`, the part of :class:`node.runtime.engine.DeviceEngine`
+that owns a device's outgoing moves, and :class:`MoveEnd`, what it needs of either end's device.
 
 A move is begun (the destination's blocks taken, the sequence released here with its blocks pinned),
 then copied, then finished (the source's blocks freed, the destination adopts the sequence), so nothing
@@ -10,14 +11,18 @@ meanwhile; overlapped ones (pooled) run beside its later steps on a copier task,
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections import deque
+from concurrent.futures import Executor
 from contextlib import suppress
 from dataclasses import dataclass
 from functools import partial
+from typing import Callable, Protocol
 
 import structlog
 
 from node.core.sequence import Sequence, SeqStatus
-from node.runtime.block_pins import stale
+from node.runtime.block_pins import PinnedBlocks, stale
 from node.runtime.request import RequestState
 from node.transport.local import copy_sharded_blocks
 
@@ -42,14 +47,37 @@ class MigrationRecord:
     reason: str
 
 
+class MoveEnd(Protocol):
+    """What a move needs of the device at either end (a :class:`~node.runtime.engine.DeviceEngine`)."""
+
+    device_id: str
+    failure: str | None  # why the device is down, else None
+    incarnation: int  # bumped by each revive (node.runtime.block_pins)
+
+    @property
+    def up(self) -> bool: ...
+    @property
+    def down_reason(self) -> str | None: ...
+    @property
+    def kv_pools(self) -> list: ...
+    def replies_in_flight(self) -> list[asyncio.Future]: ...
+    def movable(self, seq: Sequence) -> tuple[RequestState, int] | None: ...
+    def release_for_move(self, seq: Sequence) -> PinnedBlocks: ...
+    def reserve_for(self, token_ids: list[int], num_computed: int, num_blocks: int,
+                    memo: list[bytes] | None = None, salt: str | None = None) -> tuple[list[int] | None, int]: ...
+    def release_pinned(self, blocks: list[int]) -> None: ...
+    def adopt(self, req: RequestState, index: int, seq: Sequence) -> None: ...
+    def forget_if_empty(self, req: RequestState) -> None: ...
+
+
 class Move:
-    """A move of one decoding sequence to ``dst`` (:meth:`KVMoves.migrate`); the fields after
-    ``overlap`` are set when it begins (:meth:`KVMoves._begin_move`)."""
+    """A move of one decoding sequence to ``dst`` (:meth:`KVMover.migrate`); the fields after
+    ``overlap`` are set when it begins (:meth:`KVMover._begin`)."""
 
     __slots__ = ("seq", "dst", "reason", "fut", "overlap", "req", "index", "start_s", "src_blocks",
                  "dst_blocks", "reused", "fence")
 
-    def __init__(self, seq: Sequence, dst: "KVMoves", reason: str, fut: asyncio.Future, overlap: bool):
+    def __init__(self, seq: Sequence, dst: MoveEnd, reason: str, fut: asyncio.Future, overlap: bool):
         self.seq, self.dst, self.reason, self.fut, self.overlap = seq, dst, reason, fut, overlap
         self.req: RequestState | None = None
         self.index = 0
@@ -60,12 +88,32 @@ class Move:
         self.fence: list[asyncio.Future] = []
 
 
-class KVMoves:
-    """The move half of :class:`~node.runtime.engine.DeviceEngine` (a mixin: it works on the engine's
-    batcher, sequence map, steps in flight, worker thread and KV pools, and keeps its queues in
-    ``_migrations`` (not begun), ``_copies`` (overlapped, begun) and ``_copying``)."""
+class KVMover:
+    """The moves leaving one device: queued (not begun), overlapped ones begun and waiting for the link,
+    and the copy in flight.
 
-    def migrate(self, seq: Sequence, dst: "KVMoves", reason: str, overlap: bool = False) -> asyncio.Future:
+    Args:
+        home: the device the moves leave (its sequences, pins and KV pools: :class:`MoveEnd`).
+        clock: monotonic seconds.
+        executor: the device's worker thread (copies run there).
+        wake: wakes the home device's step loop (a freed block, a move queued).
+        notify: calls each of a list of listeners with the arguments given (errors contained:
+            ``DeviceEngine._notify``).
+    """
+
+    def __init__(self, home: MoveEnd, clock: Callable[[], float], executor: Executor, wake: Callable[[], None],
+                 notify: Callable[..., None]):
+        self._home, self._clock, self._executor, self._wake, self._notify = home, clock, executor, wake, notify
+        self._queued: list[Move] = []  # queued moves, not begun
+        self._copies: deque[Move] = deque()  # overlapped moves begun, copied by _copy_loop in order
+        self._copier: asyncio.Task | None = None
+        self.copying: Move | None = None  # the overlapped move being copied now
+        self._abort = threading.Event()  # set on stop or death: a copy in flight ends at its next layer
+        self.link_gbps: float | None = None  # emulated interconnect for KV leaving this device
+        self.block_layer_bytes: int | None = None  # a timed device: KV bytes one block of one layer emulates
+        self.migration_listeners: list[Callable[[MoveEnd, MoveEnd, Sequence, MigrationRecord], None]] = []
+
+    def migrate(self, seq: Sequence, dst: MoveEnd, reason: str, overlap: bool = False) -> asyncio.Future:
         """Move a decoding sequence's KV to ``dst``.
 
         ``overlap=False``: at this device's next step boundary, with nothing of this device running
@@ -82,24 +130,28 @@ class KVMoves:
         starts is dropped without copying, and both sides' blocks are freed.
         """
         fut = asyncio.get_running_loop().create_future()
-        self._migrations.append(Move(seq, dst, reason, fut, overlap))
-        self.wake()
+        self._queued.append(Move(seq, dst, reason, fut, overlap))
+        self._wake()
         return fut
 
     @property
     def outgoing_tokens(self) -> int:
         """Tokens of KV queued to leave this device or leaving it now (moves not yet done)."""
-        moves = [*self._migrations, *self._copies] + ([self._copying] if self._copying is not None else [])
+        moves = [*self._queued, *self._copies] + ([self.copying] if self.copying is not None else [])
         return sum(m.seq.num_computed for m in moves)
 
-    def _begin_move(self, m: "Move") -> bool:
+    @property
+    def queued(self) -> bool:
+        """Moves wait to begin (the step loop gives the blocking ones a step boundary)."""
+        return bool(self._queued)
+
+    def _begin(self, m: Move) -> bool:
         """Take the destination's blocks and release the sequence here (keeping its blocks pinned);
         False (and the future resolved to None) when the move is refused."""
-        seq, dst = m.seq, m.dst
-        entry = self._by_seq.get(seq.seq_id)
+        seq, dst, home = m.seq, m.dst, self._home
+        entry = home.movable(seq)
         blocks = None
-        if entry is not None and seq in self.batcher.running and seq.is_decoding and not seq.num_pending \
-                and dst.failure is None:
+        if entry is not None and dst.failure is None:
             blocks, m.reused = dst.reserve_for(seq.token_ids, seq.num_computed, len(seq.block_ids), seq.block_keys,
                                                seq.params.cache_salt)
         if blocks is None:
@@ -107,125 +159,149 @@ class KVMoves:
             return False
         m.req, m.index = entry
         m.dst_blocks = blocks  # pinned on dst, stamped with its incarnation (node.runtime.block_pins)
-        m.src_blocks = self._pin(self.batcher.release(seq))
-        m.fence = [r.reply for r in dst._inflight]
+        m.fence = dst.replies_in_flight()
         # No step or abort touches it during the copy (an abort meanwhile finds no sequence to free;
-        # the request is marked cancelled, which _finish_move checks). The request stays listed here
+        # the request is marked cancelled, which _finish checks). The request stays listed here
         # until the copy ends, so the pooled router still counts its reservation.
-        del self._by_seq[seq.seq_id]
+        m.src_blocks = home.release_for_move(seq)
         return True
 
-    async def _finish_move(self, m: "Move") -> None:
+    async def _finish(self, m: Move) -> None:
         """Copy a begun move's KV (layer by layer, in logical block order, read back for verification),
         then free the source blocks and let the destination adopt the sequence with its position counter
         unchanged; on a failed copy the destination blocks are freed and the sequence comes back here.
         A move whose request ended (client left, timed out) before or during its copy is dropped.
         Prefix cache: the destination's own cached prefix (``m.reused`` blocks) is not received."""
-        seq, dst, reused = m.seq, m.dst, m.reused
+        seq, dst, reused, home = m.seq, m.dst, m.reused, self._home
         for reply in m.fence:  # the destination's steps sent before its blocks were taken
             with suppress(BaseException):
                 await asyncio.shield(reply)
         if self._gone(m):
             return self._drop(m)
-        m.start_s = self.clock()  # the copy itself starts now (queued copies waited for the link)
+        m.start_s = self._clock()  # the copy itself starts now (queued copies waited for the link)
         try:
             self._check_ends(m)
             report = await asyncio.get_running_loop().run_in_executor(self._executor, partial(
-                copy_sharded_blocks, self.kv_pools, m.src_blocks[reused:], dst.kv_pools,
+                copy_sharded_blocks, home.kv_pools, m.src_blocks[reused:], dst.kv_pools,
                 m.dst_blocks[reused:], link_gbps=self.link_gbps, block_layer_bytes=self.block_layer_bytes,
-                abort=self._abort_copies))
+                abort=self._abort))
             self._check_ends(m)  # either end died (or came back) during the copy: nothing would run it there
         except Exception as e:  # noqa: BLE001 - a failed copy leaves the sequence where it was
-            log.warning("migration_failed", seq=seq.seq_id, src=self.device_id, dst=dst.device_id, error=str(e))
+            log.warning("migration_failed", seq=seq.seq_id, src=home.device_id, dst=dst.device_id, error=str(e))
             if self._gone(m):
                 return self._drop(m)
             dst.release_pinned(m.dst_blocks)
             seq.block_ids = m.src_blocks
-            self.adopt(m.req, m.index, seq)  # a dead source resumes it instead (Residents.adopt)
+            home.adopt(m.req, m.index, seq)  # a dead source resumes it instead (Residents.adopt)
             m.fut.set_result(None)
             return
         if self._gone(m):
             return self._drop(m)
-        self.release_pinned(m.src_blocks)
-        self._forget_if_empty(m.req)
-        self.wake()
+        home.release_pinned(m.src_blocks)
+        home.forget_if_empty(m.req)
+        self._wake()
         seq.block_ids = m.dst_blocks
         dst.adopt(m.req, m.index, seq)
-        record = MigrationRecord(seq.seq_id, self.device_id, dst.device_id, m.start_s, self.clock(),
+        record = MigrationRecord(seq.seq_id, home.device_id, dst.device_id, m.start_s, self._clock(),
                                  report.nbytes, len(m.dst_blocks), m.reason)  # nbytes: only the blocks not reused
         self._notify(self.migration_listeners, dst, seq, record)
         m.fut.set_result(record)
 
-    def _check_ends(self, m: "Move") -> None:
+    def _check_ends(self, m: Move) -> None:
         """Raise ``RuntimeError`` if either end of ``m`` is down or was restarted since it began (its
         blocks there name the dead pool's memory: :mod:`node.runtime.block_pins`)."""
-        for end, blocks in ((self, m.src_blocks), (m.dst, m.dst_blocks)):
+        for end, blocks in ((self._home, m.src_blocks), (m.dst, m.dst_blocks)):
             if not end.up or stale(blocks, end.incarnation):
-                raise RuntimeError(f"device {end.device_id} is down or was restarted: {end.failure or end._dead}")
+                raise RuntimeError(f"device {end.device_id} is down or was restarted: {end.down_reason}")
 
     @staticmethod
-    def _gone(m: "Move") -> bool:
+    def _gone(m: Move) -> bool:
         """The move's request was cancelled or its choice has ended (a timeout, a failure)."""
         return m.req.cancelled or m.req.finished[m.index]
 
-    def _drop(self, m: "Move") -> None:
+    def _drop(self, m: Move) -> None:
         """End a begun move without adopting it anywhere: both sides' blocks are freed and its future
         resolves to None."""
         m.dst.release_pinned(m.dst_blocks)
-        self.release_pinned(m.src_blocks)
+        self._home.release_pinned(m.src_blocks)
         m.seq.block_ids, m.seq.status = [], SeqStatus.FINISHED
-        self._forget_if_empty(m.req)
-        self.wake()
+        self._home.forget_if_empty(m.req)
+        self._wake()
         m.fut.set_result(None)
 
-    async def _apply_migrations(self) -> None:
+    async def apply_blocking(self) -> None:
         """Carry out the queued blocking moves between steps (nothing of this device runs meanwhile)."""
-        while self._migrations:
-            m = self._migrations.pop(0)
-            if self._begin_move(m):
-                await self._finish_move(m)
+        while self._queued:
+            m = self._queued.pop(0)
+            if self._begin(m):
+                await self._finish(m)
 
-    def _start_overlapped_moves(self) -> None:
-        """Begin every queued overlapped move whose sequence is in no step in flight, and hand it to
-        the copier task (the others wait: the blocking ones for a step boundary, the overlapped ones for
-        their sequence's last step to end)."""
-        if not self._migrations or not any(m.overlap for m in self._migrations):
+    def start_overlapped(self, busy: Callable[[], set[str]]) -> None:
+        """Begin every queued overlapped move whose sequence is in no step in flight (``busy``: the seq
+        ids of the steps in flight), and hand it to the copier task (the others wait: the blocking ones
+        for a step boundary, the overlapped ones for their sequence's last step to end)."""
+        if not self._queued or not any(m.overlap for m in self._queued):
             return
-        busy = {it.seq.seq_id for r in self._inflight for it in r.plan.items}
+        in_flight = busy()
         keep = []
-        for m in self._migrations:
-            if not m.overlap or m.seq.seq_id in busy:
+        for m in self._queued:
+            if not m.overlap or m.seq.seq_id in in_flight:
                 keep.append(m)
-            elif self._begin_move(m):
+            elif self._begin(m):
                 self._copies.append(m)
-        self._migrations = keep
+        self._queued = keep
         if self._copies and (self._copier is None or self._copier.done()):
-            self._copier = asyncio.get_running_loop().create_task(self._copy_loop(), name=f"copies-{self.device_id}")
+            self._copier = asyncio.get_running_loop().create_task(self._copy_loop(),
+                                                                  name=f"copies-{self._home.device_id}")
 
     async def abort_copies(self, grace_s: float) -> None:
         """Let the overlapped copy in flight end within ``grace_s`` seconds, then make every copy of this
         device stop at its next layer or link wait (``CopyAborted``: the move fails, its destination
         blocks are freed), so the worker thread is free for the engine's stop. A copy whose request
         already ended (on SIGTERM the server cancelled every handler first) is aborted at once."""
-        m = self._copying
+        m = self.copying
         if m is not None and not self._gone(m) and self._copier is not None and not self._copier.done():
             await asyncio.wait([self._copier], timeout=grace_s)
-        self._abort_copies.set()
+        self._abort.set()
 
     async def _copy_loop(self) -> None:
         """Overlapped moves, one after another while this device's steps go on."""
         while self._copies:
-            m = self._copying = self._copies.popleft()
+            m = self.copying = self._copies.popleft()
             try:
-                await self._finish_move(m)
+                await self._finish(m)
             except asyncio.CancelledError:
                 if not m.fut.done():
                     m.fut.cancel()
                 raise
             except Exception as e:  # noqa: BLE001 - one move's bug must not strand the others
-                log.warning("migration_failed", seq=m.seq.seq_id, src=self.device_id, dst=m.dst.device_id, error=str(e))
+                log.warning("migration_failed", seq=m.seq.seq_id, src=self._home.device_id, dst=m.dst.device_id,
+                            error=str(e))
                 if not m.fut.done():
                     m.fut.set_result(None)
             finally:
-                self._copying = None
+                self.copying = None
+
+    async def stop(self, grace_s: float) -> None:
+        """Abort the copies (:meth:`abort_copies`) and end the copier task."""
+        await self.abort_copies(grace_s)
+        if self._copier and not self._copier.done():
+            self._copier.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._copier
+
+    def abort_now(self) -> None:
+        """The home device died: a copy in flight ends at its next layer (the restart must not wait on it)."""
+        self._abort.set()
+
+    def rearm(self) -> None:
+        """The home device serves again (a revive): copies run to their end again."""
+        self._abort.clear()
+
+    def refuse_queued(self) -> None:
+        """The home device is down: the moves not begun resolve to None (the sequences stay, and fail here)."""
+        for m in self._queued:
+            if not m.fut.done():
+                m.fut.set_result(None)
+        self._queued.clear()
 
