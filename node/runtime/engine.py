@@ -21,7 +21,7 @@ device (``moves``: :class:`~node.runtime.moves.KVMover`); which sequences live o
 from __future__ import annotations
 
 import asyncio
-from collections import Counter, deque
+from collections import deque
 from contextlib import suppress
 from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +33,7 @@ from node.core.batcher import Batcher, ScheduledSeq, StepPlan
 from node.core.quarantine import Quarantine
 from node.core.sequence import PENDING, Sequence
 from node.runtime import block_pins
+from node.runtime.block_pins import BlockPins
 from node.runtime.engine_residents import Residents
 from node.runtime.engine_revival import Revival
 from node.runtime.engine_roles import RoleSwitcher
@@ -105,8 +106,7 @@ class DeviceEngine(Residents, Revival):
         self._encoder = StepEncoder()  # what the engine holds of each sequence; steps are diffs
         self._dead: str | None = None  # the engine process exited (seen between steps)
         self.engine_died = False  # the device went down because its engine process died (restartable)
-        self.incarnation = 0  # bumped by each revive: blocks pinned before it are stale (node.runtime.block_pins)
-        self._pinned: Counter[int] = Counter()  # block → pins by transfers in this incarnation
+        self.pins = BlockPins(device_id, lambda: self.batcher.ledger)  # blocks transfers hold; the incarnation
         self.quarantine = Quarantine()  # suspects of an engine death, recomputed alone (node.core.quarantine)
         # the step the engine died in: seq id → tokens computed at its end; whether it was a quarantine step
         self.fatal, self.fatal_alone, self._fatal_step = {}, False, None
@@ -134,6 +134,7 @@ class DeviceEngine(Residents, Revival):
     link_gbps = _part("moves", "link_gbps", settable=True)
     block_layer_bytes = _part("moves", "block_layer_bytes", settable=True)
     migration_listeners = _part("moves", "migration_listeners")
+    incarnation = _part("pins", "incarnation")  # bumped by each revive (node.runtime.block_pins)
 
     def _busy_seq_ids(self) -> set[str]:
         """The sequences of the steps in flight."""

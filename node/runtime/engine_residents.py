@@ -15,7 +15,7 @@ import structlog
 
 from node.core.ledger import salt_root
 from node.core.sequence import Sequence
-from node.runtime.block_pins import PinnedBlocks, check_ownership, stale
+from node.runtime.block_pins import PinnedBlocks
 from node.runtime.request import RequestState
 
 log = structlog.get_logger("shiftnode.engine")
@@ -109,35 +109,15 @@ class Residents:
         seq.block_ids = block_ids
         self.adopt(req, index, seq)
 
-    def _pin(self, blocks: list[int]) -> PinnedBlocks:
-        """Blocks a transfer now holds (no sequence here does), stamped with this incarnation."""
-        self._pinned.update(blocks)
-        return PinnedBlocks(blocks, self.incarnation)
-
-    def _unpin(self, blocks: list[int]) -> bool:
-        """Blocks a transfer held leave its hands (freed, or adopted by a sequence); False, changing
-        nothing, when they were pinned in an earlier incarnation (the ledger they were in is gone)."""
-        if stale(blocks, self.incarnation):
-            log.warning("stale_blocks_dropped", device=self.device_id, blocks=len(blocks),
-                        pinned_in=blocks.incarnation, incarnation=self.incarnation)
-            return False
-        for b in blocks:
-            if self._pinned[b] <= 1:
-                del self._pinned[b]
-            else:
-                self._pinned[b] -= 1
-        return True
-
     def release_pinned(self, blocks: list[int]) -> None:
-        """Free pinned blocks now (unless stale: see :meth:`_unpin`)."""
-        if self._unpin(blocks):
-            self.batcher.ledger.free(blocks)
+        """Free pinned blocks now (unless stale: :meth:`BlockPins.unpin <node.runtime.block_pins.BlockPins.unpin>`)."""
+        self.pins.release(blocks)
 
     def check_ownership(self) -> None:
         """Raise ``LedgerError`` unless every block is referenced exactly as often as it is held
         (:func:`~node.runtime.block_pins.check_ownership`)."""
         b = self.batcher
-        check_ownership(b.ledger, [s.block_ids for s in b.running] + [s.block_ids for s in b.waiting], self._pinned)
+        self.pins.check([s.block_ids for s in b.running] + [s.block_ids for s in b.waiting])
 
     def _apply_detaches(self) -> None:
         while self._detaches:
@@ -149,7 +129,7 @@ class Residents:
                 fut.set_result(None)
                 continue
             req, index = entry
-            blocks = self._pin(self.batcher.release(seq))
+            blocks = self.pins.pin(self.batcher.release(seq))
             del self._by_seq[seq.seq_id]
             self._forget_if_empty(req)
             fut.set_result((req, index, blocks))
@@ -176,17 +156,17 @@ class Residents:
         not be received — or ``(None, 0)`` when they do not fit. Blocks a step in flight registered
         are never reused (:meth:`BlockLedger.reserve`): that step may still fail to write them."""
         got = self.batcher.ledger.reserve(token_ids, num_computed, num_blocks, memo, root=salt_root(salt))
-        return (self._pin(got[0]), got[1]) if got is not None else (None, 0)
+        return (self.pins.pin(got[0]), got[1]) if got is not None else (None, 0)
 
     def adopt(self, req: RequestState, index: int, seq: Sequence) -> None:
         """Take over a decoding sequence whose KV was just copied into this device's (pinned) blocks.
         On a down device nothing would ever run it, and blocks pinned before a restart hold no KV of it
         (the pool is new): its blocks are dropped and it is resumed (:meth:`_lost`)."""
-        if self.failure is not None or stale(seq.block_ids, self.incarnation):
+        if self.failure is not None or self.pins.is_stale(seq.block_ids):
             self.release_pinned(seq.block_ids)
             self._lost(req, index)
             return
-        self._unpin(seq.block_ids)
+        self.pins.unpin(seq.block_ids)
         seq.block_ids = list(seq.block_ids)  # a sequence's own block table now, no pin's stamp
         seq.device_id = self.device_id
         self.requests[req.request_id] = req
@@ -247,7 +227,7 @@ class Residents:
     def release_for_move(self, seq: Sequence) -> PinnedBlocks:
         """Take a :meth:`movable` sequence off the device, keeping its blocks pinned for the copy (no step
         or abort touches it meanwhile); its request stays listed until the move ends (:meth:`forget_if_empty`)."""
-        blocks = self._pin(self.batcher.release(seq))
+        blocks = self.pins.pin(self.batcher.release(seq))
         del self._by_seq[seq.seq_id]
         return blocks
 

@@ -124,8 +124,7 @@ class Revival:
         ledger.num_evictions = old.num_evictions
         self.runner = runner
         self.batcher.ledger = ledger
-        self.incarnation += 1  # blocks pinned before now are of the dead pool (node.runtime.block_pins)
-        self._pinned.clear()
+        self.pins.new_incarnation()  # blocks pinned before now are of the dead pool (node.runtime.block_pins)
         self.quarantine.clear()
         self.moves.rearm()
         self._encoder.reset()
