@@ -304,7 +304,7 @@ class BlockLedger:
                 raise LedgerError(f"block {b} is held but not in the pool")
             if refs[b] != n:
                 raise LedgerError(f"block {b} has refcount {refs[b]} but {n} holders")
-            if b in self._lru:
+            if self.prefix_caching and b in self._lru:  # (no LRU without it: its one slot is the sentinel)
                 raise LedgerError(f"block {b} is held but reclaimable")
         total = sum(held.values())
         if sum(refs) != total:

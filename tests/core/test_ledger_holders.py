@@ -29,3 +29,12 @@ def test_check_holders_finds_blocks_owned_twice_freed_under_a_holder_or_held_by_
     led.check_holders(Counter(b))
     with pytest.raises(LedgerError, match="not in the pool"):
         led.check_holders(Counter(b + [99]))
+
+
+def test_check_holders_of_a_ledger_without_prefix_caching_passes_a_consistent_pool():
+    """Without prefix caching there is no LRU (zero slots, only its sentinel): block 0 held once must
+    not read as reclaimable (the check once looked it up in the empty list's sentinel)."""
+    led = BlockLedger(4, 4, prefix_caching=False)
+    held = led.allocate(2)
+    assert 0 in held
+    led.check_holders(Counter(held))
