@@ -211,6 +211,25 @@ class Residents:
             self._finish_seq(seq)
         self.requests.pop(req.request_id, None)
 
+    # --- the device went down (engine_revival.py) ------------------------------------------------------
+    def refuse_detaches(self) -> None:
+        """Resolve the detaches waiting for a step boundary to None: their sequences stay here."""
+        for _seq, fut in self._detaches:
+            if not fut.done():
+                fut.set_result(None)
+        self._detaches.clear()
+
+    def fail_jobs(self) -> None:
+        """Fail the ``in_worker`` jobs waiting for the worker with ``RuntimeError`` (the device is down)."""
+        while self._jobs:
+            _fn, _args, fut = self._jobs.popleft()
+            if not fut.done():
+                fut.set_exception(RuntimeError(f"device {self.device_id} is down: {self.failure}"))
+
+    def drop_aborts(self) -> None:
+        """Forget the queued aborts (a revive: the requests they name are gone with the dead engine)."""
+        self._aborts.clear()
+
     # --- what a KV move needs of its ends (node.runtime.moves.MoveEnd) --------------------------------
     @property
     def down_reason(self) -> str | None:

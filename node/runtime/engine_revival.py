@@ -129,7 +129,7 @@ class Revival:
         self.moves.rearm()
         self._encoder.reset()
         self._inflight.clear()
-        self._aborts.clear()
+        self.drop_aborts()  # (their requests were failed with the device)
         self._dead = None
         self.step_started_s = None
         role = self.roles.revived_role()  # in a switch's pause: the role it is taking
@@ -166,13 +166,7 @@ class Revival:
             rec.reply.add_done_callback(retrieved)
         self._inflight.clear()
         self._idle.set()  # a switch waiting for the steps in flight goes on, and fails (switch_role)
-        for _seq, fut in self._detaches:  # hand-offs waiting for a step boundary: the sequence stays here
-            if not fut.done():
-                fut.set_result(None)
+        self.refuse_detaches()  # hand-offs waiting for a step boundary: the sequence stays here (engine_residents.py)
         self.moves.refuse_queued()  # moves not begun: refused
-        self._detaches.clear()
-        while self._jobs:  # a transfer waiting for this device's worker fails instead of hanging
-            _fn, _args, fut = self._jobs.popleft()
-            if not fut.done():
-                fut.set_exception(RuntimeError(f"device {self.device_id} is down: {self.failure}"))
+        self.fail_jobs()  # a transfer waiting for this device's worker fails instead of hanging
         self._notify(self.down_listeners)
