@@ -179,3 +179,15 @@ def test_sampling_filters(stories_node):
     assert pen != CASE["output_text"][: len(pen)]
     fp = complete(stories_node, max_tokens=60, frequency_penalty=2.0, presence_penalty=2.0)["choices"][0]["text"]
     assert fp != CASE["output_text"][: len(fp)]
+
+
+def test_models_retrieve_through_the_sdk(stories_node):
+    """``client.models.retrieve`` (``GET /v1/models/{id}``) returns the served model's card; another id is a
+    404 naming the served one."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{stories_node.url}/v1", api_key="x", max_retries=0)
+    served = client.models.list().data[0].id
+    assert client.models.retrieve(served).id == served
+    with pytest.raises(openai.NotFoundError, match=served):
+        client.models.retrieve("no-such-model")

@@ -74,6 +74,18 @@ def test_refuses_kv_budget_below_one_sequence():
         build_runner(config, load_model_info(config), "cpu:0", ops)
 
 
+def test_refuses_a_cpu_kv_pool_the_host_cannot_hold():
+    """A --kv-cache-memory far above the host's memory is refused at start, not left to the out-of-memory
+    killer (a fresh user's 10TiB took the whole machine down)."""
+    from node.worker.loader import available_host_bytes
+
+    avail = available_host_bytes()
+    assert avail is not None and avail > 0
+    config = NodeConfig(model=str(STORIES), kv_cache_memory_bytes=4 * avail)
+    with pytest.raises(StartupError, match="available memory"):
+        build_runner(config, load_model_info(config), "cpu:0", ops)
+
+
 def test_cli_reports_startup_error_and_exits(tmp_path):
     with pytest.raises(RuntimeError, match="cannot start: .*fewer than one max-length sequence"):
         NodeProcess("--model", str(STORIES), "--kv-cache-memory", "100000", timeout_s=60)

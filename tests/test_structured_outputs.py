@@ -163,6 +163,12 @@ def test_max_tokens_cut_off_is_length_and_eos_waits_for_the_grammar(stories_node
     ({"structured_outputs": {"regexp": "a"}}, "structured_outputs.regexp", "unknown field `regexp`"),
     ({"guided_regex": "[a-z]+", "ignore_eos": True}, "ignore_eos", "grammar decides"),
     ({"guided_regex": "[a-z]+", "min_tokens": 3}, "min_tokens", "grammar decides"),
+    # keywords the grammar engine compiles without enforcing (a fresh user got strings for these): refused
+    ({"guided_json": {"not": {"type": "string"}}}, "guided_json", "keyword at not is not supported"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"n": {"allOf": [{"type": "integer"}, {"maximum": 5}]}}}}}},
+     "response_format", "properties.n.allOf"),
+    ({"structured_outputs": {"json": {"$ref": "http://example.com/s.json"}}}, "structured_outputs", "$ref"),
 ])
 def test_bad_specs_get_a_clear_400(stories_node, body, param, words):
     for path, base in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
@@ -170,6 +176,16 @@ def test_bad_specs_get_a_clear_400(stories_node, body, param, words):
         assert r.status_code == 400, (path, r.text)
         err = r.json()["error"]
         assert err["param"] == param and words in err["message"], err
+
+
+def test_unenforced_keywords_are_found_only_where_they_are_keywords():
+    from node.api.structured import unenforced_keyword
+
+    assert unenforced_keyword({"type": "object", "properties": {"not": {"type": "string"}, "if": {"enum": ["allOf"]}},
+                               "required": ["not"], "$defs": {"a": {"type": "integer"}}, "items": {"$ref": "#/$defs/a"}}) is None
+    assert unenforced_keyword({"anyOf": [{"type": "string"}, {"type": "object", "properties": {
+        "a": {"if": {"type": "string"}}}}]}) == "anyOf[1].properties.a.if"
+    assert unenforced_keyword({"$defs": {"x": {"not": {}}}}) == "$defs.x.not"
 
 
 def test_a_1mb_schema_gets_a_clear_400(stories_node):

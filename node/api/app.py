@@ -85,13 +85,24 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response(h.body(), status=h.http_status, headers=retry_after(2) if h.http_status == 503 else None)
 
 
+def _model_card(node) -> dict:
+    return {"id": node.config.model_name, "object": "model", "created": int(node.started_wall_s), "owned_by": "shiftnode",
+            "root": node.config.model, "max_model_len": node.max_model_len, "vocab_size": node.info.cfg.vocab_size}
+
+
 async def models(request: web.Request) -> web.Response:
+    """``GET /v1/models``: the one model this node serves."""
+    return web.json_response({"object": "list", "data": [_model_card(request.app[NODE_KEY])]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{id}`` (the SDK's ``models.retrieve``): the model's card, or a 404 naming the served one."""
     node = request.app[NODE_KEY]
-    return web.json_response({"object": "list", "data": [{
-        "id": node.config.model_name, "object": "model", "created": int(node.started_wall_s), "owned_by": "shiftnode",
-        "root": node.config.model, "max_model_len": node.max_model_len,
-        "vocab_size": node.info.cfg.vocab_size,
-    }]})
+    asked, served = request.match_info["model"], node.config.model_name
+    if asked != served:
+        raise APIError(404, f"The model `{asked}` does not exist. This node serves `{served}`.", param="model",
+                       code="model_not_found")
+    return web.json_response(_model_card(node))
 
 
 async def node_status(request: web.Request) -> web.Response:
@@ -193,6 +204,7 @@ def create_app(config: NodeConfig, node: Node | None = None, prelaunched: dict |
     app.cleanup_ctx.append(node_ctx)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)
     app.router.add_get("/v1/node", node_status)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/dashboard", dashboard_handler(config.api_key))  # its own key check: see node/api/dashboard.py

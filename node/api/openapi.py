@@ -83,6 +83,10 @@ def openapi_document(model_name: str, version: str) -> dict:
                                             {"$ref": _REF.format(name="DetokenizeRequest")}),
             "/v1/models": {"get": {"summary": "the served model", "security": [{"bearer": []}, {}],
                                    "responses": {"200": _json("model list"), **_errors(401)}}},
+            "/v1/models/{model}": {"get": {"summary": "the served model's card", "security": [{"bearer": []}, {}],
+                                           "parameters": [{"name": "model", "in": "path", "required": True,
+                                                           "schema": {"type": "string"}}],
+                                           "responses": {"200": _json("model"), **_errors(401, 404)}}},
             "/v1/node": node_get,
             "/v1/node/peers": {"post": {
                 "summary": "add and remove KV peers (host:port) at run time", "security": [{"bearer": []}, {}],

@@ -40,17 +40,59 @@ COMPILE_TIMEOUT_S = 10.0  # compiling longer than this is a 400 (the compile thr
 _compile_pool = ThreadPoolExecutor(2, thread_name_prefix="grammar-compile")  # off the loop and off the default pool
 
 
+# JSON-schema keywords xgrammar compiles without enforcing them (it warns on the console and generates as if
+# they were absent): a schema using one is refused rather than answered with output that may not validate.
+UNENFORCED_KEYWORDS = ("not", "allOf", "if", "then", "else", "dependentSchemas", "dependentRequired",
+                       "unevaluatedProperties", "unevaluatedItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+_DATA = ("enum", "const", "default", "examples", "required")  # values, not schemas
+
+
+def unenforced_keyword(schema: Any, path: str = "") -> str | None:
+    """The path of the first keyword of :data:`UNENFORCED_KEYWORDS`, or of a ``$ref`` outside the schema (a
+    remote one is not fetched), in ``schema``; None where every keyword is enforced."""
+    if isinstance(schema, list):
+        return next((p for i, s in enumerate(schema) if (p := unenforced_keyword(s, f"{path}[{i}]"))), None)
+    if not isinstance(schema, dict):
+        return None
+    for key, sub in schema.items():
+        here = f"{path}.{key}" if path else key
+        if key in UNENFORCED_KEYWORDS:
+            return here
+        if key == "$ref" and not (isinstance(sub, str) and sub.startswith("#")):
+            return here
+        if key in _DATA:
+            continue
+        subs = sub.items() if key in _SCHEMA_MAPS and isinstance(sub, dict) else [(None, sub)]
+        for name, s in subs:
+            found = unenforced_keyword(s, here if name is None else f"{here}.{name}")
+            if found:
+                return found
+    return None
+
+
 def _text(value: Any, param: str) -> str:
-    """A schema given as an object or as JSON text → JSON text (a string must parse as JSON)."""
+    """A schema given as an object or as JSON text → JSON text (a string must parse as JSON).
+
+    Raises:
+        APIError: 400 for text that is not JSON, a value that is not a schema, or a schema using a keyword
+            the grammar engine does not enforce (:func:`unenforced_keyword`).
+    """
     if isinstance(value, str):
         try:
-            json.loads(value)
+            parsed = json.loads(value)
         except ValueError as e:
             raise bad_request(f"{param} is not valid JSON: {e}", param=param) from e
-        return value
-    if isinstance(value, (dict, bool)):
-        return json.dumps(value)
-    raise bad_request(f"{param} must be a JSON schema (an object)", param=param)
+        text = value
+    elif isinstance(value, (dict, bool)):
+        parsed, text = value, json.dumps(value)
+    else:
+        raise bad_request(f"{param} must be a JSON schema (an object)", param=param)
+    where = unenforced_keyword(parsed)
+    if where:
+        raise bad_request(f"{param}: the schema keyword at {where} is not supported by the grammar engine "
+                          "(it would not be enforced); rewrite the schema without it", param=param)
+    return text
 
 
 def _string(value: Any, param: str) -> str:

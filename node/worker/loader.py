@@ -59,6 +59,36 @@ def load_model_info(config: NodeConfig) -> LoadedModel:
     return LoadedModel(cfg, tok, max_len, dtype_from_name(config.dtype, cfg))
 
 
+def available_host_bytes() -> int | None:
+    """Bytes of host memory the kernel could give this process now (``MemAvailable`` of /proc/meminfo), or
+    None where that is not readable (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+HOST_ROOM_SHARE = 0.9  # a CPU KV pool may take at most this share of the memory available at its start
+
+
+def check_host_room(pool_bytes: int, device_id: str) -> None:
+    """Refuse a CPU device's KV pool that the host cannot hold: allocating it would not fail cleanly but have
+    the kernel's out-of-memory killer end this process (and perhaps others) once the pool's pages are touched.
+
+    Raises:
+        StartupError: ``pool_bytes`` above :data:`HOST_ROOM_SHARE` of :func:`available_host_bytes`.
+    """
+    avail = available_host_bytes()
+    if avail is not None and pool_bytes > HOST_ROOM_SHARE * avail:
+        raise StartupError(
+            f"the KV pool of {pool_bytes} bytes on {device_id} exceeds {HOST_ROOM_SHARE:.0%} of the host's "
+            f"available memory ({avail} bytes); lower --kv-cache-memory")
+
+
 def torch_device(device_id: str) -> torch.device:
     """``cpu:N`` (an emulated device on the CPU) → ``cpu``; ``cuda:N`` → that GPU."""
     kind, _, _ = device_id.partition(":")
@@ -162,6 +192,8 @@ def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: obj
         log.warning("random_weights", device=device_id, seed=config.seed,
                     message="weights are random (fixed seed): outputs are meaningless text")
     cost_path = benchmark_cost_path(config.benchmark_model)  # a timed device: tiny pool, paced steps
+    if dev.type == "cpu" and cost_path is None:
+        check_host_room(num_blocks * config.block_size * per_token, device_id)
     try:
         runner = ModelRunner(model, cfg, dev, num_blocks, config.block_size, info.dtype, seed=config.seed,
                              kv_alloc=kv_alloc, kv_payload=(1, 1, 1) if cost_path is not None else None)
