@@ -121,11 +121,26 @@ class PeerChange(msgspec.Struct, forbid_unknown_fields=True):
 
 
 def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
-    """Decode ``body`` as JSON into ``kind``. Raises ``msgspec.DecodeError``/``ValidationError``."""
+    """Decode ``body`` as JSON into ``kind``; a top-level ``null`` stands for the field's default, as in
+    OpenAI's API (some clients send ``"n": null`` or ``"stream": null``).
+
+    Raises:
+        msgspec.DecodeError: not JSON. msgspec.ValidationError: a field of the wrong type or unknown.
+    """
     decoder = _decoders.get(kind)
     if decoder is None:  # another route's type (/tokenize...): made once
         decoder = _decoders[kind] = msgspec.json.Decoder(kind)
-    return decoder.decode(body)
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as e:
+        if "got `null`" not in str(e):
+            raise
+        raw = msgspec.json.decode(body)  # the slow path, only for a body that has such a null
+        if not isinstance(raw, dict):
+            raise
+        defaulted = {f.encode_name for f in msgspec.structs.fields(kind)
+                     if f.default is not msgspec.NODEFAULT or f.default_factory is not msgspec.NODEFAULT}
+        return msgspec.convert({k: v for k, v in raw.items() if not (v is None and k in defaulted)}, kind)
 
 
 _decoders = {k: msgspec.json.Decoder(k) for k in (CompletionRequest, ChatCompletionRequest)}

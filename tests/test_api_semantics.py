@@ -191,3 +191,17 @@ def test_models_retrieve_through_the_sdk(stories_node):
     assert client.models.retrieve(served).id == served
     with pytest.raises(openai.NotFoundError, match=served):
         client.models.retrieve("no-such-model")
+
+
+def test_explicit_nulls_mean_the_default_as_in_openai(stories_node):
+    """Clients that send every field send ``null`` for those they leave alone: a null where the field has a
+    default takes the default (a fresh user got a 400 for ``"n": null``); a null for a required field is still a 400."""
+    r = stories_node.client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "n": None, "stream": None,
+                                                           "echo": None})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    r = stories_node.client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "n": None, "stream": None, "logprobs": None,
+        "parallel_tool_calls": None})
+    assert r.status_code == 200, r.text
+    r = stories_node.client.post("/v1/completions", json={"prompt": None, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
