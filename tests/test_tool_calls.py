@@ -164,6 +164,16 @@ def test_parallel_calls_a_named_choice_and_bad_choices(family_node):
         assert r.status_code == 400 and r.json()["error"]["param"] == param and words in r.json()["error"]["message"], r.text
     r = node.client.post("/v1/chat/completions", json={**body, "tool_choice": "required", "guided_regex": "a"})
     assert r.status_code == 400 and "cannot be combined" in r.json()["error"]["message"]
+    # a stop string inside the calls' JSON would hand the raw JSON back as content (a fresh user's find)
+    r = node.client.post("/v1/chat/completions", json={**body, "tool_choice": "required", "stop": ["a"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
+    # a function without parameters takes none: its arguments are {}
+    bare = [{"type": "function", "function": {"name": "ping"}}]
+    r = node.client.post("/v1/chat/completions", json={**body, "tools": bare, "tool_choice": "required",
+                                                          "parallel_tool_calls": False}).json()
+    c = r["choices"][0]
+    if c["finish_reason"] == "tool_calls":
+        assert [json.loads(x["function"]["arguments"]) for x in c["message"]["tool_calls"]] == [{}], c
     assert node.wait_idle()["live_requests"] == 0
 
 

@@ -27,7 +27,8 @@ from node.core.grammar_spec import GrammarSpec
 from node.protocol import ChatCompletionRequest, ChatMessage
 from node.protocol_tools import NamedToolChoice
 
-ANY_OBJECT = {"type": "object"}
+# a function without ``parameters`` takes none (OpenAI: an empty parameter list), so its arguments are "{}"
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 @dataclass
@@ -51,7 +52,7 @@ class ToolPlan:
 
 
 def _schema(params: dict | None) -> dict:
-    return params if params else ANY_OBJECT
+    return params if params else NO_PARAMETERS
 
 
 def plan_tools(req: ChatCompletionRequest, parser: str | None, template: str | None = None) -> ToolPlan:
@@ -92,6 +93,8 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None, template: str | N
             or any(getattr(req, f) is not None for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")):
         raise bad_request("a required or named tool_choice cannot be combined with another structured output",
                           param="tool_choice")
+    if req.stop:  # a stop string inside the calls' JSON would cut them off and hand the raw JSON back as content
+        raise bad_request("a required or named tool_choice cannot be combined with stop strings", param="stop")
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
         fn = next((t.function for t in req.tools if t.function.name == name), None)
