@@ -5,10 +5,13 @@ MIXED (no pause), and nothing leaked (issue 27)."""
 import json
 
 import httpx
+import pytest
 
 from support import STORIES, NodeProcess
 from test_metrics import scrape
 from test_time_shared import bodies, run
+
+pytestmark = pytest.mark.slow_only("both tests start two-device adaptive nodes of their own (one on timed 70B devices)")
 
 
 def test_adaptive_default_matches_one_device_and_reports_mixed_phases(stories_node):

@@ -225,6 +225,7 @@ def test_request_timeout_over_http_is_503_with_retry_after():
         node.close()
 
 
+@pytest.mark.quick
 def test_the_default_request_deadline_is_finite_shown_and_0_means_none(stories_node):
     """Issue 32 item 4: with no flag every request has a 600 s deadline, read from /v1/node and the
     ``shiftnode_request_timeout_seconds`` gauge; ``--request-timeout-s 0`` removes it; negative is refused."""
@@ -244,6 +245,7 @@ def test_the_default_request_deadline_is_finite_shown_and_0_means_none(stories_n
         parse("--request-timeout-s", "-1").validate()
 
 
+@pytest.mark.quick
 def test_a_bug_after_a_streams_headers_ends_that_stream_with_an_error_event_and_done():
     """A failure in the API's own per-step code (here: accounting the 5th token of one request) once
     the 200 and some events are out ends that stream with an error event and [DONE] on a well-formed

@@ -31,6 +31,7 @@ def _load(folder):
                        device=torch.device("cpu"), max_positions=64, ops=ops)
 
 
+@pytest.mark.quick
 def test_sharded_checkpoint_loads_identically(tmp_path):
     folder = _copy(tmp_path)
     tensors = load_file(folder / "model.safetensors")
@@ -48,6 +49,7 @@ def test_sharded_checkpoint_loads_identically(tmp_path):
         assert n1 == n2 and torch.equal(p1, p2)
 
 
+@pytest.mark.quick
 def test_clear_errors(tmp_path):
     folder = _copy(tmp_path)
     cfg = json.loads((folder / "config.json").read_text())
@@ -68,6 +70,7 @@ def test_clear_errors(tmp_path):
         ModelConfig.from_folder(tmp_path / "nowhere")
 
 
+@pytest.mark.quick
 def test_refuses_kv_budget_below_one_sequence():
     config = NodeConfig(model=str(STORIES), kv_cache_memory_bytes=100_000)
     with pytest.raises(StartupError, match=r"holds 64 tokens .* 512 tokens"):
@@ -79,6 +82,7 @@ def test_cli_reports_startup_error_and_exits(tmp_path):
         NodeProcess("--model", str(STORIES), "--kv-cache-memory", "100000", timeout_s=60)
 
 
+@pytest.mark.quick
 def test_building_a_model_does_not_import_sympy():
     """Every engine process builds its model: allocating the meta-built modules must not run torch's
     Python decompositions (``to_empty``'s ``empty_like`` on meta tensors imports sympy, ~0.4 s a process)."""

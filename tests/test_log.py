@@ -7,11 +7,14 @@ import json
 import random
 import time
 
+import pytest
 import structlog
 
 from node.log import ConsoleLines, configure_logging, request_lines
 from node.runtime.stats_log import StatsSample, stats_fields
 from support import NodeProcess, post_concurrently, up
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 LEVELS = ["debug", "info", "warning", "error", "critical", "exception", "notset"]
 VALUES = ["cpu:0", "chunks_fit", "two words", "a=b", 'say "hi"', "it's", "line\nbreak", "", 0, 3, -1.5, 1234567.456789,

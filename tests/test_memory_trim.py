@@ -10,6 +10,8 @@ from node.config import NodeConfig
 from node.runtime.memory import TRIM_INTERVAL_S, malloc_trim, trim_periodically
 from virtual_time import run_virtual
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 
 def _rss_anon_kib() -> int:
     with open("/proc/self/status") as f:

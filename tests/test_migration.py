@@ -21,6 +21,8 @@ from support import STORIES, NodeProcess, reference_cases
 from test_metrics import scrape
 from test_time_shared import bodies, run
 
+pytestmark = pytest.mark.slow_only("every test moves decoding sequences between the two devices of a node of its own")
+
 
 def transfer_counts(text: str) -> dict[tuple[str, str, str], float]:
     out = {}

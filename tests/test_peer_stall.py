@@ -17,6 +17,8 @@ from node.runtime.node import Node
 from support import STORIES, NodeProcess, free_port, reference_cases, up
 from test_metrics import text_string_to_metric_families
 
+pytestmark = pytest.mark.slow_only("its one test waits out a silent peer's stall timeouts (seconds of real time)")
+
 
 def test_a_peer_that_accepts_and_never_answers_is_reported_stalled_and_local_work_is_served():
     case = reference_cases()[0]

@@ -14,6 +14,8 @@ from node.core.group_cost import GroupCost
 from node.runtime.role_driver import RoleDriver
 from node.runtime.role_policy import DEFAULT_CPU_COST, role_scheduler
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 DEVICES = ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
 
 

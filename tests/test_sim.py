@@ -20,6 +20,8 @@ from bench.traffic.traces import TraceRequest
 from bench.traffic.workload import WorkloadSpec, build_workload
 from node.core.cost import CostModel
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 REPO = Path(__file__).resolve().parents[1]
 COST = CostModel(prefill_fixed_s=0.010, prefill_per_token_s=0.001, decode_fixed_s=0.005, decode_per_seq_s=0.001)
 TWO = [TraceRequest(0.0, 10, 3), TraceRequest(0.012, 20, 2)]

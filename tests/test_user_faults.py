@@ -37,6 +37,7 @@ def test_bearer_scheme_is_case_insensitive():
         node.close()
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("path,field,value", [
     ("/v1/completions", "use_beam_search", True),
     ("/v1/completions", "logit_bias", {"5": 10.0}),
@@ -53,6 +54,7 @@ def test_unsupported_fields_that_change_the_output_are_a_400(stories_node, path,
     assert field in r.json()["error"]["message"] or field == "use_beam_search"
 
 
+@pytest.mark.quick
 def test_harmless_values_of_those_fields_are_served(stories_node):
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     for extra in ({"tool_choice": "none"}, {"tool_choice": "auto"}, {"modalities": ["text"]}, {"logit_bias": {}}):
@@ -60,6 +62,7 @@ def test_harmless_values_of_those_fields_are_served(stories_node):
         assert r.status_code == 200, (extra, r.text)
 
 
+@pytest.mark.quick
 def test_logprobs_of_partial_utf8_tokens_have_their_bytes_and_distinct_names():
     require_shared()
     tok = TextTokenizer.from_folder(STORIES)
@@ -77,6 +80,7 @@ def test_logprobs_of_partial_utf8_tokens_have_their_bytes_and_distinct_names():
                                        tok.token_text(word): -3.0}
 
 
+@pytest.mark.quick
 def test_own_kv_address_is_refused_at_start():
     for peer in ("127.0.0.1:9100", "localhost:9100", "[::1]:9100", "0.0.0.0:9100"):
         with pytest.raises(ConfigError, match="own KV address"):

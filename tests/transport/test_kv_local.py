@@ -9,6 +9,8 @@ from node.transport import ChecksumMismatch, LayoutMismatch, copy_sequence_block
 from node.transport.tensors import gather_layer, layer_from_bytes, layout_of, tensor_bytes
 from transport_fakes import random_cache
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_local_copy_equals_source_layer_by_layer(dtype):

@@ -22,6 +22,8 @@ from node.transport.tensors import gather_layer
 from node.transport.wire import client_handshake, encode, read_msg
 from transport_fakes import HOST, SECRET, FakeReceiver, layer_source, make_seq, random_cache, run
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 REPO = Path(__file__).resolve().parents[2]
 
 
