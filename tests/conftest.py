@@ -53,6 +53,16 @@ def stories_node():
 
 
 @pytest.fixture(scope="session")
+def keyed_node():
+    """One stories260k node behind ``--api-key sekrit``, shared by the API-key tests of test_api_errors and
+    test_user_faults (they only read: a key's refusals and acceptances)."""
+    require_shared()
+    node = NodeProcess(*STORIES_NODE_ARGS, "--api-key", "sekrit")
+    yield node
+    node.close()
+
+
+@pytest.fixture(scope="session")
 def pooled_node():
     """One pooled node (prefill on cpu:0, KV handed to decode on cpu:1) shared by test_pooled and
     test_prefix_caching. Their tests compare outputs, and transfers and cache hits counted from

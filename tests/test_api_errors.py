@@ -6,8 +6,6 @@ import random
 import httpx
 import pytest
 
-from support import STORIES, NodeProcess
-
 
 def assert_error(r: httpx.Response, status: int, param: str | None = None):
     assert r.status_code == status, (r.status_code, r.text)
@@ -161,17 +159,14 @@ def test_fuzz_random_bodies_never_500(stories_node):
     stories_node.wait_idle()
 
 
-def test_api_key_required():
-    node = NodeProcess("--model", str(STORIES), "--api-key", "sekrit")
-    try:
-        assert_error(node.client.get("/v1/models"), 401)
-        assert_error(node.client.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer wrong"}), 401)
-        ok = node.client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 2},
-                              headers={"Authorization": "Bearer sekrit"})
-        assert ok.status_code == 200
-        assert node.client.get("/health").status_code == 200  # health needs no key
-    finally:
-        node.close()
+def test_api_key_required(keyed_node):
+    node = keyed_node
+    assert_error(node.client.get("/v1/models"), 401)
+    assert_error(node.client.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer wrong"}), 401)
+    ok = node.client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 2},
+                          headers={"Authorization": "Bearer sekrit"})
+    assert ok.status_code == 200
+    assert node.client.get("/health").status_code == 200  # health needs no key
 
 
 @pytest.mark.quick

@@ -24,17 +24,14 @@ from support import STORIES, NodeProcess, free_port, require_shared
 from test_api_errors import assert_error, post
 
 
-def test_bearer_scheme_is_case_insensitive():
-    node = NodeProcess("--model", str(STORIES), "--api-key", "sekrit")
-    try:
-        for header in ("bearer sekrit", "BEARER sekrit", "Bearer  sekrit"):
-            r = node.client.get("/v1/models", headers={"Authorization": header})
-            assert r.status_code == 200, (header, r.text)
-        for header in ("bearer wrong", "Basic sekrit", "sekrit", "bearersekrit"):
-            assert_error(node.client.get("/v1/models", headers={"Authorization": header}), 401)
-        assert node.client.get("/dashboard", headers={"Authorization": "bearer sekrit"}).status_code == 200
-    finally:
-        node.close()
+def test_bearer_scheme_is_case_insensitive(keyed_node):
+    node = keyed_node
+    for header in ("bearer sekrit", "BEARER sekrit", "Bearer  sekrit"):
+        r = node.client.get("/v1/models", headers={"Authorization": header})
+        assert r.status_code == 200, (header, r.text)
+    for header in ("bearer wrong", "Basic sekrit", "sekrit", "bearersekrit"):
+        assert_error(node.client.get("/v1/models", headers={"Authorization": header}), 401)
+    assert node.client.get("/dashboard", headers={"Authorization": "bearer sekrit"}).status_code == 200
 
 
 @pytest.mark.quick
