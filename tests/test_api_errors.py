@@ -134,7 +134,6 @@ def test_b06_body_sizes(stories_node):
     assert stories_node.alive()
 
 
-@pytest.mark.quick
 def test_fuzz_random_bodies_never_500(stories_node):
     rng = random.Random(1234)
     seeds = [b'{"prompt": "Once", "max_tokens": 2}', b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}',

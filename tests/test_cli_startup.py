@@ -28,7 +28,6 @@ def assert_one_line_refusal(rc: int, err: str, *words: str) -> None:
         assert w in err, err
 
 
-@pytest.mark.quick
 @pytest.mark.parametrize("flags,words", [
     (["--devices", "cuda:99"], ["cuda:99"]),  # no CUDA here; on a GPU machine, more devices than it has
     (["--device", "cuda:99"], ["cuda:99"]),

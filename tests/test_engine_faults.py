@@ -245,7 +245,6 @@ def test_the_default_request_deadline_is_finite_shown_and_0_means_none(stories_n
         parse("--request-timeout-s", "-1").validate()
 
 
-@pytest.mark.quick
 def test_a_bug_after_a_streams_headers_ends_that_stream_with_an_error_event_and_done():
     """A failure in the API's own per-step code (here: accounting the 5th token of one request) once
     the 200 and some events are out ends that stream with an error event and [DONE] on a well-formed

@@ -82,7 +82,6 @@ def test_cli_reports_startup_error_and_exits(tmp_path):
         NodeProcess("--model", str(STORIES), "--kv-cache-memory", "100000", timeout_s=60)
 
 
-@pytest.mark.quick
 def test_building_a_model_does_not_import_sympy():
     """Every engine process builds its model: allocating the meta-built modules must not run torch's
     Python decompositions (``to_empty``'s ``empty_like`` on meta tensors imports sympy, ~0.4 s a process)."""
