@@ -107,3 +107,25 @@ def test_ci_runs_the_suite_with_ci_set(tmp_path):
     out = subprocess.run(["bash", str(repo / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "CI=true"
+
+
+def test_scripts_test_quick_selects_the_quick_marker(tmp_path):
+    """``bash scripts/test --quick ARGS`` runs pytest with ``-m quick`` and ARGS; without ``--quick``, no marker
+    filter. Run on a copy whose set-up does nothing and whose python prints its arguments."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(REPO / "scripts" / "test", repo / "scripts" / "test")
+    (repo / "scripts" / "setup").write_text("true\n")
+    python = repo / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text('#!/bin/sh\necho "$@"\n')
+    python.chmod(0o755)
+
+    def args(*extra: str) -> list[str]:
+        out = subprocess.run(["bash", str(repo / "scripts" / "test"), *extra], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+
+    quick = args("--quick", "tests/core")
+    assert quick[:2] == ["-m", "pytest"] and ("-m", "quick") in zip(quick, quick[1:]) and quick[-1] == "tests/core"
+    assert "quick" not in args("tests/core")
