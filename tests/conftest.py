@@ -6,6 +6,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# One intra-op thread in the test process. Its models are tiny (a stories260k step is ~3.5 ms of CPU), and
+# the node processes that tests start need the other core. With two threads on a loaded 2-core machine,
+# OpenMP's spinning workers wait on each other: tests/test_cpu_attention.py's greedy run took 124-190 s of
+# wall time for ~1.2 s of CPU. A test that needs more threads sets them itself (test_tensor_parallel).
+torch.set_num_threads(1)
 
 from support import STORIES, NodeProcess, require_shared  # noqa: E402
 
@@ -43,6 +50,16 @@ def stories_node():
         yield node
     finally:
         node.close()
+
+
+@pytest.fixture(scope="session")
+def keyed_node():
+    """One stories260k node behind ``--api-key sekrit``, shared by the API-key tests of test_api_errors and
+    test_user_faults (they only read: a key's refusals and acceptances)."""
+    require_shared()
+    node = NodeProcess(*STORIES_NODE_ARGS, "--api-key", "sekrit")
+    yield node
+    node.close()
 
 
 @pytest.fixture(scope="session")

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench.studies.adaptive_cells import CELLS, bracket, plot
 
 
+@pytest.mark.quick
 def test_bracket_is_the_largest_passed_and_the_next_failed_factor():
     probes = [{"factor": 0.9, "attainment": 0.94}, {"factor": 0.95, "attainment": 0.89},
               {"factor": 1.1, "attainment": 0.78}]

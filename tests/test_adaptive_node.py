@@ -2,11 +2,16 @@
 device, MIXED phases with the reason of every switch in ``/v1/node``, free switches between DECODE and
 MIXED (no pause), and nothing leaked (issue 27)."""
 
-import time
+import json
+
+import httpx
+import pytest
 
 from support import STORIES, NodeProcess
 from test_metrics import scrape
 from test_time_shared import bodies, run
+
+pytestmark = pytest.mark.slow_only("both tests start two-device adaptive nodes of their own (one on timed 70B devices)")
 
 
 def test_adaptive_default_matches_one_device_and_reports_mixed_phases(stories_node):
@@ -40,9 +45,12 @@ def test_adaptive_hands_prompts_off_where_no_chunk_fits_a_70b_decode_step():
     """Two timed devices paced by the 70B roofline (an eager mixed step ~36 ms, a decode step well under
     the 18 ms target at TPOT 20 ms): the node opens hand-off windows (node.core.handoff_windows), one device
     prefills and its sequences move to the other, copied beside its later steps; every request gets all
-    its tokens and no block is left."""
+    its tokens and no block is left. Each prompt is sent once the one before has its first token (an event,
+    not a fixed stagger: on a loaded machine prompts sent at fixed times could all queue before any decodes),
+    so every prompt after the first meets sequences decoding on the node."""
     import concurrent.futures
     import random
+    import threading
 
     from support import REPO
     node = NodeProcess("--devices", "cpu:0,cpu:1", "--model", str(REPO / "bench/configs/llama3-70b"),
@@ -52,16 +60,31 @@ def test_adaptive_hands_prompts_off_where_no_chunk_fits_a_70b_decode_step():
         model = node.client.get("/v1/models").json()["data"][0]["id"]
         rng = random.Random(0)
         bodies_ = [{"model": model, "prompt": [rng.randint(10, 1000) for _ in range(rng.randint(200, 1500))],
-                    "max_tokens": 200, "ignore_eos": True, "temperature": 0} for _ in range(24)]
+                    "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True, "return_token_ids": True,
+                    "stream_options": {"include_usage": True}} for _ in range(24)]
+        first_token = [threading.Event() for _ in bodies_]
 
         def send(i):
-            time.sleep(0.05 * i)
-            return node.client.post("/v1/completions", json=bodies_[i])
+            if i:
+                first_token[i - 1].wait(120)
+            try:
+                # a client per thread (support.post_concurrently says why)
+                with httpx.Client(base_url=node.url, timeout=120, verify=False) as client, \
+                        client.stream("POST", "/v1/completions", json=bodies_[i]) as r:
+                    events = []
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            events.append(json.loads(line[6:]))
+                            if any(c.get("token_ids") for c in events[-1]["choices"]):
+                                first_token[i].set()
+                    return r.status_code, events[-1]["usage"]
+            finally:
+                first_token[i].set()  # a request that failed must not hold the ones after it
 
         with concurrent.futures.ThreadPoolExecutor(24) as pool:
             got = list(pool.map(send, range(24)))
-        assert [r.status_code for r in got] == [200] * 24
-        assert all(r.json()["usage"]["completion_tokens"] == 200 for r in got)
+        assert [status for status, _ in got] == [200] * 24
+        assert all(usage["completion_tokens"] == 200 for _, usage in got)
         st = node.wait_idle()
         switches = [(d["device"], s["to_role"], s["reason"]) for d in st["devices"] for s in d["switches"]]
         assert any(to == "prefill" and why == "handoff" for _, to, why in switches), switches

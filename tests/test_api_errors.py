@@ -6,8 +6,6 @@ import random
 import httpx
 import pytest
 
-from support import STORIES, NodeProcess
-
 
 def assert_error(r: httpx.Response, status: int, param: str | None = None):
     assert r.status_code == status, (r.status_code, r.text)
@@ -23,6 +21,7 @@ def post(node, path, body):
 
 
 # B01: empty prompts are a 400 (an empty token list) or served (a string still has BOS), never a 5xx.
+@pytest.mark.quick
 @pytest.mark.parametrize("body,status", [
     ({"prompt": "", "max_tokens": 3}, 200),
     ({"prompt": [""], "max_tokens": 3}, 200),
@@ -38,6 +37,7 @@ def test_b01_empty_prompts(stories_node, body, status):
         assert r.json()["usage"]["prompt_tokens"] == 1  # BOS only
 
 
+@pytest.mark.quick
 def test_b01_empty_chat_content(stories_node):
     r = post(stories_node, "/v1/chat/completions", {"messages": [{"role": "user", "content": ""}], "max_tokens": 3})
     assert r.status_code == 200, r.text
@@ -45,6 +45,7 @@ def test_b01_empty_chat_content(stories_node):
 
 
 # B02: the max_tokens matrix.
+@pytest.mark.quick
 @pytest.mark.parametrize("value,status", [(0, 400), (-1, 400), (2.5, 400), ("8", 400), (None, 200), (10**9, 400), (1e9, 400), (8, 200)])
 def test_b02_max_tokens(stories_node, value, status):
     body = {"prompt": "Once upon a time", "temperature": 0}
@@ -61,6 +62,7 @@ def test_b02_max_tokens(stories_node, value, status):
 
 
 # B03: prompts of L-1, L, L+1 tokens against the advertised limit.
+@pytest.mark.quick
 def test_b03_context_limit(stories_node):
     limit = stories_node.client.get("/v1/models").json()["data"][0]["max_model_len"]
     assert limit == 512
@@ -79,6 +81,7 @@ def test_b03_context_limit(stories_node):
 
 
 # B05: malformed bodies and headers.
+@pytest.mark.quick
 @pytest.mark.parametrize("body,status", [
     (b"{not json", 400),
     (b"", 400),
@@ -110,17 +113,20 @@ def test_b05_malformed(stories_node, body, status):
     assert stories_node.alive()
 
 
+@pytest.mark.quick
 def test_b05_bad_chat_messages(stories_node):
     for messages in ([{"role": "wizard", "content": "x"}], [{"content": "x"}], [{"role": "user", "content": [{"type": "image_url"}]}]):
         assert_error(post(stories_node, "/v1/chat/completions", {"messages": messages}), 400)
 
 
+@pytest.mark.quick
 def test_unknown_route_and_method(stories_node):
     assert_error(stories_node.client.get("/v1/nothing"), 404)
     assert_error(stories_node.client.get("/v1/completions"), 405)
 
 
 # B06: a 1-3 MiB body within context is accepted as a body (then judged on its content); 64 MiB is a quick 413.
+@pytest.mark.quick
 def test_b06_body_sizes(stories_node):
     padding = " " * (3 * 1024 * 1024)
     r = post(stories_node, "/v1/completions", '{"prompt": "Once upon a time", "max_tokens": 2,' + padding + '"temperature": 0}')
@@ -154,19 +160,17 @@ def test_fuzz_random_bodies_never_500(stories_node):
     stories_node.wait_idle()
 
 
-def test_api_key_required():
-    node = NodeProcess("--model", str(STORIES), "--api-key", "sekrit")
-    try:
-        assert_error(node.client.get("/v1/models"), 401)
-        assert_error(node.client.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer wrong"}), 401)
-        ok = node.client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 2},
-                              headers={"Authorization": "Bearer sekrit"})
-        assert ok.status_code == 200
-        assert node.client.get("/health").status_code == 200  # health needs no key
-    finally:
-        node.close()
+def test_api_key_required(keyed_node):
+    node = keyed_node
+    assert_error(node.client.get("/v1/models"), 401)
+    assert_error(node.client.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer wrong"}), 401)
+    ok = node.client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 2},
+                          headers={"Authorization": "Bearer sekrit"})
+    assert ok.status_code == 200
+    assert node.client.get("/health").status_code == 200  # health needs no key
 
 
+@pytest.mark.quick
 def test_plain_text_response_format_is_accepted(stories_node):
     r = post(stories_node, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                                                     "response_format": {"type": "text"}})

@@ -13,6 +13,7 @@ from support import STORIES, NodeProcess, dechunk
 from test_api_errors import assert_error, post
 
 
+@pytest.mark.quick
 def test_tiny_temperature_is_greedy_and_never_fails_the_batch(stories_node):
     body = {"prompt": "Once upon a time", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
     with cf.ThreadPoolExecutor(6) as pool:
@@ -24,6 +25,7 @@ def test_tiny_temperature_is_greedy_and_never_fails_the_batch(stories_node):
     assert tiny.json()["choices"][0]["text"] == results[0].json()["choices"][0]["text"]
 
 
+@pytest.mark.quick
 def test_huge_prompt_is_refused_without_stalling_others(stories_node):
     with cf.ThreadPoolExecutor(2) as pool:
         other = pool.submit(stories_node.client.post, "/v1/completions",
@@ -35,11 +37,13 @@ def test_huge_prompt_is_refused_without_stalling_others(stories_node):
         assert other.result().status_code == 200
 
 
+@pytest.mark.quick
 def test_stop_string_limits(stories_node):
     assert_error(post(stories_node, "/v1/completions", {"prompt": "x", "stop": ["a"] * 17}), 400, "stop")
     assert_error(post(stories_node, "/v1/completions", {"prompt": "x", "stop": ["a" * 513]}), 400, "stop")
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("headers,body,status", [
     ({}, b'{"prompt": "x"}', 415),  # valid JSON, no Content-Type: refused like a wrong one
     ({"Content-Type": "text/plain"}, b'{"prompt": "x"}', 415),
@@ -51,12 +55,14 @@ def test_bad_headers_and_nesting(stories_node, headers, body, status):
     assert_error(stories_node.client.post("/v1/completions", content=body, headers=headers), status)
 
 
+@pytest.mark.quick
 def test_chat_without_content_type_is_415(stories_node):
     r = stories_node.client.post("/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "x"}]}')
     assert "content-type" not in r.request.headers
     assert_error(r, 415)
 
 
+@pytest.mark.quick
 def test_error_param_names_the_field(stories_node):
     assert_error(post(stories_node, "/v1/completions", b"[1, 2]"), 400, None)
     assert post(stories_node, "/v1/completions", b"[1, 2]").json()["error"]["param"] is None
@@ -67,6 +73,7 @@ def test_error_param_names_the_field(stories_node):
     assert_error(post(stories_node, "/v1/chat/completions", {"messages": [{"role": 5}]}), 400, "messages")
 
 
+@pytest.mark.quick
 def test_echo_logprob_tokens_index_into_the_text(stories_node):
     for stream in (False, True):
         body = {"prompt": "Once upon a time 😀", "echo": True, "logprobs": 1, "max_tokens": 6, "temperature": 0}
@@ -84,6 +91,7 @@ def test_echo_logprob_tokens_index_into_the_text(stories_node):
         assert all(text[o:].startswith(t) for o, t in zip(offsets, tokens))
 
 
+@pytest.mark.quick
 def test_chat_text_parts_join_with_newlines(stories_node):
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     r = post(stories_node, "/v1/chat/completions", {"messages": [{"role": "user", "content": parts}], "max_tokens": 1,
@@ -154,6 +162,7 @@ def _raw_post(port: int, version: str, body: dict, connection: str = "close") ->
     return out
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("version,connection", [("HTTP/1.1", "close"), ("HTTP/1.0", "close"), ("HTTP/1.0", "keep-alive")])
 def test_streams_are_framed_for_the_clients_http_version(stories_node, version, connection):
     """The SSE writer frames its own writes: HTTP/1.1 gets valid chunked encoding ending in the empty

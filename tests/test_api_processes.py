@@ -282,6 +282,7 @@ def test_an_engine_killed_mid_stream_is_restarted_then_left_down(fe):
     assert device["kv_blocks_used"] == 0 and fe.status()["live_requests"] == 0
 
 
+@pytest.mark.quick
 def test_frames_survive_any_split_and_a_plain_token_carries_three_values():
     import msgspec
 
@@ -299,6 +300,7 @@ def test_frames_survive_any_split_and_a_plain_token_carries_three_values():
     assert msgspec.msgpack.decode(frame(Step([TokenDelta(3, 0, [17])]))[4:]) == ["Step", [{"k": 3, "i": 0, "t": [17]}]]
 
 
+@pytest.mark.quick
 def test_a_stop_string_inside_a_delta_cuts_it_and_ends_the_choice():
     from node.api.frontend_node import FrontRequest
     from node.core.sequence import SamplingParams
@@ -319,6 +321,7 @@ def test_a_stop_string_inside_a_delta_cuts_it_and_ends_the_choice():
     assert second.token_ids == ids[2 : 2 + len(tok.encode(" STOP", add_special_tokens=False))]
 
 
+@pytest.mark.quick
 def test_a_refused_admission_is_the_same_503_in_the_front_end():
     """The control process's refusal (queue full, draining, engines down) reaches the front end's handler
     as the same exception the one-process handler turns into a 503 with Retry-After."""
@@ -376,6 +379,7 @@ def test_a_refused_admission_is_the_same_503_in_the_front_end():
     assert answer.refusal == "kv_capacity" and type(e) is KVCapacityExceeded
 
 
+@pytest.mark.quick
 def test_the_default_count_and_the_accepted_range():
     from node.api.flags import default_api_processes
     from node.config import ConfigError, NodeConfig

@@ -5,6 +5,8 @@ import pytest
 
 from support import reference_cases, stream, stream_text
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 
 @pytest.mark.parametrize("case", reference_cases(), ids=lambda c: c["prompt"])
 def test_reference_greedy_non_stream(stories_node, case):

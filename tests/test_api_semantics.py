@@ -6,6 +6,8 @@ import pytest
 
 from support import reference_cases, stream, stream_text
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 CASE = reference_cases()[0]  # "Once upon a time" → ", there was a little girl named Lily. ..."
 
 

@@ -12,6 +12,8 @@ import pytest
 
 from support import STORIES, NodeProcess, require_shared, sse_events
 
+pytestmark = pytest.mark.slow_only("both tests need a node of their own, with a client that never reads or reads slowly")
+
 STALL_S = 2.0
 
 

@@ -1,6 +1,10 @@
 """bench.device.cpu_attention's roofline bookkeeping (part 3)."""
 
+import pytest
+
 from bench.device.cpu_attention import llc_mib, memory_roofline
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 
 def test_roofline_gives_bytes_floor_and_achieved_bandwidth():

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from bench.load.cpu_floor import main, weights_read_per_step
@@ -14,6 +15,7 @@ TINY = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_
         "torch_dtype": "float32"}
 
 
+@pytest.mark.quick
 def test_weights_read_per_step_are_the_projections_and_the_head(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     model = build_model(ModelConfig.from_folder(tmp_path), folder=None, load_format="dummy", dtype=torch.float32,

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from support import require_shared
 
 from bench.load.host_compare import _tree_cpu_s, against_baseline, api_against_single, api_scaling, sampled_vs_greedy
@@ -44,6 +46,7 @@ def _cell(tree: str, pair: int, node_cpu_s: float, tokens: int) -> Cell:
                 tree=tree, pair=pair)
 
 
+@pytest.mark.quick
 def test_baseline_ratios_pair_each_round_with_its_own_baseline_run():
     cells = [_cell("baseline", 0, 1.0, 10_000), _cell("this", 0, 0.8, 10_000),  # round 0: 0.80x CPU/token
              _cell("baseline", 1, 2.0, 10_000), _cell("this", 1, 1.8, 10_000),  # a slow phase: 0.90x
@@ -54,6 +57,7 @@ def test_baseline_ratios_pair_each_round_with_its_own_baseline_run():
     assert against_baseline([c for c in cells if c.tree == "this"]) == []
 
 
+@pytest.mark.quick
 def test_baseline_ratios_pair_runs_of_the_same_api_processes():
     def cell(tree, api, cpu):
         return Cell("process", "zero", "1 col", 256, "greedy", wall_s=1.0, tokens=10_000, node_cpu_s=cpu,
@@ -66,6 +70,7 @@ def test_baseline_ratios_pair_runs_of_the_same_api_processes():
     assert "api2" in lines[1] and "node CPU per token 0.50x" in lines[1]
 
 
+@pytest.mark.quick
 def test_sampled_against_greedy_pairs_the_same_point_and_flags_the_target():
     def cell(model, sampling, steps, pair=0):
         return Cell("process", model, "1 col", 256, sampling, wall_s=2.0, tokens=1, steps=[steps], pair=pair)
@@ -78,6 +83,7 @@ def test_sampled_against_greedy_pairs_the_same_point_and_flags_the_target():
     assert "zero" in lines[1] and lines[1].endswith("2.00x")
 
 
+@pytest.mark.quick
 def test_llama3_vocab_model_is_stories_with_llama3s_vocabulary(tmp_path):
     require_shared()
     folder = llama3_vocab_model(tmp_path)
@@ -87,6 +93,7 @@ def test_llama3_vocab_model_is_stories_with_llama3s_vocabulary(tmp_path):
     assert not list(folder.glob("*.safetensors"))
 
 
+@pytest.mark.quick
 def test_itl_p50_and_the_compiled_runner_step_beside_the_eager_one():
     cell = Cell("process", "stories-c", "1 ts", 1, "greedy", wall_s=1.0, tokens=4, steps=[4],
                 gaps=[0.0004, 0.0005, 0.0009], startup_s=30.0)
@@ -100,6 +107,7 @@ def test_itl_p50_and_the_compiled_runner_step_beside_the_eager_one():
     assert target(cell, runner) == "ITL p50 <=0.8 ms: MISS"
 
 
+@pytest.mark.quick
 def test_api_processes_are_compared_with_the_one_process_run_of_the_same_round():
     def cell(api, pair, ctl_s, api_s, tokens):
         return Cell("process", "zero", "1 col", 256, "greedy", wall_s=1.0, tokens=tokens, node_cpu_s=ctl_s,
@@ -114,6 +122,7 @@ def test_api_processes_are_compared_with_the_one_process_run_of_the_same_round()
     assert api_against_single([c for c in cells if c.api_processes == 1]) == []
 
 
+@pytest.mark.quick
 def test_api_scaling_is_tok_s_over_n_times_one_process_with_the_targets_beside():
     def cell(api, sampling, tokens, ctl_s):
         return Cell("process", "zero", "1 col", 1024, sampling, wall_s=2.0, tokens=tokens, node_cpu_s=ctl_s,
@@ -131,6 +140,7 @@ def test_api_scaling_is_tok_s_over_n_times_one_process_with_the_targets_beside()
     assert "clients 50% CPU in 4 process(es) (busiest 20%)" in lines[3]
 
 
+@pytest.mark.quick
 def test_streams_split_over_processes_and_their_counts_merge():
     assert split(10, 4) == [3, 3, 2, 2] and split(2, 4) == [1, 1] and split(5, 1) == [5]
     assert auto_processes(2) == 1 and auto_processes(16) == 4 and auto_processes(128) == 8

@@ -9,7 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.__main__ import GROUPS, index, main, tools
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"

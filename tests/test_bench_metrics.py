@@ -7,6 +7,8 @@ import pytest
 
 from bench.traffic.metrics import RequestRecord, max_rate_meeting, meets_slo, percentile, request_tpot_s, summarize
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 LOG = [
     RequestRecord(ttft_s=0.1, itls_s=[0.02, 0.03, 0.05], e2e_s=0.2, output_tokens=4, prompt_tokens=10),  # TPOT 33.3 ms
     RequestRecord(ttft_s=0.3, itls_s=[0.01], e2e_s=0.32, output_tokens=2, prompt_tokens=20),  # TPOT 20 ms

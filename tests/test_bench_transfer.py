@@ -6,6 +6,8 @@ import pytest
 from bench.device.transfer import run
 from support import require_nixl
 
+pytestmark = pytest.mark.slow_only("each case runs whole bench.device.transfer rounds between two processes (TCP, NIXL)")
+
 
 @pytest.mark.parametrize("transport", ["tcp", "nixl"])
 def test_a_round_moves_the_kv_and_measures_it(transport):

@@ -49,6 +49,7 @@ def test_sleep_model_steps_take_at_least_the_sleep():
         node.close()
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("value", ["fast", "sleep:", "sleep:x", "sleep:-1", "sleep:inf"])
 def test_bad_value_is_a_startup_error(value):
     r = subprocess.run([sys.executable, "-m", "node.cli", "serve", "--benchmark-model", value],
@@ -58,6 +59,7 @@ def test_bad_value_is_a_startup_error(value):
     assert len(lines) == 1 and lines[0].startswith("shiftnode: cannot start: --benchmark-model"), r.stderr
 
 
+@pytest.mark.quick
 def test_config_accepts_zero_and_sleep():
     for value in ("zero", "sleep:5", "sleep:0.5"):
         NodeConfig(benchmark_model=value).validate()
@@ -65,6 +67,7 @@ def test_config_accepts_zero_and_sleep():
         NodeConfig(benchmark_model="sleep").validate()
 
 
+@pytest.mark.quick
 def test_logits_cycle_through_text_tokens_with_the_real_vocab():
     cfg = ModelConfig.from_dict({**BYTE_LEVEL_MODEL_CONFIG, "vocab_size": 128256, "eos_token_id": [2, 128001]})
     tok = TextTokenizer.byte_level()

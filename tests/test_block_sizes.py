@@ -10,6 +10,7 @@ from node.runtime.node import Node
 from support import STORIES, reference_cases
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("block_size", [1, 2])
 def test_tiny_blocks_start_and_reproduce_the_reference(block_size):
     case = reference_cases()[0]

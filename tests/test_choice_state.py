@@ -6,7 +6,11 @@ a subclass) records the length of the text it is appended to. ``text += piece`` 
 the whole text so far each time (O(n²) characters); keeping the pieces and joining them copies none.
 """
 
+import pytest
+
 from node.api.responses import ChoiceState
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 
 class _Piece(str):

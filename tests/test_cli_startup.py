@@ -48,6 +48,7 @@ def test_flag_combinations_are_refused_in_one_line(flags, words):
     assert_one_line_refusal(rc, err, *words)
 
 
+@pytest.mark.quick
 def test_port_in_use_fails_before_the_model_loads():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -60,6 +61,7 @@ def test_port_in_use_fails_before_the_model_loads():
         assert_one_line_refusal(rc, err, f"--kv-port {port}", "Address already in use")
 
 
+@pytest.mark.quick
 def test_unresolvable_host_is_refused():
     rc, err, _ = serve("--host", "no-such-host.invalid", "--port", str(_free()))
     assert_one_line_refusal(rc, err, "--host", "does not resolve")
@@ -72,6 +74,7 @@ def _free() -> int:
 
 
 # bench.studies.compare starts pooled nodes with pools, never with --devices (which a pooled node refuses).
+@pytest.mark.quick
 def test_compare_gives_pooled_nodes_their_pools():
     a = compare_parser().parse_args([])
     assert a.modes.split(",") == ["time-shared", "colocated", "pooled"]

@@ -36,6 +36,7 @@ def _summary(ttft, itl, tps):
     return {"ttft_ms": {"p90": ttft}, "itl_ms": {"p90": itl}, "output_throughput": tps}
 
 
+@pytest.mark.quick
 def test_pair_order_alternates():
     assert pair_order(["a", "b", "c"], 0) == ["a", "b", "c"]
     assert pair_order(["a", "b", "c"], 1) == ["c", "b", "a"]
@@ -87,6 +88,7 @@ def test_a_node_that_will_not_start_leaves_its_pair_without_a_ratio(monkeypatch,
     assert paired_ratios(rows, "adaptive", "base", 15.0)["TTFT p90"] == []
 
 
+@pytest.mark.quick
 def test_paired_ratios_and_table_pair_runs_of_the_same_pair():
     rows = [{"mode": "base", "rate": 15.0, "round": 0, "available": True, "summary": _summary(20.0, 8.0, 100.0)},
             {"mode": "new", "rate": 15.0, "round": 0, "available": True, "summary": _summary(30.0, 8.0, 90.0)},
@@ -103,6 +105,7 @@ def test_paired_ratios_and_table_pair_runs_of_the_same_pair():
     assert "TTFT p90: 1.50, 1.00 (median 1.25)" in table
 
 
+@pytest.mark.quick
 def test_bootstrap_interval_is_fixed_by_its_seed_and_brackets_the_median():
     x = [0.8, 1.3, 0.95, 1.1, 1.02, 0.7, 1.5, 1.0, 0.9]
     med, lo, hi = bootstrap_median_ci(x, seed=3)

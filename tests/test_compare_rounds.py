@@ -10,6 +10,8 @@ from bench.studies.compare import node_args, parser, ratio_table, split_entry
 from bench.studies.validate_sim import compare_summaries, switch_swaps_ms
 from bench.traffic.metrics import Stat, Summary
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 
 def test_budget_variants_get_their_own_flag_and_mode_args():
     a = parser().parse_args(["--devices", "cpu:0", "--max-num-batched-tokens", "2048",

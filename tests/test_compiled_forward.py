@@ -102,6 +102,7 @@ def test_greedy_references_exact_through_padded_buckets(compiled):
     assert compiled.compiled.fallbacks == 0
 
 
+@pytest.mark.quick
 def test_mixed_step_compiled_and_larger_step_eager_match_eager_runner(compiled, eager):
     cases = reference_cases()
     p0, p1, p2 = (c["prompt_token_ids"] for c in cases[:3])
@@ -122,6 +123,7 @@ def test_mixed_step_compiled_and_larger_step_eager_match_eager_runner(compiled, 
     assert got[1]["s2"] == cases[2]["output_token_ids"][0]
 
 
+@pytest.mark.quick
 def test_unified_attention_writes_real_rows_only_and_zeroes_padding():
     torch.manual_seed(0)
     kc, vc = torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8)
@@ -142,6 +144,7 @@ def test_unified_attention_writes_real_rows_only_and_zeroes_padding():
         unified_attention(q, k, v, kc, vc, 0.3, "torch")
 
 
+@pytest.mark.quick
 def test_decode_steps_plan_once_per_step_on_the_cpu_backend():
     """A pure decode step on the ``cpu`` backend: the first layer converts and checks the step's
     metadata into a plan that the other layers reuse; K/V land in their slots, the output equals the
@@ -169,6 +172,7 @@ def test_decode_steps_plan_once_per_step_on_the_cpu_backend():
     assert isinstance(plans[0], cpu_decode_numba.DecodePlan) and plans[1] is plans[0]
 
 
+@pytest.mark.quick
 def test_flags_sizes_and_where_compile_applies():
     p = argparse.ArgumentParser()
     serve_parser(p.add_subparsers())
@@ -192,6 +196,7 @@ def test_flags_sizes_and_where_compile_applies():
     assert "CPU and CUDA" in compile_unsupported(torch.device("meta"), model)
 
 
+@pytest.mark.quick
 def test_cuda_devices_are_supported_with_their_own_options(eager):
     """A degree-1 model compiles on CUDA too (no CUDA needed to decide it), with inductor options valid
     there: no C++ wrapper nor CPU thread grain, no CUDA graphs of inductor's own."""
@@ -241,6 +246,7 @@ def test_cuda_operator_path_gives_the_greedy_references(cuda_path):
     assert cuda_path.compiled.steps - steps == chunks + 3 + 1 and cuda_path.compiled.fallbacks == 0
 
 
+@pytest.mark.quick
 def test_fake_attention_output_is_contiguous_as_every_backends_is():
     """Inductor plans the attention output's consumers from the fake kernel's strides (and on CUDA no
     size assertion checks them): they must be the real kernels' contiguous ones, also for a query that

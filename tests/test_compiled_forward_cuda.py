@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# the quick tier (bash scripts/test --quick) runs every test here (on a GPU machine; elsewhere they skip)
+pytestmark = [pytest.mark.quick, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 BUCKET = 32
 BLOCK = 16

@@ -26,6 +26,7 @@ def run_all(node: NodeProcess, bodies: list[dict], workers: int) -> list[list[in
         return list(pool.map(one, bodies))
 
 
+@pytest.mark.quick
 def test_32_concurrent_equal_sequential(stories_node):
     bodies = requests_mix(32)
     sequential = [run_all(stories_node, [b], 1)[0] for b in bodies]
@@ -89,6 +90,7 @@ def test_b25_abort_mid_prefill_and_mid_decode():
         node.close()
 
 
+@pytest.mark.quick
 def test_stream_client_closing_early_frees_blocks(stories_node):
     with httpx.Client(base_url=stories_node.url, timeout=30) as c:
         with c.stream("POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 400,

@@ -85,6 +85,7 @@ def test_decode_long_and_wide(decode_kernel, num_seqs, max_ctx):
     check(*make_case([1] * num_seqs, ctx, 8, 4, 32, 16, seed=num_seqs))
 
 
+@pytest.mark.quick
 def test_decode_groups_under_gather_budget(monkeypatch):
     """A batch bigger than the gather budget runs in several groups and still matches."""
     monkeypatch.setattr(cpu_attention, "DECODE_KERNEL", "torch")
@@ -116,6 +117,7 @@ def test_mixed_step_with_empty_and_single_token_sequences(decode_kernel):
     assert out.shape[0] == sum(q_lens)
 
 
+@pytest.mark.quick
 def test_empty_batches(decode_kernel):
     args, _ = make_case([], [], 4, 2, 8, 16)
     assert cpu_attention.paged_attention(*args).shape == (0, 4, 8)
@@ -123,6 +125,7 @@ def test_empty_batches(decode_kernel):
     assert cpu_attention.paged_attention(*args).shape == (0, 4, 8)
 
 
+@pytest.mark.quick
 def test_rejects_bad_shapes():
     args, _ = make_case([1], [5], 6, 4, 8, 16)
     with pytest.raises(ValueError, match="multiple"):
@@ -133,6 +136,7 @@ def test_rejects_bad_shapes():
             cpu_attention.paged_attention(*args)
 
 
+@pytest.mark.quick
 def test_chunk_size_follows_mean_context():
     assert cpu_attention.chunk_blocks_for(1, 16) == 1
     assert cpu_attention.chunk_blocks_for(256, 16) * 16 == 128
@@ -140,6 +144,7 @@ def test_chunk_size_follows_mean_context():
     assert cpu_attention.chunk_blocks_for(10_000, 512) == 1
 
 
+@pytest.mark.quick
 def test_numba_kernel_runs_where_it_applies():
     args, _ = make_case([1, 1], [20, 3], 4, 2, 8, 16)
     q, k, v, table, lens, _, _, scale = args
@@ -166,6 +171,7 @@ def test_numba_kernel_reads_bfloat16_caches_in_place_exactly_widened(head_dim):
     check(args, ref_args)  # NaN-poisoned slots past each context are never read
 
 
+@pytest.mark.quick
 def test_backend_selection():
     assert resolve_backend("auto", "cpu") == "cpu"
     assert resolve_backend("auto", "cuda") == "triton"
@@ -214,6 +220,7 @@ def test_stories260k_greedy_equals_reference(decode_kernel):
         assert st["ids"][len(st["case"]["prompt_token_ids"]):] == st["case"]["output_token_ids"]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cache_write_and_rotary_match_reference(dtype):
     from shiftnode_kernels import cpu_ops
@@ -237,6 +244,7 @@ def test_cache_write_and_rotary_match_reference(dtype):
     torch.testing.assert_close(k1, k2, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("head_dim", [2, 12, 40])
 def test_decode_head_dims_off_the_vector_width(decode_kernel, head_dim):
     """Head dims that are not a multiple of the SIMD width (the compiled loops' remainders)."""
@@ -244,6 +252,7 @@ def test_decode_head_dims_off_the_vector_width(decode_kernel, head_dim):
     check(*make_case([1] * len(ctx), ctx, 6, 2, head_dim, 16, seed=head_dim))
 
 
+@pytest.mark.quick
 def test_decode_peaked_softmax(decode_kernel):
     """Scores hundreds apart: the kernel's exp clamps below -87 (where exp underflows anyway)."""
     ctx = ragged(12, 200, seed=4)
@@ -252,6 +261,7 @@ def test_decode_peaked_softmax(decode_kernel):
     check((q, *args[1:]), (q, *ref_args[1:]))
 
 
+@pytest.mark.quick
 def test_numba_kernel_zero_contexts_and_prefetch_across_sequences():
     """Direct kernel call with empty contexts first, in the middle and last (they get zeros and the
     prefetch cursor skips them), one-token and exactly-one-block sequences, every block size."""

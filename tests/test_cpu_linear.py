@@ -60,6 +60,7 @@ def _prompt_logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
         return runner.model.compute_logits(runner._forward(StepInput([_seq(prompt, 0)])))
 
 
+@pytest.mark.quick
 def test_packed_linear_matches_f_linear_with_and_without_bias():
     assert packing_unsupported(torch.device("cpu"), torch.float32) is None
     torch.manual_seed(0)
@@ -76,6 +77,7 @@ def test_packed_linear_matches_f_linear_with_and_without_bias():
     assert packing_unsupported(torch.device("cpu"), torch.float16) is not None
 
 
+@pytest.mark.quick
 def test_small_weights_stay_plain_and_large_ones_are_packed():
     runner = _runner()  # stories260k: every weight far under the threshold, where F.linear is faster
     assert all(layer.packed is None for layer in runner.model.layers) and runner.model.head_packed is None

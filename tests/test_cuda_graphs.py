@@ -69,6 +69,7 @@ def decode_seqs(ctx: list[int], first_block: int = 1, vocab: int = VOCAB, seed: 
 # --- buckets and padding (pure) -------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_buckets_are_powers_of_two_capped_by_max_num_seqs():
     assert decode_buckets(256) == DEFAULT_BUCKETS == (1, 2, 4, 8, 16, 32, 64, 128, 256)
     assert decode_buckets(1000) == DEFAULT_BUCKETS  # larger batches run eagerly
@@ -79,12 +80,14 @@ def test_buckets_are_powers_of_two_capped_by_max_num_seqs():
     assert decode_buckets(600, largest=512) == DEFAULT_BUCKETS + (512,)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("n,bucket", [(1, 1), (2, 2), (3, 4), (5, 8), (17, 32), (64, 64), (65, 128), (256, 256),
                                       (257, None), (0, None)])
 def test_pick_bucket_is_the_smallest_that_fits(n, bucket):
     assert pick_bucket(n, DEFAULT_BUCKETS) == bucket
 
 
+@pytest.mark.quick
 def test_pack_pads_rows_with_slot_minus_one_and_seq_len_one():
     # seq 0: position 20 (block 7 offset 4, needs 2 blocks of its 3); seq 1: position 3 in block 9
     b = pack_decode_batch([11, 12], [20, 3], [[5, 7, 8], [9]], bucket=4, block_size=16, max_blocks=8)
@@ -97,6 +100,7 @@ def test_pack_pads_rows_with_slot_minus_one_and_seq_len_one():
     assert b.block_tables.tolist() == [[5, 7], [9, 0], [0, 0], [0, 0]] and b.block_tables.dtype == torch.int32
 
 
+@pytest.mark.quick
 def test_pack_exact_bucket_has_no_padding_and_block_boundaries_are_right():
     b = pack_decode_batch([1], [15], [[4, 6]], bucket=1, block_size=16, max_blocks=4)  # last slot of block 4
     assert b.slot_mapping.tolist() == [4 * 16 + 15] and b.block_tables.tolist() == [[4]] and b.seq_lens.tolist() == [16]
@@ -104,6 +108,7 @@ def test_pack_exact_bucket_has_no_padding_and_block_boundaries_are_right():
     assert b.slot_mapping.tolist() == [6 * 16] and b.block_tables.tolist() == [[4, 6]] and b.seq_lens.tolist() == [17]
 
 
+@pytest.mark.quick
 def test_pack_refuses_what_a_graph_cannot_run():
     assert pack_decode_batch([], [], [], 4, 16, 8) is None  # nothing to run
     assert pack_decode_batch([1, 2, 3], [0, 0, 0], [[1], [2], [3]], 2, 16, 8) is None  # batch above the bucket
@@ -112,6 +117,7 @@ def test_pack_refuses_what_a_graph_cannot_run():
     assert pack_decode_batch([1], [16 * 8 - 1], [list(range(8))], 1, 16, 8) is not None  # the longest allowed
 
 
+@pytest.mark.quick
 def test_decode_lists_only_for_pure_decode_steps():
     seqs = [SimpleNamespace(token_ids=[4], start=9, block_ids=[1]),
             SimpleNamespace(token_ids=[5], start=0, block_ids=[2])]
@@ -120,6 +126,7 @@ def test_decode_lists_only_for_pure_decode_steps():
     assert decode_lists(seqs) is None
 
 
+@pytest.mark.quick
 def test_static_buffers_load_reset_and_meta():
     buf = StaticDecodeInputs(max_bucket=8, max_blocks=6, device=CPU)
     assert buf.cu_seqlens_q.tolist() == list(range(9)) and buf.slot_mapping.tolist() == [-1] * 8
@@ -140,6 +147,7 @@ def test_static_buffers_load_reset_and_meta():
     assert buf.input_ids[:4].tolist() == [0] * 4 and (buf.block_tables[:4] == 0).all()
 
 
+@pytest.mark.quick
 def test_graph_split_count_is_static_and_fills_short_contexts():
     # the CPU counts 16 SMs: the automatic policy splits only below 2 * 16 (seq, kv head) programs
     assert graph_decode_splits(64, 8, 8192, CPU) == 1  # the batch fills the device: no split-K, as eagerly
@@ -149,6 +157,7 @@ def test_graph_split_count_is_static_and_fills_short_contexts():
     assert graph_decode_splits(1, 1, 64 * 1024, CPU) == 32  # capped
 
 
+@pytest.mark.quick
 def test_graphs_need_cuda_and_the_triton_backend():
     assert decode_graphs_unsupported(CPU, get_ops("torch")) is not None
     assert "not 'triton'" in decode_graphs_unsupported(torch.device("cuda", 0), get_ops("torch"))
@@ -186,6 +195,7 @@ def test_runner_with_graphs_generates_the_eager_tokens(batch):
     assert graphs.replays == 6  # every decode step went through the static buffers; the prefill did not
 
 
+@pytest.mark.quick
 def test_static_forward_matches_eager_hidden_states_and_padding_writes_no_kv():
     runner = make_runner()
     runner.kv_cache.normal_()  # a full cache: reads of stale/padding slots would show
@@ -240,6 +250,7 @@ def test_run_declines_steps_it_cannot_replay():
 # --- runner, engine and loader integration --------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_prepare_decode_captures_once_then_reuses():
     runner = make_runner()
     assert runner.prepare_decode() == 0.0  # no graphs: nothing to do
@@ -249,6 +260,7 @@ def test_prepare_decode_captures_once_then_reuses():
     assert runner.prepare_decode() == 0.0 and graphs.capture_ms == first
 
 
+@pytest.mark.quick
 def test_failed_capture_turns_graphs_off_and_steps_run_eagerly(monkeypatch):
     runner = make_runner()
     graphs = attach(runner)
@@ -263,6 +275,7 @@ def test_failed_capture_turns_graphs_off_and_steps_run_eagerly(monkeypatch):
     assert all(o.token_id is not None for o in outs.values())
 
 
+@pytest.mark.quick
 def test_switch_to_decode_captures_in_the_engine_thread_and_is_reused():
     runner = make_runner()
     graphs = attach(runner)
@@ -304,12 +317,14 @@ def parse_serve(*argv: str) -> NodeConfig:
     return config_from_args(ap.parse_args(["serve", *argv]))
 
 
+@pytest.mark.quick
 def test_enforce_eager_flag_parses():
     assert parse_serve().enforce_eager is False
     assert parse_serve("--enforce-eager").enforce_eager is True
     assert NodeConfig().enforce_eager is False
 
 
+@pytest.mark.quick
 def test_loader_attaches_graphs_only_where_supported(monkeypatch):
     import node.worker.loader as loader
 
@@ -345,6 +360,7 @@ def test_loader_attaches_graphs_only_where_supported(monkeypatch):
 # --- on a GPU --------------------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CPU coverage: the tests above)")
 def test_cuda_graph_replay_matches_eager_on_gpu():  # pragma: no cover - needs a GPU
     import os

@@ -16,6 +16,8 @@ import pytest
 
 from support import STORIES, NodeProcess, require_shared
 
+pytestmark = pytest.mark.slow_only("every test needs a time-shared two-device node of its own behind an API key, or headless chromium")
+
 KEY = "dash-key"
 # The two-role mode, whose PREFILL/DECODE bands and the pauses between them the test looks for; the
 # restarted node runs the default (adaptive) mode, whose MIXED bands it looks for then.

@@ -8,6 +8,8 @@ import pytest
 from node.runtime.delta_stream import DeltaStream
 from node.runtime.output import SeqDelta
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 
 def test_take_returns_every_delta_pushed_since_the_last_take_in_order():
     async def main():

@@ -4,9 +4,12 @@ import argparse
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 from node.cli import config_from_args, flag_errors, serve_parser
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 DEPLOY = Path(__file__).resolve().parents[1] / "docs" / "deploy" / "kubernetes"
 

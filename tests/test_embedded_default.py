@@ -5,10 +5,13 @@ import fnmatch
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from node.config import EMBEDDED_MODEL
 from support import REPO, STORIES, NodeProcess, reference_cases, require_shared, stream, stream_text, up
 
 
+@pytest.mark.quick
 def test_the_embedded_default_is_the_shared_stories260k_and_ships_in_the_wheel():
     """Every file of the embedded folder is the shared folder's (same bytes) and is package data, so a
     non-editable install carries it: pyproject's package-data globs match each one."""

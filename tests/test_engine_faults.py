@@ -167,9 +167,10 @@ def test_a_failed_reconfiguration_still_completes_the_switch():
 def test_an_engine_whose_loop_ends_is_reported_down_and_fails_its_requests():
     async def body(node: Node):
         engine = node.engines[0]
+        queued = asyncio.Event()  # the request waits on the device: now its loop may end
 
         async def dies():
-            await asyncio.sleep(0.05)
+            await queued.wait()
             raise GeneratorExit("the loop is gone")  # not an Exception: escapes containment, as a real bug might
 
         engine._iteration = dies
@@ -178,7 +179,10 @@ def test_an_engine_whose_loop_ends_is_reported_down_and_fails_its_requests():
         engine._task = asyncio.get_running_loop().create_task(engine._loop())
         engine._task.add_done_callback(engine._on_loop_done)
         task = asyncio.create_task(collect(node, "stranded"))
-        await asyncio.sleep(0.3)
+        async with asyncio.timeout(5):
+            while not engine.batcher.waiting:
+                await asyncio.sleep(0.001)
+        queued.set()
         ids, errors = await asyncio.wait_for(task, 5)
         assert engine.failure and "GeneratorExit" in engine.failure
         assert len(errors) == 1 and errors[0].error_status == 503 and errors[0].error_code == "engine_down"
@@ -221,6 +225,7 @@ def test_request_timeout_over_http_is_503_with_retry_after():
         node.close()
 
 
+@pytest.mark.quick
 def test_the_default_request_deadline_is_finite_shown_and_0_means_none(stories_node):
     """Issue 32 item 4: with no flag every request has a 600 s deadline, read from /v1/node and the
     ``shiftnode_request_timeout_seconds`` gauge; ``--request-timeout-s 0`` removes it; negative is refused."""

@@ -26,6 +26,8 @@ from node.runtime import block_pins
 from node.runtime.node import Node
 from support import STORIES, reference_cases
 
+pytestmark = pytest.mark.slow_only("every test restarts an engine of an in-process node in the middle of a transfer")
+
 CASES = reference_cases()
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
 

@@ -11,6 +11,7 @@ import signal
 import time
 
 import httpx
+import pytest
 
 from node.core.batcher import ScheduledSeq, StepKind, StepPlan
 from node.core.sequence import SamplingParams, Sequence
@@ -123,6 +124,7 @@ def _seq(sid: str, prompt: list[int]) -> Sequence:
     return Sequence(sid, "r", 0, 0.0, prompt, SamplingParams(max_tokens=8, temperature=0.0), 64)
 
 
+@pytest.mark.quick
 def test_the_step_message_is_a_diff_and_replacements_are_sent_whole():
     enc = StepEncoder()
     a = _seq("a", [1, 2, 3])
@@ -168,6 +170,7 @@ class _FakeRunner:
                 for s in step.seqs}
 
 
+@pytest.mark.quick
 def test_the_engine_core_feeds_its_own_sampled_token_to_the_next_step():
     runner = _FakeRunner()
     core = EngineCore(runner)
@@ -228,6 +231,7 @@ def test_pooled_hand_offs_avoid_a_dead_decode_device():
         node.close()
 
 
+@pytest.mark.quick
 def test_engine_threads_leave_a_core_to_the_control_loop_and_each_front_end():
     from node.config import NodeConfig
     from node.worker.engine_process import engine_threads

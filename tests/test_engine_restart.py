@@ -17,6 +17,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from support import STORIES, NodeProcess, reference_cases
 
 CASES = reference_cases()
@@ -130,6 +132,7 @@ def test_a_killed_engine_restarts_its_streams_resume_exactly_and_a_crash_loop_is
         node.close()
 
 
+@pytest.mark.quick
 def test_resume_targets_a_live_device_parks_for_a_restart_and_respects_max_retries():
     """The Resumer's decisions on stand-ins: a live device takes the orphan (reset to recompute its
     prompt plus streamed tokens); with none up it is parked for the dead device's restart and queued
@@ -219,6 +222,7 @@ def test_resume_targets_a_live_device_parks_for_a_restart_and_respects_max_retri
     assert "r1-0" not in r.retries
 
 
+@pytest.mark.quick
 def test_restart_backoff_doubles_a_crash_loop_is_left_down_and_the_window_forgets():
     """The supervisor's plan on a stand-in device and clock: restarts 1 s, 2 s, 4 s after each death
     within the window; the death after --engine-restart-max restarts is left down (and said so); once
@@ -296,6 +300,7 @@ def test_pooled_streams_wait_for_their_only_decode_device_to_restart(pooled_node
     assert node.health() == (200, {"status": "ok"})
 
 
+@pytest.mark.quick
 def test_the_restart_flags_default_to_5_in_600_s_and_bad_values_are_refused():
     import argparse
 
@@ -316,6 +321,7 @@ def test_the_restart_flags_default_to_5_in_600_s_and_bad_values_are_refused():
         parse("--engine-restart-window-s", "0").validate()
 
 
+@pytest.mark.quick
 def test_a_restart_that_hangs_while_loading_is_stopped_and_counts_as_a_failed_start(monkeypatch):
     """--engine-start-timeout-s: a restarted engine whose load never finishes is stopped after the bound
     (which also ends the thread waiting for it), and the attempt is one more death of the device: the

@@ -17,6 +17,8 @@ from node.runtime.delta_stream import DeltaStream
 from node.runtime.token_output import TokenDelta
 from node.worker.loader import load_model_info
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 
 class _Link:
     """What the front end sent the control process, decoded."""

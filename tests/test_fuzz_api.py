@@ -19,6 +19,8 @@ from schemathesis.checks import not_a_server_error
 from node.api.openapi import openapi_document
 from support import STORIES, NodeProcess
 
+pytestmark = pytest.mark.slow_only("schemathesis generates hundreds of requests against a node of its own")
+
 MAX_EXAMPLES = int(os.environ.get("SHIFTNODE_FUZZ_EXAMPLES", "30"))
 DERANDOMIZE = os.environ.get("SHIFTNODE_FUZZ_RANDOM") != "1"  # bench.load.fuzz --seed-random: new inputs each run
 

@@ -5,8 +5,11 @@ import json
 import re
 
 from prometheus_client.parser import text_string_to_metric_families
+import pytest
 
 from support import REPO
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 BOARD = REPO / "docs" / "grafana" / "shiftnode.json"
 PANEL_TYPES = {"row", "timeseries", "state-timeline", "stat", "gauge", "bargauge", "table", "text"}

@@ -35,6 +35,7 @@ def _row(params: SamplingParams) -> SampleRequest:
     return SampleRequest(params, [1], 1, 0)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_eos_is_masked_until_the_grammar_accepts(cache, temperature):
     g = SeqGrammar(cache.get(GrammarSpec("regex", "ab")), [])
@@ -54,6 +55,7 @@ def test_eos_is_masked_until_the_grammar_accepts(cache, temperature):
     assert not g.active
 
 
+@pytest.mark.quick
 def test_unmasked_rows_of_a_batch_are_untouched(cache):
     g = SeqGrammar(cache.get(GrammarSpec("choice", json.dumps(["yes"]))), [])
     logits = torch.randn(3, VOCAB)

@@ -17,12 +17,15 @@ import os
 import signal
 
 import jsonschema
+import pytest
 
 from node.config import NodeConfig
 from node.core.grammar_spec import GrammarSpec
 from node.core.sequence import SamplingParams
 from node.runtime.node import Node
 from support import STORIES
+
+pytestmark = pytest.mark.slow_only("each test moves a grammar-constrained sequence between devices or nodes (in-process, pooled node, peer pair)")
 
 SCHEMA = {
     "type": "object",

@@ -15,6 +15,7 @@ import time
 
 import aiohttp
 import openai
+import pytest
 
 from support import NodeProcess, half_closed_post, raw_stream, reference_cases, sse_events
 
@@ -31,6 +32,7 @@ def _stream_ids(events: list) -> list[int]:
     return [t for e in events[:-1] for c in e["choices"] for t in c["token_ids"]]
 
 
+@pytest.mark.quick
 def test_a_half_closed_client_gets_the_whole_answer(stories_node):
     body, ref = _reference()
     interim, head, payload = half_closed_post(stories_node.port, body)
@@ -82,6 +84,7 @@ class HalfClosingProxy:
         self.server.close()
 
 
+@pytest.mark.quick
 def test_clients_behind_a_half_closing_proxy_skip_the_probes(stories_node):
     """The openai client (httpx) and aiohttp's client, whole answers and streams, through a proxy that
     half-closes: the interim responses are skipped and the answers equal the greedy reference."""

@@ -14,6 +14,8 @@ import random
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from support import raw_stream
 from test_metrics import scrape
 
@@ -80,6 +82,7 @@ def _links():
     return PeerLinks(SimpleNamespace(config=cfg, driver=None), layout=None), Peer("127.0.0.1:9", "127.0.0.1", 9)
 
 
+@pytest.mark.quick
 def test_a_hand_off_cancelled_after_its_detach_applied_frees_the_pinned_blocks():
     """Deterministic form of the race: the device applies the detach, and the client's cancel lands
     before the hand-off task resumes (the result is lost at its ``await``); and a cancel before the

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from node.config import NodeConfig
 
 from node.runtime.health import STALLED_STEP_S, node_health
 from node.runtime.peer_state import InboundRefusals, Peer
 from node.transport.protocol import StatusReply
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 NOW = 100.0
 

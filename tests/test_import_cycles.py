@@ -5,6 +5,10 @@ concrete ``Node`` (the services are handed the views of :mod:`node.runtime.inter
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -13,6 +13,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -29,6 +31,7 @@ def _checkout_top_level() -> set[str]:
     return names
 
 
+@pytest.mark.quick
 def test_installed_names_belong_to_shiftnode_alone():
     owners = _owners()
     ours = {name for name, dists in owners.items() if "shiftnode" in dists}
@@ -37,6 +40,7 @@ def test_installed_names_belong_to_shiftnode_alone():
     assert not clashes, f"another installed distribution provides shiftnode's import names: {clashes}"
 
 
+@pytest.mark.quick
 def test_checkout_root_shadows_no_installed_package():
     owners = _owners()
     clashes = {name: sorted(owners[name]) for name in _checkout_top_level()
@@ -45,6 +49,7 @@ def test_checkout_root_shadows_no_installed_package():
                          f"(the root is sys.path[0] under pytest and python -m): {clashes}")
 
 
+@pytest.mark.quick
 def test_kernels_folder_is_not_a_regular_package():
     # With no __init__.py the folder is at most a namespace portion, which an installed regular
     # package of the same name always beats, whatever the order of sys.path.

@@ -22,6 +22,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import pytest
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -182,6 +183,7 @@ def test_paged_attention_long(cfg):
     assert_close(ATTN.paged_attention_impl(*kargs, num_splits=5), ref.paged_attention(*rargs))
 
 
+@pytest.mark.quick
 def test_paged_attention_decode_batch_through_prefill_path():
     kargs, rargs = make_paged_case([1, 1, 1], [9, 33, 2], 8, 2, 32, 8, torch.float32, seed=5)
     kargs = kargs[:-2] + (2, kargs[-1])  # max_seqlen_q=2 forces the prefill kernel
@@ -189,6 +191,7 @@ def test_paged_attention_decode_batch_through_prefill_path():
     assert_close(OPS.paged_attention(*kargs), ref.paged_attention(*rargs))
 
 
+@pytest.mark.quick
 def test_paged_attention_long_decode_auto_split(monkeypatch):
     monkeypatch.setattr(ATTN, "DECODE_MIN_SPLIT_TOKENS", 64)
     dev = torch.device(DEVICE)
@@ -199,6 +202,7 @@ def test_paged_attention_long_decode_auto_split(monkeypatch):
     assert_close(OPS.paged_attention(*kargs), ref.paged_attention(*rargs))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_paged_attention_rows_without_keys_are_zero(num_splits):
     """Outside the contract (a row whose context is empty) the reference returns zeros; so do we."""
@@ -212,12 +216,14 @@ def test_paged_attention_rows_without_keys_are_zero(num_splits):
     assert torch.equal(out[0], torch.zeros_like(out[0]))
 
 
+@pytest.mark.quick
 def test_paged_attention_empty_batch():
     kargs, rargs = make_paged_case([0, 0], [3, 0], 4, 2, 32, 8, torch.float32)
     out = OPS.paged_attention(*kargs)
     assert out.shape == (0, 4, 32)
 
 
+@pytest.mark.quick
 def test_paged_attention_rejects_mixed_dtypes():
     kargs, _ = make_paged_case([1], [3], 4, 2, 32, 8, torch.float32)
     with pytest.raises(ValueError):
@@ -228,6 +234,7 @@ def test_paged_attention_rejects_mixed_dtypes():
 # reshape_and_cache
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_reshape_and_cache(dtype, block_size):
@@ -248,6 +255,7 @@ def test_reshape_and_cache(dtype, block_size):
     assert torch.equal(k_cache, kr) and torch.equal(v_cache, vr)
 
 
+@pytest.mark.quick
 def test_reshape_and_cache_casts_to_cache_dtype():
     g = _gen(12)
     key, value = _randn(4, 2, 16, gen=g), _randn(4, 2, 16, gen=g)
@@ -268,6 +276,7 @@ def test_reshape_and_cache_casts_to_cache_dtype():
 # rms_norm
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(3, 64), (2, 3, 80), (1, 1000)])
 @pytest.mark.parametrize("with_residual", [False, True])
@@ -285,6 +294,7 @@ def test_rms_norm(dtype, shape, with_residual):
         assert h is x
 
 
+@pytest.mark.quick
 def test_rms_norm_strided_rows_and_fp32_weight():
     g = _gen(22)
     qkv = _randn(5, 4 * 32 + 2 * 32, dtype=torch.bfloat16, gen=g)
@@ -300,6 +310,7 @@ def test_rms_norm_strided_rows_and_fp32_weight():
 # rotary embedding
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rot_dim", [64, 32])
 def test_rotary_embedding(dtype, rot_dim):
@@ -327,6 +338,7 @@ def test_rotary_embedding(dtype, rot_dim):
 # silu_and_mul
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(0, 64), (1, 96), (3, 5, 2200)])
 def test_silu_and_mul(dtype, shape):
@@ -338,6 +350,7 @@ def test_silu_and_mul(dtype, shape):
 # gather / scatter of KV blocks
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_gather_scatter_kv_blocks(dtype, block_size):
@@ -363,6 +376,7 @@ def test_gather_scatter_kv_blocks(dtype, block_size):
 # the ops namespace
 
 
+@pytest.mark.quick
 def test_get_ops_namespaces():
     from shiftnode_kernels.ops import OP_NAMES, get_ops
 
@@ -472,6 +486,7 @@ def _xcompile_in_background(request):
         proc.communicate()
 
 
+@pytest.mark.quick
 @pytest.mark.skipif(DEVICE != "cpu", reason="on a GPU the tests above compile the kernels for real")
 def test_kernels_compile_for_sm90(_xcompile_in_background):
     import triton.backends.nvidia  # noqa: F401 - shipped in every triton wheel: fail if missing

@@ -14,6 +14,8 @@ import pytest
 
 from support import STORIES, NodeProcess, sse_events
 
+pytestmark = pytest.mark.slow_only("each case starts a node of its own with a deliberately small KV pool")
+
 BLOCK_BYTES = 5 * 2 * 16 * 4 * 8 * 4  # stories260k: layers x (K, V) x block size x KV heads x head dim x fp32
 PROMPTS = ["Once upon a time", "Lily and Ben went to the park", "The little dog was sad"]
 CASES = [  # (KV blocks, concurrent streams, max_tokens): 128 blocks hold 4 of the 12 full-context streams

@@ -31,6 +31,7 @@ def _load(folder):
                        device=torch.device("cpu"), max_positions=64, ops=ops)
 
 
+@pytest.mark.quick
 def test_sharded_checkpoint_loads_identically(tmp_path):
     folder = _copy(tmp_path)
     tensors = load_file(folder / "model.safetensors")
@@ -48,6 +49,7 @@ def test_sharded_checkpoint_loads_identically(tmp_path):
         assert n1 == n2 and torch.equal(p1, p2)
 
 
+@pytest.mark.quick
 def test_clear_errors(tmp_path):
     folder = _copy(tmp_path)
     cfg = json.loads((folder / "config.json").read_text())
@@ -68,6 +70,7 @@ def test_clear_errors(tmp_path):
         ModelConfig.from_folder(tmp_path / "nowhere")
 
 
+@pytest.mark.quick
 def test_refuses_kv_budget_below_one_sequence():
     config = NodeConfig(model=str(STORIES), kv_cache_memory_bytes=100_000)
     with pytest.raises(StartupError, match=r"holds 64 tokens .* 512 tokens"):

@@ -7,6 +7,7 @@ import json
 import random
 import time
 
+import pytest
 import structlog
 
 from node.log import ConsoleLines, configure_logging, request_lines
@@ -18,6 +19,7 @@ VALUES = ["cpu:0", "chunks_fit", "two words", "a=b", 'say "hi"', "it's", "line\n
           0.0, True, None, {"cpu:0": 1}, [1, 2], ("a", 3), float("inf")]
 
 
+@pytest.mark.quick
 def test_the_line_is_the_console_renderers_line():
     rng = random.Random(3)
     full, fast = structlog.dev.ConsoleRenderer(colors=False), ConsoleLines()
@@ -32,6 +34,7 @@ def test_the_line_is_the_console_renderers_line():
         assert fast(None, "info", dict(ed)) == full(None, "info", dict(ed)), ed
 
 
+@pytest.mark.quick
 def test_tracebacks_and_logger_names_go_to_the_console_renderer():
     full, fast = structlog.dev.ConsoleRenderer(colors=False), ConsoleLines()
     for extra in ({"exception": "Traceback (most recent call last):\n  boom"}, {"stack": "Stack (most recent call last)"},
@@ -40,6 +43,7 @@ def test_tracebacks_and_logger_names_go_to_the_console_renderer():
         assert fast(None, "error", dict(ed)) == full(None, "error", dict(ed))
 
 
+@pytest.mark.quick
 def test_a_ten_key_line_costs_a_fraction_of_the_console_renderers():
     """Logging runs on the node's control loop (a request line each, two free role switches per request in
     adaptive mode); the renderer dominated it. Timed in one run, interleaved, best of five."""
@@ -64,6 +68,7 @@ def _sample(at_s, prompt, gen, switches, running=0, waiting=0, used=0):
     return StatsSample(at_s, prompt, gen, switches, running, waiting, used, 200, {"cpu:0": "decode", "cpu:1": "prefill"})
 
 
+@pytest.mark.quick
 def test_the_stats_line_is_vllms_and_an_idle_interval_writes_none():
     fields = stats_fields(_sample(100.0, 1000, 5000, 7), _sample(110.0, 1512, 7048, 10, running=3, waiting=2, used=9))
     assert fields["summary"] == ("Avg prompt throughput: 51.2 tokens/s, Avg generation throughput: 204.8 tokens/s, "
@@ -78,6 +83,7 @@ def test_the_stats_line_is_vllms_and_an_idle_interval_writes_none():
     assert tail["generation_tokens_per_s"] == 1.0 and tail["running"] == 0
 
 
+@pytest.mark.quick
 def test_the_console_shows_a_summary_alone_and_json_keeps_every_field():
     ed = {"event": "stats", "level": "info", "timestamp": "2026-12-07T10:00:00Z", "summary": "Avg prompt throughput: 1",
           "running": 3, "roles": {"cpu:0": "decode"}}
@@ -85,6 +91,7 @@ def test_the_console_shows_a_summary_alone_and_json_keeps_every_field():
     assert json.loads(structlog.processors.JSONRenderer()(None, "info", dict(ed))) == ed
 
 
+@pytest.mark.quick
 def test_levels_and_request_lines(capsys):
     try:
         for level, requests, shown, lines in (("info", False, {"info", "warning"}, False),
@@ -103,6 +110,7 @@ def test_levels_and_request_lines(capsys):
         structlog.reset_defaults()
 
 
+@pytest.mark.quick
 def test_bad_log_settings_are_refused():
     import pytest
 

@@ -10,6 +10,8 @@ import pytest
 
 from node.worker.loop_channel import LoopChannel, frame_header
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 SIZES = [0, 1, 100, 16384, 16385, 3 << 20, 9 << 20]  # 9 MiB is far above a socket buffer: partial writes
 
 

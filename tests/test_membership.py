@@ -98,6 +98,7 @@ def test_peers_join_serve_die_within_the_lease_and_new_ones_join(etcd):
                 n.close()
 
 
+@pytest.mark.quick
 def test_etcd_flags_are_checked_before_loading():
     from node.config import ConfigError, NodeConfig
 

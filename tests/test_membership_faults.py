@@ -12,6 +12,8 @@ from node.config import ConfigError, NodeConfig
 from node.runtime import membership
 from node.runtime.membership import EtcdError, Membership
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 
 class ScriptedGateway:
     """The calls Membership makes, answered from memory: ``keepalive_failures`` keep-alives fail first;

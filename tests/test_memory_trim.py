@@ -2,11 +2,15 @@
 import asyncio
 import ctypes
 
+import pytest
 from aiohttp.test_utils import TestServer
 
 import node.api.app as app_module
 from node.config import NodeConfig
-from node.runtime.memory import malloc_trim, trim_periodically
+from node.runtime.memory import TRIM_INTERVAL_S, malloc_trim, trim_periodically
+from virtual_time import run_virtual
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 
 def _rss_anon_kib() -> int:
@@ -31,18 +35,31 @@ def test_malloc_trim_returns_pages_freed_inside_the_heap():
 
 
 def test_trim_runs_every_interval_and_stops_where_unavailable():
-    calls = []
+    """On a virtual clock (tests/virtual_time.py): the trims come exactly once a TRIM_INTERVAL_S, and where
+    malloc_trim is unavailable the task tries once and ends."""
+    times = []
 
-    async def go(result):
-        task = asyncio.create_task(trim_periodically(0.01, trim=lambda: calls.append(1) or result))
-        await asyncio.sleep(0.2)
+    async def go(result, n):
+        loop = asyncio.get_running_loop()
+        enough = asyncio.Event()
+
+        def trim():
+            times.append(loop.time())
+            if len(times) == n:
+                enough.set()
+            return result
+
+        task = asyncio.create_task(trim_periodically(trim=trim))  # the default interval
+        async with asyncio.timeout(TRIM_INTERVAL_S * (n + 1)):
+            await (enough.wait() if result is not None else task)
         done = task.done()
         task.cancel()
         return done
 
-    assert not asyncio.run(go(True)) and len(calls) >= 5
-    calls.clear()
-    assert asyncio.run(go(None)) and len(calls) == 1  # no malloc_trim here: one try, then the task ends
+    assert not run_virtual(go(True, 5))  # still running after 5 trims
+    assert times == [pytest.approx(TRIM_INTERVAL_S * k, abs=1e-6) for k in range(1, 6)]
+    times.clear()
+    assert run_virtual(go(None, 1)) and times == [pytest.approx(TRIM_INTERVAL_S)]  # one try, then the task ends
 
 
 def test_the_node_app_starts_the_trim_task(monkeypatch):

@@ -4,6 +4,7 @@ import re
 import time
 
 from prometheus_client.parser import text_string_to_metric_families
+import pytest
 
 from support import STORIES, NodeProcess, raw_stream
 
@@ -18,6 +19,7 @@ def scrape(node) -> dict[str, float]:
     return out
 
 
+@pytest.mark.quick
 def test_metrics_count_requests_and_tokens(stories_node):
     before = scrape(stories_node)
     for _ in range(3):
@@ -31,6 +33,7 @@ def test_metrics_count_requests_and_tokens(stories_node):
     assert after["shiftnode_inter_token_latency_seconds_count"] - before.get("shiftnode_inter_token_latency_seconds_count", 0) == 27
 
 
+@pytest.mark.quick
 def test_requests_are_counted_once_whatever_n(stories_node):
     """shiftnode_requests_total counts requests; choices have shiftnode_request_choices_total."""
     before = scrape(stories_node)
@@ -44,6 +47,7 @@ def test_requests_are_counted_once_whatever_n(stories_node):
     assert delta["shiftnode_requests_total{finish_reason=length}"] == 1
 
 
+@pytest.mark.quick
 def test_request_outcome_is_the_worst_choice():
     from node.runtime.metrics import request_outcome
 

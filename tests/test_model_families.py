@@ -43,6 +43,7 @@ def checkpoint(request, tmp_path_factory):
     return out, model
 
 
+@pytest.mark.quick
 def test_logits_match_transformers(checkpoint):
     folder, hf = checkpoint
     cfg = ModelConfig.from_folder(folder)

@@ -186,6 +186,7 @@ def test_time_shared_drain_over_nixl_equals_the_reference(trio):
     assert nixl_layers(D)[1] == before + 5 * len(moved)
 
 
+@pytest.mark.quick
 def test_nixl_flags_are_checked_before_loading(monkeypatch, capsys):
     """``--kv-transport nixl`` needs a KV listener or peers, and NIXL itself: without the package the
     node does not start (exit 2) and says how to install it."""

@@ -6,8 +6,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from node.config import NodeConfig
 from node.transport.protocol import new_transfer_id
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 _NAME = "from node.config import NodeConfig; print(NodeConfig(host='{}', port=8000).name)"
 

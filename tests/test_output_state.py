@@ -13,6 +13,8 @@ from node.core.sequence import SamplingParams, Sequence
 from node.runtime.output import OutputState
 from support import STORIES
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 
 @pytest.fixture(scope="module")
 def tok():

@@ -4,6 +4,8 @@ import pytest
 
 from node.runtime.peer_state import split_addr
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 
 @pytest.mark.parametrize("addr,expected", [("127.0.0.1:9100", ("127.0.0.1", 9100)), ("node-7:1", ("node-7", 1)),
                                            ("[::1]:9100", ("::1", 9100)), (" [fe80::2]:65535 ", ("fe80::2", 65535))])

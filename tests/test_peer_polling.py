@@ -5,6 +5,8 @@ first report, more room, or accepting again; the same report every 50 ms does no
 import asyncio
 from types import SimpleNamespace
 
+import pytest
+
 from node.config import NodeConfig
 from node.runtime import peer_links
 from node.runtime.peer_links import PeerLinks
@@ -40,6 +42,7 @@ def _reply(free: int, accepting: bool = True) -> StatusReply:
                        max_device_total_blocks=100, seq_slots_free=8, accepting=accepting)
 
 
+@pytest.mark.quick
 def test_the_same_capacity_report_starts_no_round_and_more_room_does():
     async def main():
         peers = [f"127.0.0.1:{7000 + i}" for i in range(8)]

@@ -672,6 +672,7 @@ def test_a_relay_stalled_past_the_transfer_timeout_is_recomputed():
         d.close()
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("argv,message", [
     (["--mode", "pooled", "--prefill-devices", "cpu:0"], "needs --peers"),
     (["--mode", "pooled", "--decode-devices", "cpu:0"], "needs --kv-port"),

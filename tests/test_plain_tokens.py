@@ -9,6 +9,7 @@ import asyncio
 import time
 
 import msgspec
+import pytest
 
 from node.api.frontend_link import FrontendLink, _Sink
 from node.api.frontend_node import FrontNode, FrontRequest
@@ -23,6 +24,8 @@ from node.runtime.token_output import TokenDelta
 from node.worker.engine_core import StepReply
 from node.worker.runner import SeqOutput
 from node.worker.tokenizer import TextTokenizer
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 STOP_ID = 7
 

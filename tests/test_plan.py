@@ -24,11 +24,13 @@ def llama(**kw) -> dict:
     return cfg
 
 
+@pytest.mark.quick
 def test_seed_kv_per_token():
     assert kv_bytes_per_token(Geometry.from_config(llama()), 2) == 512 * KIB  # 2 x 32 x 4096 x 2
     assert kv_bytes_per_token(Geometry.from_config(llama(num_key_value_heads=8)), 2) == 128 * KIB
 
 
+@pytest.mark.quick
 def test_seed_prompt_and_transfer():
     mha = make_plan(llama(), dtype="bf16", prompt_tokens=4000, link_gbps=100)
     gqa = make_plan(llama(num_key_value_heads=8), dtype="bf16", prompt_tokens=4000, link_gbps=100)
@@ -41,12 +43,14 @@ def test_seed_prompt_and_transfer():
     assert transfer_s(12_500_000_000, 100) == pytest.approx(1.0)
 
 
+@pytest.mark.quick
 def test_llama3_8b_params():
     cfg = llama(num_key_value_heads=8, intermediate_size=14336, vocab_size=128256)
     n = param_count(Geometry.from_config(cfg))
     assert n == 8_030_261_248 and round(n / 1e9, 2) == 8.03
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("folder,params", [
     ("stories260k", 260_032),  # the safetensors file holds exactly this many (tied embeddings)
     ("stories260k/tiny_configs/llama3-style", 885_888),
@@ -59,6 +63,7 @@ def test_shared_configs_param_counts(folder, params):
     assert param_count(Geometry.from_config(json.loads(path.read_text()))) == params
 
 
+@pytest.mark.quick
 def test_capacity_beside_weights():
     # 8B in bf16 = 16.06 GB of weights; 80 GiB x 0.9 leaves ~56.3 GiB = ~461k tokens at 128 KiB
     plan = make_plan(llama(num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, torch_dtype="bfloat16"),
@@ -68,6 +73,7 @@ def test_capacity_beside_weights():
     assert kv_token_capacity(10 * GIB, 20 * GIB, 128 * KIB) == 0
 
 
+@pytest.mark.quick
 def test_main_prints_a_table(tmp_path, capsys):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(llama(num_key_value_heads=8, torch_dtype="bfloat16")))
@@ -78,6 +84,7 @@ def test_main_prints_a_table(tmp_path, capsys):
     assert main(["--config", str(cfg), "--dtype", "int3"]) == 2
 
 
+@pytest.mark.quick
 def test_dtype_auto_is_the_models():
     """stories260k is float32: auto plans 4-byte weights and KV, as the node serves it."""
     cfg = json.loads((SHARED / "models" / "stories260k" / "config.json").read_text())
@@ -109,6 +116,7 @@ def test_main_auto_matches_the_node(capsys):
     assert make_plan(json.loads((folder / "config.json").read_text())).kv_bytes_per_token == mc.kv_bytes_per_token(dt)
 
 
+@pytest.mark.quick
 def test_degrees_per_device_match_the_loaded_shards():
     """Weights per device at a held degree equal what a rank of the node holds (``weight_bytes`` of a
     stories260k rank holding the 1/P shard: every parameter, by the loader's own count), KV per device

@@ -9,6 +9,8 @@ import asyncio
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from node.core.batcher import BatchConfig, Batcher
 from node.core.ledger import BlockLedger
 from node.core.sequence import SamplingParams
@@ -17,6 +19,8 @@ from node.runtime.engine import DeviceEngine
 from node.runtime.request import RequestState
 from node.worker.engine_core import StepReply
 from node.worker.runner import SeqOutput
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 
 class _Engine:

@@ -6,9 +6,13 @@ into queueing or 503, never a hang (the seed's first failure mode)."""
 
 import concurrent.futures as cf
 
+import pytest
+
 from support import STORIES, NodeProcess, raw_stream, reference_cases
 from test_metrics import scrape
 from test_time_shared import bodies, run
+
+pytestmark = pytest.mark.slow_only("every test needs a pooled node (a prefill and a decode device) besides the quick tier's one node")
 
 
 def test_pooled_reference_greedy(pooled_node):

@@ -17,6 +17,8 @@ from node.core.cost import CostModel
 from node.core.roles import RoleScheduler, RoleSchedulerConfig
 from support import SHARED, require_shared
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 COST = CostModel(prefill_fixed_s=0.002, prefill_per_token_s=2e-4, decode_fixed_s=0.004, decode_per_seq_s=1e-4,
                  decode_per_context_token_s=1e-7)
 

@@ -64,6 +64,7 @@ def test_a_hit_equals_the_uncached_request(ref_node, cache_node, length):
     assert cached(complete(ref_node, prompt)) == 0
 
 
+@pytest.mark.quick
 def test_stream_usage_reports_cached_tokens(cache_node):
     prompt = fresh(90, 2 * B + 3)
     complete(cache_node, prompt, 4)

@@ -62,6 +62,7 @@ def test_replay_runs_a_poisson_workload_with_exact_lengths(node, tmp_path):
     assert doc["node_clock_start_s"] < doc["node_clock_end_s"]
 
 
+@pytest.mark.quick
 def test_compare_reports_a_mode_the_node_lacks_as_not_available(tmp_path):
     # Any mode the node refuses at start-up (as it refused "pooled" before that mode existed).
     a = compare_parser().parse_args(["--modes", "no-such-mode", "--model", str(STORIES), "--rates", "1"])
@@ -71,6 +72,7 @@ def test_compare_reports_a_mode_the_node_lacks_as_not_available(tmp_path):
     assert "| no-such-mode |" in table and "not available" in table
 
 
+@pytest.mark.quick
 def test_role_segments_follow_switch_records():
     recs = [{"start_s": 11.0, "end_s": 11.5, "from_role": "prefill", "to_role": "decode", "pause_ms": 300.0},
             {"start_s": 13.0, "end_s": 13.1, "from_role": "decode", "to_role": "prefill", "pause_ms": 100.0},

@@ -6,7 +6,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from test_doc_links import slug
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "RESULTS.md"
 

@@ -14,6 +14,8 @@ from node.core.group_cost import GroupCost
 from node.runtime.role_driver import RoleDriver
 from node.runtime.role_policy import DEFAULT_CPU_COST, role_scheduler
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 DEVICES = ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
 
 
@@ -273,14 +275,18 @@ def test_a_mixing_device_step_end_after_a_fresh_round_does_not_kick():
 
 def test_a_resting_driver_still_looks_at_the_node_now_and_then():
     """A quiet adaptive driver waits for kicks, but with sequences resident it also wakes every RESTING_TICK_S:
-    prompt work queued on a device by a path that forgot to kick is decided on within that, not never."""
+    prompt work queued on a device by a path that forgot to kick is decided on within that, not never. On a
+    virtual clock (tests/virtual_time.py): the round comes exactly one RESTING_TICK_S after the driver went
+    quiet, however loaded the machine is."""
     import asyncio
 
     from node.core.batcher import Batcher
     from node.core.roles import Role
     from node.runtime.driver import RESTING_TICK_S
+    from virtual_time import run_virtual
 
     async def run():
+        loop = asyncio.get_running_loop()
         batcher = SimpleNamespace(running=[SimpleNamespace(is_decoding=True)], waiting=[])
         batcher.has_work = lambda kind: Batcher.has_work(batcher, kind)
         engine = SimpleNamespace(device_id="cpu:0", failure=None, role=SimpleNamespace(role=Role.DECODE), batcher=batcher,
@@ -288,17 +294,22 @@ def test_a_resting_driver_still_looks_at_the_node_now_and_then():
         node = SimpleNamespace(config=SimpleNamespace(imbalance_threshold=0.0, link_gbps=0.0), engines=[engine],
                                draining=False)
         driver = RoleDriver(node, role_scheduler(NodeConfig(mode="adaptive", devices=DEVICES[:1])), lambda: 0.0)
-        snapshots = []
-        driver.snapshot = lambda now: snapshots.append(now) or (_ for _ in ()).throw(RuntimeError("stop here"))
+        snapshots = []  # the loop's clock at each round's snapshot
+        looked = asyncio.Event()
+        driver.snapshot = lambda now: (snapshots.append(loop.time()), looked.set(),
+                                       (_ for _ in ()).throw(RuntimeError("stop here")))
         driver.start()
-        await asyncio.sleep(0.01)
-        assert driver._quiet and not snapshots  # every device decodes, nothing waits
+        await asyncio.sleep(RESTING_TICK_S / 10)
+        assert driver._quiet and not snapshots  # every device decodes, nothing waits (its first round ran at 0)
         batcher.waiting.append(object())  # prompt work appears, and nobody kicks
-        await asyncio.sleep(RESTING_TICK_S * 1.5)
-        assert snapshots  # the resting timer found it (the round itself is cut short by the fake snapshot)
+        async with asyncio.timeout(RESTING_TICK_S * 10):  # a driver without the resting timer: TimeoutError
+            await looked.wait()
+        # the resting timer found it (the round itself is cut short by the fake snapshot), one resting tick
+        # after the quiet round at 0
+        assert snapshots == [pytest.approx(RESTING_TICK_S, abs=1e-6)]
         await driver.stop()
 
-    asyncio.run(run())
+    run_virtual(run())
 
 
 def test_a_device_ordered_to_switch_shows_switching_before_its_switch_task_begins():

@@ -127,6 +127,7 @@ def run(logits, reqs, device="cpu", seed=0):
 # ---------------------------------------------------------------- penalties
 
 
+@pytest.mark.quick
 def test_penalties_exact_against_reference():
     torch.manual_seed(0)
     v = 300
@@ -148,6 +149,7 @@ def test_penalties_exact_against_reference():
     assert toks == want.argmax(-1).tolist()
 
 
+@pytest.mark.quick
 def test_penalty_rows_do_not_touch_other_rows_and_history_not_read():
     class Trap(list):  # a history the sampler must not read: the row has no penalty
         def __iter__(self):
@@ -167,6 +169,7 @@ def test_penalty_rows_do_not_touch_other_rows_and_history_not_read():
 # ---------------------------------------------------------------- greedy and filters
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("device", DEVICES)
 def test_greedy_and_argmax_equivalents(device):
     torch.manual_seed(1)
@@ -179,6 +182,7 @@ def test_greedy_and_argmax_equivalents(device):
         assert lps == [None] * 8
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("device", DEVICES)
 def test_seeded_tokens_equal_reference_draw(device):
     """Exact equality with the per-row reference using the same documented uniform."""
@@ -196,6 +200,7 @@ def test_seeded_tokens_equal_reference_draw(device):
     assert toks == [ref_seeded(logits[i], r, device) for i, r in enumerate(reqs)]
 
 
+@pytest.mark.quick
 def test_seeded_tokens_equal_reference_draw_torch_path(torch_path):
     """The torch path (CPU without Numba): the sorted inverse CDF for every row with top-k or top-p."""
     torch.manual_seed(2)
@@ -206,6 +211,7 @@ def test_seeded_tokens_equal_reference_draw_torch_path(torch_path):
     assert run(logits, reqs)[0] == [ref_seeded(logits[i], r, compiled=False) for i, r in enumerate(reqs)]
 
 
+@pytest.mark.quick
 def test_min_p_and_top_k_masks_support():
     torch.manual_seed(3)
     v = 64
@@ -279,6 +285,7 @@ def test_seeded_row_independent_of_batch(device):
     _batch_invariance_case(device)
 
 
+@pytest.mark.quick
 def test_seeded_row_independent_of_chunking_and_candidate_growth(monkeypatch, torch_path):
     torch.manual_seed(6)
     v = 4096
@@ -296,6 +303,7 @@ def test_seeded_row_independent_of_chunking_and_candidate_growth(monkeypatch, to
     assert run(logits, reqs)[0] == base
 
 
+@pytest.mark.quick
 def test_unseeded_rows_follow_the_generator():
     logits = torch.randn(32, 500)
     reqs = [R(P(temperature=1.0, top_p=0.95)) for _ in range(32)]
@@ -305,6 +313,7 @@ def test_unseeded_rows_follow_the_generator():
     assert a == b and a != c
 
 
+@pytest.mark.quick
 def test_seeded_uniform_is_uniform_and_in_range():
     us = [seeded_uniform(s, i) for s in range(200) for i in range(100)]
     assert all(0.0 <= u < 1.0 for u in us)
@@ -316,6 +325,7 @@ def test_seeded_uniform_is_uniform_and_in_range():
 # ---------------------------------------------------------------- logprobs
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("device", DEVICES)
 def test_logprobs_are_raw_log_softmax(device):
     torch.manual_seed(7)
@@ -345,6 +355,7 @@ def test_logprobs_are_raw_log_softmax(device):
 # ---------------------------------------------------------------- degenerate rows
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("device", DEVICES)
 def test_degenerate_rows_fall_back_to_argmax(device):
     torch.manual_seed(8)
@@ -367,6 +378,7 @@ def test_degenerate_rows_fall_back_to_argmax(device):
     assert lps[4] is not None and lps[4].token_id == 33
 
 
+@pytest.mark.quick
 def test_empty_and_mismatched():
     assert sample(torch.empty(0, 10), [], gen()) == ([], [])
     with pytest.raises(ValueError):
@@ -376,6 +388,7 @@ def test_empty_and_mismatched():
 # ---------------------------------------------------------------- the compiled CPU kernel (no sort)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("v", [7, 1023, 1024, 1025, 5000])
 def test_compiled_draw_equals_rejection_reference(v):
     """Exact tokens against the float64 reference over vocabularies within, at and across block edges,
@@ -398,6 +411,7 @@ def test_compiled_draw_equals_rejection_reference(v):
     assert all(toks[i] == int(logits[i].argmax()) for i in tiny)  # the nucleus is the maximum alone
 
 
+@pytest.mark.quick
 def test_compiled_draw_never_picks_masked_tokens():
     """-inf logits have no weight: never drawn, not even by the rounding fallbacks; a row whose only
     finite logit sits in the last block still finds it."""
@@ -413,6 +427,7 @@ def test_compiled_draw_never_picks_masked_tokens():
     assert {toks[i] for i in range(0, 64, 2)} == set(allowed)
 
 
+@pytest.mark.quick
 def test_compiled_draw_flags_degenerate_rows():
     """A NaN anywhere, an infinite maximum or a temperature that overflows the scaled maximum: the kernel
     leaves the row to the caller, which takes the argmax."""
@@ -447,6 +462,7 @@ def test_compiled_draw_frequencies_across_blocks():
         assert torch.all((freq - want).abs() <= tol), (p, freq[top], want[top])
 
 
+@pytest.mark.quick
 def test_compiled_draw_with_an_empty_proposal_set_takes_the_maximum():
     """min_p above 1, or a top_p of 0 (refused by the API, but a top_p under ~1e-45 passes it and rounds
     to 0 in float32): no token is eligible, and the kernel returns the row's maximum instead of looping."""

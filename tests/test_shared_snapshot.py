@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import pytest
+
 import bench.sim.timeshared as timeshared
 import node.runtime.role_driver as role_driver
 from bench.sim import SimConfig
@@ -21,6 +23,8 @@ from node.core.cost import CostModel
 from node.core.imbalance import ImbalanceConfig, ImbalancePolicy
 from node.core.roles import RoleScheduler, RoleSchedulerConfig
 from node.runtime.role_driver import RoleDriver
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 COST = CostModel(prefill_fixed_s=0.002, prefill_per_token_s=2e-5, decode_fixed_s=0.008, decode_per_seq_s=1e-4,
                  decode_per_context_token_s=1e-7, pause_s=0.005)

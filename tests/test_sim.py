@@ -20,6 +20,7 @@ from bench.traffic.traces import TraceRequest
 from bench.traffic.workload import WorkloadSpec, build_workload
 from node.core.cost import CostModel
 
+
 REPO = Path(__file__).resolve().parents[1]
 COST = CostModel(prefill_fixed_s=0.010, prefill_per_token_s=0.001, decode_fixed_s=0.005, decode_per_seq_s=0.001)
 TWO = [TraceRequest(0.0, 10, 3), TraceRequest(0.012, 20, 2)]
@@ -29,12 +30,14 @@ def token_times(res) -> list[list[float]]:
     return [[round(t, 9) for t in tr.token_times_s] for tr in res.traces]
 
 
+@pytest.mark.quick
 def test_mixed_step_pays_one_fixed_cost():
     assert mixed_step_s(COST, 20, 0, 0) == pytest.approx(0.030)
     assert mixed_step_s(COST, 0, 2, 50) == pytest.approx(0.007)
     assert mixed_step_s(COST, 20, 1, 11) == pytest.approx(0.010 + 0.020 + 0.001)
 
 
+@pytest.mark.quick
 def test_colocated_one_device_two_requests():
     # One step in flight at a time (step_pipeline=1: each step planned when the one before ends):
     # t=0      r0 arrives; step 1 prefills its 10 tokens: 0.020 s          -> r0 token 1 at 0.020
@@ -55,6 +58,7 @@ def test_colocated_one_device_two_requests():
     assert res.summary.tpot_ms.mean == pytest.approx((19 + 7) / 2)  # (0.058-0.020)/2 and (0.046-0.039)/1
 
 
+@pytest.mark.quick
 def test_colocated_steps_are_pipelined_as_on_the_node():
     # The node's device loop (the default step_pipeline=2): a step is planned when the one before it
     # starts, on placeholders of the tokens still in flight.
@@ -71,6 +75,7 @@ def test_colocated_steps_are_pipelined_as_on_the_node():
         SimConfig(mode="colocated", step_pipeline=0)
 
 
+@pytest.mark.quick
 def test_pooled_one_prefill_one_decode_device_with_kv_transfer():
     # 125 bytes of KV per token over a 1 Mb/s link: 1 ms per token transferred. Overlapped transfers:
     # prefill device: r0 0 -> 0.020 (token 1); r1 0.020 -> 0.050 (token 1, TTFT 0.038)
@@ -92,6 +97,7 @@ def test_pooled_one_prefill_one_decode_device_with_kv_transfer():
     assert token_times(res) == [[0.020, 0.036, 0.042], [0.060, 0.086]]
 
 
+@pytest.mark.quick
 def test_pooled_router_reserves_decode_blocks_and_waits_fifo():
     # The decode device holds 4 blocks of 16 tokens. r0 reserves prompt 10 + expected output 3 -> 1
     # block; r1 (prompt 40 + 3 -> 3 blocks) fits beside it; r2 (prompt 10) must wait for r0 to leave,
@@ -105,6 +111,7 @@ def test_pooled_router_reserves_decode_blocks_and_waits_fifo():
     assert res.traces[2].token_times_s[0] > r0_done
 
 
+@pytest.mark.quick
 def test_time_shared_one_device_runs_the_role_scheduler_with_pauses():
     # Reconfiguration pause 5 ms. The device starts in PREFILL.
     # r0 (t=0): prefill 0 -> 0.020 (token 1); switch to DECODE 0.020 -> 0.025; decode steps of 0.006:
@@ -118,6 +125,7 @@ def test_time_shared_one_device_runs_the_role_scheduler_with_pauses():
     assert res.summary.failed == 0
 
 
+@pytest.mark.quick
 def test_nodes_share_requests_round_robin_and_failures_are_reported():
     reqs = [TraceRequest(0.0, 10, 3), TraceRequest(0.0, 10, 3)]
     one = simulate(reqs, SimConfig(mode="colocated", devices=1, max_model_len=512), COST)
@@ -140,6 +148,7 @@ def test_workload_is_deterministic_rate_scaled_and_fits_the_context():
     assert p.requests and all(r.arrival_s < 5.0 for r in p.requests)
 
 
+@pytest.mark.quick
 def test_cluster_pool_sends_kv_between_nodes_over_both_device_links():
     # 2 nodes x 1 device, node 0 prefills, node 1 decodes; 125 bytes of KV per token over 1 Mb/s
     # network links (1 ms per token); the intra-node link (1 Gb/s) is never used.
@@ -162,6 +171,7 @@ def test_cluster_pool_sends_kv_between_nodes_over_both_device_links():
     assert second == pytest.approx([0.030 + 0.006, 0.040 + 0.006])
 
 
+@pytest.mark.quick
 def test_link_plan_and_transfer_time_arithmetic():
     from bench.sim.batched import SimDevice
     from bench.sim.pooled import link_plan
@@ -180,6 +190,7 @@ def test_link_plan_and_transfer_time_arithmetic():
         SimConfig(mode="pooled", nodes=1, pool_scope="cluster")
 
 
+@pytest.mark.quick
 def test_step_overhead_is_paid_once_per_step():
     # 2 ms per step on top of the cost model: r0's prefill 0.022, then two decode steps of 0.008.
     res = simulate([TraceRequest(0.0, 10, 3)], SimConfig(mode="colocated", max_model_len=512, step_overhead_ms=2.0),
@@ -191,6 +202,7 @@ def test_step_overhead_is_paid_once_per_step():
     assert res.records[0].ttft_s == pytest.approx(0.025) and res.records[0].itls_s == pytest.approx([0.006, 0.006])
 
 
+@pytest.mark.quick
 def test_host_overheads_from_a_node_probe():
     from bench.studies.validate_sim import host_overheads
 
@@ -203,6 +215,7 @@ def test_host_overheads_from_a_node_probe():
     assert step == pytest.approx(0.0015) and req == pytest.approx(0.0025)
 
 
+@pytest.mark.quick
 def test_synthetic_lengths():
     from bench.traffic.workload import synthetic_lengths
 
@@ -219,6 +232,7 @@ def test_synthetic_lengths():
     assert w.requests and all((r.prompt_tokens, r.output_tokens) == (100, 5) for r in w.requests)
 
 
+@pytest.mark.quick
 def test_capacity_search_brackets_and_bisects():
     from bench.studies.crossover import capacity
 
@@ -233,6 +247,7 @@ def test_capacity_search_brackets_and_bisects():
     assert capacity(lambda r: {"slo_attainment": 0.0}, 1.0, min_rate=0.2)[0] == 0.0
 
 
+@pytest.mark.quick
 def test_derived_roofline_models_scale_with_geometry_and_match_the_committed_files(tmp_path):
     from bench.cost.calibrate import load_cost_model
     from bench.cost.derive_cost import REFERENCE_CONFIG, calibrate, derive, main
@@ -279,6 +294,7 @@ def test_crossover_tiny_grid(capsys):
     assert "CO " in slow and "max_num_batched_tokens=" in slow
 
 
+@pytest.mark.quick
 def test_crossover_run_duration_holds_enough_requests():
     from argparse import Namespace
 
@@ -301,6 +317,7 @@ def test_crossover_reuses_earlier_results(tmp_path, capsys):
     assert again.out == first.out and "capacity" not in again.err  # nothing searched again
 
 
+@pytest.mark.quick
 def test_sim_cli_table(capsys):
     from bench.sim.__main__ import main
 
@@ -313,6 +330,7 @@ def test_sim_cli_table(capsys):
     assert any("pooled 1P:1D" in line for line in out)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("mode", ["time-shared", "colocated", "pooled"])
 def test_overloaded_runs_abort_once_enough_requests_are_certainly_late(mode):
     from bench.sim import SimAborted
@@ -326,6 +344,7 @@ def test_overloaded_runs_abort_once_enough_requests_are_certainly_late(mode):
     assert simulate(reqs[:2], cfg, COST).summary.failed == 0  # a light load runs to the end
 
 
+@pytest.mark.quick
 def test_time_shared_respects_the_batch_cap():
     # Four 10-token prompts at once on one device capped at 2 sequences: the policy places two, the
     # other two wait until those finish (as the live driver's seq_slots_free makes it do).

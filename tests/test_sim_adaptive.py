@@ -4,6 +4,8 @@ where the cost model makes them cheaper (issue 27)."""
 
 from __future__ import annotations
 
+import pytest
+
 from bench.sim import SimConfig, simulate
 from bench.sim.stepcost import GroupCost
 from bench.sim.timeshared import TimeSharedSim
@@ -12,6 +14,8 @@ from node.core.adaptive import AdaptiveScheduler
 from node.core.cost import CostModel
 from node.core.roles import Role, RoleSchedulerConfig
 from bench.traffic.traces import TraceRequest
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 COST = CostModel(prefill_fixed_s=0.002, prefill_per_token_s=2e-5, decode_fixed_s=0.008, decode_per_seq_s=1e-4,
                  decode_per_context_token_s=1e-7, pause_s=0.005)

@@ -27,6 +27,7 @@ from tests.test_sim_parallel import CFG_8B
 
 
 # --- what clients send ---------------------------------------------------------------------------------
+@pytest.mark.quick
 def test_the_client_mix_is_seeded_and_keeps_its_shares():
     a, b = draw_max_tokens(4000, DEFAULT_CLIENT_MIX, 3), draw_max_tokens(4000, DEFAULT_CLIENT_MIX, 3)
     assert a == b and a != draw_max_tokens(4000, DEFAULT_CLIENT_MIX, 4)
@@ -43,6 +44,7 @@ def test_the_client_mix_is_seeded_and_keeps_its_shares():
         SimConfig(client_max_tokens="4096:-1")
 
 
+@pytest.mark.quick
 def test_requests_end_by_an_unforeseen_eos_or_at_their_bound():
     # r0: true length 3, max_tokens 4096 -> 3 tokens by EOS; r1: true 5, max_tokens 2 -> 2 tokens (length);
     # r2: absent max_tokens, true 900 > the 512 - 10 tokens of context left -> 502 (length)
@@ -55,6 +57,7 @@ def test_requests_end_by_an_unforeseen_eos_or_at_their_bound():
     assert [(len(t.token_times_s), t.ends_by_eos) for t in res.traces] == [(3, True), (5, True), (502, False)]
 
 
+@pytest.mark.quick
 def test_an_unforeseen_eos_wastes_the_step_planned_past_it():
     # TWO with the pipeline of test_sim.test_colocated_steps_are_pipelined_as_on_the_node: with max_tokens = the
     # true length the node plans no step past r0's third token; with EOS it does not know, step 4 carries r0 too
@@ -90,6 +93,7 @@ def test_the_policy_is_told_the_nodes_running_estimate_fed_by_eos_ends_only():
     assert len(sim.outputs) == 0 and set(seen) == {min(40, PRIOR_TOKENS)}
 
 
+@pytest.mark.quick
 def test_expected_output_oracle_tells_the_true_length(monkeypatch):
     import bench.sim.timeshared as ts
 

@@ -21,6 +21,8 @@ from node.core.roofline import kv_scatter_bytes, kv_scatter_s, ring_allreduce_li
 from node.core.sequence import SamplingParams, Sequence
 from node.plan import load_config
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 REPO = Path(__file__).resolve().parents[1]
 CFG_8B = load_config(REPO / "bench/configs/llama3-8b")
 CFG_70B = load_config(REPO / "bench/configs/llama3-70b")

@@ -13,6 +13,8 @@ from node.core.cost import CostModel
 from node.core.imbalance import ImbalanceConfig, ImbalancePolicy
 from node.core.roles import RoleScheduler, RoleSchedulerConfig
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 COST = CostModel(prefill_fixed_s=0.002, prefill_per_token_s=2e-5, decode_fixed_s=0.008, decode_per_seq_s=1e-4,
                  decode_per_context_token_s=1e-7, pause_s=0.005)
 KV_BYTES = 131072  # Llama-3-8B in bf16

@@ -2,8 +2,12 @@
 peer restart; afterwards no KV block is held, no request hung or is still held, and no 5xx other
 than 503 was answered. RSS growth is printed, not checked: 20 s have no steady state to measure
 it against (the 30-minute run in bench/RESULTS.md checks it)."""
+import pytest
+
 from bench.load.soak import soak
 from support import STORIES, require_shared
+
+pytestmark = pytest.mark.slow_only("one 20-second soak of streaming load, client aborts and an engine's kill -9")
 
 
 def test_a_short_soak_leaks_nothing_and_hangs_nothing(tmp_path):

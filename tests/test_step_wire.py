@@ -2,6 +2,7 @@
 token as a short array, and a decode step of sequences the engine holds carries no diff."""
 
 import msgspec
+import pytest
 
 from node.core.batcher import ScheduledSeq, StepKind, StepPlan
 from node.core.sequence import PENDING, SamplingParams, Sequence
@@ -9,6 +10,8 @@ from node.runtime.step_encoder import StepEncoder
 from node.worker.engine_core import StepReply
 from node.worker.runner import SeqOutput
 from node.worker.sampler import TokenLogprobs
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 
 def test_reply_outputs_are_positional_and_round_trip():

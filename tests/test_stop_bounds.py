@@ -11,10 +11,14 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from node.config import NodeConfig
 from node.core.sequence import SamplingParams
 from node.runtime.node import Node
 from support import STORIES, require_shared
+
+pytestmark = pytest.mark.slow_only("its one test times a node's stop against a KV copy on a deliberately slow link (seconds)")
 
 
 def test_stop_aborts_a_slow_kv_copy_in_flight():

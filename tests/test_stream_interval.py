@@ -5,6 +5,7 @@ import json
 
 import aiohttp
 from aiohttp.test_utils import TestServer
+import pytest
 
 from node.api.app import create_app
 from node.config import NodeConfig
@@ -20,6 +21,7 @@ def events(text: str) -> list:
     return [json.loads(e) for e in out[:-1]]
 
 
+@pytest.mark.quick
 def test_events_carry_n_tokens_and_add_up_to_the_whole_answer():
     async def go():
         node = await Node.create(NodeConfig(model=str(STORIES), stream_interval=4))

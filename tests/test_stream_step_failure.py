@@ -8,6 +8,7 @@ import json
 
 import aiohttp
 from aiohttp.test_utils import TestServer
+import pytest
 
 from node.api.app import create_app
 from node.config import NodeConfig
@@ -17,6 +18,7 @@ from support import STORIES, reference_cases
 CASE = reference_cases()[0]
 
 
+@pytest.mark.quick
 def test_tokens_before_a_failure_in_the_same_step_are_sent():
     """With ``n = 2`` both choices' deltas of a step arrive in one batch, choice 0's first. Accounting
     choice 1's third token fails: choice 0's third token, from the same step, must still reach the

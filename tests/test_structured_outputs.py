@@ -72,6 +72,7 @@ def test_json_schema_on_completions_validates_for_50_seeds(stories_node, client)
     assert stories_node.wait_idle()["live_requests"] == 0
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("field", ["structured_outputs", "guided"])
 def test_regex_choice_and_ebnf_match(stories_node, field):
     forms = {"regex": r"[0-9]{3}-[a-z]{2,6}( [A-Z][a-z]+)?", "choice": ["happy ending", "sad ending", "no ending"],
@@ -90,6 +91,7 @@ def test_regex_choice_and_ebnf_match(stories_node, field):
                 assert re.fullmatch(r"The (cat|dog) is (red|blue)\.", text), text
 
 
+@pytest.mark.quick
 def test_json_object_on_chat_and_guided_json(stories_node):
     r = post(stories_node, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
                                                     "temperature": 0, "response_format": {"type": "json_object"}})
@@ -148,6 +150,7 @@ def test_max_tokens_cut_off_is_length_and_eos_waits_for_the_grammar(stories_node
         assert c["finish_reason"] == "stop" and re.fullmatch("[a-z]{30}", c["text"]), c
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("body, param, words", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
      "response_format", "does not compile"),

@@ -342,6 +342,7 @@ def test_stories260k_greedy_tp4_equals_reference_prefix(world4, run):
     check_greedy(world4, run, 2 if run.startswith("tp2") else 4, PREFIX_TOKENS)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_hidden_states_match_tp1(world2, family):
     cfg = family_config(TINY / family, FAMILIES[family])
@@ -355,6 +356,7 @@ def test_family_hidden_states_match_tp1(world2, family):
             assert c["kv_shape"][4] == cfg.num_kv_heads // 2
 
 
+@pytest.mark.quick
 def test_shards_are_views_without_a_second_copy(world2, world4):
     cfg = ModelConfig.from_folder(STORIES)
     runs = [(world2, "tp2", lambda r: ShardLayout(2)), (world4, "tp4", lambda r: ShardLayout(4)),
@@ -375,6 +377,7 @@ def test_shards_are_views_without_a_second_copy(world2, world4):
 # --- single-process checks ---------------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_degree_not_dividing_kv_heads_is_refused():
     cfg = family_config(TINY / "qwen2-style", None)  # 6 heads, 2 KV heads
     with pytest.raises(TensorParallelError, match=r"degree 4 does not divide the model's "
@@ -395,6 +398,7 @@ def test_degree_not_dividing_kv_heads_is_refused():
                     ops=ref_ops, layout=ShardLayout(4))
 
 
+@pytest.mark.quick
 def test_group_outside_the_layout_is_refused():
     cfg = ModelConfig.from_folder(STORIES)
     model = load(cfg, STORIES, ShardLayout(2))

@@ -9,6 +9,8 @@ import pytest
 from support import STORIES, NodeProcess, post_concurrently, reference_cases
 from test_metrics import scrape
 
+pytestmark = pytest.mark.slow_only("every test starts a node of its own (time-shared, colocated, or with tight queue limits)")
+
 PROMPTS = [c["prompt"] for c in reference_cases()] + ["Tom had a red", "The sun was", "A bird", "Sara and her mom"]
 FLOOR_MS = 15.0
 

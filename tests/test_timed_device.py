@@ -46,6 +46,7 @@ def _timed_node(cost_file, *args):
                        str(KV_MEMORY), "--max-model-len", "2048", *args)
 
 
+@pytest.mark.quick
 def test_cost_file_drops_unknown_keys_and_steps_follow_the_simulator_formula(cost_file):
     cost = load_step_cost(cost_file)
     assert cost == CostModel(**{k: v for k, v in COST.items() if k != "calibration"})
@@ -60,6 +61,7 @@ def test_cost_file_drops_unknown_keys_and_steps_follow_the_simulator_formula(cos
     assert type(load_step_cost(REPO / "bench/cost_models/h200_llama3_8b_roofline.json")).__name__ == "RooflineCost"
 
 
+@pytest.mark.quick
 def test_step_work_reads_decode_and_prompt_items():
     items = [SimpleNamespace(seq_id="a", start=0, num_tokens=7),  # a prompt's first chunk
              SimpleNamespace(seq_id="b", start=9, num_tokens=1),  # decoding: context 10
@@ -68,6 +70,7 @@ def test_step_work_reads_decode_and_prompt_items():
     assert step_work(items, {"a": 12, "b": 3, "c": 5, "d": 5}) == (8, 2, 16)
 
 
+@pytest.mark.quick
 def test_pacer_sleeps_only_what_host_work_left_of_the_step():
     now = [0.0]
     slept = []
@@ -80,6 +83,7 @@ def test_pacer_sleeps_only_what_host_work_left_of_the_step():
     assert pacer.steps == 2 and pacer.overrun_steps == 1
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("content, message", [(None, "is not a file"), ("{not json", "not valid JSON"),
                                               ("[1, 2]", "JSON object"), ('{"decode_fixed_s": "x"}', "decode_fixed_s"),
                                               ('{"decode_fixed_s": NaN}', "finite")])
@@ -93,6 +97,7 @@ def test_bad_cost_files_are_config_errors(tmp_path, content, message):
         load_step_cost(path)
 
 
+@pytest.mark.quick
 def test_timed_flags_the_node_cannot_run_with(cost_file):
     spec = f"timed:{cost_file}"
     NodeConfig(benchmark_model=spec, kv_cache_memory_bytes=KV_MEMORY).validate()
@@ -109,6 +114,7 @@ def test_timed_flags_the_node_cannot_run_with(cost_file):
     assert len(lines) == 1 and "timed:/no/such.json" in lines[0] and "is not a file" in lines[0], r.stderr
 
 
+@pytest.mark.quick
 def test_copy_paces_and_reports_the_emulated_block_bytes():
     src = torch.arange(4 * 2 * 6, dtype=torch.bfloat16).view(4, 2, 6, 1, 1, 1)  # 4 layers, 6 tiny blocks
     dst = torch.zeros(4, 2, 8, 1, 1, 1, dtype=torch.bfloat16)
@@ -247,6 +253,7 @@ def test_time_shared_policies_start_from_the_timed_cost_model_and_charge_geometr
     asyncio.run(go())
 
 
+@pytest.mark.quick
 def test_cost_model_flag_seeds_the_role_policy_with_either_kind(tmp_path):
     import asyncio
 

@@ -6,11 +6,14 @@ of native memory each, up to 10,000 of them): the soak's node process grew with 
 import ctypes
 import random
 
+import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 from node.worker.tokenizer import TextTokenizer
 from node.worker.tokenizer_cache import WHOLE_TEXT_CACHE_ENTRIES, keeps_text_whole
 from support import STORIES, require_shared
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 WORDS = "once upon a time there was a little girl who liked to play in the park with her dog".split()
 

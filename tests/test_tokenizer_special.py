@@ -16,6 +16,8 @@ from node.worker.tokenizer import TextTokenizer
 from support import STORIES, require_shared
 from test_api_errors import post
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 PROMPTS = ["Hello", "Once upon a time", " leading space", "", "a<unk>b", "Hi</s>there <s>x", "</s>", "x <s>",
            "User: hi\nAssistant:", "tab\tand\nnewline", "émoji 🙂 and 中文"]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about a cat."},

@@ -65,6 +65,7 @@ def _stream(parser: ToolCallParser, text: str, rng: random.Random) -> tuple[str,
     return content, [tuple(calls[k]) for k in sorted(calls)], deltas
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("kind", list(WHOLE))
 def test_parsers_read_the_same_calls_whole_and_streamed(kind):
     text, content, calls = WHOLE[kind]
@@ -78,6 +79,7 @@ def test_parsers_read_the_same_calls_whole_and_streamed(kind):
         assert s_calls == calls and s_content == (content or "")
 
 
+@pytest.mark.quick
 def test_text_without_calls_is_content_and_a_named_choice_streams_its_arguments():
     for kind in PARSERS:
         for text in ("Just words, a <tool and a [TOOL_ and {braces}.", "   "):
@@ -177,6 +179,7 @@ def test_parallel_calls_a_named_choice_and_bad_choices(family_node):
     assert node.wait_idle()["live_requests"] == 0
 
 
+@pytest.mark.quick
 def test_auto_needs_a_parser_and_streams_plain_content(stories_node):
     body = {"messages": ASK, "tools": TOOLS, "max_tokens": 8}
     r = stories_node.client.post("/v1/chat/completions", json=body)
@@ -200,6 +203,7 @@ def test_auto_with_a_parser_gives_content_when_the_model_calls_nothing(family_no
         assert msg.content == text and whole.choices[0].finish_reason in ("stop", "length")
 
 
+@pytest.mark.quick
 def test_the_flag_offers_exactly_the_parsers():
     import argparse
 
@@ -213,6 +217,7 @@ def test_the_flag_offers_exactly_the_parsers():
     assert config_from_args(serve.parse_args(["--tool-call-parser", "mistral"])).tool_call_parser == "mistral"
 
 
+@pytest.mark.quick
 def test_the_parser_is_detected_from_unambiguous_templates():
     from node.api.tool_parsers import detect_parser
 

@@ -192,6 +192,7 @@ def test_a_rank_that_fails_to_load_is_named_in_the_start_up_error():
         asyncio.run(Node.create(tp_config(kv_cache_memory_bytes=100000)))
 
 
+@pytest.mark.quick
 def test_the_flag_defaults_to_1_and_groups_devices():
     import argparse
 
@@ -244,6 +245,7 @@ def _fake_group(monkeypatch, tmp_path):
     return group
 
 
+@pytest.mark.quick
 def test_the_group_answers_rank_0s_reply_and_goes_down_when_ranks_disagree(monkeypatch, tmp_path):
     from node.worker.engine_core import StepMsg, StepReply
     from node.worker.engine_messages import EngineDied, EngineError, StepAck
@@ -278,6 +280,7 @@ def test_the_group_answers_rank_0s_reply_and_goes_down_when_ranks_disagree(monke
     asyncio.run(go())
 
 
+@pytest.mark.quick
 def test_a_rank_failing_alone_downs_the_group(monkeypatch, tmp_path):
     from node.worker.engine_core import StepMsg, StepReply
     from node.worker.engine_messages import EngineDied, EngineError

@@ -146,6 +146,7 @@ async def _collect(node: Node, rid: str, prompt: list[int], params: SamplingPara
     return ids
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("over, message", [
     (dict(prefill_tp=3, devices=["cpu:0", "cpu:1", "cpu:2"], decode_tp=3), None),  # model check below
     (dict(prefill_tp=2, decode_tp=1, devices=["cpu:0"]), r"--prefill-tp 2 must divide --decode-tp 1"),
@@ -175,6 +176,7 @@ def test_flags_the_slice_does_not_run_are_refused(over, message):
 # --- hand-offs between groups of different degrees (pooled mode, moves between time-shared groups) --------
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("src, dst", [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (2, 2)])
 def test_a_sharded_copy_re_shards_the_kv_heads(src, dst):
     import torch

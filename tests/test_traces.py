@@ -11,6 +11,8 @@ import pytest
 
 from bench.traffic.traces import TraceRequest, load_trace, poisson_requests, read_azure_csv, read_mooncake_jsonl
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 SHARED = Path(os.environ.get("SHIFTNODE_SHARED") or Path(__file__).resolve().parents[1].parent / "shared")
 TRACES = SHARED / "traces"
 

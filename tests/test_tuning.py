@@ -12,6 +12,8 @@ from bench.sim import SimConfig
 from bench.sim.__main__ import main as sim_main
 from bench.sim.tuning import candidates, pick_best, score, setting_of
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 REPO = Path(__file__).resolve().parents[1]
 
 

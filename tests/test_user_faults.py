@@ -24,19 +24,17 @@ from support import STORIES, NodeProcess, free_port, require_shared
 from test_api_errors import assert_error, post
 
 
-def test_bearer_scheme_is_case_insensitive():
-    node = NodeProcess("--model", str(STORIES), "--api-key", "sekrit")
-    try:
-        for header in ("bearer sekrit", "BEARER sekrit", "Bearer  sekrit"):
-            r = node.client.get("/v1/models", headers={"Authorization": header})
-            assert r.status_code == 200, (header, r.text)
-        for header in ("bearer wrong", "Basic sekrit", "sekrit", "bearersekrit"):
-            assert_error(node.client.get("/v1/models", headers={"Authorization": header}), 401)
-        assert node.client.get("/dashboard", headers={"Authorization": "bearer sekrit"}).status_code == 200
-    finally:
-        node.close()
+def test_bearer_scheme_is_case_insensitive(keyed_node):
+    node = keyed_node
+    for header in ("bearer sekrit", "BEARER sekrit", "Bearer  sekrit"):
+        r = node.client.get("/v1/models", headers={"Authorization": header})
+        assert r.status_code == 200, (header, r.text)
+    for header in ("bearer wrong", "Basic sekrit", "sekrit", "bearersekrit"):
+        assert_error(node.client.get("/v1/models", headers={"Authorization": header}), 401)
+    assert node.client.get("/dashboard", headers={"Authorization": "bearer sekrit"}).status_code == 200
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("path,field,value", [
     ("/v1/completions", "use_beam_search", True),
     ("/v1/completions", "logit_bias", {"5": 1000.0}),  # out of [-100, 100] (logit_bias itself works)
@@ -53,6 +51,7 @@ def test_unsupported_fields_that_change_the_output_are_a_400(stories_node, path,
     assert field in r.json()["error"]["message"] or field == "use_beam_search"
 
 
+@pytest.mark.quick
 def test_harmless_values_of_those_fields_are_served(stories_node):
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     for extra in ({"tool_choice": "none"}, {"tool_choice": "auto"}, {"modalities": ["text"]}, {"logit_bias": {}}):
@@ -60,6 +59,7 @@ def test_harmless_values_of_those_fields_are_served(stories_node):
         assert r.status_code == 200, (extra, r.text)
 
 
+@pytest.mark.quick
 def test_logprobs_of_partial_utf8_tokens_have_their_bytes_and_distinct_names():
     require_shared()
     tok = TextTokenizer.from_folder(STORIES)
@@ -77,6 +77,7 @@ def test_logprobs_of_partial_utf8_tokens_have_their_bytes_and_distinct_names():
                                        tok.token_text(word): -3.0}
 
 
+@pytest.mark.quick
 def test_own_kv_address_is_refused_at_start():
     for peer in ("127.0.0.1:9100", "localhost:9100", "[::1]:9100", "0.0.0.0:9100"):
         with pytest.raises(ConfigError, match="own KV address"):

@@ -4,8 +4,11 @@
 import time
 
 from prometheus_client.parser import text_string_to_metric_families
+import pytest
 
 from support import raw_stream
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 # What the Gateway API inference extension's endpoint picker reads by default (its
 # --total-queued-requests-metric, --total-running-requests-metric, --kv-cache-usage-percentage-metric and

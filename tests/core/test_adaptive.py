@@ -14,6 +14,8 @@ from node.core.chunk_budget import (chunk_budget, chunks_extra_s, chunks_s, effi
 from node.core.cost import CostModel
 from node.core.roles import DeviceState, NodeSnapshot, Place, ResidentSeq, Role, RoleSchedulerConfig, SwitchRole, WaitingPrompt
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 # 20 us per prompt token, an 8 ms decode step (+ per-sequence and context terms), 5 ms switch pause
 COST = CostModel(prefill_fixed_s=0.002, prefill_per_token_s=2e-5, decode_fixed_s=0.008, decode_per_seq_s=1e-4,
                  decode_per_context_token_s=1e-7, pause_s=0.005)

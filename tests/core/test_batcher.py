@@ -6,6 +6,8 @@ from node.core.batcher import BatchConfig, Batcher, StepKind
 from node.core.ledger import BlockLedger, LedgerError
 from node.core.sequence import SamplingParams, Sequence
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 
 def seq(i: int, prompt_len: int, max_tokens: int = 100) -> Sequence:
     return Sequence(f"s{i}", f"r{i}", 0, float(i), list(range(prompt_len)), SamplingParams(max_tokens=max_tokens), 4096)

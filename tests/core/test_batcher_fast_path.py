@@ -4,6 +4,8 @@ whose sequences need no new block."""
 
 import random
 
+import pytest
+
 from node.core.batcher import BatchConfig, Batcher, ScheduledSeq, StepKind, StepPlan
 from node.core.ledger import BlockLedger
 from node.core.sequence import SamplingParams, Sequence
@@ -90,6 +92,7 @@ def test_tight_loop_plans_as_the_per_sequence_loop():
         assert _workload(Batcher, seed) == _workload(ReferenceBatcher, seed), seed
 
 
+@pytest.mark.quick
 def test_decode_step_within_blocks_touches_neither_ledger_nor_cache():
     b = Batcher(BlockLedger(100, 16, prefix_caching=True), BatchConfig(max_num_seqs=8))
     for i in range(4):

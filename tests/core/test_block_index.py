@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from node.core.block_index import BlockIndex, BlockLRU
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 
 def key(home: int, tag: int) -> bytes:

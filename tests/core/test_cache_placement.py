@@ -3,10 +3,14 @@ on hand-made snapshots."""
 
 from __future__ import annotations
 
+import pytest
+
 from node.core.cost import CostModel
 from node.core.pooled import PlacePooled, PoolDevice, PooledRouter, PoolSnapshot
 from node.core.roles import (DeviceState, NodeSnapshot, Place, ResidentSeq, Role, RoleScheduler,
                              RoleSchedulerConfig, WaitingPrompt)
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 COST = CostModel(prefill_fixed_s=0.002, prefill_per_token_s=2e-5, decode_fixed_s=0.008, decode_per_seq_s=1e-4,
                  decode_per_context_token_s=1e-7, pause_s=0.005)

@@ -6,6 +6,10 @@ import ast
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 CORE = Path(__file__).resolve().parents[2] / "node" / "core"
 FORBIDDEN = {"torch", "numpy", "asyncio", "aiohttp", "time", "random", "threading", "socket", "multiprocessing",
              "subprocess", "os", "io", "pathlib", "logging", "structlog", "datetime", "concurrent", "selectors"}

@@ -6,6 +6,8 @@ import pytest
 
 from node.core.cost import CostModel, fit_cost_model, least_squares
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 
 def test_chunked_prefill_and_its_inverse():
     c = CostModel(prefill_fixed_s=0.002, prefill_per_token_s=1e-5, prefill_per_token2_s=1e-10)

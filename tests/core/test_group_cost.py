@@ -11,6 +11,8 @@ from node.core.imbalance import ImbalanceConfig, ImbalancePolicy
 from node.core.role_config import time_shared_roles
 from node.core.roles import DeviceState, NodeSnapshot, ResidentSeq, Role, RoleScheduler, RoleSchedulerConfig
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 COST = CostModel(prefill_fixed_s=0.002, prefill_per_token_s=2e-5, decode_fixed_s=0.008, decode_per_seq_s=1e-4,
                  pause_s=0.005)
 

@@ -4,6 +4,7 @@ decode step's limit, one device prefills and hands each sequence to the others (
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from node.core.adaptive import AdaptiveScheduler, ChunkBudget
 from node.core.imbalance import Migrate
@@ -11,6 +12,8 @@ from node.core.cost import CostModel
 from node.core.roles import (DeviceState, NodeSnapshot, Place, ResidentSeq, Role, RoleSchedulerConfig, SwitchRole,
                              WaitingPrompt)
 from tests.core.test_adaptive import CFG, COST, T, EagerMixed, dev, on_pace, switches
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 # decode ~36 ms, a mixed step 10 ms more: no chunk fits T = 45 ms, decode does (the spaced regime)
 SPACED = EagerMixed(**{f: getattr(COST, f) for f in COST.__struct_fields__} | {"decode_fixed_s": 0.0355})

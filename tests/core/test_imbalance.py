@@ -9,6 +9,8 @@ from node.core.cost import CostModel
 from node.core.imbalance import ImbalanceConfig, ImbalancePolicy, Migrate
 from node.core.roles import DeviceState, NodeSnapshot, ResidentSeq, Role, blocks_for
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 # 20 us per prompt token; decode 8 ms + 0.1 ms per sequence + 1 us per context token; 5 ms switch.
 COST = CostModel(prefill_fixed_s=0.002, prefill_per_token_s=2e-5, decode_fixed_s=0.008, decode_per_seq_s=1e-4,
                  decode_per_context_token_s=1e-6, pause_s=0.005)

@@ -6,6 +6,8 @@ import pytest
 
 from node.core.ledger import BlockLedger, LedgerError
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 
 def test_check_holders_finds_blocks_owned_twice_freed_under_a_holder_or_held_by_nobody():
     led = BlockLedger(5, 4, prefix_caching=True)

@@ -301,11 +301,13 @@ def test_adaptive_cases_use_every_role():
     assert {"chunks_fit", "gather", "spacing", "no_headroom"} <= reasons, reasons
 
 
+@pytest.mark.quick
 def test_preemption_under_kv_pressure_is_exercised():
     """The random cases do reach the state that deadlocked the node: sequences preempted for KV."""
     assert sum(sum(s.num_preemptions for s in run_case(seed).finished) for seed in range(40)) > 0
 
 
+@pytest.mark.quick
 def test_a_window_whose_queue_waits_on_resident_kv_ends():
     """The reported deadlock as a snapshot: a PREFILL device holding decoding residents, whose only
     queued work (a preempted sequence) cannot be admitted, switches to DECODE at once."""
@@ -319,6 +321,7 @@ def test_a_window_whose_queue_waits_on_resident_kv_ends():
     assert not any(isinstance(d, Place) for d in out)  # nothing more is queued behind the blocked work
 
 
+@pytest.mark.quick
 def test_a_decode_device_recomputes_its_own_preempted_sequences():
     """A DECODE device whose own queue (preempted sequences) can run gets a window for it, with no
     new prompt waiting anywhere."""

@@ -4,6 +4,8 @@ import pytest
 
 from node.core.output_estimate import MIN_SAMPLES, PRIOR_TOKENS, WINDOW, OutputEstimator
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 
 def test_the_prior_until_enough_natural_ends_then_the_windowed_mean_plus_one():
     est = OutputEstimator()

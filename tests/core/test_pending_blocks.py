@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from node.core.batcher import StepKind
 from node.core.ledger import BlockLedger, block_key
+import pytest
 from tests.core.test_prefix_cache import B, FakePool, batcher, seq
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 
 def write(pool: FakePool, blocks: list[int], tokens: list[int], start: int, end: int) -> None:

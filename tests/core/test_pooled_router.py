@@ -1,7 +1,11 @@
 """Two-sided placement of pooled mode, on hand-made snapshots."""
 
+import pytest
+
 from node.core.pooled import PlacePooled, PoolDevice, PooledRouter, PoolSnapshot
 from node.core.roles import Reject, WaitingPrompt
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 
 def dev(name, free, total=100, **kw):

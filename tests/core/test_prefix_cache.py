@@ -16,6 +16,8 @@ from node.core.batcher import BatchConfig, Batcher, StepKind
 from node.core.ledger import BlockLedger, LedgerError, block_key
 from node.core.sequence import SamplingParams, Sequence
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 B = 4
 
 

@@ -1,9 +1,13 @@
 """Suspects of an engine death are recomputed alone (issue 45 item 4), on plain data."""
 
+import pytest
+
 from node.core.batcher import BatchConfig, Batcher, StepKind
 from node.core.ledger import BlockLedger
 from node.core.quarantine import Quarantine
 from node.core.sequence import SamplingParams, Sequence
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 
 def seq(i: int, prompt_len: int) -> Sequence:

@@ -7,6 +7,8 @@ import pytest
 from node.core.cost import CostModel
 from node.core.refit import MAX_SHIFT, bounded, fit_steps
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 TRUE = CostModel(prefill_fixed_s=0.0015, prefill_per_token_s=1.5e-5, decode_fixed_s=0.0015, decode_per_seq_s=8e-5,
                  decode_per_context_token_s=5e-7)
 FIELDS = ("decode_fixed_s", "decode_per_seq_s", "decode_per_context_token_s", "prefill_per_token_s")

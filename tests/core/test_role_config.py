@@ -7,6 +7,8 @@ from node.core.ledger import BlockLedger
 from node.core.role_config import RoleConfig, assign_instances, instance_ranks, shared_block_units, time_shared_roles
 from node.core.sequence import SamplingParams, Sequence
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 
 def test_time_shared_roles_split_the_group():
     roles = time_shared_roles(4, 2, token_budget=512, max_num_seqs=64)

@@ -61,6 +61,7 @@ def dev(role=Role.DECODE, since=0.0, resident=(), **kw) -> DeviceState:
                        resident=tuple(resident), **kw)
 
 
+@pytest.mark.quick
 def test_prompt_larger_than_any_device_is_rejected_and_others_wait():
     sched = RoleScheduler(CFG, COST)
     snap = NodeSnapshot((dev(Role.PREFILL, kv_total_blocks=10, kv_free_blocks=0, prefill_queue_tokens=50),),
@@ -69,6 +70,7 @@ def test_prompt_larger_than_any_device_is_rejected_and_others_wait():
     assert out == [Reject("big", "prompt does not fit the KV memory of any device")]  # "ok" waits for KV
 
 
+@pytest.mark.quick
 def test_idle_decode_device_switches_at_once_and_takes_the_prompt():
     sched = RoleScheduler(CFG, COST)
     out = sched.decide(5.0, NodeSnapshot((dev(since=4.999),), (WaitingPrompt("r1", 300, 4.99, 20),)))
@@ -77,6 +79,7 @@ def test_idle_decode_device_switches_at_once_and_takes_the_prompt():
     assert out[1] == Place("r1", "d0", reserve_blocks=-(-320 // 16))
 
 
+@pytest.mark.quick
 def test_decode_window_respects_dwell_then_sizes_window_to_tpot_headroom():
     sched = RoleScheduler(CFG, COST)
     T, p = sched.T, sched.pause_s
@@ -93,6 +96,7 @@ def test_decode_window_respects_dwell_then_sizes_window_to_tpot_headroom():
     assert out[1] == Place("r1", "d0", reserve_blocks=-(-1010 // 16))
 
 
+@pytest.mark.quick
 def test_no_window_without_headroom_until_the_prompt_is_urgent():
     sched = RoleScheduler(CFG, COST)
     seq = ResidentSeq("s", first_token_s=0.0, output_tokens=23, context_tokens=520)  # deadline 1.035 s
@@ -103,6 +107,7 @@ def test_no_window_without_headroom_until_the_prompt_is_urgent():
     assert out[0].reason == "ttft" and out[0].window_s >= sched.wmin and isinstance(out[1], Place)
 
 
+@pytest.mark.quick
 def test_prefill_device_returns_to_decode_when_drained_but_idle_device_stays_parked():
     sched = RoleScheduler(CFG, COST)
     seq = ResidentSeq("s", first_token_s=0.9, output_tokens=1, context_tokens=101)
@@ -112,6 +117,7 @@ def test_prefill_device_returns_to_decode_when_drained_but_idle_device_stays_par
     assert out == [SwitchRole("a", Role.DECODE, "drained")]
 
 
+@pytest.mark.quick
 def test_decisions_round_trip_as_a_tagged_union():
     out = [SwitchRole("d0", Role.PREFILL, "queue", 0.1, 4000), Place("r", "d0", 3), Reject("x", "too big")]
     data = msgspec.json.encode(out)
@@ -119,6 +125,7 @@ def test_decisions_round_trip_as_a_tagged_union():
 
 
 # --- on the simulator's live objects ---------------------------------------------------------------------------
+@pytest.mark.quick
 def test_burst_moves_decode_device_to_prefill_and_back():
     sched, vn = make()
     burst = [SimRequest(f"b{i:02d}", 1.0 + 0.001 * i, 500, 30) for i in range(20)]
@@ -182,6 +189,7 @@ def test_long_prompt_queue_never_starves_decode_past_one_window(num_devices):
     assert any(why == "ttft" for (_, _, _, why) in vn.switches) or num_devices > 1
 
 
+@pytest.mark.quick
 def test_every_prompt_is_admitted_eventually_under_kv_pressure():
     # 64 blocks of 16 tokens per device: a few sequences at a time; one prompt needs a whole device,
     # one longer than a window, one larger than any device (rejected).
@@ -196,6 +204,7 @@ def test_every_prompt_is_admitted_eventually_under_kv_pressure():
     assert all(t.done for t in traces.values() if t.request_id != "huge")
 
 
+@pytest.mark.quick
 def test_pause_is_charged():
     cost = msgspec.structs.replace(COST, pause_s=0.05)
     sched, vn = make(cost=cost)
@@ -250,6 +259,7 @@ def test_soft_stagger_lifts_the_prefill_cap_under_prompt_pressure():
     assert ttft["soft"] < ttft["hard"]
 
 
+@pytest.mark.quick
 def test_runs_are_deterministic():
     reqs = [SimRequest(f"r{i:03d}", 0.01 * (i // 3), 100 + 7 * i, 20 + i % 9) for i in range(90)]
     a = make(2)[1]
@@ -259,6 +269,7 @@ def test_runs_are_deterministic():
     assert a.switches == b.switches and a.steps == b.steps
 
 
+@pytest.mark.quick
 def test_short_expected_output_bounds_what_is_queued_behind_it():
     # an idle prefill device: A (2 tokens expected) is born after P(1000) = 22 ms and may then wait
     # only T - p - d (~32 ms) for its second token, so B fits behind it only if it is short enough
@@ -272,6 +283,7 @@ def test_short_expected_output_bounds_what_is_queued_behind_it():
     assert [d.request_id for d in out if isinstance(d, Place)] == ["a"]
 
 
+@pytest.mark.quick
 def test_urgent_window_waits_for_sequences_near_their_end():
     sched = RoleScheduler(CFG, COST)
     T = sched.T
@@ -287,6 +299,7 @@ def test_urgent_window_waits_for_sequences_near_their_end():
     assert out[0].reason == "ttft"
 
 
+@pytest.mark.quick
 def test_prompts_are_placed_only_where_their_sequences_fit_the_batch_cap():
     """A device at its sequence cap takes no more prompts (placed work must be able to run), and a
     prompt with n choices needs n free sequence slots."""

@@ -19,6 +19,8 @@ from node.core.roles import (
 )
 from node.core.roofline import RooflineCost, cost_model_from_dict, cost_model_to_dict, sum_max_linear
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 MODELS = Path(__file__).resolve().parents[2] / "bench" / "cost_models"
 # bench/RESULTS.md, "2026-11-30 00:31 — end to end on NVIDIA H200" (Llama-3-8B geometry, 1,024 tokens
 # per sequence): batch -> (graph step, replay only, eager) seconds. Typed here, not imported from the

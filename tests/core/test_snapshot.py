@@ -3,11 +3,15 @@ share: residents, queued work, reservations and moves (pure)."""
 
 from __future__ import annotations
 
+import pytest
+
 from node.core.batcher import BatchConfig, Batcher
 from node.core.ledger import BlockLedger
 from node.core.roles import Role
 from node.core.sequence import SamplingParams, Sequence, SeqStatus
 from node.core.snapshot import DeviceView, Placement, node_snapshot, waiting_prompt
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 B = 4
 

@@ -20,6 +20,8 @@ from model_copies import change_one_weight, copy_model
 from support import STORIES
 from transport_fakes import HOST, SECRET, FakeReceiver, random_cache, run
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 
 def folder_fingerprint(folder: Path, **kw) -> p.Fingerprint:
     cfg = json.loads((folder / "config.json").read_text())

@@ -11,6 +11,8 @@ from node.transport.layers import skip_blocks
 from node.transport.tensors import gather_layer, scatter_layer_bytes
 from transport_fakes import HOST, SECRET, FakeReceiver, layer_source, make_seq, random_cache, run
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 
 class CachingReceiver(FakeReceiver):
     """Says its first ``cached`` reserved blocks hold the prefix already; writes only the rest."""

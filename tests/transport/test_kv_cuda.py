@@ -14,7 +14,8 @@ from node.transport import KVClient, copy_sequence_blocks
 from node.transport.tensors import gather_layer
 from transport_fakes import HOST, SECRET, FakeReceiver, make_seq, random_cache, run
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# the quick tier (bash scripts/test --quick) runs every test here (on a GPU machine; elsewhere they skip)
+pytestmark = [pytest.mark.quick, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def same_blocks(a, a_blocks, b, b_blocks):

@@ -7,7 +7,10 @@ import torch
 
 from node.transport import ChecksumMismatch, LayoutMismatch, copy_sequence_blocks
 from node.transport.tensors import gather_layer, layer_from_bytes, layout_of, tensor_bytes
+from node.transport.throttle import as_throttle
 from transport_fakes import random_cache
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -59,14 +62,24 @@ def test_local_copy_refuses_mismatched_caches_and_bad_blocks():
 
 
 def test_local_copy_link_throttle():
+    """The copy is paced to the link: it takes about the line time at least, and its throttle asks for no more
+    sleep than the line time in all. That upper bound is on the sleeps the throttle asked for, not on the
+    wall time: on a loaded 2-core machine the copy's own gather and scatter took 0.8 s against 0.17 s of line
+    time, which is the machine's load, not over-pacing."""
     src = torch.ones(4, 2, 48, 16, 8, 128, dtype=torch.float16)  # 64 KiB per block per layer
     dst = torch.zeros_like(src)
     blocks = list(range(40))  # 2.5 MiB per layer, 10 MiB in all: ~0.17 s at 0.5 Gb/s
     gbps = 0.5  # slow enough that the CPU gather/scatter (~0.2-0.3 GB/s on a busy 2-core box) never dominates
-    report = copy_sequence_blocks(src, blocks, dst, blocks[::-1], link_gbps=gbps, verify=False)
+    link = as_throttle(gbps)  # the throttle a figure gets (with its sleep slack), delays counted
+    delays = []
+    take = link.take
+    link.take = lambda nbytes: delays.append(take(nbytes)) or delays[-1]
+    report = copy_sequence_blocks(src, blocks, dst, blocks[::-1], link_gbps=link, verify=False)
     expected_s = report.nbytes * 8 / (gbps * 1e9)
-    assert report.nbytes == 40 * 4 * 65536
-    assert 0.5 * expected_s < report.total_s < 3 * expected_s, (report.total_s, expected_s)
+    assert report.nbytes == 40 * 4 * 65536 and len(delays) == 4
+    assert 0.5 * expected_s < report.total_s, (report.total_s, expected_s)  # paced
+    assert 0.5 * expected_s < sum(delays) <= expected_s + 1e-9, (delays, expected_s)  # never past the line time
+    assert torch.equal(dst[:, :, blocks[::-1]], src[:, :, blocks])
 
 
 def test_bytes_helpers_round_trip_bfloat16():

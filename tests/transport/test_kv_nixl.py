@@ -20,6 +20,8 @@ from node.transport.tensors import gather_layer
 from support import require_nixl
 from transport_fakes import HOST, SECRET, FakeReceiver, layer_source, make_seq, random_cache, run
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 @pytest.fixture(scope="module")
 def agents():
     """A sender's and a receiver's agent (about 0.5 s each to start), shared by the module's tests."""

@@ -9,6 +9,8 @@ from node.transport import protocol as p
 from node.transport.throttle import LinkThrottle
 from node.transport.wire import _DEC, encode
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 LAYOUT = p.Layout(model_id="m", dtype="bfloat16", block_size=16, num_layers=4, num_kv_heads=2, head_dim=64)
 
 

@@ -10,6 +10,8 @@ from node.transport import KVClient, TransportError
 from node.transport import protocol as p
 from transport_fakes import HOST, SECRET, FakeReceiver, layer_source, make_seq, random_cache, run
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 
 class RelayingReceiver(FakeReceiver):
     """Adopts the sequence and relays tokens the test pushes into ``tokens`` (None ends the relay)."""

@@ -19,8 +19,11 @@ from node.transport import (
 )
 from node.transport import protocol as p
 from node.transport.tensors import gather_layer
+from node.transport.throttle import as_throttle
 from node.transport.wire import client_handshake, encode, read_msg
 from transport_fakes import HOST, SECRET, FakeReceiver, layer_source, make_seq, random_cache, run
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -357,15 +360,23 @@ def test_server_shutdown_mid_transfer_aborts():
 
 @pytest.mark.parametrize("gbps", [1.0, 2.0])
 def test_link_throttle_paces_tcp_sends(gbps):
+    """Sends are paced to the link: the transfer takes about the line time at least, and the throttle asks
+    for no more sleep than the line time in all. The upper bound is on those sleeps, not on wall time: on a
+    loaded 2-core machine the sends themselves took 0.42 s against 0.13 s of line time."""
     async def main():
         kv = torch.zeros(4, 2, 128, 16, 8, 128, dtype=torch.float16)  # 64 KiB per block per layer
         rx = FakeReceiver(kv, scatter=False)  # time the link, not the CPU scatter
         seq, nb = make_seq(num_cached=128 * 16, prompt_len=200, block_size=16)  # 128 blocks: 8 MiB per layer
         payloads = [bytes(rx.layout.layer_bytes(nb))] * 4  # 32 MiB in all
-        async with rx.server() as server, await connect(server, link_gbps=gbps) as client:
+        link = as_throttle(gbps)  # the throttle a figure gets (with its sleep slack), delays counted
+        delays = []
+        take = link.take
+        link.take = lambda nbytes: delays.append(take(nbytes)) or delays[-1]
+        async with rx.server() as server, await connect(server, link_gbps=link) as client:
             report = await client.send_sequence(rx.layout, seq, payloads, nb)
         expected_s = report.nbytes * 8 / (gbps * 1e9)
         took_s = report.layer_end_s[-1] - report.accept_s
         assert report.nbytes == 32 << 20
-        assert 0.5 * expected_s < took_s < 3 * expected_s, (took_s, expected_s)
+        assert 0.5 * expected_s < took_s, (took_s, expected_s)  # paced
+        assert 0.5 * expected_s < sum(delays) <= expected_s + 1e-9, (delays, expected_s)  # never past the line time
     run(main())

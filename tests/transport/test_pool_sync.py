@@ -13,6 +13,8 @@ from node.transport.local import copy_sequence_blocks, copy_sharded_blocks
 from node.transport.tensors import gather_layer, scatter_layer_bytes, tensor_bytes
 from transport_fakes import random_cache
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 
 @pytest.fixture
 def fences(monkeypatch):

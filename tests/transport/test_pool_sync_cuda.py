@@ -15,7 +15,8 @@ from node.transport.local import copy_sequence_blocks
 from node.transport.tensors import gather_layer, layout_of, scatter_layer_bytes, tensor_bytes
 from transport_fakes import random_cache
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# the quick tier (bash scripts/test --quick) runs every test here (on a GPU machine; elsewhere they skip)
+pytestmark = [pytest.mark.quick, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def _engine_reads(dst: torch.Tensor, layer: int, blocks: list[int]) -> torch.Tensor:
