@@ -62,7 +62,7 @@ GROUPS: tuple[Group, ...] = (
                                    "single probes: is a mode within 0.95x of a baseline's capacity)?"),
         Tool("studies.oracles", "What was each oracle of the simulator worth (clients' max_tokens, the planning "
                                 "model, free decisions, group decode graphs, copies) on one cell, adaptive and colocated?"),
-    ), ("studies.plots", "studies.timeline"), frozenset({"traffic", "load", "cost", "sim"})),
+    ), ("studies.plots", "studies.timeline", "studies.paired"), frozenset({"traffic", "load", "cost", "sim"})),
     Group("sim", "the discrete-event simulator, driving the node's own pure policies on a virtual clock", (
         Tool("sim", "How would a deployment (mode, devices, link, cost model) serve a workload? Simulated "
                     "TTFT/TPOT/goodput per mode; --tune gives each mode its best knobs first"),
@@ -72,6 +72,8 @@ GROUPS: tuple[Group, ...] = (
         "sim.trace", "sim.tuning", "sim.planning"), frozenset({"traffic", "cost"})),
     Group("load", "live load against real `shiftnode serve` processes", (
         Tool("load.replay", "What TTFT, TPOT, ITL and goodput does a running node give a trace at a rate?"),
+        Tool("load.cpu_floor", "How close does the CPU decode step come to its bandwidth floor and matmul roofline, "
+                               "at batch 1, 16 and 64, against a baseline checkout?"),
         Tool("load.host_overhead", "How much host (CPU) time does the node spend per decode step under "
                                    "streaming load, and is it better than a baseline checkout?"),
         Tool("load.runner_step", "How long is the runner's decode step at batch 1 and 64, eager against "

@@ -18,6 +18,8 @@ from node.runtime.engine_roles import RoleSwitcher
 from node.runtime.moves import KVMover
 from node.runtime.switching import DeviceRole, SwitchAbandoned
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 
 def test_block_pins_count_pins_and_drop_the_stale_after_a_new_incarnation():
     ledger = BlockLedger(8, 4)

@@ -9,6 +9,8 @@ import pytest
 
 from support import STORIES, NodeProcess, require_shared
 
+pytestmark = pytest.mark.slow_only("its priority and CORS tests start nodes of their own with those flags")
+
 ORIGIN = "https://app.example"
 KEY = "sk-test"
 

@@ -12,6 +12,8 @@ from node.serving_options import REASONING_PARSERS
 from node.worker.tokenizer import IncrementalDetokenizer, TextTokenizer
 from support import SHARED, STORIES, NodeProcess, require_shared, stream
 
+pytestmark = pytest.mark.slow_only("its live test starts a tiny Qwen3 node of its own with a reasoning parser")
+
 CASES = [  # parser, prompt opens thinking, output, (reasoning_content, content)
     ("qwen3", False, "<think>She thinks.</think>\n\nOnce upon a time", ("She thinks.", "\n\nOnce upon a time")),
     ("qwen3", False, "\n<think>a</think>b", ("a", "b")),

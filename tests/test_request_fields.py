@@ -8,6 +8,8 @@ import pytest
 from node.api.fields import HANDLED, MESSAGE_REFUSED, REFUSED, STRUCTURED_PATH
 from node.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions, TextPart
 
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
+
 # The request types and the name prefix of their fields (as node.api.fields names them).
 TYPES = [(CompletionRequest, ""), (ChatCompletionRequest, ""), (StreamOptions, "stream_options."),
          (ChatMessage, "messages[]."), (TextPart, "messages[].content[].")]

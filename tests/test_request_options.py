@@ -1,9 +1,12 @@
 """vLLM's per-request options on the real stories260k node (issue 44 items 4 and 5): each test fails
 without its feature (the field was refused, or accepted and dropped)."""
 
+import pytest
 import uuid
 
 from support import stream
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 PROMPT = "Once upon a time"  # greedy: ", there was a little girl named Lily. ..."
 BYTES_ZH = [231, 187, 176]  # "中" in stories260k's tokenizer: byte-fallback tokens <0xE4> <0xB8> <0xAD>

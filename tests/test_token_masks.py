@@ -1,11 +1,14 @@
 """The sampler's per-request token controls (node/worker/token_masks.py) on plain tensors."""
 
+import pytest
 import torch
 
 from node.core.sequence import SamplingParams
 from node.worker.sample_request import SampleRequest
 from node.worker.sampler import sample
 from node.worker.token_masks import apply_token_masks
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 V = 10
 

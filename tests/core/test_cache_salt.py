@@ -1,9 +1,12 @@
 """``cache_salt`` in the ledger and the batcher (pure): a salted sequence's block keys, and the parent its
 hits are confirmed against, start from the salt's digest, so it reuses only blocks of the same salt."""
 
+import pytest
 from node.core.batcher import BatchConfig, Batcher, StepKind
 from node.core.ledger import BlockLedger, salt_root
 from node.core.sequence import SamplingParams, Sequence
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 B = 4
 TOKENS = list(range(1, 14))  # three full blocks and one token

@@ -2,12 +2,15 @@
 the role policy's placement order and the drivers' insertion rule, each lower value first and arrival
 order within a priority (so first-come-first-served, all priorities 0, is unchanged)."""
 
+import pytest
 from node.core.batcher import BatchConfig, Batcher, StepKind
 from node.core.ledger import BlockLedger
 from node.core.priority import insert_by_priority
 from node.core.roles import DeviceState, NodeSnapshot, Place, Role, RoleScheduler, RoleSchedulerConfig, WaitingPrompt
 from node.core.cost import CostModel
 from node.core.sequence import SamplingParams, Sequence
+
+pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
 
 
 def test_insert_by_priority_keeps_arrival_order_within_a_priority():
