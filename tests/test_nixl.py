@@ -205,3 +205,20 @@ def test_nixl_flags_are_checked_before_loading(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "cannot start" in err and "--kv-transport nixl needs the NIXL package" in err
     assert "pip install 'shiftnode[nixl]'" in err
+
+
+def test_a_grammar_survives_a_pooled_hand_off_over_nixl(trio, stories_node):
+    """Issue 44: a json_schema request handed from the prefill node to a peer over NIXL decodes there under the
+    matcher rebuilt from the tokens already emitted: greedy output equal to one node's, and valid."""
+    from test_grammar_moves import BODY, _complete, valid
+
+    nodes, _ = trio
+    P = nodes["P"]
+    written = nixl_layers(P)[0]
+    one = _complete(stories_node, BODY)
+    handed = _complete(P, BODY)
+    assert nixl_layers(P)[0] > written  # the KV went over NIXL
+    valid(one["text"])
+    assert handed["token_ids"] == one["token_ids"] and handed["text"] == one["text"]
+    for n in nodes.values():
+        n.wait_idle()
