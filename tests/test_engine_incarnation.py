@@ -19,12 +19,12 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
-from node.config import NodeConfig
 from node.core.roles import blocks_for
 from node.core.sequence import SamplingParams
 from node.runtime import block_pins
 from node.runtime.node import Node
-from support import STORIES, reference_cases
+from support import reference_cases
+from test_engine_faults import with_node
 
 pytestmark = pytest.mark.slow_only("every test restarts an engine of an in-process node in the middle of a transfer")
 
@@ -72,17 +72,6 @@ def healthy(node: Node) -> None:
     for e in node.engines:
         assert "step" not in e.errors, e.errors
         e.check_ownership()
-
-
-def with_node(body, **config):
-    async def go():
-        node = await Node.create(NodeConfig(model=str(STORIES), **config))
-        node.start()
-        try:
-            await body(node)
-        finally:
-            await node.close()
-    asyncio.run(go())
 
 
 def _hand_off(node: Node, engine, req, seq):
@@ -227,6 +216,17 @@ def _gate_copies(monkeypatch) -> threading.Event:
     return gate
 
 
+
+async def _decoding(node: Node, case: dict):
+    """Start ``case`` as request ``r`` and wait for its first token: (its task, its sequence, the engine it
+    decodes on, another engine)."""
+    started = asyncio.Event()
+    run = asyncio.create_task(collect(node, "r", case, started=started))
+    await asyncio.wait_for(started.wait(), 60)
+    seq = node.live["r"].seqs[0]
+    src = node.engine(seq.device_id)
+    return run, seq, src, next(x for x in node.engines if x is not src)
+
 def test_a_destination_restarted_during_an_in_node_move_does_not_adopt_it(monkeypatch):
     """A move's copy is in flight when its destination's engine dies and comes back: the blocks it
     reserved there belong to the dead pool. The move fails, the sequence stays on its source and
@@ -235,12 +235,7 @@ def test_a_destination_restarted_during_an_in_node_move_does_not_adopt_it(monkey
     case, other = CASES[0], CASES[1]
 
     async def body(node: Node):
-        started = asyncio.Event()
-        run = asyncio.create_task(collect(node, "r", case, started=started))
-        await asyncio.wait_for(started.wait(), 60)
-        seq = node.live["r"].seqs[0]
-        src = node.engine(seq.device_id)
-        dst = next(x for x in node.engines if x is not src)
+        run, seq, src, dst = await _decoding(node, case)
         move = src.migrate(seq, dst, "test", overlap=True)
         await wait_for(lambda: src.moves.copying is not None)
         before = kill(dst)
@@ -264,12 +259,7 @@ def test_a_source_dying_mid_copy_aborts_the_copy_at_once_and_resumes_the_sequenc
     case = CASES[0]
 
     async def body(node: Node):
-        started = asyncio.Event()
-        run = asyncio.create_task(collect(node, "r", case, started=started))
-        await asyncio.wait_for(started.wait(), 60)
-        seq = node.live["r"].seqs[0]
-        src = node.engine(seq.device_id)
-        dst = next(x for x in node.engines if x is not src)
+        run, seq, src, dst = await _decoding(node, case)
         layers = src.runner.kv_cache.shape[0]
         src.link_gbps = 0.01  # 1.25 MB/s
         src.block_layer_bytes = int(60 * 1.25e6 / (layers * len(seq.block_ids)))  # the copy takes ~60 s

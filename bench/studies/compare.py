@@ -284,13 +284,22 @@ def run_rounds(a: argparse.Namespace, entries: list[str], rates: list[float], ou
             ak = argparse.Namespace(**{**vars(a), "seed": a.seed + k})  # fresh prompts: no cache hits across rounds
             for entry in (list(nodes) if k % 2 == 0 else list(reversed(nodes))):
                 node, info = nodes[entry]
-                for rate in rates:
-                    if not node.alive():
-                        rows.append({"mode": entry, "rate": rate, "round": k, "available": False,
-                                     "reason": f"node exited during the run: {node.log_tail()}"})
-                        continue
-                    print(f"bench.studies.compare: round {k}, {entry} at {rate:g} req/s", file=sys.stderr)
-                    rows.append(run_rate(node, ak, entry, rate, info, out, round_=k))
+                rows += _replay_rates(node, ak, entry, rates, info, out, k, "round")
+    return rows
+
+
+def _replay_rates(node, ak: argparse.Namespace, entry: str, rates: list[float], info, out: Path, k: int,
+                  unit: str) -> list[dict]:
+    """One entry's runs at every rate on ``node`` in round or pair ``k``; a node that has exited gives
+    'not available' rows for the rates it misses."""
+    rows = []
+    for rate in rates:
+        if not node.alive():
+            rows.append({"mode": entry, "rate": rate, "round": k, "available": False,
+                         "reason": f"node exited during the run: {node.log_tail()}"})
+            continue
+        print(f"bench.studies.compare: {unit} {k}, {entry} at {rate:g} req/s", file=sys.stderr)
+        rows.append(run_rate(node, ak, entry, rate, info, out, round_=k))
     return rows
 
 
@@ -307,13 +316,7 @@ def run_pairs(a: argparse.Namespace, entries: list[str], rates: list[float], out
                 with NodeServer(node_args(a, entry), log_path=out / f"node_{entry}_k{k}.log", env=env,
                                 startup_timeout_s=a.startup_timeout) as node:
                     info = asyncio.run(_server_info(node.url, a.vocab_size))
-                    for rate in rates:
-                        if not node.alive():
-                            rows.append({"mode": entry, "rate": rate, "round": k, "available": False,
-                                         "reason": f"node exited during the run: {node.log_tail()}"})
-                            continue
-                        print(f"bench.studies.compare: pair {k}, {entry} at {rate:g} req/s", file=sys.stderr)
-                        rows.append(run_rate(node, ak, entry, rate, info, out, round_=k))
+                    rows += _replay_rates(node, ak, entry, rates, info, out, k, "pair")
             except NodeUnavailable as e:
                 rows += [{"mode": entry, "rate": rate, "round": k, "available": False, "reason": str(e)}
                          for rate in rates]
