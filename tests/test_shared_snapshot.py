@@ -38,7 +38,9 @@ def _sim() -> tuple[TimeSharedSim, list[SimRequest]]:
     imbalance = ImbalancePolicy(ImbalanceConfig(threshold=1.0, tpot_slo_ms=50, prefill_token_budget=2048,
                                                 local_transfer_s_per_token=KV_BYTES * 8 / 100e9), COST)
     head = list(range(1000, 1000 + 160))  # a shared system prompt: later prompts find it cached
-    reqs = [SimRequest(f"r{i}", 0.001 * i, 300, out, min(out, 128), tuple(head + [i] * 140))
+    # told nothing of their outputs (the node's estimate, min(max_tokens, 128) before any EOS), as the live
+    # driver is: the expected and the assured lengths then come from one estimator on both sides
+    reqs = [SimRequest(f"r{i}", 0.001 * i, 300, out, None, tuple(head + [i] * 140), max_tokens=out)
             for i, out in enumerate([200] * 16 + [40] * 6)]
     return TimeSharedSim(sched, COST, cfg, imbalance=imbalance), reqs
 

@@ -176,11 +176,12 @@ class TimeSharedSim:
         """What ``RoleDriver.snapshot`` shows the policies: the same function
         (:func:`node.core.snapshot.node_snapshot`) over this simulation's devices."""
         batchers = {d.device_id: d.batcher for d in self.devices}
-        waiting = [waiting_prompt(r.request_id, [s], r.arrival_s, self.expected_of(s), batchers, i)
+        waiting = [waiting_prompt(r.request_id, [s], r.arrival_s, self.expected_of(s), batchers, i, self.assured_of(s, 0))
                    for i, (r, s) in enumerate(self.waiting)]
         pause = (sum(self._pauses) / len(self._pauses) if self._pauses else None) if self.measured_pause else self.pause_s
         return node_snapshot(now, self.views(now), moving={k: m.dst.device_id for k, m in self._moves.items()},
-                             moved_s=self._moved_s, expected=self.expected_of, waiting=waiting, pause_s=pause)
+                             moved_s=self._moved_s, expected=self.expected_of, waiting=waiting, pause_s=pause,
+                             assured=self.assured_of)
 
     # --- the replay --------------------------------------------------------------------------
     def run(self, requests: list[SimRequest], *, until_s: float = math.inf, max_events: int = 50_000_000,
@@ -257,6 +258,13 @@ class TimeSharedSim:
         requests that ended by EOS, as the live driver's)."""
         e = self._expected[seq.seq_id]
         return e if e is not None else self.outputs.expected(seq.params.max_tokens)
+
+    def assured_of(self, seq: Sequence, out: int) -> int:
+        """The output stall budgets may count on for ``seq`` after ``out`` tokens: its request's own figure
+        where it gives one (as :meth:`expected_of`), else the node's assured length
+        (:meth:`OutputEstimator.assured`, as the live driver's)."""
+        e = self._expected[seq.seq_id]
+        return e if e is not None else self.outputs.assured(out, seq.params.max_tokens)
 
     def _charge_round(self, now: float) -> None:
         """Hold the node's loop for the round just run: ``control_round_us`` plus ``control_per_resident_us``

@@ -92,6 +92,7 @@ from node.core.mixed_placement import MixedPlacement
 from node.core.imbalance import Migrate
 from node.core.roles import (EPS, Decision, NodeSnapshot, Place, Role, RoleScheduler,
                              RoleSchedulerConfig, SwitchRole, WaitingPrompt, _Dev)
+from node.core.role_state import assured_output
 from node.core.roofline import RooflineCost
 
 __all__ = ["AdaptiveScheduler", "ChunkBudget", "AdaptiveDecision"]
@@ -211,7 +212,7 @@ class AdaptiveScheduler(MixedPlacement, Handoffs, RoleScheduler):
                 mix.t0 = max(t0, nxt)
             # every resident must still meet its own mean: its remaining tokens at d after the step
             tau = self.config.tpot_slo_ms / 1e3
-            budgets = [mean_budget_s(r.first_token_s, r.output_tokens, r.expected_output_tokens, tau, d)
+            budgets = [mean_budget_s(r.first_token_s, r.output_tokens, assured_output(r), tau, d)
                        for r in st.resident]
             mix.chunk = chunk_budget(m, min(budgets) - mix.t0, c)
             if mix.chunk == 0:  # none fits: hold until the residents that cannot absorb one have ended

@@ -59,7 +59,8 @@ from __future__ import annotations
 
 from node.core.chunk_budget import spacing_s
 from node.core.imbalance import Migrate
-from node.core.role_state import EPS, INF, ResidentSeq, Role, SwitchRole, WaitingPrompt, move_blocks
+from node.core.role_state import (EPS, INF, ResidentSeq, Role, SwitchRole, WaitingPrompt, assured_per_seq,
+                                   move_blocks)
 from node.core.roles import _Dev
 
 __all__ = ["HANDOFF", "Handoffs"]
@@ -201,7 +202,7 @@ class Handoffs:
         mean): ``(N - 1) tau >= gap + (N - 2) T``, ``N`` its expected output tokens per sequence (``tau``
         the TPOT SLO; one token: no gap). Azure code (short outputs), 70B at 4:4, TPOT 20 ms, 0.661
         req/s: SLO attainment 0.917 before hand-offs, 0.826 handing off every prompt."""
-        n = w.expected_output_tokens // max(1, w.seqs)
+        n = assured_per_seq(w)  # what it surely produces: a short output wins no overrun back
         return n < 2 or (n - 1) * self.config.tpot_slo_ms / 1e3 >= self._first_gap_s(w, steps) + (n - 2) * self.T
 
     def _chunk_rate(self, mix, n_in: int = 0, k_in: int = 0) -> float:

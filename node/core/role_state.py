@@ -39,6 +39,9 @@ class WaitingPrompt(msgspec.Struct, frozen=True):
     seqs: int = 1  # sequences the prompt becomes (its ``n`` choices); each takes a sequence slot
     cached_tokens: dict[str, int] = msgspec.field(default_factory=dict)
     priority: int = 0  # lower first (--scheduling-policy priority; node.core.priority)
+    # output tokens per sequence it reaches with high probability, what stall budgets may count on
+    # (node.core.output_estimate.OutputEstimator.assured; 0: the expected per sequence)
+    assured_output_tokens: int = 0
 
     def order_key(self) -> tuple[int, float, str]:
         """Placement order: priority (lower first), then arrival, then request id."""
@@ -54,7 +57,9 @@ class ResidentSeq(msgspec.Struct, frozen=True):
 
     ``first_token_s``: when its first token came (s); ``output_tokens``: tokens generated so far,
     the first included; ``context_tokens``: prompt + output tokens cached; ``expected_output_tokens``:
-    the placement's estimate of its final output length (0: unknown); ``request_id``: the id the
+    the placement's estimate of its final output length (0: unknown); ``assured_output_tokens``: the
+    length it reaches with high probability, which stall budgets count on
+    (:meth:`node.core.output_estimate.OutputEstimator.assured`; 0: the expected); ``request_id``: the id the
     policy's decisions name it by (the node passes the sequence id, ``{request id}-{choice}``);
     ``moved_s``: when it last moved between devices, or a move of it was last refused (s), read by the
     imbalance fallback's cooldown (:mod:`node.core.imbalance`).
@@ -66,6 +71,7 @@ class ResidentSeq(msgspec.Struct, frozen=True):
     context_tokens: int
     expected_output_tokens: int = 0
     moved_s: float | None = None
+    assured_output_tokens: int = 0
 
 
 class DeviceState(msgspec.Struct, frozen=True, kw_only=True):
@@ -178,6 +184,18 @@ def blocks_for(tokens: int, block_size: int) -> int:
 def reserve_blocks(prompt_tokens: int, expected_output_tokens: int, block_size: int, total_blocks: int) -> int:
     """KV blocks a prompt reserves when placed: prompt plus expected output, at most the device."""
     return min(blocks_for(prompt_tokens + max(1, expected_output_tokens), block_size), total_blocks)
+
+
+def assured_output(r: ResidentSeq) -> int:
+    """The output tokens a stall budget may count on for resident ``r``: its assured length, else its
+    expected one (0: unknown)."""
+    return r.assured_output_tokens or r.expected_output_tokens
+
+
+def assured_per_seq(w: WaitingPrompt) -> int:
+    """The output tokens per sequence a stall budget may count on for waiting prompt ``w``: its assured
+    length, else its expected output per sequence."""
+    return w.assured_output_tokens or w.expected_output_tokens // max(1, w.seqs)
 
 
 def move_blocks(s: ResidentSeq, dst: DeviceState) -> int:

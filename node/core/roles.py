@@ -76,8 +76,8 @@ from __future__ import annotations
 
 from node.core.cost import CostModel
 from node.core.role_state import (DECODE_LOAD_WEIGHT, EPS, INF, Decision, DeviceState, NodeSnapshot, Place, Reject,
-                                  ResidentSeq, Role, RoleSchedulerConfig, SwitchRole, WaitingPrompt, blocks_for,
-                                  reserve_blocks)
+                                  ResidentSeq, Role, RoleSchedulerConfig, SwitchRole, WaitingPrompt, assured_per_seq,
+                                  blocks_for, reserve_blocks)
 from node.core.roofline import RooflineCost
 from node.core.windows import WindowMath, _Residents
 
@@ -247,9 +247,10 @@ class RoleScheduler(WindowMath):
                 continue
             _, _, dv, need = best
             out.append(dv.take(w, need))
-            if w.expected_output_tokens >= 2:  # its first gap may overrun by what its later gaps win back
+            n = assured_per_seq(w)
+            if n >= 2:  # its first gap may overrun by what its later gaps surely win back
                 d = self.cost.decode_step_s(dv.res.n + dv.qn, dv.res.ctx + dv.q + dv.qn)
-                budget = self.T - self.pause_s - d + (w.expected_output_tokens - 2) * (self.T - d)
+                budget = self.T - self.pause_s - d + (n - 2) * (self.T - d)
                 dv.end_by = min(dv.end_by, dv.t0 + self.prefill_s(dv.q) + max(0.0, budget))
                 self._end_by[dv.st.device_id] = dv.end_by
             if self._closed(dv):

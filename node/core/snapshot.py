@@ -85,14 +85,15 @@ def cached_tokens(seqs: Seq[Sequence], batchers: Mapping[str, Batcher]) -> dict[
 
 
 def waiting_prompt(request_id: str, seqs: Seq[Sequence], arrival_s: float, expected_per_seq: int,
-                   batchers: Mapping[str, Batcher], position: int) -> WaitingPrompt:
+                   batchers: Mapping[str, Batcher], position: int, assured_per_seq: int = 0) -> WaitingPrompt:
     """A prompt not placed yet, the ``position``-th oldest, whose ``seqs`` are its choices: its prompt
     tokens and expected output tokens count once per choice, and its cached tokens per device
-    (:func:`cached_tokens`) are looked up only within the oldest :data:`CACHE_LOOKUPS`."""
+    (:func:`cached_tokens`) are looked up only within the oldest :data:`CACHE_LOOKUPS`;
+    ``assured_per_seq``: the output per choice stall budgets may count on (0: the expected)."""
     n = len(seqs)
     cached = cached_tokens(seqs, batchers) if position < CACHE_LOOKUPS else {}
     return WaitingPrompt(request_id, seqs[0].prompt_len * n, arrival_s, expected_per_seq * n, seqs=n,
-                         cached_tokens=cached, priority=seqs[0].params.priority)
+                         cached_tokens=cached, priority=seqs[0].params.priority, assured_output_tokens=assured_per_seq)
 
 
 def _leaving(p: Placement, v: DeviceView, moving: Mapping[str, str]) -> bool:
@@ -107,7 +108,8 @@ def _leaving(p: Placement, v: DeviceView, moving: Mapping[str, str]) -> bool:
 
 def node_snapshot(now: float, views: Iterable[DeviceView], *, moving: Mapping[str, str],
                   moved_s: Mapping[str, float], expected: Callable[[Sequence], int],
-                  waiting: Iterable[WaitingPrompt] = (), pause_s: float | None = None) -> NodeSnapshot:
+                  waiting: Iterable[WaitingPrompt] = (), pause_s: float | None = None,
+                  assured: Callable[[Sequence, int], int] | None = None) -> NodeSnapshot:
     """The policies' snapshot of ``views`` at ``now`` (s) by the module docstring's rules.
 
     Args:
@@ -116,6 +118,8 @@ def node_snapshot(now: float, views: Iterable[DeviceView], *, moving: Mapping[st
         expected: a resident sequence's expected output tokens (placement's estimate).
         waiting: the prompts not placed yet, in the order the caller keeps them.
         pause_s: the measured switch pause (s) the policy plans this decision with, or ``None``.
+        assured: a resident sequence's assured output tokens given the tokens it has produced
+            (:meth:`node.core.output_estimate.OutputEstimator.assured`; ``None``: its expected ones).
     """
     views = list(views)
     residents: dict[str, list[ResidentSeq]] = {v.device_id: [] for v in views}
@@ -141,7 +145,8 @@ def node_snapshot(now: float, views: Iterable[DeviceView], *, moving: Mapping[st
                         continue  # leaving the node (a peer), or for a device that went down
                     on_move = s.seq_id in moving
                     residents[dst].append(ResidentSeq(s.seq_id, s.first_token_s or now, out, s.num_computed,
-                                                      expected(s), now if on_move else moved_s.get(s.seq_id)))
+                                                      expected(s), now if on_move else moved_s.get(s.seq_id),
+                                                      assured(s, out) if assured is not None else 0))
                     if dst != v.device_id and s in v.batcher.running:  # not begun: dst allocates later
                         incoming[dst] += len(s.block_ids)
                 else:

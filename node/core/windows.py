@@ -35,7 +35,7 @@ idle device (no resident sequence, nothing queued) takes any one prompt, however
 from __future__ import annotations
 
 from node.core.cost import CostModel
-from node.core.role_state import INF, DeviceState, RoleSchedulerConfig, WaitingPrompt
+from node.core.role_state import INF, DeviceState, RoleSchedulerConfig, WaitingPrompt, assured_output
 from node.core.roofline import RooflineCost
 
 
@@ -137,8 +137,9 @@ class WindowMath:
             return -INF
         cap = INF
         for s in st.resident:
-            if s.expected_output_tokens > 0:
-                rem = s.expected_output_tokens - s.output_tokens
+            n = assured_output(s)  # what it surely produces, not the mean: a short one wins nothing back
+            if n > 0:
+                rem = n - s.output_tokens
                 deadline = s.first_token_s + s.output_tokens * self.T
                 cap = min(cap, (deadline - t0) - self.pause_s - d + max(0, rem - 1) * (self.T - d))
         return cap

@@ -289,12 +289,15 @@ class RoleDriver(Driver):
         views = self.views(now)
         req_of = {s.seq_id: req for e in self.node.engines for req in e.requests.values() for s in req.seqs}
         batchers = {v.device_id: v.batcher for v in views}
+        assured = self.outputs.assured  # stall budgets count on it, not the mean (node.core.output_estimate)
         waiting = tuple(waiting_prompt(req.request_id, req.seqs, req.stats.arrival_s, self.expected_output(req),
-                                       batchers, i) for i, req in enumerate(self.pending))
+                                       batchers, i, assured(0, req.params.max_tokens))
+                        for i, req in enumerate(self.pending))
         est = self.expected_estimate()  # expected_output's, once per snapshot rather than per resident
         return node_snapshot(now, views, moving=self._moving, moved_s=self._moved_s,
                              expected=lambda s: min(req_of[s.seq_id].params.max_tokens, est), waiting=waiting,
-                             pause_s=self.measured_pause_s)
+                             pause_s=self.measured_pause_s,
+                             assured=lambda s, out: assured(out, req_of[s.seq_id].params.max_tokens))
 
     @property
     def measured_pause_s(self) -> float | None:

@@ -297,6 +297,10 @@ def test_urgent_window_waits_for_sequences_near_their_end():
     long_left = msgspec.structs.replace(near_end, expected_output_tokens=400)
     out = sched.decide(1.0, NodeSnapshot((dev(since=0.5, resident=[long_left]),), waiting))
     assert out[0].reason == "ttft"
+    # expected long (the mean of the node's estimate) but assured to last only its next token: a short
+    # output may end there, and would never win the window back, so the window waits as above
+    short_maybe = msgspec.structs.replace(long_left, assured_output_tokens=24)
+    assert sched.decide(1.0, NodeSnapshot((dev(since=0.5, resident=[short_maybe]),), waiting)) == []
 
 
 @pytest.mark.quick
