@@ -179,8 +179,13 @@ class RoleScheduler(WindowMath):
     def _reject(snapshot: NodeSnapshot, devs: list[_Dev], out: list[Decision]) -> list[WaitingPrompt]:
         """Reject prompts no empty device could hold; the others in (priority, arrival, request id) order."""
         remaining: list[WaitingPrompt] = []
+        # block size -> its largest pool: one check per prompt, not one per device (the queue is hundreds long
+        # on an overloaded node, and this runs every round: ~9 % of its loop, py-spy)
+        largest: dict[int, int] = {}
+        for dv in devs:
+            largest[dv.st.block_size] = max(largest.get(dv.st.block_size, 0), dv.st.kv_total_blocks)
         for w in sorted(snapshot.waiting, key=WaitingPrompt.order_key):
-            if not any(blocks_for(w.prompt_tokens + 1, dv.st.block_size) <= dv.st.kv_total_blocks for dv in devs):
+            if not any(blocks_for(w.prompt_tokens + 1, bs) <= total for bs, total in largest.items()):
                 out.append(Reject(w.request_id, "prompt does not fit the KV memory of any device"))
             else:
                 remaining.append(w)
