@@ -32,7 +32,7 @@ import msgspec
 from node.api.errors import bad_request
 from node.core.grammar_spec import GrammarSpec
 from node.protocol_structured import ResponseFormat, StructuredOutputs
-from node.worker.grammar import GrammarCache, GrammarError, grammar_cache
+from node.worker.grammar import GrammarCache, GrammarError, existing_grammar_cache, grammar_cache
 
 MAX_SPEC_BYTES = 256 * 1024  # a schema, pattern or grammar larger than this is refused (compile time grows with it)
 COMPILE_TIMEOUT_S = 10.0  # compiling longer than this is a 400 (the compile thread finishes on its own)
@@ -196,11 +196,15 @@ def grammar_spec(req) -> tuple[GrammarSpec, str] | None:
     return spec, param
 
 
-def node_grammars(node) -> GrammarCache:
-    """The node's compiled-grammar cache (its tokenizer, logits width and stop ids)."""
+def _cache_key(node) -> tuple:
     tok = node.tokenizer
     cfg = node.info.cfg
-    return grammar_cache(tok, cfg.vocab_size, tok.eos_token_ids or list(cfg.eos_token_ids))
+    return tok, cfg.vocab_size, tok.eos_token_ids or list(cfg.eos_token_ids)
+
+
+def node_grammars(node) -> GrammarCache:
+    """The node's compiled-grammar cache (its tokenizer, logits width and stop ids)."""
+    return grammar_cache(*_cache_key(node))
 
 
 async def check_grammar(node, spec: GrammarSpec, param: str, timeout_s: float | None = None) -> None:
@@ -211,8 +215,12 @@ async def check_grammar(node, spec: GrammarSpec, param: str, timeout_s: float | 
         APIError: 400 naming ``param`` when it does not compile, accepts nothing or takes too long.
     """
     timeout_s = COMPILE_TIMEOUT_S if timeout_s is None else timeout_s
+    cache = existing_grammar_cache(*_cache_key(node))
+    if cache is not None and cache.cached(spec) is not None:
+        return  # checked before: no trip through the compile threads (two thread hand-offs a request)
     loop = asyncio.get_running_loop()
-    cache = await loop.run_in_executor(_compile_pool, node_grammars, node)
+    if cache is None:
+        cache = await loop.run_in_executor(_compile_pool, node_grammars, node)
     try:
         await asyncio.wait_for(asyncio.wrap_future(_compile_pool.submit(cache.get, spec)), timeout_s)
     except GrammarError as e:

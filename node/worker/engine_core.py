@@ -109,10 +109,9 @@ class _SeqState:
         self.grammar = None  # SeqGrammar: built from the emitted tokens when first sampled here
 
     def append(self, token_id: int) -> None:
-        """A token this engine sampled: appended, and the grammar matcher (if any) advanced."""
+        """A token this engine sampled (the grammar matcher, if any, takes it when it next fills a mask:
+        :meth:`~node.worker.grammar_masks.GrammarMasks.fill`)."""
         self.token_ids.append(token_id)
-        if self.grammar is not None:
-            self.grammar.accept(token_id)
 
 
 class EngineCore:
@@ -184,8 +183,8 @@ class EngineCore:
         return StepReply(ordered, time.perf_counter() - t0)
 
     def _step_input(self, items: list[StepItem]) -> StepInput:
-        """The runner's input for ``items``, with the grammar rows' mask being filled on the mask
-        thread while the forward pass runs (:mod:`node.worker.grammar_masks`)."""
+        """The runner's input for ``items``, with the grammar rows' pending mask (filled when the runner
+        joins it, after launching the forward pass: :mod:`node.worker.grammar_masks`)."""
         inputs = self._inputs(items)
         masks = None
         if self.grammars is not None:

@@ -116,17 +116,25 @@ class GrammarCache:
     def num_bytes(self) -> int:
         return self._bytes
 
+    def cached(self, spec: GrammarSpec) -> xgr.CompiledGrammar | None:
+        """The compiled grammar of ``spec`` if the cache holds it (marked recently used), else None; never
+        compiles, so it is cheap enough to call on the event loop."""
+        with self._lock:
+            hit = self._entries.get(spec)
+            if hit is not None:
+                self._entries.move_to_end(spec)
+                return hit.grammar
+        return None
+
     def get(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         """The compiled grammar of ``spec`` (from the cache, else compiled and kept).
 
         Raises:
             GrammarError: the spec does not compile (the message says why), or it accepts no output.
         """
-        with self._lock:
-            hit = self._entries.get(spec)
-            if hit is not None:
-                self._entries.move_to_end(spec)
-                return hit.grammar
+        hit = self.cached(spec)
+        if hit is not None:
+            return hit
         entry = Compiled(self._compile(spec))
         if not _accepts_something(entry.grammar, self.vocab_size):
             raise GrammarError(f"the {spec.kind} accepts no output at all")
@@ -203,6 +211,13 @@ def grammar_cache(tok: TextTokenizer, vocab_size: int, stop_ids: list[int]) -> G
         return cache
 
 
+def existing_grammar_cache(tok: TextTokenizer, vocab_size: int, stop_ids: list[int]) -> GrammarCache | None:
+    """The cache :func:`grammar_cache` would return, if it is already built (else None; building it
+    scans the vocabulary, which a caller on the event loop must not do)."""
+    with _caches_lock:
+        return _caches.get((id(tok), vocab_size, tuple(stop_ids)))
+
+
 def grammar_cache_status() -> dict:
     """This process's compiled-grammar caches together: ``entries``, ``bytes`` and their bounds (for
     ``GET /v1/node``)."""
@@ -221,14 +236,16 @@ class SeqGrammar:
 
     ``broken`` is set when a token the grammar does not allow was emitted (a sequence generated
     elsewhere without the grammar, or a degenerate row's fallback): the sequence is then no longer
-    masked, and this is logged, rather than failing a whole step.
+    masked, and this is logged, rather than failing a whole step. ``consumed``: how many output tokens
+    the matcher has taken (:meth:`accept` or :meth:`catch_up`), accepted or skipped.
     """
 
-    __slots__ = ("matcher", "broken")
+    __slots__ = ("matcher", "broken", "consumed")
 
     def __init__(self, grammar: xgr.CompiledGrammar | None, emitted: list[int]):
         self.matcher = None if grammar is None else xgrammar().GrammarMatcher(grammar)
         self.broken = grammar is None  # None: the engine could not compile it (logged by the caller)
+        self.consumed = 0
         for t in emitted:
             self.accept(t)
 
@@ -237,9 +254,16 @@ class SeqGrammar:
         """Whether the next token is masked (not after the grammar ended with a stop token)."""
         return not self.broken and not self.matcher.is_terminated()
 
+    def catch_up(self, token_ids: list[int], prompt_len: int) -> None:
+        """Accept the output tokens of ``token_ids`` (a sequence's tokens, its prompt the first
+        ``prompt_len``) that this matcher has not consumed yet."""
+        for i in range(prompt_len + self.consumed, len(token_ids)):
+            self.accept(token_ids[i])
+
     def accept(self, token_id: int) -> None:
         """Advance over a sampled token (nothing after the grammar has terminated: a step already in
         flight when the stop token was sampled draws a token the node then drops)."""
+        self.consumed += 1
         if not self.active:
             return
         if not self.matcher.accept_token(token_id):
@@ -249,18 +273,52 @@ class SeqGrammar:
 
 def fill_masks(grammars: list[SeqGrammar], rows: list[int], num_rows: int, vocab_size: int) -> torch.Tensor:
     """The bitmask ``[num_rows, ceil(vocab_size / 32)]`` int32 (CPU) with row ``rows[i]`` filled from
-    ``grammars[i]`` (other rows all ones: nothing masked). One row after another: xgrammar's
-    ``BatchGrammarMatcher`` spreads rows over threads, but at a 512-token vocabulary on 2 cores its
-    hand-off cost more than the rows (68 µs a row against 1 µs at a JSON object's start)."""
+    ``grammars[i]`` (other rows all ones: nothing masked): a new tensor each call, for callers outside
+    the step loop (tests, benchmarks); the engine fills a reused one (:class:`BitmaskFiller`)."""
     mask = xgrammar().allocate_token_bitmask(num_rows, vocab_size)
     for g, r in zip(grammars, rows):
         g.matcher.fill_next_token_bitmask(mask, r)
     return mask
 
 
+class BitmaskFiller:
+    """Fills the next-token bitmask of a step's matchers into one buffer kept across steps.
+
+    Args:
+        vocab_size: the logits width (the mask covers ``ceil(vocab_size / 32)`` int32 words a row).
+
+    :meth:`fill` writes only the rows it is given, with one call into xgrammar
+    (``BatchGrammarMatcher.batch_fill_next_token_bitmask`` on one thread: no Python per row, and the GIL
+    is released once for the whole batch); the buffer's other rows keep stale bits, so the mask must be
+    applied with those rows as indices (:func:`apply_mask` does). Not thread-safe: one step at a time,
+    and a step's mask is consumed (applied) before the next step fills the buffer again.
+    """
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self._buf: torch.Tensor | None = None
+        self._batch = None  # xgrammar.BatchGrammarMatcher, made on first use
+
+    def fill(self, grammars: list[SeqGrammar], rows: list[int]) -> torch.Tensor:
+        """The buffer ``[>= max(rows) + 1, ceil(V / 32)]`` int32 (CPU) with row ``rows[i]`` filled from
+        ``grammars[i]``; only those rows are meaningful."""
+        need = max(rows) + 1
+        buf = self._buf
+        if buf is None or buf.shape[0] < need:
+            # grown to a power of two, never shrunk: a tensor xgrammar has seen is cheaper to pass again
+            # than a fresh one (about 15 µs a step at one row)
+            buf = self._buf = xgrammar().allocate_token_bitmask(1 << (need - 1).bit_length(), self.vocab_size)
+        if self._batch is None:
+            self._batch = xgrammar().BatchGrammarMatcher(1)
+        self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], buf, rows)
+        return buf
+
+
 def apply_mask(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> None:
-    """Set the disallowed logits of ``rows`` of ``logits [N, V]`` float32 to ``-inf`` in place (the
-    mask moves to the logits' device first; xgrammar picks its CPU or CUDA kernel)."""
+    """Set the disallowed logits of ``rows`` of ``logits [N, V]`` float32 to ``-inf`` in place. ``mask``
+    ``[M, ceil(V / 32)]`` int32 with ``M >= max(rows) + 1``: only its ``rows`` are read (it may be the
+    larger, reused buffer of :class:`BitmaskFiller`). The mask moves to the logits' device first (only its
+    first ``max(rows) + 1`` rows); xgrammar picks its CPU or CUDA kernel."""
     if mask.device != logits.device:
-        mask = mask.to(logits.device, non_blocking=True)
+        mask = mask[: max(rows) + 1].to(logits.device, non_blocking=True)
     xgrammar().apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[1], indices=rows)

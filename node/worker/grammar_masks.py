@@ -1,23 +1,28 @@
-"""The engine's side of structured output: each sequence's matcher, and the step's token mask filled
-in a thread while the step's forward pass runs.
+"""The engine's side of structured output: each sequence's matcher, and the step's token mask.
 
 The mask of a sequence's next token depends on every token before it, the one the previous step
 sampled included, so the earliest it can be computed is once that step's sampling is done. The
 engine runs one step at a time, and the node keeps at most two in flight (the next step's message
 waits in the channel with a placeholder token, :data:`~node.core.sequence.PENDING`, which the engine
-fills in itself): when step ``N + 1`` starts here, step ``N``'s token is already accepted by the
-matcher, so the mask is filled on a worker thread *during* step ``N + 1``'s forward pass (torch
-releases the GIL in its kernels) and joined just before sampling. A sequence's first sampled step
-also compiles its grammar there (a cache hit when the node already compiled it in this process).
+fills in itself): when step ``N + 1`` starts here, step ``N``'s token is already in the sequence.
+
+The mask is filled in the step's own thread, at the runner's join point: after the forward pass and
+the logits are launched, before the logits are read (:meth:`GrammarMasks.start` returns a
+:class:`PendingMask` the runner resolves there). On a GPU the forward's kernels are still running
+then, so the fill overlaps them; on the CPU the forward has finished, and the fill follows it. A mask thread was measured
+slower (``bench.load.structured``, a 2-core CPU): a small model's forward holds the GIL between its
+short kernels, so the thread waited for the GIL and the step then waited for the thread, each
+hand-off a context switch. Matchers also take the tokens sampled since their last fill there (not
+when the step that sampled them ends), so the step's reply goes back to the node without waiting
+for them. A sequence's first sampled step compiles its grammar there too (a cache hit when the node
+already compiled it in this process).
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
-
 import structlog
 
-from node.worker.grammar import GrammarCache, GrammarError, SeqGrammar, fill_masks, grammar_cache
+from node.worker.grammar import BitmaskFiller, GrammarCache, GrammarError, SeqGrammar, grammar_cache
 from node.worker.tokenizer import TextTokenizer
 
 log = structlog.get_logger("shiftnode.grammar")
@@ -38,7 +43,7 @@ class GrammarMasks:
         self.vocab_size = vocab_size
         self.stop_ids = list(stop_ids)
         self._cache: GrammarCache | None = None
-        self._pool: ThreadPoolExecutor | None = None
+        self._filler = BitmaskFiller(vocab_size)
 
     @classmethod
     def for_model(cls, info) -> "GrammarMasks":
@@ -53,8 +58,8 @@ class GrammarMasks:
             self._cache = grammar_cache(self.tokenizer, self.vocab_size, self.stop_ids)
         return self._cache
 
-    def start(self, seqs: list, num_rows: int) -> Future:
-        """Begin filling the mask of a step's grammar rows on the mask thread.
+    def start(self, seqs: list, num_rows: int) -> "PendingMask":
+        """The mask of a step's grammar rows, to be filled when the runner asks for it.
 
         Args:
             seqs: ``[(row, state)]``: the sampled row of each sequence with a grammar, and its
@@ -63,25 +68,26 @@ class GrammarMasks:
             num_rows: rows of the step's logits (its sampled sequences).
 
         Returns:
-            A future of ``(mask [num_rows, W] int32, rows)`` (rows: those masked) or of ``None`` when
-            no row needs a mask; it raises what compiling raised.
+            A :class:`PendingMask`; its ``result()`` is ``(mask [>= num_rows, W] int32, rows)`` (rows:
+            those masked, the only rows of the mask to read) or ``None`` when no row needs a mask.
         """
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-        return self._pool.submit(self._fill, seqs, num_rows)
+        return PendingMask(self, seqs)
 
-    def _fill(self, seqs: list, num_rows: int):
+    def fill(self, seqs: list):
+        """Bring each sequence's matcher up to its tokens (built from them when it has none), then fill
+        the mask of those whose grammar is still active: ``(mask, rows)``, or None when none is."""
         grammars, rows = [], []
         for row, s in seqs:
             g = s.grammar
-            if g is None:  # new here, or its tokens were replaced: rebuild from what it emitted
-                g = s.grammar = SeqGrammar(self._compiled(s.params.grammar), s.token_ids[s.prompt_len :])
+            if g is None:  # new here, or its tokens were replaced: rebuilt from what it emitted
+                g = s.grammar = SeqGrammar(self._compiled(s.params.grammar), [])
+            g.catch_up(s.token_ids, s.prompt_len)
             if g.active:
                 grammars.append(g)
                 rows.append(row)
         if not rows:
             return None
-        return fill_masks(grammars, rows, num_rows, self.vocab_size), rows
+        return self._filler.fill(grammars, rows), rows
 
     def _compiled(self, spec):
         """The compiled grammar, or None (logged) when it fails here after the node accepted it (a
@@ -93,6 +99,23 @@ class GrammarMasks:
             log.error("grammar_compile_failed_in_engine", kind=spec.kind, error=str(e))
             return None
 
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
+
+
+class PendingMask:
+    """A step's grammar mask, filled on the first :meth:`result` (in the calling thread) and kept.
+
+    ``result()`` raises what building a matcher raised (a grammar that fails to compile here is
+    logged and runs unmasked instead, :meth:`GrammarMasks._compiled`)."""
+
+    __slots__ = ("_masks", "_seqs", "_done", "_value")
+
+    def __init__(self, masks: GrammarMasks, seqs: list):
+        self._masks, self._seqs = masks, seqs
+        self._done = False
+        self._value = None
+
+    def result(self):
+        if not self._done:
+            self._value = self._masks.fill(self._seqs)
+            self._done = True
+        return self._value

@@ -11,10 +11,9 @@ pool, which the node writes only on blocks no step in flight uses
 from __future__ import annotations
 
 import itertools
-from concurrent.futures import Future
 import threading
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 import msgspec
 import structlog
@@ -57,14 +56,21 @@ class SeqInput:
     prompt_top: int = 0
 
 
+class PendingResult(Protocol):
+    """A value computed when first asked for (:class:`~node.worker.grammar_masks.PendingMask`)."""
+
+    def result(self) -> Any: ...
+
+
 @dataclass
 class StepInput:
-    """A step's sequences, and (``masks``) the future of the grammar mask of its sampled rows:
-    ``(mask [sampled rows, ceil(V / 32)] int32, masked row indices)`` or None
-    (:mod:`node.worker.grammar_masks`); joined after the forward pass, just before sampling."""
+    """A step's sequences, and (``masks``) the pending grammar mask of its sampled rows, whose
+    ``result()`` is ``(mask [>= sampled rows, ceil(V / 32)] int32, masked row indices)`` or None
+    (:mod:`node.worker.grammar_masks`); resolved after the forward pass and the logits are launched
+    (on a GPU they are still running), before the logits are read."""
 
     seqs: list[SeqInput]
-    masks: Future | None = None
+    masks: PendingResult | None = None
 
 
 class SeqOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -169,6 +175,8 @@ class ModelRunner:
             else:
                 rows = torch.tensor([cu[i + 1] - 1 for i, _ in samplers], device=dev)
                 logits = self.model.compute_logits(hidden[rows])
+            # the grammar mask is filled here, before the logits are first read: on a GPU while the
+            # forward's kernels still run (on the CPU after them; a mask thread cost more, see grammar_masks)
             mask = step.masks.result() if step.masks is not None else None
             tokens, logprobs = sample(logits, [s.sample for _, s in samplers], self.generator, mask)
             for (_, s), token, lp in zip(samplers, tokens, logprobs):
