@@ -119,3 +119,119 @@ def test_length_bounded_strings_exclude_raw_control_characters(cache):
     controls = [ids[f"<0x{b:02X}>"] for b in range(0x20)]
     assert all(allowed[0, t] == float("-inf") for t in controls)
     assert allowed[0, ids["▁the"]] == 0.0
+
+
+@pytest.mark.quick
+def test_the_reused_bitmask_equals_fresh_masks_and_only_its_rows_are_read(cache):
+    """The engine's bitmask is one buffer kept across steps, filled in one xgrammar call: a step's rows
+    equal a fresh mask's, and a later, smaller step neither reallocates it nor lets the rows it left
+    stale mask anything."""
+    from node.worker.grammar import BitmaskFiller, apply_mask
+
+    grammar = cache.get(GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})))
+    walked = [SeqGrammar(grammar, []) for _ in range(5)]
+    for i, g in enumerate(walked):  # rows at different states: the start, inside the key, at the value
+        assert g.matcher.accept_string('{"a":1'[: i + 1])
+    filler = BitmaskFiller(VOCAB)
+    rows = [0, 2, 3, 5, 6]
+    buf = filler.fill(walked, rows)
+    fresh = fill_masks(walked, rows, 7, VOCAB)
+    assert buf.shape[0] >= 7 and torch.equal(buf[rows], fresh[rows])
+    again = filler.fill(walked[:1], [1])
+    assert again is buf  # reused, not reallocated
+    assert torch.equal(buf[1], fresh[0])
+    logits = torch.zeros(3, VOCAB)
+    apply_mask(logits, again, [1])
+    assert torch.equal(logits[0], torch.zeros(VOCAB)) and torch.equal(logits[2], torch.zeros(VOCAB))  # stale rows unread
+    assert bool(torch.isinf(logits[1]).any())
+
+
+@pytest.mark.quick
+def test_a_matcher_catches_up_with_its_sequence_once(cache):
+    """The engine's matcher takes a sequence's new output tokens when it next fills a mask (catch_up), each
+    token once however often it is called, and stands where one built from the same tokens stands."""
+    spec = GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "string"}}}))
+    grammar = cache.get(spec)
+    prompt = TOK.encode("Once upon a time")
+    walker, out = SeqGrammar(grammar, []), []
+    for _ in range(9):  # a valid output: the highest allowed id each time
+        logits = torch.arange(VOCAB, dtype=torch.float32).view(1, -1)
+        [tok], _ = sample(logits, [_row(SamplingParams(max_tokens=9, temperature=0.0))], torch.Generator(),
+                          (fill_masks([walker], [0], 1, VOCAB), [0]))
+        walker.accept(tok)
+        out.append(tok)
+    g = SeqGrammar(grammar, [])
+    tokens = prompt + out[:2]
+    g.catch_up(tokens, len(prompt))
+    g.catch_up(tokens, len(prompt))  # nothing new: nothing accepted twice
+    assert g.consumed == 2
+    tokens += out[2:]
+    g.catch_up(tokens, len(prompt))
+    built = SeqGrammar(grammar, out)
+    assert g.consumed == len(out) and not g.broken and not built.broken
+    assert torch.equal(fill_masks([g], [0], 1, VOCAB), fill_masks([built], [0], 1, VOCAB))
+
+
+def test_a_cached_spec_is_checked_without_the_compile_threads(monkeypatch):
+    """A spec the node has compiled before is a cache hit, answered on the loop: no hop through the compile
+    threads (two thread hand-offs per request, measurable at 64 streams of short JSON answers)."""
+    import node.api.structured as structured
+
+    node = SimpleNamespace(tokenizer=TOK, info=SimpleNamespace(cfg=SimpleNamespace(vocab_size=VOCAB, eos_token_ids=EOS)))
+    spec = GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {"hit": {"type": "boolean"}}}))
+    asyncio.run(check_grammar(node, spec, "response_format"))  # compiles (in the threads) and caches
+
+    class NoThreads:
+        def submit(self, *a, **k):
+            raise AssertionError("a cached spec went through the compile threads")
+
+    monkeypatch.setattr(structured, "_compile_pool", NoThreads())
+    asyncio.run(check_grammar(node, spec, "response_format"))
+    with pytest.raises(AssertionError):  # a new spec still compiles in the threads
+        asyncio.run(check_grammar(node, GrammarSpec("regex", "[0-9]{3}"), "structured_outputs"))
+
+
+@pytest.mark.quick
+def test_the_engine_fills_the_mask_in_the_steps_thread_and_replies_before_its_matcher_moves():
+    """EngineCore with a grammar row: the runner resolves the pending mask in the step's own thread (no
+    mask thread: on a 2-core CPU its GIL hand-offs cost more than the fill), and the step's reply does
+    not wait for the matcher, which takes the step's token at the next fill. Output: the grammar's."""
+    import threading
+
+    from node.worker.engine_core import EngineCore, NewSeq, StepItem, StepMsg
+    from node.worker.grammar_masks import GrammarMasks
+    from node.worker.runner import SeqOutput
+
+    class LowestAllowed:
+        """A runner whose 'model' prefers the lowest token id: it samples the lowest one the mask allows."""
+
+        num_blocks, kv_cache = 16, None
+
+        def execute(self, step):
+            mask = step.masks.result()  # joined here, as ModelRunner does after its forward
+            logits = torch.zeros(len(step.seqs), VOCAB)
+            logits -= torch.arange(VOCAB, dtype=torch.float32)
+            toks, _ = sample(logits, [s.sample for s in step.seqs], torch.Generator(), mask)
+            return {s.seq_id: SeqOutput(token_id=t) for s, t in zip(step.seqs, toks)}
+
+    fills = []
+
+    class Recording(GrammarMasks):
+        def fill(self, seqs):
+            fills.append(threading.current_thread())
+            return super().fill(seqs)
+
+    core = EngineCore(LowestAllowed(), grammars=Recording(TOK, VOCAB, EOS))
+    choices = ["yes", "no"]
+    params = SamplingParams(max_tokens=8, temperature=0.0, grammar=GrammarSpec("choice", json.dumps(choices)))
+    prompt = TOK.encode("Once upon a time")
+    threads_before = threading.active_count()
+    reply = core.step(StepMsg([StepItem("a", 0, len(prompt), True)], new=[NewSeq("a", list(prompt), len(prompt), params, [0])]))
+    out = [reply.outputs[0].token_id]
+    while out[-1] not in EOS and len(out) < 8:  # the node ends the sequence at EOS
+        state = core.seqs["a"]
+        assert state.grammar.consumed == len(out) - 1  # the last token is taken at the next fill, not before the reply
+        reply = core.step(StepMsg([StepItem("a", len(state.token_ids) - 1, 1, True)]))
+        out.append(reply.outputs[0].token_id)
+    assert fills and set(fills) == {threading.current_thread()} and threading.active_count() == threads_before
+    assert out[-1] in EOS and TOK.decode(out[:-1]) in choices
