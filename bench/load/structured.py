@@ -9,8 +9,8 @@ Against one ``shiftnode serve --model stories260k`` node (one CPU device), close
 ``json_schema`` response format against 64 without (``ignore_eos``), and 1 against 1; cells interleaved,
 ``--rounds`` times each, each ``--duration`` seconds after a 2 s warm-up. ``tok/s``: streamed tokens /
 wall; ``ITL p50``: median gap between a stream's token chunks (ms). Then, in this process: the mask's
-cost per token (fill for a 64-row batch on the mask thread's code path, apply, accept; over sequences
-walked through the grammar), the compile time of a 50-field schema cold (a new cache) and cached, and
+cost per token (fill for a 64-row batch on the engine's code path, one call into a reused bitmask;
+apply; accept; over sequences walked through the grammar), the compile time of a 50-field schema cold (a new cache) and cached, and
 the cache's entries and bytes over 10,000 distinct schemas against its bounds.
 """
 
@@ -87,7 +87,7 @@ def node_cells(duration: float, rounds: int, client_counts: list[int]) -> dict:
 
 def in_process() -> dict:
     from node.core.grammar_spec import GrammarSpec
-    from node.worker.grammar import GrammarCache, SeqGrammar, apply_mask, fill_masks, tokenizer_info
+    from node.worker.grammar import BitmaskFiller, GrammarCache, SeqGrammar, apply_mask, tokenizer_info
     from node.worker.tokenizer import TextTokenizer
 
     tok = TextTokenizer.from_folder(STORIES)
@@ -106,6 +106,7 @@ def in_process() -> dict:
     # mask cost per token: 64 sequences walked through the grammar by seeded draws under the mask
     grammar = cache.get(GrammarSpec("json_schema", json.dumps(SCHEMA)))
     seqs = [SeqGrammar(grammar, []) for _ in range(64)]
+    filler = BitmaskFiller(vocab)
     gen = torch.Generator().manual_seed(0)
     fill_s = apply_s = accept_s = 0.0
     tokens = 0
@@ -115,7 +116,7 @@ def in_process() -> dict:
             break
         rows = [i for i, _ in live]
         t = time.perf_counter()
-        mask = fill_masks([g for _, g in live], rows, len(seqs), vocab)
+        mask = filler.fill([g for _, g in live], rows)
         t1 = time.perf_counter()
         logits = torch.randn(len(seqs), vocab, generator=gen)
         t2 = time.perf_counter()

@@ -9,8 +9,9 @@ keeps, in entries and in bytes (``CompiledGrammar.memory_size_bytes``), least re
 
 :class:`SeqGrammar` is one sequence's matcher. It is built from the tokens the sequence has already
 emitted, so a sequence that arrives on an engine part-way (a move, a hand-off, a resume) continues
-exactly where the grammar stood. :func:`fill_masks` writes the next-token bitmask of several matchers
-(``[rows, ceil(V / 32)]`` int32, bit ``t`` of a row set when token ``t`` is allowed); the sampler
+exactly where the grammar stood. :class:`BitmaskFiller` (the engine's, one buffer kept across steps) and
+:func:`fill_masks` (a fresh tensor) write the next-token bitmask of several matchers (``[rows,
+ceil(V / 32)]`` int32, bit ``t`` of a row set when token ``t`` is allowed); the sampler
 applies it with ``xgrammar.apply_token_bitmask_inplace`` (a masked logit becomes ``-inf``) on CPU
 and CUDA alike. The stop tokens (EOS) are allowed only where the grammar accepts the text so far.
 """
@@ -92,7 +93,7 @@ class GrammarCache:
         max_entries, max_bytes: bounds on the grammars kept; an entry larger than ``max_bytes`` alone
             is returned but not kept.
 
-    Thread-safe: the node compiles in an executor while engines' mask threads read it. Two threads
+    Thread-safe: the node compiles in an executor while engines (``--engine-layout thread``) read it. Two threads
     compiling the same key at once both compile (the second result replaces the first; no lock is
     held while compiling, so a slow compile never blocks a cached hit).
     """

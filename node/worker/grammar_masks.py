@@ -9,13 +9,14 @@ fills in itself): when step ``N + 1`` starts here, step ``N``'s token is already
 The mask is filled in the step's own thread, at the runner's join point: after the forward pass and
 the logits are launched, before the logits are read (:meth:`GrammarMasks.start` returns a
 :class:`PendingMask` the runner resolves there). On a GPU the forward's kernels are still running
-then, so the fill overlaps them; on the CPU the forward has finished, and the fill follows it. A mask thread was measured
-slower (``bench.load.structured``, a 2-core CPU): a small model's forward holds the GIL between its
-short kernels, so the thread waited for the GIL and the step then waited for the thread, each
-hand-off a context switch. Matchers also take the tokens sampled since their last fill there (not
-when the step that sampled them ends), so the step's reply goes back to the node without waiting
-for them. A sequence's first sampled step compiles its grammar there too (a cache hit when the node
-already compiled it in this process).
+then, so the fill overlaps them; on the CPU the forward has finished, and the fill follows it. A
+mask thread was measured slower (``bench.load.structured``, a 2-core CPU): a small model's forward
+holds the GIL between its short kernels, so the thread waited for the GIL and the step then waited
+for the thread, each hand-off a context switch. The whole batch is filled in one xgrammar call into
+a bitmask kept across steps (:class:`~node.worker.grammar.BitmaskFiller`). Matchers take the tokens
+sampled since their last fill there too (not when the step that sampled them ends), so a step's
+reply goes back to the node without waiting for them. A sequence's first sampled step compiles its
+grammar there (a cache hit when the node already compiled it in this process).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ log = structlog.get_logger("shiftnode.grammar")
 
 
 class GrammarMasks:
-    """Per-engine grammar state: the compiled-grammar cache and the mask thread.
+    """Per-engine grammar state: the compiled-grammar cache and the reused bitmask.
 
     Args:
         tokenizer: the model's tokenizer (the cache is built from it on first use, not before: an
