@@ -209,7 +209,7 @@ def node_grammars(node) -> GrammarCache:
 
 async def check_grammar(node, spec: GrammarSpec, param: str, timeout_s: float | None = None) -> None:
     """Compile ``spec`` (cached) in a compile thread, within ``timeout_s`` (default
-    :data:`COMPILE_TIMEOUT_S`).
+    :data:`COMPILE_TIMEOUT_S`); a spec already in the node's cache is answered at once, on the loop.
 
     Raises:
         APIError: 400 naming ``param`` when it does not compile, accepts nothing or takes too long.
