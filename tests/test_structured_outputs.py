@@ -189,6 +189,12 @@ def test_unenforced_keywords_are_found_only_where_they_are_keywords():
     assert unenforced_keyword({"anyOf": [{"type": "string"}, {"type": "object", "properties": {
         "a": {"if": {"type": "string"}}}}]}) == "anyOf[1].properties.a.if"
     assert unenforced_keyword({"$defs": {"x": {"not": {}}}}) == "$defs.x.not"
+    # a string's length bounds beside a pattern or format are dropped by xgrammar: refused; alone they hold
+    assert unenforced_keyword({"type": "object", "properties": {"id": {"type": "string", "pattern": "[a-z]+",
+                                                                       "maxLength": 8}}}) == "properties.id.maxLength"
+    assert unenforced_keyword({"type": "string", "format": "email", "minLength": 3}) == "minLength"
+    assert unenforced_keyword({"type": "string", "minLength": 3, "maxLength": 8}) is None
+    assert unenforced_keyword({"type": "object", "properties": {"pattern": {"type": "string", "maxLength": 4}}}) is None
 
 
 def test_a_1mb_schema_gets_a_clear_400(stories_node):

@@ -49,12 +49,19 @@ _DATA = ("enum", "const", "default", "examples", "required")  # values, not sche
 
 
 def unenforced_keyword(schema: Any, path: str = "") -> str | None:
-    """The path of the first keyword of :data:`UNENFORCED_KEYWORDS`, or of a ``$ref`` outside the schema (a
-    remote one is not fetched), in ``schema``; None where every keyword is enforced."""
+    """The path of the first keyword of :data:`UNENFORCED_KEYWORDS`, of a ``$ref`` outside the schema (a
+    remote one is not fetched), or of ``minLength``/``maxLength`` beside a ``pattern`` or ``format``, in
+    ``schema``; None where every keyword is enforced."""
     if isinstance(schema, list):
         return next((p for i, s in enumerate(schema) if (p := unenforced_keyword(s, f"{path}[{i}]"))), None)
     if not isinstance(schema, dict):
         return None
+    # xgrammar 0.2.9 drops a string's length bounds beside a pattern or format (its warning: "pattern/format
+    # combined with minLength/maxLength is not supported; ignoring minLength/maxLength")
+    if "pattern" in schema or "format" in schema:
+        bound = next((k for k in ("minLength", "maxLength") if k in schema), None)
+        if bound is not None:
+            return f"{path}.{bound}" if path else bound
     for key, sub in schema.items():
         here = f"{path}.{key}" if path else key
         if key in UNENFORCED_KEYWORDS:
