@@ -55,11 +55,11 @@ def test_in_flight_names_both_ends_of_each_transfer_on_live_devices():
 
 def test_engines_killed_mid_transfer_leave_no_leak_no_hang_and_exact_greedy_outputs(tmp_path):
     require_shared()
-    rep = chaos("pooled", duration_s=14, kill_every_s=2.0, concurrency=6, targeted=0.8, greedy_prompts=4,
-                settle_s=60, seed=1, model=STORIES, log_dir=tmp_path)
+    rep = chaos("pooled", duration_s=16, kill_every_s=2.0, kill_window=0.7, concurrency=6, targeted=0.8,
+                greedy_prompts=4, settle_s=60, seed=1, model=STORIES, log_dir=tmp_path)
     print("\n".join(rep.lines()))
     assert rep.ok(), rep.lines()
-    assert len(rep.kills) >= 3, rep.lines()
+    assert len(rep.kills) >= 2, rep.lines()  # one per node at least (a node has one device down at most)
     assert any(k.context != "no-transfer" for k in rep.kills), rep.lines()  # a kill met KV in flight
     assert rep.greedy_compared >= 5 and rep.greedy_during_kills >= 1, rep.lines()
     assert sum(c["restarts"] for c in rep.counters.values()) >= len(rep.kills), rep.counters

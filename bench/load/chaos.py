@@ -1,13 +1,15 @@
 """Chaos: engines killed with ``kill -9`` at random moments while KV is in flight, under streaming load.
 
     python -m bench.load.chaos [--scenario pooled|adaptive|both] [--duration 300] [--kill-every 4]
-        [--concurrency 8] [--abort 0.15] [--kv-transport tcp|nixl] [--stall-every 0] [--seed 0]
+        [--kill-window 0.8] [--targeted 0.7] [--concurrency 8] [--abort 0.15] [--kv-transport tcp|nixl]
+        [--stall-every 0] [--seed 0]
 
 Each scenario runs two nodes on the model (default: the shared stories260k), each with two CPU devices whose
 engines are processes, ``SHIFTNODE_LEDGER_CHECK=1`` (every device checks after every step that no KV block
-is owned twice or freed while held), restarts unbounded (``--engine-restart-max 1000`` within 20 s) and
-every KV transfer paced to ``--link-gbps`` (0.01 Gb/s: a 100-token sequence's KV takes about 0.1 s, a window
-to kill in):
+is owned twice or freed while held), restarts unbounded (``--engine-restart-max 1000`` within 20 s), a
+32 MiB KV pool per device and one intra-op thread (so a restarted engine loads quickly), and every KV
+transfer paced to ``--link-gbps`` (0.01 Gb/s: a 100-token sequence's KV takes about 0.1 s, a window to
+kill in):
 
 * ``pooled``: **P** (``--mode pooled --prefill-devices cpu:0 --decode-devices cpu:1 --peers D``) and **D**
   (``--mode pooled --decode-devices cpu:0,cpu:1 --kv-port``). Every prompt is prefilled on P's cpu:0, then
@@ -17,15 +19,17 @@ to kill in):
   ``--imbalance-threshold 0.2``: decoding sequences move between a node's devices and to the peer when
   decode load is uneven. The load goes to both.
 
-First an unkilled reference: every greedy prompt of the run (the four stories260k reference cases, checked
-against ``reference_greedy.json``, and ``--greedy-prompts`` seeded random ones that end at their natural
-EOS) is answered once. Then, for ``--duration`` seconds, ``--concurrency`` clients stream completions (half
-greedy from that pool, half sampled; a fifth non-streamed; ``--abort`` of the streams closed by the client
-after a few events), and every ``--kill-every`` seconds (uniformly 0.5-1.5x) one engine process of either
-node is killed: with probability ``--targeted`` one with a KV transfer in flight (the source or destination
-of an in-node move, the sender or receiver of a hand-off, read from ``GET /v1/node``: ``kv_moves_out``,
-``network.sending_from`` and ``network.receiving_on``; waiting up to 3 s for one), else any live one.
-``--stall-every S`` also stops a node with SIGSTOP for 3 s every S seconds (a stalled peer).
+First an unkilled reference: every greedy prompt of the run (the stories260k reference cases, checked
+against ``reference_greedy.json``, and ``--greedy-prompts`` seeded random ones that may end at their
+natural EOS) is answered once. Then, for ``--duration`` seconds, ``--concurrency`` clients stream
+completions (half greedy from that pool, half sampled; a fifth non-streamed; ``--abort`` of the streams
+closed by the client after a few events; after an error a client waits the node's 1 s ``Retry-After``).
+Every ``--kill-every`` seconds (uniformly 0.5-1.5x), during the first ``--kill-window`` of the run, one
+engine process is killed, on a node whose devices are all up (so each node keeps one serving): with
+probability ``--targeted`` one with a KV transfer in flight (either end of an in-node move, the sender or
+receiver of a hand-off, read from ``GET /v1/node``: ``kv_moves_out``, ``network.sending_from`` and
+``network.receiving_on``; waiting up to 3 s for one), else any. ``--stall-every S`` also stops a node with
+SIGSTOP for 3 s every S seconds (a stalled peer).
 
 After the load the nodes settle (every device back, nothing held), and the run checks
 (:class:`~bench.load.chaos_report.ChaosReport`): every request ended (ok, a clear error, or aborted by its
@@ -33,9 +37,9 @@ client; none hung and none with an unclear failure); each greedy answer equals t
 when it ended early); no KV block is held and no request is left on either node; no device counted an
 engine error (a ledger violation is one) and no log line names a ``LedgerError``; both nodes answer
 ``/health`` ``ok`` with every device up and serve the reference prompts exactly; and, in runs of 5 minutes
-or more, the nodes' private RSS grew less than 10 % after the warm-up. It prints the kills, the requests by
-outcome, the restarts, resumes and transfers each node counted, and PASS or FAIL; exit status 0 on PASS.
-:func:`chaos` is what ``tests/test_chaos.py`` runs for a few seconds.
+or more, the nodes' private RSS grew less than 10 % after the warm-up. It prints the kills (with what was
+in flight on the device), the requests by outcome, the restarts, resumes and transfers each node counted,
+and PASS or FAIL; exit status 0 on PASS. :func:`chaos` is what ``tests/test_chaos.py`` runs for 16 s.
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ STATUS = "/v1/node?since=1e300"  # the state without the switch and transfer his
 def _node_args(scenario: str, model: str, transport: str, link_gbps: float, request_timeout_s: float) -> dict:
     """``{name: serve flags}`` of the scenario's two nodes (see the module docstring)."""
     common = ["--model", model, "--peer-secret", "chaos", "--kv-host", "127.0.0.1", "--link-gbps", str(link_gbps),
-              "--engine-restart-max", "1000", "--engine-restart-window-s", "20",
+              "--engine-restart-max", "1000", "--engine-restart-window-s", "20", "--kv-cache-memory", "32MiB",
+              "--cpu-threads", "1",
               "--request-timeout-s", str(request_timeout_s), "--kv-transport", transport]
     k1, k2 = free_port(), free_port()
     if scenario == "pooled":
@@ -87,6 +92,7 @@ class Prompt:
     text: str
     max_tokens: int
     reference: list[int] | None = None
+    shared: bool = False  # one of the model's reference cases (its reference is the file's)
 
 
 def greedy_pool(model: str, n_random: int, rng: random.Random) -> list[Prompt]:
@@ -94,7 +100,7 @@ def greedy_pool(model: str, n_random: int, rng: random.Random) -> list[Prompt]:
     that may end at their natural EOS within 200 tokens."""
     ref = Path(model) / "reference_greedy.json"
     cases = json.loads(ref.read_text())["cases"] if ref.is_file() else []
-    pool = [Prompt(c["prompt"], c["max_new_tokens"], c["output_token_ids"]) for c in cases]
+    pool = [Prompt(c["prompt"], c["max_new_tokens"], c["output_token_ids"], shared=True) for c in cases]
     return pool + [Prompt(" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 120))), 200)
                    for _ in range(n_random)]
 
@@ -190,6 +196,8 @@ class Chaos:
             outcome, ids = await request(session, url, body, cut, a.request_timeout_s + 30)
             rep.requests += 1
             rep.outcomes[outcome] += 1
+            if outcome not in ("ok", "aborted", "hung"):
+                await asyncio.sleep(1.0)  # the Retry-After of the node's 503s: a client that honours it
             if greedy and outcome != "hung":
                 rep.greedy_compared += 1
                 rep.greedy_during_kills += any(k.at_s >= start - self.t0 for k in rep.kills)
@@ -198,11 +206,11 @@ class Chaos:
                     at = next((i for i, (x, y) in enumerate(zip(ids, want)) if x != y), min(len(ids), len(want)))
                     rep.greedy_mismatches.append(f"{outcome} {p.text[:30]!r}: {len(ids)} tokens, differs at {at}")
 
-    async def killer(self, session, until: float) -> None:
+    async def killer(self, session) -> None:
         a, rng = self.a, self.rng
         while True:
             await asyncio.sleep(rng.uniform(0.5, 1.5) * a.kill_every)
-            if time.monotonic() >= until:
+            if time.monotonic() >= self.t0 + a.kill_window * a.duration:
                 return
             targeted = rng.random() < a.targeted
             wait_until = time.monotonic() + (3.0 if targeted else 0.0)
@@ -212,8 +220,10 @@ class Chaos:
                 if cands or time.monotonic() >= wait_until:
                     break
                 await asyncio.sleep(0.02)
+            whole = {n for n, st in sts.items() if all(d["failure"] is None for d in st["devices"])}
             pids = {(n, d["device"]): d["engine"]["pid"] for n, st in sts.items() for d in st["devices"]
-                    if d["failure"] is None and d["engine"]["pid"]}
+                    if n in whole and d["engine"]["pid"]}  # one device down per node at most
+            cands = [c for c in cands if c[0] in whole]
             if not pids:
                 continue
             if targeted and cands:
@@ -248,7 +258,7 @@ class Chaos:
             until = self.t0 + a.duration
             warm = asyncio.create_task(self.sample_rss(session, 0.1 * a.duration))
             await asyncio.gather(*(self.client(session, random.Random(self.rng.random()), until)
-                                   for _ in range(a.concurrency)), self.killer(session, until), self.staller(until))
+                                   for _ in range(a.concurrency)), self.killer(session), self.staller(until))
             rep.seconds = time.monotonic() - self.t0
             await warm
             await self.settle(session)
@@ -290,7 +300,7 @@ class Chaos:
             rep.counters[n] = _counters(await _get(session, self.nodes[n].url + "/metrics", text=True))
             rep.health_after[n] = (await _get(session, self.nodes[n].url + "/health")).get("status")
             rep.rss_kib.setdefault(n, [0, 0])[1] = rss_kib(self.nodes[n].proc.pid)[0]
-        refs = [p for p in self.pool if p.max_tokens != 200] or self.pool[:2]
+        refs = [p for p in self.pool if p.shared] or self.pool[:2]
         answers = await asyncio.gather(*(_complete(session, self.nodes[n].url, p) for n in self.entry for p in refs))
         rep.served_after = all(ids == p.reference for ids, p in zip(answers, refs * len(self.entry)))
 
@@ -311,13 +321,15 @@ def _counters(text: str) -> dict:
     return out
 
 
-def chaos(scenario: str = "pooled", *, duration_s: float = 60.0, kill_every_s: float = 4.0, concurrency: int = 8,
+def chaos(scenario: str = "pooled", *, duration_s: float = 60.0, kill_every_s: float = 4.0, kill_window: float = 0.8,
+          concurrency: int = 8,
           abort: float = 0.15, targeted: float = 0.7, kv_transport: str = "tcp", link_gbps: float = 0.01,
           stall_every_s: float = 0.0, greedy_prompts: int = 8, request_timeout_s: float = 120.0,
           settle_s: float = 90.0, seed: int = 0, model: str | Path = STORIES,
           log_dir: str | Path | None = None) -> ChaosReport:
     """Run one scenario (see the module docstring) for ``duration_s`` seconds of load; return its report."""
-    a = argparse.Namespace(duration=duration_s, kill_every=kill_every_s, concurrency=concurrency, abort=abort,
+    a = argparse.Namespace(duration=duration_s, kill_every=kill_every_s, kill_window=kill_window,
+                           concurrency=concurrency, abort=abort,
                            targeted=targeted, stall_every=stall_every_s, request_timeout_s=request_timeout_s,
                            settle=settle_s)
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"chaos-{scenario}-"))
@@ -361,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenario", choices=[*SCENARIOS, "both"], default="both")
     ap.add_argument("--duration", type=float, default=300.0, help="seconds of load per scenario")
     ap.add_argument("--kill-every", type=float, default=4.0, help="mean seconds between engine kills")
+    ap.add_argument("--kill-window", type=float, default=0.8,
+                    help="kills happen in this first fraction of the run (the rest: the load goes on while they come back)")
     ap.add_argument("--targeted", type=float, default=0.7, help="fraction of kills aimed at a KV transfer in flight")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--abort", type=float, default=0.15, help="fraction of streams the client closes early")
@@ -373,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     ok = True
     for scenario in SCENARIOS if a.scenario == "both" else [a.scenario]:
-        rep = chaos(scenario, duration_s=a.duration, kill_every_s=a.kill_every, concurrency=a.concurrency,
+        rep = chaos(scenario, duration_s=a.duration, kill_every_s=a.kill_every, kill_window=a.kill_window,
+                    concurrency=a.concurrency,
                     abort=a.abort, targeted=a.targeted, kv_transport=a.kv_transport, link_gbps=a.link_gbps,
                     stall_every_s=a.stall_every, greedy_prompts=a.greedy_prompts, seed=a.seed, model=a.model)
         print("\n".join(rep.lines()), flush=True)
