@@ -389,3 +389,20 @@ def test_blocks_reserved_for_nixl_writes_are_quarantined_after_an_abort():
         healthy(node)
 
     with_node(body, mode="colocated", kv_port=0, kv_transport="nixl", peer_secret="s", kv_transfer_timeout_s=2.5)
+
+
+def test_a_pooled_prompt_waits_for_its_prefill_devices_restart_instead_of_failing():
+    """Found by the chaos run (bench/load/chaos.py): with the only prefill device's engine dead and its
+    restart planned, the pooled router placed new prompts on it (it looked idle: nothing queued) and each
+    failed at once with 503 ``engine_down``. A down prefill device takes no prompt now: they wait for the
+    restart (within their deadline) and are served by the new engine, greedy-exact."""
+    async def body(node: Node):
+        pre = node.engine("cpu:0")
+        before = kill(pre)
+        await wait_for(lambda: pre.failure is not None)
+        assert await asyncio.wait_for(collect(node, "r", CASES[0]), 120) == (CASES[0]["output_token_ids"][:40], [])
+        assert pre.runner is not before and pre.failure is None  # prefilled by the restarted engine
+        await wait_for(lambda: all(x.batcher.ledger.num_used == 0 for x in node.engines), 10)
+        healthy(node)
+
+    with_node(body, mode="pooled", prefill_devices=["cpu:0"], decode_devices=["cpu:1"])

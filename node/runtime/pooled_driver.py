@@ -12,6 +12,7 @@ A node with decode devices only (the far end of a cross-node pair) serves the re
 itself on those devices in mixed steps. A node whose decode side is wholly unreachable fails
 requests that waited ``DECODE_WAIT_S`` for it, instead of holding them forever; while one of its
 decode devices is being restarted (:mod:`node.runtime.engine_supervisor`) the work waits for it instead.
+Prompts go to live prefill devices only; with none live, they wait for one being restarted.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class PooledDriver(Driver):
 
     def recompute(self, req, index: int) -> None:
         """Prefill a sequence again (after a failed peer hand-off) on the least busy prefill device."""
-        engines = [self.node.engine(d) for d in self.prefill_ids] or [self.node.engine(d) for d in self.decode_ids]
+        engines = [self.node.engine(d) for d in self._placeable_prefill_ids()] or [
+            self.node.engine(d) for d in self.decode_ids]
         min(engines, key=lambda e: sum(s.num_uncomputed for s in e.batcher.waiting)).add_seq(req, index)
 
     def _peer_device(self, p: Peer) -> PoolDevice:
@@ -119,7 +121,7 @@ class PooledDriver(Driver):
             log.info("decode_peer_reachable_again", after_s=round(now - self.unreachable_since, 3))
             self.unreachable_since = None
         snap = PoolSnapshot(
-            prefill=tuple(self._device(d, False) for d in self.prefill_ids),
+            prefill=tuple(self._device(d, False) for d in self._placeable_prefill_ids()),
             decode=tuple(self._device(d, True) for d in decode_ids) + tuple(self._peer_device(p) for p in peers),
             waiting=tuple(WaitingPrompt(r.request_id, len(r.prompt_ids) * len(r.seqs), r.stats.arrival_s,
                                         self.expected_output(r) * len(r.seqs), seqs=len(r.seqs),
@@ -200,6 +202,15 @@ class PooledDriver(Driver):
     def _decode_coming_back(self) -> bool:
         """Whether a decode device of this node is down with its restart planned or under way."""
         return any(self.node.supervisor.coming_back(d) for d in self.decode_ids)
+
+    def _placeable_prefill_ids(self) -> list[str]:
+        """The prefill devices work may be placed on: the live ones. With none live while one is being
+        restarted, none: prompts wait for it (within their deadline) instead of failing on a dead device that
+        looks idle (nothing queued). With none coming back, all: a down device fails what it is given (503)."""
+        live = [d for d in self.prefill_ids if self.node.engine(d).failure is None]
+        if live or any(self.node.supervisor.coming_back(d) for d in self.prefill_ids):
+            return live
+        return self.prefill_ids
 
     def _live_decode_ids(self) -> list[str]:
         return [d for d in self.decode_ids if self.node.engine(d).failure is None]
