@@ -180,24 +180,27 @@ class PooledDriver(Driver):
 
     def _retarget(self, req, seq, engine: DeviceEngine) -> str | None:
         """A new decode device for a prefilled sequence whose target went down: the live one with the
-        most free blocks after reservations that holds the sequence and its reservation; with none live,
-        the request fails (503 ``engine_down``) and leaves the prefill device, unless one is being
-        restarted: it waits here for it (bounded by ``--max-unsent`` and the request's deadline). None:
-        not handed now."""
+        most free blocks after reservations that holds the sequence and its reservation; else a healthy
+        peer that fits (the target becomes the peer, and the next round hands it off over the peer path:
+        a restart takes seconds, and it may die again); else it waits here (bounded by ``--max-unsent``
+        and the request's deadline) while a decode device is live or being restarted, and otherwise the
+        request fails (503 ``engine_down``) and leaves the prefill device. None: not handed now."""
         live = self._live_decode_ids()
-        if not live:
-            if self._decode_coming_back():
-                return None
+        room = {d: self.node.engine(d).batcher.ledger.num_free - self._decode_reserved(d) for d in live}
+        best = max(live, key=room.__getitem__, default=None)
+        if best is not None and room[best] >= max(self.reserve.get(req.request_id, 0), len(seq.block_ids) + 1):
+            self.target[req.request_id] = best
+            log.warning("handoff_retargeted", request=req.request_id, to=best)
+            return best
+        peer = self._peer_for("", len(seq.block_ids) + 1) if self.node.peers else None
+        if peer is not None:
+            self.target[req.request_id] = peer.id
+            log.warning("handoff_retargeted", request=req.request_id, to=peer.id)
+            self.kick()
+        elif not live and not self._decode_coming_back():
             req.fail("every decode device is down", status=503, code="engine_down", retry_after_s=RETRY_AFTER_S)
             engine.abort(req.request_id)
-            return None
-        room = {d: self.node.engine(d).batcher.ledger.num_free - self._decode_reserved(d) for d in live}
-        best = max(live, key=room.__getitem__)
-        if room[best] < max(self.reserve.get(req.request_id, 0), len(seq.block_ids) + 1):
-            return None  # it waits here (bounded by --max-unsent) until a live device has room
-        self.target[req.request_id] = best
-        log.warning("handoff_retargeted", request=req.request_id, to=best)
-        return best
+        return None
 
     def _decode_coming_back(self) -> bool:
         """Whether a decode device of this node is down with its restart planned or under way."""
