@@ -298,6 +298,9 @@ class Chaos:
                 if d["failure"] is not None:
                     rep.devices_down_after.append(f"{key}: {d['failure']}")
             rep.counters[n] = _counters(await _get(session, self.nodes[n].url + "/metrics", text=True))
+            if "nixl" in st["network"]:  # --kv-transport nixl: the layers that went over NIXL, not TCP
+                rep.counters[n]["nixl_layers"] = {k: st["network"]["nixl"].get(k)
+                                                  for k in ("layers_written", "layers_received")}
             rep.health_after[n] = (await _get(session, self.nodes[n].url + "/health")).get("status")
             rep.rss_kib.setdefault(n, [0, 0])[1] = rss_kib(self.nodes[n].proc.pid)[0]
         refs = [p for p in self.pool if p.shared] or self.pool[:2]
