@@ -86,7 +86,11 @@ GROUPS: tuple[Group, ...] = (
         Tool("load.structured", "What does structured output cost: tokens/s and ITL with a JSON schema against none, "
              "the mask per token, a 50-field schema's compile, the grammar cache's bound?"),
         Tool("load.membership", "How fast do peer sets follow a join, a kill -9 and a clean stop through etcd?"),
-    ), ("load.node_process", "load.etcd_server", "load.host_compare", "load.host_cells", "load.stream_client"),
+        Tool("load.chaos", "With engines killed at random while KV is in flight (moves, hand-offs to a peer), "
+                           "does every request end, greedy-exact or with a clear error, with no KV block leaked or "
+                           "owned twice, and do both nodes come back healthy?"),
+    ), ("load.node_process", "load.etcd_server", "load.host_compare", "load.host_cells", "load.stream_client",
+        "load.chaos_report"),
         frozenset({"traffic"})),
     Group("device", "one device, group or link below the serving loop: kernels, steps, switches, KV transfer", (
         Tool("device.kernels", "Is every Triton kernel right on this GPU, and how close to the copy and "

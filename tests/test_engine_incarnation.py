@@ -389,3 +389,53 @@ def test_blocks_reserved_for_nixl_writes_are_quarantined_after_an_abort():
         healthy(node)
 
     with_node(body, mode="colocated", kv_port=0, kv_transport="nixl", peer_secret="s", kv_transfer_timeout_s=2.5)
+
+
+def test_a_pooled_prompt_waits_for_its_prefill_devices_restart_instead_of_failing():
+    """Found by the chaos run (bench/load/chaos.py): with the only prefill device's engine dead and its
+    restart planned, the pooled router placed new prompts on it (it looked idle: nothing queued) and each
+    failed at once with 503 ``engine_down``. A down prefill device takes no prompt now: they wait for the
+    restart (within their deadline) and are served by the new engine, greedy-exact."""
+    async def body(node: Node):
+        pre = node.engine("cpu:0")
+        before = kill(pre)
+        await wait_for(lambda: pre.failure is not None)
+        assert await asyncio.wait_for(collect(node, "r", CASES[0]), 120) == (CASES[0]["output_token_ids"][:40], [])
+        assert pre.runner is not before and pre.failure is None  # prefilled by the restarted engine
+        await wait_for(lambda: all(x.batcher.ledger.num_used == 0 for x in node.engines), 10)
+        healthy(node)
+
+    with_node(body, mode="pooled", prefill_devices=["cpu:0"], decode_devices=["cpu:1"])
+
+
+def test_a_prefilled_sequence_whose_decode_device_died_goes_to_a_peer_instead_of_waiting(monkeypatch):
+    """Found by the chaos run: a pooled node's prefilled sequence whose local decode device died during its
+    copy waited on its prefill device for that device's restart (seconds to tens of seconds; killed again,
+    until the request's deadline) although a decode peer had room. It goes to the peer now, greedy-exact."""
+    from support import free_port
+    from test_peers import SECRET, decode_node
+
+    gate = _gate_copies(monkeypatch)
+    case = CASES[0]
+    port = free_port()
+    peer = decode_node(port)
+
+    async def body(node: Node):
+        await node.start_network()
+        await wait_for(lambda: node.peers.ready(time.monotonic()), 30)
+        src, dst = node.engine("cpu:0"), node.engine("cpu:1")  # the router's pick: local first at equal room
+        run = asyncio.create_task(collect(node, "r", case))
+        await wait_for(lambda: src.moves.copying is not None)
+        kill(dst)
+        await wait_for(lambda: dst.failure is not None)
+        gate.set()  # the copy goes on into the dead pool, and fails
+        assert await asyncio.wait_for(run, 120) == (case["output_token_ids"][:40], [])
+        assert sum(p.sent for p in node.peers.peers.values()) == 1  # decoded by the peer, not after the restart
+        await wait_for(lambda: src.batcher.ledger.num_used == 0, 10)
+        healthy(node)
+
+    try:
+        with_node(body, mode="pooled", prefill_devices=["cpu:0"], decode_devices=["cpu:1"],
+                  peers=[f"127.0.0.1:{port}"], peer_secret=SECRET)
+    finally:
+        peer.close()

@@ -130,7 +130,8 @@ def test_kv_mover_refuses_a_move_of_a_sequence_not_decoding_at_home():
         seq.num_computed = 5
         fut = mover.migrate(seq, _Home(), "test")
         assert mover.queued and mover.outgoing_tokens == 5 and woken
+        assert mover.destinations == ["cpu:0"]  # GET /v1/node's kv_moves_out: the move is not done
         await mover.apply_blocking()
-        assert await fut is None and not mover.queued and mover.outgoing_tokens == 0
+        assert await fut is None and not mover.queued and mover.outgoing_tokens == 0 and mover.destinations == []
 
     asyncio.run(body())

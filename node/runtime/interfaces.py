@@ -84,7 +84,7 @@ class PeerTable(Protocol):
 
     peers: dict[str, Peer]  # by address
     stale_s: float  # a peer unheard of for this long (s) is not used
-    sending: set[str]  # sequence ids whose hand-off is not yet settled
+    sending: dict[str, str]  # sequence id → its source device, while its hand-off is not settled
     retries: dict[str, int]
 
     def ready(self, now: float) -> list[Peer]:

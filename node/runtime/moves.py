@@ -108,6 +108,7 @@ class KVMover:
         self._copies: deque[Move] = deque()  # overlapped moves begun, copied by _copy_loop in order
         self._copier: asyncio.Task | None = None
         self.copying: Move | None = None  # the overlapped move being copied now
+        self._blocking: Move | None = None  # the blocking move being copied now (between two steps)
         self._abort = threading.Event()  # set on stop or death: a copy in flight ends at its next layer
         self.link_gbps: float | None = None  # emulated interconnect for KV leaving this device
         self.block_layer_bytes: int | None = None  # a timed device: KV bytes one block of one layer emulates
@@ -137,8 +138,16 @@ class KVMover:
     @property
     def outgoing_tokens(self) -> int:
         """Tokens of KV queued to leave this device or leaving it now (moves not yet done)."""
-        moves = [*self._queued, *self._copies] + ([self.copying] if self.copying is not None else [])
-        return sum(m.seq.num_computed for m in moves)
+        return sum(m.seq.num_computed for m in self._in_flight())
+
+    def _in_flight(self) -> list[Move]:
+        return [*self._queued, *self._copies, *(m for m in (self.copying, self._blocking) if m is not None)]
+
+    @property
+    def destinations(self) -> list[str]:
+        """The destination device of each move leaving this device and not yet done (queued, waiting for
+        the link, or copying), for ``GET /v1/node`` (``kv_moves_out``: the chaos run kills either end of one)."""
+        return [m.dst.device_id for m in self._in_flight()]
 
     @property
     def queued(self) -> bool:
@@ -234,7 +243,11 @@ class KVMover:
         while self._queued:
             m = self._queued.pop(0)
             if self._begin(m):
-                await self._finish(m)
+                self._blocking = m
+                try:
+                    await self._finish(m)
+                finally:
+                    self._blocking = None
 
     def start_overlapped(self, busy: Callable[[], set[str]]) -> None:
         """Begin every queued overlapped move whose sequence is in no step in flight (``busy``: the seq

@@ -60,6 +60,7 @@ def node_status(node: StatusSource, history: int = 200, since_s: float | None = 
             "running": len(e.batcher.running),
             "resident_decoding": e.batcher.num_decoding,
             "waiting": len(e.batcher.waiting),
+            "kv_moves_out": e.moves.destinations,  # the destination of each KV move leaving the device, not yet done
             "steps": e.steps,
             "preemptions": e.batcher.num_preemptions,
             "errors": dict(e.errors),  # contained failures by stage; the device kept serving
@@ -130,8 +131,10 @@ def _network_status(node: StatusSource, now: float) -> dict:
     if node.receiver:
         out["received_sequences"] = node.receiver.relayed
         out["receiving"] = len(node.receiver.incoming)
+        out["receiving_on"] = sorted(e.device_id for e, *_ in list(node.receiver.incoming.values()))
         out["refused_inbound"] = node.receiver.refused.as_list(now)
     if node.peers:
+        out["sending_from"] = sorted(node.peers.sending.values())  # the source device of each unsettled hand-off
         out["peers"] = [p.as_dict(now, node.peers.stale_s) for p in list(node.peers.peers.values())]
     if node.membership:
         out["membership"] = node.membership.status()

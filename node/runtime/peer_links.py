@@ -89,7 +89,7 @@ class PeerLinks:
             self.add(addr)
         self.tasks: dict[str, set[asyncio.Task]] = {}  # request id → its hand-off tasks
         self.retries: dict[str, int] = {}  # sequence id → recomputes after failed hand-offs
-        self.sending: set[str] = set()  # sequence ids whose hand-off is not yet settled
+        self.sending: dict[str, str] = {}  # sequence id → its source device, while its hand-off is not settled
         self.nixl = None  # --kv-transport nixl: the node's NixlPlane (hand-offs load each peer's agent)
 
     # --- the peer set ---------------------------------------------------------------------------
@@ -245,10 +245,10 @@ class PeerLinks:
         (the task then relays the tokens until the sequence ends), False when the sequence stayed
         here (back on ``engine``, or dropped). The task returns whether the peer committed.
         """
-        self.sending.add(seq.seq_id)
+        self.sending[seq.seq_id] = engine.device_id
 
         def settle(committed: bool) -> None:
-            self.sending.discard(seq.seq_id)
+            self.sending.pop(seq.seq_id, None)
             if settled is not None:
                 settled(committed)
 

@@ -12,6 +12,7 @@ A node with decode devices only (the far end of a cross-node pair) serves the re
 itself on those devices in mixed steps. A node whose decode side is wholly unreachable fails
 requests that waited ``DECODE_WAIT_S`` for it, instead of holding them forever; while one of its
 decode devices is being restarted (:mod:`node.runtime.engine_supervisor`) the work waits for it instead.
+Prompts go to live prefill devices only; with none live, they wait for one being restarted.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class PooledDriver(Driver):
 
     def recompute(self, req, index: int) -> None:
         """Prefill a sequence again (after a failed peer hand-off) on the least busy prefill device."""
-        engines = [self.node.engine(d) for d in self.prefill_ids] or [self.node.engine(d) for d in self.decode_ids]
+        engines = [self.node.engine(d) for d in self._placeable_prefill_ids()] or [
+            self.node.engine(d) for d in self.decode_ids]
         min(engines, key=lambda e: sum(s.num_uncomputed for s in e.batcher.waiting)).add_seq(req, index)
 
     def _peer_device(self, p: Peer) -> PoolDevice:
@@ -119,7 +121,7 @@ class PooledDriver(Driver):
             log.info("decode_peer_reachable_again", after_s=round(now - self.unreachable_since, 3))
             self.unreachable_since = None
         snap = PoolSnapshot(
-            prefill=tuple(self._device(d, False) for d in self.prefill_ids),
+            prefill=tuple(self._device(d, False) for d in self._placeable_prefill_ids()),
             decode=tuple(self._device(d, True) for d in decode_ids) + tuple(self._peer_device(p) for p in peers),
             waiting=tuple(WaitingPrompt(r.request_id, len(r.prompt_ids) * len(r.seqs), r.stats.arrival_s,
                                         self.expected_output(r) * len(r.seqs), seqs=len(r.seqs),
@@ -178,28 +180,40 @@ class PooledDriver(Driver):
 
     def _retarget(self, req, seq, engine: DeviceEngine) -> str | None:
         """A new decode device for a prefilled sequence whose target went down: the live one with the
-        most free blocks after reservations that holds the sequence and its reservation; with none live,
-        the request fails (503 ``engine_down``) and leaves the prefill device, unless one is being
-        restarted: it waits here for it (bounded by ``--max-unsent`` and the request's deadline). None:
-        not handed now."""
+        most free blocks after reservations that holds the sequence and its reservation; else a healthy
+        peer that fits (the target becomes the peer, and the next round hands it off over the peer path:
+        a restart takes seconds, and it may die again); else it waits here (bounded by ``--max-unsent``
+        and the request's deadline) while a decode device is live or being restarted, and otherwise the
+        request fails (503 ``engine_down``) and leaves the prefill device. None: not handed now."""
         live = self._live_decode_ids()
-        if not live:
-            if self._decode_coming_back():
-                return None
+        room = {d: self.node.engine(d).batcher.ledger.num_free - self._decode_reserved(d) for d in live}
+        best = max(live, key=room.__getitem__, default=None)
+        if best is not None and room[best] >= max(self.reserve.get(req.request_id, 0), len(seq.block_ids) + 1):
+            self.target[req.request_id] = best
+            log.warning("handoff_retargeted", request=req.request_id, to=best)
+            return best
+        peer = self._peer_for("", len(seq.block_ids) + 1) if self.node.peers else None
+        if peer is not None:
+            self.target[req.request_id] = peer.id
+            log.warning("handoff_retargeted", request=req.request_id, to=peer.id)
+            self.kick()
+        elif not live and not self._decode_coming_back():
             req.fail("every decode device is down", status=503, code="engine_down", retry_after_s=RETRY_AFTER_S)
             engine.abort(req.request_id)
-            return None
-        room = {d: self.node.engine(d).batcher.ledger.num_free - self._decode_reserved(d) for d in live}
-        best = max(live, key=room.__getitem__)
-        if room[best] < max(self.reserve.get(req.request_id, 0), len(seq.block_ids) + 1):
-            return None  # it waits here (bounded by --max-unsent) until a live device has room
-        self.target[req.request_id] = best
-        log.warning("handoff_retargeted", request=req.request_id, to=best)
-        return best
+        return None
 
     def _decode_coming_back(self) -> bool:
         """Whether a decode device of this node is down with its restart planned or under way."""
         return any(self.node.supervisor.coming_back(d) for d in self.decode_ids)
+
+    def _placeable_prefill_ids(self) -> list[str]:
+        """The prefill devices work may be placed on: the live ones. With none live while one is being
+        restarted, none: prompts wait for it (within their deadline) instead of failing on a dead device that
+        looks idle (nothing queued). With none coming back, all: a down device fails what it is given (503)."""
+        live = [d for d in self.prefill_ids if self.node.engine(d).failure is None]
+        if live or any(self.node.supervisor.coming_back(d) for d in self.prefill_ids):
+            return live
+        return self.prefill_ids
 
     def _live_decode_ids(self) -> list[str]:
         return [d for d in self.decode_ids if self.node.engine(d).failure is None]
