@@ -112,6 +112,24 @@ class NodeServer:
     def get_json(self, path: str, timeout_s: float = 10.0) -> dict:
         return json.loads(self.get_text(path, timeout_s))
 
+    def wait_compiled(self, timeout_s: float = 900.0) -> float:
+        """Wait until no device's buckets are still compiling in the background (``GET /v1/node``'s
+        ``compile.state``; a node that reports no such field, an older checkout, has compiled at start-up
+        or not at all); the seconds waited, also added to :attr:`startup_s`.
+
+        Raises:
+            NodeUnavailable: still compiling after ``timeout_s``.
+        """
+        t0 = time.monotonic()
+        while any((d.get("compile") or {}).get("state") == "compiling" for d in self.get_json("/v1/node")["devices"]):
+            if time.monotonic() - t0 > timeout_s:
+                raise NodeUnavailable(f"buckets still compiling after {timeout_s:.0f} s: {self.log_tail()}")
+            time.sleep(0.5)
+        waited = time.monotonic() - t0
+        if self.startup_s is not None:
+            self.startup_s += waited
+        return waited
+
     def wait_idle(self, timeout_s: float = 60.0) -> bool:
         """Wait until no device holds KV blocks or sequences and nothing is queued; False on timeout."""
         deadline = time.monotonic() + timeout_s
