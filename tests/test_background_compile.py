@@ -11,6 +11,7 @@ busy 2-core machine, a few seconds warm."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import tempfile
@@ -27,6 +28,7 @@ from node.core.batcher import StepKind
 from node.core.online_refit import OnlineRefit
 from node.core.sequence import SamplingParams
 from node.worker.background_compile import CompileState, StepGate, compile_state
+from node.worker.compiled_forward import AttentionOpOps, CompiledForward
 from node.worker.compile_cache import LOCK_FILE, cache_facts, cache_key, compile_lock, use_cache_dir
 from node.worker.loader import auto_compile_off, build_runner, load_model_info, select_ops
 from node.worker.runner import ModelRunner, SeqInput, StepInput
@@ -118,7 +120,8 @@ def test_compile_lock_lets_one_engine_compile_at_a_time(tmp_path):
 # --- the flags and the auto rule ---------------------------------------------------------------------
 @pytest.mark.quick
 def test_compile_flags():
-    p = serve_parser()
+    p = argparse.ArgumentParser()
+    serve_parser(p.add_subparsers())
     a = config_from_args(p.parse_args(["serve"]))
     assert a.compile == DEFAULT_COMPILE and not a.compile_wait and a.compile_cache_dir is None
     assert NodeConfig().compile == "none"  # nodes built in code stay eager unless they ask
@@ -166,7 +169,7 @@ def _generate_alone(runner: ModelRunner, prompt: list[int], new: int, first_bloc
 
 
 @pytest.mark.quick
-def test_runner_serves_eager_while_its_bucket_compiles_then_compiled_with_the_same_tokens():
+def test_runner_serves_eager_while_its_bucket_compiles_then_compiled_with_the_same_tokens(monkeypatch):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -187,12 +190,32 @@ def test_runner_serves_eager_while_its_bucket_compiles_then_compiled_with_the_sa
         assert st is not None and st.state == "done" and st.compiled == [1] and st.pending == [] and st.failed == []
         assert bg.take_update() is None  # told once
         assert r.compiled.settled
+        # Before the background compile ends (settle), a ready bucket's steps are run-only lookups, which
+        # must find its graph (a miss would run eagerly, exact but slow): one more forward, not settled,
+        # its bucket compiled (from the cache the background compile filled) before the count below starts
+        cf = CompiledForward(r.model, r.kv_cache, [1], settled=False)
+        cf.warm(1)
+        # a graph lookup that missed would run the traced function eagerly, through this Python method
+        # (the compiled graph calls the attention op itself): count those runs
+        eager_runs = [0]
+        traced = AttentionOpOps.unified_attention
+
+        def counted(self, *a):
+            eager_runs[0] += 1
+            return traced(self, *a)
+
+        monkeypatch.setattr(AttentionOpOps, "unified_attention", counted)
         for c in cases:
             steps = r.compiled.steps
             got = _generate_alone(r, c["prompt_token_ids"], c["max_new_tokens"], 40)
             assert got == c["output_token_ids"], c["prompt"]
             assert r.compiled.steps - steps == c["max_new_tokens"] - 1  # every decode step ran compiled
-        assert r.compiled.fallbacks == 0
+        assert r.compiled.fallbacks == 0 and eager_runs[0] == 0
+        r.compiled = cf
+        for c in cases:
+            got = _generate_alone(r, c["prompt_token_ids"], c["max_new_tokens"], 80)
+            assert got == c["output_token_ids"], c["prompt"]
+        assert not cf.settled and cf.steps == sum(c["max_new_tokens"] - 1 for c in cases) and eager_runs[0] == 0
     finally:
         torch.set_num_threads(threads)
 

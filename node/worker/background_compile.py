@@ -48,7 +48,7 @@ SWITCH_INTERVAL_S = 1e-4
 """``sys.setswitchinterval`` while a background compile runs (CPython's default is 5 ms): the longest a
 step that starts while the compile thread holds the GIL waits for it."""
 
-MAX_PARK_S = 1.0
+MAX_PARK_S = 0.5
 """The longest the compile thread parks at once while a step runs. It then goes on for a moment: a step
 blocked on something the parked thread holds (an import lock, say) cannot wait for it forever."""
 

@@ -24,8 +24,8 @@ from node.worker.background_compile import compile_state
 from node.worker.engine_core import EngineCore, StepMsg
 from node.worker.grammar_masks import GrammarMasks
 from node.worker.engine_messages import (
-    TP_TIMEOUT_S, CompileReply, CompileStatus, Failed, FingerprintReply, PeerPools, Prepare, Ready, Reconfigure, Request, Shutdown, StepAck, TPRank,
-    Value,
+    TP_TIMEOUT_S, CompileReply, CompileStatus, Failed, FingerprintReply, PeerPools, Prepare, Ready, Reconfigure, Request,
+    Shutdown, StepAck, TPRank, Value,
 )
 
 log = structlog.get_logger("shiftnode.engine_process")
