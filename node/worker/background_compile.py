@@ -141,12 +141,16 @@ def _one_compile_worker() -> None:
 
 
 class BackgroundCompile:
-    """One thread compiling ``compiled``'s buckets in ascending order while the engine serves.
+    """One thread compiling a runner's buckets in ascending order while the engine serves.
 
     Args:
-        compiled: the forward whose buckets to compile (:meth:`CompiledForward.warm` each); its steps use
-            run-only lookups until :meth:`CompiledForward.settle` is called at the end.
-        gate: the runner's :class:`StepGate`.
+        runner: the :class:`~node.worker.runner.ModelRunner` (its ``model``, ``kv_cache``, ``gate`` and step
+            lock); the thread builds its :class:`CompiledForward` (``runner.compiled``, None until then:
+            importing dynamo and inductor takes seconds, which the engine's start does not wait for), then
+            compiles each bucket (:meth:`CompiledForward.warm`); the steps use run-only lookups until
+            :meth:`CompiledForward.settle` at the end.
+        sizes: the buckets (ascending).
+        options: inductor options.
         device_id: for the logs.
         cache_dir: the inductor cache directory in use (:func:`node.worker.compile_cache.use_cache_dir`), for
             the state; None: inductor's default.
@@ -157,13 +161,15 @@ class BackgroundCompile:
     reply carries it); :meth:`state` always gives it.
     """
 
-    def __init__(self, compiled: CompiledForward, gate: StepGate, device_id: str, cache_dir: str | None = None,
+    def __init__(self, runner, sizes: tuple[int, ...], options: dict, device_id: str, cache_dir: str | None = None,
                  lock_root: str | None = None):
-        self.compiled = compiled
-        self.gate = gate
+        self.runner = runner
+        self.sizes = tuple(sizes)
+        self.options = options
         self.device_id = device_id
         self.cache_dir = cache_dir
         self.lock_root = lock_root
+        self.compiled: CompiledForward | None = None
         self.failed: dict[int, str] = {}
         self._changed = False
         self._done = threading.Event()
@@ -184,21 +190,21 @@ class BackgroundCompile:
         return self._done.is_set()
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        """Block until every bucket is compiled or failed (tests, ``--compile-wait`` has its own path);
-        whether it finished within ``timeout_s``."""
+        """Block until every bucket is compiled or failed; whether it finished within ``timeout_s``."""
         return self._done.wait(timeout_s)
 
     def state(self) -> CompileState:
         """The buckets' state now."""
         c = self.compiled
-        ready = list(c.ready_sizes)
+        ready = list(c.ready_sizes) if c is not None else []
         failed = sorted(self.failed)
         if self.done:
             state = "failed" if failed and not ready else "done"
         else:
             state = "compiling"
-        return CompileState(state, list(c.sizes), ready, failed, next(iter(self.failed.values()), None), True,
-                            {t: round(v, 1) for t, v in c.compile_ms_by_size.items()}, self.cache_dir)
+        ms = {t: round(v, 1) for t, v in c.compile_ms_by_size.items()} if c is not None else {}
+        return CompileState(state, list(self.sizes), ready, failed, next(iter(self.failed.values()), None), True, ms,
+                            self.cache_dir)
 
     def take_update(self) -> CompileState | None:
         """:meth:`state` if a bucket finished (or failed) since the last call, else None."""
@@ -207,14 +213,33 @@ class BackgroundCompile:
         self._changed = False
         return self.state()
 
+    def _build(self) -> CompiledForward:
+        """The runner's compiled forward, its buckets not compiled yet. The imports (seconds) run first,
+        parked behind steps; the forward itself is made under the runner's step lock (it rebuilds the
+        model's weight views: not beside a step), which then takes milliseconds."""
+        import torch._dynamo  # noqa: F401 - the slow part, before the lock
+        import torch._inductor.compile_fx  # noqa: F401
+
+        r = self.runner
+        with r._lock:
+            compiled = CompiledForward(r.model, r.kv_cache, self.sizes, options=self.options, settled=False)
+            r.compiled = compiled
+        return compiled
+
     def _run(self) -> None:
         _lower_priority()
         _one_compile_worker()
         old_interval = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_INTERVAL_S)
-        self.gate.install()
+        self.runner.gate.install()
         try:
-            for size in self.compiled.sizes:
+            try:
+                self.compiled = self._build()
+            except Exception as e:  # noqa: BLE001 - no compiled forward: every step stays eager
+                self.failed = {t: f"{type(e).__name__}: {e}"[:500] for t in self.sizes}
+                log.warning("compile_failed", device=self.device_id, error=self.failed[self.sizes[0]])
+                return
+            for size in self.sizes:
                 try:
                     with compile_lock(self.lock_root):
                         ms = self.compiled.warm(size)
@@ -223,18 +248,19 @@ class BackgroundCompile:
                     log.warning("bucket_compile_failed", device=self.device_id, bucket=size, error=self.failed[size])
                 else:
                     log.info("bucket_compiled", device=self.device_id, bucket=size, ms=round(ms),
-                             parked_ms=round(self.gate.parked_s * 1e3))
+                             parked_ms=round(self.runner.gate.parked_s * 1e3))
                 self._changed = True
         finally:
-            self.gate.uninstall()
+            self.runner.gate.uninstall()
             sys.setswitchinterval(old_interval)
-            self.compiled.settle()
+            if self.compiled is not None:
+                self.compiled.settle()
             self.finished_s = time.monotonic()
             self._changed = True
             self._done.set()
         log.info("forward_compiled", device=self.device_id, background=True, sizes=list(self.compiled.ready_sizes),
                  failed=sorted(self.failed), s=round(self.finished_s - self.started_s, 1),
-                 parked_s=round(self.gate.parked_s, 2), cache_dir=self.cache_dir)
+                 parked_s=round(self.runner.gate.parked_s, 2), cache_dir=self.cache_dir)
 
 
 def compile_state(runner) -> CompileState | None:

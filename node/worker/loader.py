@@ -288,9 +288,9 @@ def attach_compiled_forward(runner: ModelRunner, config: NodeConfig, device_id: 
     (:mod:`node.worker.compiled_forward`), its artifacts in the compile cache
     (:mod:`node.worker.compile_cache`).
 
-    * ``background`` on a CPU device without ``--compile-wait``: nothing is compiled here; the buckets
-      compile while the engine serves (``runner.background``, :mod:`node.worker.background_compile`, which
-      the engine starts). ``--compile auto`` compiles only there, and only a dispatch-bound model
+    * ``background`` on a CPU device without ``--compile-wait``: nothing is compiled (nor imported) here;
+      the buckets compile while the engine serves (``runner.background``, :mod:`node.worker.background_compile`,
+      which the engine starts; ``runner.compiled`` is set by its thread). ``--compile auto`` compiles only there, and only a dispatch-bound model
       (:func:`auto_compile_off`).
     * Otherwise (``--compile inductor``) every bucket compiles now, before the node serves. On CUDA the
       decode graphs attached before keep the pure decode steps that fit them, the compile time is bounded by
@@ -315,8 +315,7 @@ def attach_compiled_forward(runner: ModelRunner, config: NodeConfig, device_id: 
     options = inductor_options(runner.device)
     cache_dir, root = _use_compile_cache(runner, config, options)
     if background and not cuda and not config.compile_wait:
-        runner.compiled = CompiledForward(runner.model, runner.kv_cache, sizes, options=options, settled=False)
-        runner.background = BackgroundCompile(runner.compiled, runner.gate, device_id, cache_dir, root)
+        runner.background = BackgroundCompile(runner, sizes, options, device_id, cache_dir, root)
         log.info("compile_in_background", device=device_id, sizes=list(sizes), cache_dir=cache_dir)
         return
     try:
