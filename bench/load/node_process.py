@@ -38,12 +38,17 @@ def free_port() -> int:
 
 
 class NodeServer:
-    """One node process. ``url`` is its base URL; ``get_json``/``get_text`` read its routes."""
+    """One node process. ``url`` is its base URL; ``get_json``/``get_text`` read its routes. Its steps run
+    eagerly unless ``serve_args`` name ``--compile`` (``--compile none`` is added otherwise)."""
 
     def __init__(self, serve_args: list[str], *, log_path: str | Path, env: dict[str, str] | None = None,
                  startup_timeout_s: float = 180.0, stop_timeout_s: float = 10.0, repo: str | Path | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        if not any(a == "--compile" or a.startswith("--compile=") for a in serve_args):
+            # eager unless the run asks (--compile's default compiles in the background: a run of the policy
+            # or the host path would measure steps changing speed, and a compile beside them)
+            serve_args = [*serve_args, "--compile", "none"]
         self.cmd = [sys.executable, "-m", "node.cli", "serve", "--port", str(self.port), *serve_args]
         self.repo = Path(repo) if repo is not None else REPO  # the checkout whose ``node`` package runs (the cwd)
         self.log_path = Path(log_path)

@@ -59,7 +59,8 @@ def cache_facts(model_folder: str, dtype: torch.dtype, kv_shape: tuple[int, ...]
     model = hashlib.sha256(cfg.read_bytes()).hexdigest()[:16] if cfg.is_file() else str(Path(model_folder).resolve())
     return {
         "model": Path(model_folder).name, "model_config": model, "dtype": str(dtype).removeprefix("torch."),
-        "kv_shape": list(kv_shape), "attention_backend": backend, "inductor_options": {k: options[k] for k in sorted(options)},
+        "kv_shape": list(kv_shape), "attention_backend": backend,
+        "inductor_options": {k: options[k] for k in sorted(options)},
         "device": device.type, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__, "triton": _version("triton"), "shiftnode": _version("shiftnode"),
     }

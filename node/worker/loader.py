@@ -290,8 +290,8 @@ def attach_compiled_forward(runner: ModelRunner, config: NodeConfig, device_id: 
 
     * ``background`` on a CPU device without ``--compile-wait``: nothing is compiled (nor imported) here;
       the buckets compile while the engine serves (``runner.background``, :mod:`node.worker.background_compile`,
-      which the engine starts; ``runner.compiled`` is set by its thread). ``--compile auto`` compiles only there, and only a dispatch-bound model
-      (:func:`auto_compile_off`).
+      which the engine starts; ``runner.compiled`` is set by its thread). ``--compile auto`` compiles only
+      there, and only a dispatch-bound model (:func:`auto_compile_off`).
     * Otherwise (``--compile inductor``) every bucket compiles now, before the node serves. On CUDA the
       decode graphs attached before keep the pure decode steps that fit them, the compile time is bounded by
       :data:`~node.worker.compiled_forward.CUDA_COMPILE_BUDGET_S`, and a compile that fails is logged
