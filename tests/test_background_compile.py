@@ -27,7 +27,7 @@ from node.config import NodeConfig
 from node.core.batcher import StepKind
 from node.core.online_refit import OnlineRefit
 from node.core.sequence import SamplingParams
-from node.worker.background_compile import CompileState, StepGate, compile_state
+from node.worker.background_compile import COMPILE_NICE, CompileState, StepGate, compile_state, nice_compiler
 from node.worker.compiled_forward import AttentionOpOps, CompiledForward
 from node.worker.compile_cache import LOCK_FILE, cache_facts, cache_key, compile_lock, use_cache_dir
 from node.worker.loader import auto_compile_off, build_runner, load_model_info, select_ops
@@ -71,6 +71,19 @@ def test_step_gate_parks_the_compile_thread_while_a_step_runs():
     stop.set()
     t.join(2)
     assert gate.parked_s >= 0.15
+
+
+@pytest.mark.quick
+def test_the_compiler_runs_at_the_lowest_priority(tmp_path, monkeypatch):
+    import shutil
+    import subprocess
+
+    monkeypatch.setenv("CXX", shutil.which("nice"))  # `nice` without arguments prints its niceness
+    wrapper = nice_compiler(str(tmp_path))
+    assert wrapper.endswith("nice-g++")  # inductor tells gcc by the name
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    assert int(subprocess.check_output([wrapper])) == min(19, base + COMPILE_NICE)
+    assert nice_compiler(None) is None
 
 
 # --- the cache ---------------------------------------------------------------------------------------
