@@ -12,9 +12,10 @@ from node.api.flags import add_stream_flags, stream_config
 from node.config import DEFAULT_REQUEST_TIMEOUT_S, EMBEDDED_MODEL, NodeConfig
 from node.serving_options import add_serving_arguments, serving_options_from_args
 
-DEFAULT_COMPILE = "auto"
-"""``--compile``'s default (docs/user-guide.md#compiled-steps---compile): compiled steps in the background on
-CPU engines of dispatch-bound models; nodes built in code (:class:`~node.config.NodeConfig`) default to none."""
+DEFAULT_COMPILE = "none"
+"""``--compile``'s default (docs/user-guide.md#compiled-steps---compile): eager steps. ``auto`` (compiled in the
+background on CPU engines of dispatch-bound models) is not the default yet: on the shared 2-core machine (load
+average 14-20) one stream's ITL p50 while a bucket compiled or loaded was ~2.3x eager's (bench/load/compile_start)."""
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,

@@ -70,8 +70,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     cpu_weight_packing: bool = True  # CPU projections on oneDNN-packed weights (node.worker.cpu_linear); False: F.linear
     enforce_eager: bool = False  # no CUDA-graph decode (graphs are used on CUDA with the triton backend otherwise)
     # auto | none | inductor: torch.compile the forward per token-count bucket (node.worker.loader.attach_compiled_forward;
-    # auto: in the background on CPU engines of dispatch-bound models). "none" here, "auto" is shiftnode serve's default:
-    # nodes built in code (tests, benches) stay eager unless they ask
+    # auto: in the background on CPU engines of dispatch-bound models); shiftnode serve's default is node.cli.DEFAULT_COMPILE
     compile: str = "none"
     compile_sizes: list[int] | None = None  # the buckets of --compile (None: the compiled runner's default buckets)
     compile_wait: bool = False  # compile every bucket before serving (else, on CPU engines, in the background)

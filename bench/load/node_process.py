@@ -46,8 +46,8 @@ class NodeServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         if not any(a == "--compile" or a.startswith("--compile=") for a in serve_args):
-            # eager unless the run asks (--compile's default compiles in the background: a run of the policy
-            # or the host path would measure steps changing speed, and a compile beside them)
+            # eager unless the run asks, whatever --compile's default (node.cli.DEFAULT_COMPILE) becomes: a run
+            # of the policy or the host path must not measure steps changing speed, and a compile beside them
             serve_args = [*serve_args, "--compile", "none"]
         self.cmd = [sys.executable, "-m", "node.cli", "serve", "--port", str(self.port), *serve_args]
         self.repo = Path(repo) if repo is not None else REPO  # the checkout whose ``node`` package runs (the cwd)
