@@ -78,6 +78,8 @@ GROUPS: tuple[Group, ...] = (
                                    "streaming load, and is it better than a baseline checkout?"),
         Tool("load.runner_step", "How long is the runner's decode step at batch 1 and 64, eager against "
                                  "--compile inductor, and how long does the compilation take?"),
+        Tool("load.compile_start", "How soon does a node answer while its steps compile in the background, how much "
+                                   "does the compile slow serving, and how long do a cold and a warm start take?"),
         Tool("load.soak", "Does a long mixed run with client aborts, a killed engine and a restarted peer leak "
                           "KV blocks, hang requests, grow memory or answer 5xx?"),
         Tool("load.fuzz", "Does any generated API request get a 5xx or hang? (the long run of the API fuzzer)"),

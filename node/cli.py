@@ -12,6 +12,11 @@ from node.api.flags import add_stream_flags, stream_config
 from node.config import DEFAULT_REQUEST_TIMEOUT_S, EMBEDDED_MODEL, NodeConfig
 from node.serving_options import add_serving_arguments, serving_options_from_args
 
+DEFAULT_COMPILE = "none"
+"""``--compile``'s default (docs/user-guide.md#compiled-steps---compile): eager steps. ``auto`` (compiled in the
+background on CPU engines of dispatch-bound models) is not the default yet: on the shared 2-core machine (load
+average 14-20) one stream's ITL p50 while a bucket compiled or loaded was ~2.3x eager's (bench/load/compile_start)."""
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
           "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
@@ -90,15 +95,21 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="on (default): CPU engines keep their projection weights packed for oneDNN; off: plain F.linear")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly (default on CUDA with the triton backend: decode steps replay CUDA graphs)")
-    p.add_argument("--compile", default="none", choices=["none", "inductor"],
-                   help="inductor: torch.compile the model forward once per --compile-sizes bucket at start-up (CPU "
-                        "and CUDA devices; steps of more tokens than the largest bucket stay eager, and on CUDA "
-                        "pure decode steps keep their CUDA graphs); none (default): eager steps. See "
-                        "docs/user-guide.md for when it pays")
+    p.add_argument("--compile", default=DEFAULT_COMPILE, choices=["auto", "none", "inductor"],
+                   help="inductor: torch.compile the model forward once per --compile-sizes bucket (CPU engines: in the "
+                        "background while serving eagerly, each bucket compiled from the step after it is ready; CUDA "
+                        "and --compile-wait: at start-up; on CUDA pure decode steps keep their CUDA graphs); auto: "
+                        "inductor in the background on CPU engines of small (dispatch-bound) models, else eager; none: "
+                        f"eager steps [{DEFAULT_COMPILE}]. See docs/user-guide.md")
     p.add_argument("--compile-sizes", default=None, type=_sizes_arg, metavar="N,N,...",
-                   help="token-count buckets of --compile inductor, each compiled at start-up (default, up to "
-                        "--max-num-batched-tokens: 1,2,4,...,256 on CPU, 16,64,256,512,1024,2048 on CUDA); a step is "
-                        "padded to the smallest that fits")
+                   help="token-count buckets of --compile (default, up to --max-num-batched-tokens: 1,2,4,...,256 on "
+                        "CPU, 16,64,256,512,1024,2048 on CUDA); a step is padded to the smallest that fits")
+    p.add_argument("--compile-wait", action="store_true",
+                   help="compile every bucket before the node serves (the node is not ready until then), not in the "
+                        "background")
+    p.add_argument("--compile-cache-dir", default=None, metavar="DIR",
+                   help="where compiled steps persist between starts, one folder per model, configuration and "
+                        "torch/triton/shiftnode versions [~/.cache/shiftnode]")
     lg = p.add_argument_group("logs")
     lg.add_argument("--log-format", default="console", choices=["console", "json"],
                     help="console: one readable line per event; json: one JSON object per line with every field")
@@ -260,7 +271,8 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         seed=a.seed, attention_backend=a.attention_backend, log_format=a.log_format, mode=a.mode,
         log_level=a.log_level, log_requests=a.log_requests, stats_interval_s=a.stats_interval_s,
         cpu_threads=a.cpu_threads, cpu_weight_packing=a.cpu_weight_packing == "on",
-        enforce_eager=a.enforce_eager, compile=a.compile, compile_sizes=a.compile_sizes,
+        enforce_eager=a.enforce_eager, compile=a.compile, compile_sizes=a.compile_sizes, compile_wait=a.compile_wait,
+        compile_cache_dir=a.compile_cache_dir,
         engine_layout=a.engine_layout, prefix_caching=a.prefix_caching,
         tensor_parallel_size=a.tensor_parallel_size, decode_tp=a.decode_tp, prefill_tp=a.prefill_tp,
         benchmark_model=a.benchmark_model, tool_call_parser=a.tool_call_parser, serving=serving_options_from_args(a),

@@ -69,8 +69,12 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     cpu_threads: int | None = None  # intra-op threads per CPU engine; None: timed at start-up (node.worker.cpu_threads)
     cpu_weight_packing: bool = True  # CPU projections on oneDNN-packed weights (node.worker.cpu_linear); False: F.linear
     enforce_eager: bool = False  # no CUDA-graph decode (graphs are used on CUDA with the triton backend otherwise)
-    compile: str = "none"  # none | inductor: torch.compile the forward per token-count bucket (CPU, CUDA)
+    # auto | none | inductor: torch.compile the forward per token-count bucket (node.worker.loader.attach_compiled_forward;
+    # auto: in the background on CPU engines of dispatch-bound models); shiftnode serve's default is node.cli.DEFAULT_COMPILE
+    compile: str = "none"
     compile_sizes: list[int] | None = None  # the buckets of --compile (None: the compiled runner's default buckets)
+    compile_wait: bool = False  # compile every bucket before serving (else, on CPU engines, in the background)
+    compile_cache_dir: str | None = None  # compiled artifacts (node.worker.compile_cache); None: ~/.cache/shiftnode
     tensor_parallel_size: int = 1  # colocated: devices per engine, --devices grouped in consecutive runs of this many
     decode_tp: int = 1  # time-shared: devices per group, one instance in the decode role; pooled: the decode pool's degree
     prefill_tp: int = 1  # time-shared: devices per instance in the prefill role (divides decode_tp); pooled: the prefill pool's
@@ -178,7 +182,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (self.link_gbps is None or self.link_gbps > 0, "--link-gbps must be positive"),
             (self.reconfig_pause_ms >= 0 and self.ttft_slo_ms > 0 and self.tpot_slo_ms > 0, "pause and SLO values must be positive"),
             (0 < self.min_window_ms <= self.max_window_ms, "need 0 < --min-window-ms <= --max-window-ms"),
-            (self.compile in ("none", "inductor"), f"--compile must be none or inductor, got {self.compile!r}"),
+            (self.compile in ("auto", "none", "inductor"), f"--compile must be auto, none or inductor, got {self.compile!r}"),
             (self.compile_sizes is None or (bool(self.compile_sizes) and min(self.compile_sizes) >= 1),
              f"--compile-sizes must list token counts of at least 1, got {self.compile_sizes}"),
             (self.stream_interval >= 1, f"--stream-interval must be at least 1, got {self.stream_interval}"),

@@ -67,6 +67,10 @@ class NodeProcess:
         self.port = port or free_port()  # a given port: a node restarted where clients expect it
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        if not any(a == "--compile" or a.startswith("--compile=") for a in args):
+            # eager unless the test asks, whatever --compile's default becomes: a background compile per node
+            # would load the shared cores of the suite
+            args = (*args, "--compile", "none")
         cmd = [sys.executable, "-m", "node.cli", "serve", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
         self.timeout_s = timeout_s

@@ -11,7 +11,7 @@ import argparse
 import pytest
 import torch
 
-from node.cli import config_from_args, serve_parser
+from node.cli import DEFAULT_COMPILE, config_from_args, serve_parser
 from node.config import ConfigError, NodeConfig
 from node.core.sequence import SamplingParams
 from node.worker.compiled_forward import (DEFAULT_COMPILE_SIZES, DEFAULT_CUDA_COMPILE_SIZES, CompiledForward,
@@ -179,7 +179,7 @@ def test_flags_sizes_and_where_compile_applies():
     a = p.parse_args(["serve", "--compile", "inductor", "--compile-sizes", "1,8,64"])
     cfg = config_from_args(a)
     assert (cfg.compile, cfg.compile_sizes) == ("inductor", [1, 8, 64])
-    assert config_from_args(p.parse_args(["serve"])).compile == "none"
+    assert config_from_args(p.parse_args(["serve"])).compile == DEFAULT_COMPILE  # docs/user-guide.md
     for bad in (["--compile", "jit"], ["--compile-sizes", "1,x"], ["--compile-sizes", "0"]):
         with pytest.raises(SystemExit):
             p.parse_args(["serve", *bad])

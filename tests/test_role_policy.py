@@ -88,7 +88,7 @@ def test_the_adaptive_driver_skips_the_snapshot_while_every_device_only_decodes(
     batcher = SimpleNamespace(running=[decoding] * 3, waiting=[])
     batcher.has_work = lambda kind: Batcher.has_work(batcher, kind)
     engine = SimpleNamespace(device_id="cpu:0", failure=None, batcher=batcher, role=SimpleNamespace(role=Role.DECODE),
-                             step_listeners=[], switch_listeners=[], migration_listeners=[])
+                             step_listeners=[], switch_listeners=[], migration_listeners=[], compile_listeners=[])
     node = SimpleNamespace(config=SimpleNamespace(imbalance_threshold=0.0, link_gbps=0.0), engines=[engine],
                            draining=False)
     driver = RoleDriver(node, role_scheduler(NodeConfig(mode="adaptive", devices=DEVICES[:1])), lambda: 0.0)
@@ -142,7 +142,7 @@ def test_a_device_that_mixes_every_step_refits_its_decode_terms_from_the_mixed_s
     clock = [0.0]
     engine = SimpleNamespace(device_id="cpu:0", failure=None, role=SimpleNamespace(role=Role.MIXED),
                              batcher=SimpleNamespace(running=[], waiting=[], has_work=lambda kind: True),
-                             step_listeners=[], switch_listeners=[], migration_listeners=[])
+                             step_listeners=[], switch_listeners=[], migration_listeners=[], compile_listeners=[])
     node = SimpleNamespace(config=SimpleNamespace(imbalance_threshold=0.0, link_gbps=0.0), engines=[engine], draining=False)
     driver = RoleDriver(node, role_scheduler(NodeConfig(mode="adaptive", devices=DEVICES[:1])), lambda: clock[0],
                         one_configuration=True)
@@ -177,7 +177,7 @@ def test_refits_are_at_most_every_refit_min_s_and_quiet_decode_steps_do_not_kick
         batcher = SimpleNamespace(running=[SimpleNamespace(is_decoding=True)], waiting=[])
         batcher.has_work = lambda kind: Batcher.has_work(batcher, kind)
         engine = SimpleNamespace(device_id="cpu:0", failure=None, role=SimpleNamespace(role=Role.DECODE),
-                                 batcher=batcher, step_listeners=[], switch_listeners=[], migration_listeners=[])
+                                 batcher=batcher, step_listeners=[], switch_listeners=[], migration_listeners=[], compile_listeners=[])
         node = SimpleNamespace(config=SimpleNamespace(imbalance_threshold=0.0, link_gbps=0.0), engines=[engine],
                                draining=False)
         driver = RoleDriver(node, role_scheduler(NodeConfig(mode="adaptive", devices=DEVICES[:1])), lambda: clock[0])
@@ -243,7 +243,7 @@ def test_a_mixing_device_step_end_after_a_fresh_round_does_not_kick():
         batcher = SimpleNamespace(running=[SimpleNamespace(is_decoding=True), prompt], waiting=[])
         batcher.has_work = lambda kind: Batcher.has_work(batcher, kind)
         engine = SimpleNamespace(device_id="cpu:0", failure=None, role=SimpleNamespace(role=Role.MIXED),
-                                 batcher=batcher, step_listeners=[], switch_listeners=[], migration_listeners=[])
+                                 batcher=batcher, step_listeners=[], switch_listeners=[], migration_listeners=[], compile_listeners=[])
         node = SimpleNamespace(config=SimpleNamespace(imbalance_threshold=0.0, link_gbps=0.0), engines=[engine],
                                draining=False)
         driver = RoleDriver(node, role_scheduler(NodeConfig(mode="adaptive", devices=DEVICES[:1])), lambda: 0.0)
@@ -290,7 +290,7 @@ def test_a_resting_driver_still_looks_at_the_node_now_and_then():
         batcher = SimpleNamespace(running=[SimpleNamespace(is_decoding=True)], waiting=[])
         batcher.has_work = lambda kind: Batcher.has_work(batcher, kind)
         engine = SimpleNamespace(device_id="cpu:0", failure=None, role=SimpleNamespace(role=Role.DECODE), batcher=batcher,
-                                 plan_hooks=[], step_listeners=[], switch_listeners=[], migration_listeners=[])
+                                 plan_hooks=[], step_listeners=[], switch_listeners=[], migration_listeners=[], compile_listeners=[])
         node = SimpleNamespace(config=SimpleNamespace(imbalance_threshold=0.0, link_gbps=0.0), engines=[engine],
                                draining=False)
         driver = RoleDriver(node, role_scheduler(NodeConfig(mode="adaptive", devices=DEVICES[:1])), lambda: 0.0)
@@ -324,7 +324,7 @@ def test_a_device_ordered_to_switch_shows_switching_before_its_switch_task_begin
     role = SimpleNamespace(role=Role.DECODE, since_s=0.0, switching_to=None, switch_done_est_s=None, switch_started_s=None)
     engine = SimpleNamespace(device_id="cpu:0", failure=None, role=role, step_started_s=None, last_step_s=0.0,
                              requests={}, batcher=Batcher(BlockLedger(16, 4), BatchConfig()),
-                             step_listeners=[], switch_listeners=[], migration_listeners=[])
+                             step_listeners=[], switch_listeners=[], migration_listeners=[], compile_listeners=[])
     node = SimpleNamespace(config=SimpleNamespace(imbalance_threshold=0.0, link_gbps=0.0), engines=[engine])
     driver = RoleDriver(node, role_scheduler(NodeConfig(mode="adaptive", devices=DEVICES[:1])), lambda: 2.0)
     assert driver.views(2.0)[0].role is Role.DECODE
@@ -347,7 +347,7 @@ def test_the_adaptive_driver_keeps_its_timer_while_a_device_is_in_prefill_on_an_
     batcher = SimpleNamespace(running=[], waiting=[])
     role = SimpleNamespace(role=Role.PREFILL)
     engine = SimpleNamespace(device_id="cpu:0", failure=None, batcher=batcher, role=role,
-                             step_listeners=[], switch_listeners=[], migration_listeners=[])
+                             step_listeners=[], switch_listeners=[], migration_listeners=[], compile_listeners=[])
     node = SimpleNamespace(config=SimpleNamespace(imbalance_threshold=0.0, link_gbps=0.0), engines=[engine],
                            draining=False)
     adaptive = RoleDriver(node, role_scheduler(NodeConfig(mode="adaptive", devices=DEVICES[:1])), lambda: 0.0)

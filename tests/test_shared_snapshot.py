@@ -58,7 +58,7 @@ def _live_driver(sim: TimeSharedSim, now: float) -> RoleDriver:
             role=SimpleNamespace(role=d.role, since_s=d.role_since_s, switch_started_s=d.role_since_s,
                                  switching_to=d.switching_to, switch_done_est_s=switch_done),
             step_started_s=d.busy_until_s if d.plan is not None else None, last_step_s=0.0,
-            step_listeners=[], switch_listeners=[], migration_listeners=[]))
+            step_listeners=[], switch_listeners=[], migration_listeners=[], compile_listeners=[]))
     by_id = {e.device_id: e for e in engines}
     node = SimpleNamespace(config=SimpleNamespace(imbalance_threshold=1.0, link_gbps=0.0), engines=engines,
                            engine=by_id.__getitem__, peers=None, draining=False)

@@ -103,7 +103,7 @@ REPO = Path(__file__).resolve().parents[2]
 STORIES = shared_dir() / "models" / "stories260k"
 SAMPLING = {"greedy": {"temperature": 0.0}, "t0.8": {"temperature": 0.8, "top_p": 0.95}}
 MODELS = {"zero": ["--benchmark-model", "zero"], "sleep:5": ["--benchmark-model", f"sleep:{SLEEP_MS:g}"],
-          "stories": [], "stories-c": ["--compile", "inductor"], "llama3-vocab": ["--load-format", "dummy"]}
+          "stories": ["--compile", "none"], "stories-c": ["--compile", "inductor"], "llama3-vocab": ["--load-format", "dummy"]}
 LLAMA3_VOCAB = 128256
 """``llama3-vocab``: stories260k's geometry and tokenizer with Llama-3's vocabulary, dummy weights (a real
 forward; the LM head and the sampler work on 128,256 logits per row). Ids past the tokenizer's 512
@@ -188,6 +188,7 @@ def run_grid(args: argparse.Namespace, log_dir: Path, done=lambda cells: None) -
                     try:
                         with NodeServer(flags + api_flags, log_path=log_path, repo=repo,
                                         startup_timeout_s=min(timeout, left - need) if left is not None else timeout) as node:
+                            node.wait_compiled(timeout)  # buckets compiling in the background: measured once compiled
                             for c, sampling in points:
                                 cells.append(_measure(args, node, Cell(layout, model, setup, c, sampling, **tags,
                                                                        startup_s=node.startup_s)))

@@ -38,12 +38,17 @@ def free_port() -> int:
 
 
 class NodeServer:
-    """One node process. ``url`` is its base URL; ``get_json``/``get_text`` read its routes."""
+    """One node process. ``url`` is its base URL; ``get_json``/``get_text`` read its routes. Its steps run
+    eagerly unless ``serve_args`` name ``--compile`` (``--compile none`` is added otherwise)."""
 
     def __init__(self, serve_args: list[str], *, log_path: str | Path, env: dict[str, str] | None = None,
                  startup_timeout_s: float = 180.0, stop_timeout_s: float = 10.0, repo: str | Path | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        if not any(a == "--compile" or a.startswith("--compile=") for a in serve_args):
+            # eager unless the run asks, whatever --compile's default (node.cli.DEFAULT_COMPILE) becomes: a run
+            # of the policy or the host path must not measure steps changing speed, and a compile beside them
+            serve_args = [*serve_args, "--compile", "none"]
         self.cmd = [sys.executable, "-m", "node.cli", "serve", "--port", str(self.port), *serve_args]
         self.repo = Path(repo) if repo is not None else REPO  # the checkout whose ``node`` package runs (the cwd)
         self.log_path = Path(log_path)
@@ -111,6 +116,24 @@ class NodeServer:
 
     def get_json(self, path: str, timeout_s: float = 10.0) -> dict:
         return json.loads(self.get_text(path, timeout_s))
+
+    def wait_compiled(self, timeout_s: float = 900.0) -> float:
+        """Wait until no device's buckets are still compiling in the background (``GET /v1/node``'s
+        ``compile.state``; a node that reports no such field, an older checkout, has compiled at start-up
+        or not at all); the seconds waited, also added to :attr:`startup_s`.
+
+        Raises:
+            NodeUnavailable: still compiling after ``timeout_s``.
+        """
+        t0 = time.monotonic()
+        while any((d.get("compile") or {}).get("state") == "compiling" for d in self.get_json("/v1/node")["devices"]):
+            if time.monotonic() - t0 > timeout_s:
+                raise NodeUnavailable(f"buckets still compiling after {timeout_s:.0f} s: {self.log_tail()}")
+            time.sleep(0.5)
+        waited = time.monotonic() - t0
+        if self.startup_s is not None:
+            self.startup_s += waited
+        return waited
 
     def wait_idle(self, timeout_s: float = 60.0) -> bool:
         """Wait until no device holds KV blocks or sequences and nothing is queued; False on timeout."""

@@ -76,6 +76,17 @@ class OnlineRefit:
             self.decode.append((plan.num_tokens - len(decodes), len(decodes), sum(it.seq.num_computed for it in decodes),
                                 seconds))
 
+    def restart(self) -> int:
+        """Forget the step samples (the pauses stay): the steps changed speed (a bucket of the forward was
+        compiled in the background), so samples from before would pull the fit towards steps that no
+        longer happen. The next refit then replaces the model outright, as the first one does. Returns the
+        number of samples dropped."""
+        dropped = len(self.prefill) + len(self.decode)
+        self.prefill.clear()
+        self.decode.clear()
+        self._fitted = False
+        return dropped
+
     def record_pause(self, seconds: float) -> None:
         """A measured role switch's pause (s; free DECODE <-> MIXED switches are none)."""
         self.pauses.append(seconds)

@@ -92,6 +92,7 @@ class DeviceEngine(Residents, Revival):
         self.step_listeners: list[Callable[[DeviceEngine, StepPlan, float], None]] = []
         self.switch_listeners: list[Callable[[DeviceEngine, SwitchRecord], None]] = []
         self.down_listeners: list[Callable[[DeviceEngine], None]] = []  # called once the device is down
+        self.compile_listeners: list[Callable] = []  # (engine, CompileState): its compiled buckets changed (compile_watch)
         self.plan_hooks: list[Callable[[], None]] = []  # each step-loop pass's first act (Driver.before_plan)
         self.step_started_s: float | None = None  # when the oldest step in flight was sent, else None
         self.last_step_s = 0.0
@@ -301,6 +302,8 @@ class DeviceEngine(Residents, Revival):
         self._postprocess(rec, outs)
         self.last_step_s = reply.busy_s
         self._notify(self.step_listeners, rec.plan, self.last_step_s)
+        if reply.compile is not None:  # a bucket compiled in the background: steps from now on are faster
+            self._notify(self.compile_listeners, reply.compile)
         self._current_plan = None
         if block_pins.LEDGER_CHECK:
             self.check_ownership()

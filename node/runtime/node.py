@@ -36,6 +36,7 @@ from node.runtime.role_driver import RoleDriver
 from node.runtime.role_policy import kv_copy_s_per_token, role_scheduler
 from node.runtime.metrics import NodeMetrics, request_outcome
 from node.runtime.accounting import account
+from node.runtime.compile_watch import CompileWatch
 from node.runtime.node_status import node_status
 from node.runtime.delta_stream import DeltaStream
 from node.runtime.output import SeqDelta
@@ -108,6 +109,7 @@ class Node:
             e.migration_listeners.append(self._on_migration)
             e.link_gbps = config.link_gbps
             e.block_layer_bytes = block_layer_bytes
+        self.compile_watch = CompileWatch(engines)  # each device's compiled buckets (GET /v1/node), and the idle poll
         self.supervisor = EngineSupervisor(config, engines)  # restarts dead engines (listening after the node)
         self.resumer = Resumer(self, self.supervisor)  # resumes their sequences elsewhere, or after the restart
         if self.driver:
@@ -149,6 +151,7 @@ class Node:
             e.start()
         if self.driver:
             self.driver.start()
+        self.compile_watch.start()
 
     async def start_network(self) -> None:
         """Open the KV transfer listener (``--kv-port``), start polling the ``--peers`` and join ``--etcd``
@@ -171,6 +174,7 @@ class Node:
 
     async def close(self) -> None:
         await self.supervisor.close()  # first: no engine is restarted while the node stops them
+        await self.compile_watch.stop()
         if self.membership:  # first: the lease's revocation tells every peer at once
             await self.membership.close()
         if self.receiver:

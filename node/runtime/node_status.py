@@ -26,6 +26,7 @@ class StatusSource(StateSource, Protocol):
     timed_out: int
     started_wall_s: float
     supervisor: Any  # node.runtime.engine_supervisor.EngineSupervisor: status(device_id, now)
+    compile_watch: Any  # node.runtime.compile_watch.CompileWatch: status(engine)
 
 
 def node_status(node: StatusSource, history: int = 200, since_s: float | None = None) -> dict:
@@ -66,6 +67,8 @@ def node_status(node: StatusSource, history: int = 200, since_s: float | None = 
             "errors": dict(e.errors),  # contained failures by stage; the device kept serving
             "failure": e.failure,  # why the device is down, or null
             "restart": node.supervisor.status(e.device_id, now),  # restarts, their limits, the outage (null while up)
+            # --compile: the token-count buckets, which run compiled and which are pending (null: eager steps)
+            "compile": node.compile_watch.status(e),
         }
         if isinstance(e.runner, TPEngineGroup):  # a group of devices as one (--tensor-parallel-size, --decode-tp)
             d["tensor_parallel"] = {"size": e.runner.degree, "devices": e.runner.devices, "pids": e.runner.pids,

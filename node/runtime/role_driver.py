@@ -84,10 +84,12 @@ class RoleDriver(Driver):
         self._moving_ctx: dict[str, int] = {}  # sequence id → its context tokens, for moves to peers
         self._to_peer: dict[str, list[tuple[float, int]]] = {}  # peer → (commit time, context) of recent moves
         self._moved_s: dict[str, float] = {}  # sequence id → end of its last move (or refusal): the cooldown
+        self._compiled_seen: dict[str, tuple[int, ...]] = {}  # device → its compiled buckets last heard of
         for e in node.engines:
             e.step_listeners.append(self._on_step)
             e.switch_listeners.append(self._on_switch)
             e.migration_listeners.append(lambda *_: self.kick())  # a sequence arrived: its device's role may change
+            e.compile_listeners.append(self._on_compiled)  # a bucket compiled in the background: faster steps
 
     # --- one decision round --------------------------------------------------------------------------
     def tick(self) -> None:
@@ -347,6 +349,17 @@ class RoleDriver(Driver):
             self.node.metrics.decode_stall.labels(device=engine.device_id, cause="role_switch").inc(resident * stall)
         if not (rec.from_role in ("decode", "mixed") and rec.to_role in ("decode", "mixed")):
             self._pauses.append(rec.pause_ms / 1e3)  # a free switch (DECODE <-> MIXED) is no pause sample
+
+    def _on_compiled(self, engine: DeviceEngine, state) -> None:
+        """A device's compiled buckets changed (:mod:`node.runtime.compile_watch`): its steps of those sizes
+        now take about half the time of the eager ones sampled so far (stories260k), so a refit over both would
+        fit neither; the refit starts again from the steps to come (:meth:`OnlineRefit.restart`)."""
+        seen = self._compiled_seen.get(engine.device_id)
+        self._compiled_seen[engine.device_id] = tuple(state.compiled)
+        if self.refits and tuple(state.compiled) != (seen or ()):  # (a restarted engine: eager again, fewer)
+            dropped = self.online.restart()
+            log.info("cost_refit_restarted", device=engine.device_id, compiled=list(state.compiled),
+                     pending=state.pending, samples_dropped=dropped)
 
     def refit(self) -> None:
         """Refit the policy's cost model from the recent measured steps (:meth:`node.core.online_refit.OnlineRefit.refit`:

@@ -16,11 +16,15 @@ kernels per layer and calls the GEMMs directly, so a step is a short list of ker
 * **Attention stays opaque**: ``shiftnode::unified_attention`` (:mod:`shiftnode_kernels.custom_ops`)
   writes the layer's K/V and runs the backend's paged attention (the Numba decode kernel on the CPU);
   it mutates the pool in place (its schema says so, and inductor passes the pool's views, no copy).
-* **Compiled at start-up, never under load.** :meth:`CompiledForward.warm_all` compiles every bucket
-  (inductor's FX graph cache on disk makes a later start mostly a cache load); while serving, calls
-  run under ``torch.compiler.set_stance("fail_on_recompile")``: a step that would need a new graph
-  raises instead, is logged once and runs eagerly. Each instance compiles its own copy of the traced
-  function, so its graphs are told apart by input shape alone and only those guards run per call.
+* **Never compiled by a step.** The buckets are compiled by :meth:`CompiledForward.warm_all` at
+  start-up, or one by one by a background thread while the engine serves
+  (:mod:`node.worker.background_compile`; a bucket not compiled yet runs eagerly); inductor's caches on
+  disk (:mod:`node.worker.compile_cache`) make a later start mostly a cache load. Until
+  :meth:`CompiledForward.settle`, steps look their graph up in dynamo's run-only mode (no trace, no
+  process-wide setting written while the compile thread works); after it, calls run under
+  ``torch.compiler.set_stance("fail_on_recompile")``: a step that would need a new graph raises instead,
+  is logged once and runs eagerly. Each instance compiles its own copy of the traced function, so its
+  graphs are told apart by input shape alone and only those guards run per call.
 * **Inductor options** (:func:`inductor_options`): on the CPU (:data:`INDUCTOR_OPTIONS`) the C++
   wrapper, no per-call size assertions, and OpenMP regions only at ATen's grain; on CUDA
   (:data:`CUDA_INDUCTOR_OPTIONS`) no size assertions and inductor's own CUDA graphs off.
@@ -202,13 +206,16 @@ class CompiledForward:
         budget_s: :meth:`warm_all` stops compiling further buckets once it took longer than this
             (None: no limit; the loader passes :data:`CUDA_COMPILE_BUDGET_S` on CUDA).
         options: inductor options (None: :func:`inductor_options` of the pool's device).
+        settled: steps may use the fast, process-wide stance path from the start (:meth:`run`); False while
+            another thread compiles buckets (:mod:`node.worker.background_compile`), until :meth:`settle`.
 
     Counters: ``steps`` (steps run compiled), ``fallbacks`` (steps that needed a recompile and ran
     eagerly), ``compile_ms`` (time spent in :meth:`warm_all`), ``compile_ms_by_size`` (per bucket).
     """
 
     def __init__(self, model: CausalLM, kv_cache: torch.Tensor, sizes: Sequence[int], mode: str | None = None,
-                 ops: AttentionOpOps | None = None, budget_s: float | None = None, options: dict | None = None):
+                 ops: AttentionOpOps | None = None, budget_s: float | None = None, options: dict | None = None,
+                 settled: bool = True):
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.device
@@ -217,8 +224,12 @@ class CompiledForward:
         self.budget_s = budget_s
         model.requires_grad_(False)
         model.set_tensor_parallel(model.tp)  # rebuild the weight views without autograd
-        self._fn = torch.compile(_own_code(_hidden), backend="inductor", fullgraph=True, dynamic=False, mode=mode,
-                                 options=inductor_options(self.device) if options is None else options)
+        self.options = inductor_options(self.device) if options is None else options
+        traced = _own_code(_hidden)
+        self._fn = torch.compile(traced, backend="inductor", fullgraph=True, dynamic=False, mode=mode, options=self.options)
+        # the same code object's graphs, looked up without ever compiling (a miss runs the function eagerly)
+        self._lookup = torch._dynamo.run(traced)
+        self._settled = settled
         self._ready: set[int] = set()
         self.steps = 0
         self.fallbacks = 0
@@ -233,6 +244,16 @@ class CompiledForward:
     def ready_sizes(self) -> tuple[int, ...]:
         """The buckets compiled so far (ascending)."""
         return tuple(sorted(self._ready))
+
+    @property
+    def settled(self) -> bool:
+        """No other thread compiles buckets any more: steps take the stance path (:meth:`run`)."""
+        return self._settled
+
+    def settle(self) -> None:
+        """The background compile is over (:mod:`node.worker.background_compile`): from the next step on,
+        calls run under ``fail_on_recompile`` with only the bucket-telling guards (:meth:`run`)."""
+        self._settled = True
 
     def warm_all(self) -> float:
         """Compile (or load from inductor's cache) every bucket in ascending order (:meth:`warm`) until
@@ -288,11 +309,18 @@ class CompiledForward:
         # Guards: only those that tell this runner's graphs apart (the bucket's shape) are checked
         # (skip_guard_eval_unsafe; ~0.1 ms of a 0.6 ms step otherwise, on ~30 weight tensors): the model,
         # its weights' shapes, the pool and the grad mode are those of the warm-up by construction.
+        # While another thread compiles, the stance (process-wide) stays untouched: a run-only lookup with
+        # every guard checked, which never compiles (a miss would run the function eagerly, still exact).
         pad = bucket - n
         sm = _step_meta(n, meta)
         with torch.inference_mode(False), torch.no_grad():
             ids = torch.tensor(input_ids + [0] * pad if pad else input_ids, dtype=torch.int64, device=self.device)
             pos = torch.tensor(positions + [0] * pad if pad else positions, dtype=torch.int64, device=self.device)
+            if not self._settled:
+                with step_metadata(sm):
+                    out = self._lookup(self.model, self.ops, ids, pos, self.kv_cache)
+                self.steps += 1
+                return out[:n] if pad else out
             try:
                 with step_metadata(sm), torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=True):
                     out = self._fn(self.model, self.ops, ids, pos, self.kv_cache)

@@ -27,6 +27,7 @@ import time
 import msgspec
 
 from node.core.sequence import SamplingParams
+from node.worker.background_compile import CompileState
 from node.worker.grammar_masks import GrammarMasks
 from node.worker.role_layouts import GroupLayouts
 from node.worker.runner import ModelRunner, SeqInput, SeqOutput, StepInput
@@ -90,12 +91,15 @@ class StepMsg(msgspec.Struct, tag="step"):
     rng_seed: int = 0
 
 
-class StepReply(msgspec.Struct, tag="step"):
+class StepReply(msgspec.Struct, tag="step", omit_defaults=True):
     """Outputs of a step, one per item, in item order; ``busy_s``: the engine's own time for the
-    step (applying the diff, building inputs, forward, sampling), in seconds."""
+    step (applying the diff, building inputs, forward, sampling), in seconds; ``compile``: the compiled
+    buckets when they changed since the last reply (a bucket compiled in the background; else None, left
+    off the wire)."""
 
     outputs: list[SeqOutput]
     busy_s: float = 0.0
+    compile: CompileState | None = None
 
 
 class _SeqState:
@@ -180,7 +184,8 @@ class EngineCore:
         for it, out in zip(msg.items, ordered):
             if out.token_id is not None:
                 seqs[it.seq_id].append(out.token_id)
-        return StepReply(ordered, time.perf_counter() - t0)
+        bg = getattr(self.runner, "background", None)  # buckets compiling while serving (background_compile)
+        return StepReply(ordered, time.perf_counter() - t0, bg.take_update() if bg is not None else None)
 
     def _step_input(self, items: list[StepItem]) -> StepInput:
         """The runner's input for ``items``, with the grammar rows' pending mask (filled when the runner

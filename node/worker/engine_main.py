@@ -20,11 +20,12 @@ import structlog
 import torch
 
 from node.config import NodeConfig
+from node.worker.background_compile import compile_state
 from node.worker.engine_core import EngineCore, StepMsg
 from node.worker.grammar_masks import GrammarMasks
 from node.worker.engine_messages import (
-    TP_TIMEOUT_S, Failed, FingerprintReply, PeerPools, Prepare, Ready, Reconfigure, Request, Shutdown, StepAck, TPRank,
-    Value,
+    TP_TIMEOUT_S, CompileReply, CompileStatus, Failed, FingerprintReply, PeerPools, Prepare, Ready, Reconfigure, Request,
+    Shutdown, StepAck, TPRank, Value,
 )
 
 log = structlog.get_logger("shiftnode.engine_process")
@@ -105,7 +106,7 @@ def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid
             log.info("tp_rank_joined", group=tp.group, rank=tp.rank, degree=tp.degree, device=device_id,
                      backend=torch.distributed.get_backend(), prefill_degree=tp.prefill_degree or None)
         runner = build_runner(config, info, device_id, ops, kv_alloc=kv_alloc, tp=group,
-                              held_degree=(tp.prefill_degree or None) if tp is not None else None)
+                              held_degree=(tp.prefill_degree or None) if tp is not None else None, background=True)
         core = EngineCore(runner, layouts, GrammarMasks.for_model(info))
         core.warm_up()
         if device_id.startswith("cpu"):
@@ -116,9 +117,11 @@ def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid
             chosen, measured = settle_threads(runner, *candidates)
             log.info("engine_threads", device=device_id, threads=chosen, candidates=list(threads),
                      probe_step_ms={n: round(s * 1e3, 3) for n, s in measured.items()})
+        if runner.background is not None:  # the buckets compile from now on, while this engine serves
+            runner.background.start()
         kv = runner.kv_cache
         conn.send_bytes(enc.encode(Ready(runner.num_blocks, list(kv.shape), str(kv.dtype).removeprefix("torch."),
-                                         kv.is_cuda, torch.get_num_threads())))
+                                         kv.is_cuda, torch.get_num_threads(), compile_state(runner))))
         if kv.is_cuda:
             from torch.multiprocessing.reductions import reduce_tensor
 
@@ -146,6 +149,8 @@ def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid
                 # rank 0 answers with the outputs; in a step of several instances, each instance's first rank
                 if tp is not None and tp.rank and not (msg.instances and tp.rank < layouts.instances):
                     reply = StepAck([-1 if o.token_id is None else o.token_id for o in reply.outputs], reply.busy_s)
+            elif isinstance(msg, CompileStatus):
+                reply = CompileReply(compile_state(runner))
             elif isinstance(msg, Prepare):
                 reply = Value(core.prepare_decode())
             elif isinstance(msg, Reconfigure):

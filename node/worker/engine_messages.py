@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from node.transport.protocol import Fingerprint
+from node.worker.background_compile import CompileState
 from node.worker.engine_core import StepMsg, StepReply
 
 
@@ -43,13 +44,26 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 
 
 class Ready(msgspec.Struct, tag="ready"):
-    """Sent once after loading: the KV pool's geometry (its memory follows as a handle)."""
+    """Sent once after loading: the KV pool's geometry (its memory follows as a handle), the intra-op
+    threads, and the compiled buckets (None: eager steps; :mod:`node.worker.background_compile`)."""
 
     num_blocks: int
     kv_shape: list[int]
     kv_dtype: str
     kv_cuda: bool
     threads: int
+    compile: CompileState | None = None
+
+
+class CompileStatus(msgspec.Struct, tag="compile_status"):
+    """Ask for the engine's compiled buckets now (the node polls while buckets are pending and no step
+    brings the news: :mod:`node.runtime.compile_watch`)."""
+
+
+class CompileReply(msgspec.Struct, tag="compile"):
+    """The answer to :class:`CompileStatus` (None: the engine's steps run eagerly)."""
+
+    state: CompileState | None
 
 
 class Value(msgspec.Struct, tag="value"):
@@ -103,7 +117,7 @@ class Reconfigure(msgspec.Struct, tag="reconfigure"):
     role: str
 
 
-Request = StepMsg | Prepare | GetFingerprint | Shutdown | PeerPools | Reconfigure
-Reply = StepReply | StepAck | Ready | Value | FingerprintReply | Failed
+Request = StepMsg | Prepare | GetFingerprint | Shutdown | PeerPools | Reconfigure | CompileStatus
+Reply = StepReply | StepAck | Ready | Value | FingerprintReply | Failed | CompileReply
 
 TP_TIMEOUT_S = 300.0  # a collective of a tensor-parallel group waits this long for a rank that never joins

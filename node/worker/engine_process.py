@@ -161,6 +161,7 @@ class EngineProcess:
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
         self.threads = 0
+        self.compile_state = None  # CompileState from Ready (node.worker.background_compile); None: eager steps
         self._mmap: mmap.mmap | None = None
         self.keep_kv_fd = bool(tp is not None and tp.prefill_degree and tp.prefill_degree < tp.degree)
         self._kv_fd: int | None = None
@@ -200,6 +201,7 @@ class EngineProcess:
             raise EngineError(reply.message, reply.kind)
         assert isinstance(reply, Ready), reply
         self.num_blocks, self.threads = reply.num_blocks, reply.threads
+        self.compile_state = reply.compile  # the compiled buckets at start (node.runtime.compile_watch follows them)
         try:
             if reply.kv_cuda:
                 rebuild, args = self._conn.recv()

@@ -9,7 +9,10 @@ import structlog
 import torch
 
 from node.config import NodeConfig, benchmark_cost_path
-from node.worker.compiled_forward import CUDA_COMPILE_BUDGET_S, CompiledForward, compile_sizes, compile_unsupported
+from node.worker.background_compile import BackgroundCompile
+from node.worker.compile_cache import compile_lock
+from node.worker.compiled_forward import (CUDA_COMPILE_BUDGET_S, CompiledForward, compile_sizes, compile_unsupported,
+                                         inductor_options)
 from node.worker.cuda_graphs import DecodeGraphs, decode_graphs_unsupported
 from node.worker.model_config import ModelConfig
 from node.worker.runner import (KVAlloc, ModelRunner, free_device_bytes, kv_bytes_per_token_per_rank, plan_kv_blocks,
@@ -115,7 +118,7 @@ def select_ops(backend: str, device_type: str) -> object:
 
 def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: object,
                  kv_alloc: KVAlloc | None = None, tp: TPGroup | None = None,
-                 held_degree: int | None = None) -> ModelRunner:
+                 held_degree: int | None = None, background: bool = False) -> ModelRunner:
     """Load weights on one device and size its KV pool.
 
     The KV budget is ``--kv-cache-memory`` bytes when given; on CUDA otherwise
@@ -134,6 +137,9 @@ def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: obj
     dividing ``D``): the device holds the degree-``P`` shard that contains its degree-``D`` one
     (``ShardLayout(D, P, rank // (D / P))``, ``1/P`` of the weights), so both layouts are views. Decode CUDA graphs are off at ``D > 1`` (eager steps) in
     this slice. Collective: every rank of the group must call it.
+
+    ``background``: the caller is an engine process that will serve while the buckets of ``--compile``
+    compile (:func:`attach_compiled_forward`); it starts ``runner.background`` itself once it serves.
 
     ``--benchmark-model timed:PATH``: the block count is the geometry's for ``--kv-cache-memory``
     (the emulated device's KV bytes), but the pool allocated holds one element per block, layer and
@@ -214,7 +220,7 @@ def build_runner(config: NodeConfig, info: LoadedModel, device_id: str, ops: obj
                  decode_graphs="off (timed steps run eagerly)")
         return runner
     attach_decode_graphs(runner, config, info.max_model_len, ops, device_id)
-    attach_compiled_forward(runner, config, device_id)
+    attach_compiled_forward(runner, config, device_id, background=background)
     attach_packed_weights(runner, config, device_id)
     return runner
 
@@ -237,25 +243,86 @@ def attach_packed_weights(runner: ModelRunner, config: NodeConfig, device_id: st
         log.info("weights_not_packed", device=device_id, reason=reason)
 
 
-def attach_compiled_forward(runner: ModelRunner, config: NodeConfig, device_id: str) -> None:
-    """``--compile inductor``: give ``runner`` a compiled forward per ``--compile-sizes`` bucket and
-    compile them all now, before the node serves (:mod:`node.worker.compiled_forward`); where it is not
-    supported (a benchmark model, tensor parallelism) steps stay eager, with a warning. On CUDA the
-    decode graphs attached before keep the pure decode steps that fit them, the compile time is bounded
-    by :data:`~node.worker.compiled_forward.CUDA_COMPILE_BUDGET_S`, and a compile that fails is logged
-    (``compile_failed``, the reason in ``runner.compiled_error``) and leaves the steps eager."""
+def auto_compile_off(runner: ModelRunner, background: bool) -> str | None:
+    """Why ``--compile auto`` leaves ``runner``'s steps eager, or None where it compiles them in the
+    background: a CPU device (CUDA: ``--compile inductor``), an engine process serving while it compiles
+    (not steps in the node's process, ``--engine-layout thread``, whose loop the compile would slow), and
+    a dispatch-bound model, whose projections are all too small for oneDNN packing (under
+    :data:`~node.worker.cpu_linear.PACK_MIN_ELEMENTS`: a step of a few hundred tiny ops, which inductor
+    fuses; a larger model's step is bound by its weights' bandwidth, which packing serves and compiling
+    has not been measured to)."""
+    from node.worker.cpu_linear import PACK_MIN_ELEMENTS
+
+    if runner.device.type != "cpu":
+        return f"--compile auto compiles on CPU devices (on {runner.device.type}: --compile inductor)"
+    if not background:
+        return "--compile auto compiles in engine processes (steps run in the node's process here)"
+    model = runner.model
+    weights = [w for layer in model.layers for w in (layer.qkv_proj.weight, layer.o_proj.weight,
+                                                     layer.gate_up_proj.weight, layer.down_proj.weight)]
+    biggest = max((w.numel() for w in weights + [model.head_weight]), default=0)
+    if biggest >= PACK_MIN_ELEMENTS:
+        return (f"projections of up to {biggest} elements run on packed weights (--compile inductor to "
+                "compile anyway)")
+    return None
+
+
+def _use_compile_cache(runner: ModelRunner, config: NodeConfig, options: dict) -> tuple[str | None, str | None]:
+    """Point this process's inductor cache into ``--compile-cache-dir`` (:mod:`node.worker.compile_cache`):
+    ``(the model's directory, the root)``, or ``(None, None)`` (logged) where it cannot be written (inductor's
+    default directory then, and no lock between engines)."""
+    from node.worker.compile_cache import cache_facts, default_cache_root, use_cache_dir
+
+    root = config.compile_cache_dir or str(default_cache_root())
+    facts = cache_facts(config.model, runner.kv_cache.dtype, tuple(runner.kv_cache.shape),
+                        getattr(runner.model.ops, "backend", "torch"), options, runner.device)
+    try:
+        return str(use_cache_dir(root, facts)), root
+    except OSError as e:
+        log.warning("compile_cache_unusable", root=str(root), error=str(e))
+        return None, None
+
+
+def attach_compiled_forward(runner: ModelRunner, config: NodeConfig, device_id: str, background: bool = False) -> None:
+    """``--compile``: give ``runner`` a compiled forward per ``--compile-sizes`` bucket
+    (:mod:`node.worker.compiled_forward`), its artifacts in the compile cache
+    (:mod:`node.worker.compile_cache`).
+
+    * ``background`` on a CPU device without ``--compile-wait``: nothing is compiled (nor imported) here;
+      the buckets compile while the engine serves (``runner.background``, :mod:`node.worker.background_compile`,
+      which the engine starts; ``runner.compiled`` is set by its thread). ``--compile auto`` compiles only
+      there, and only a dispatch-bound model (:func:`auto_compile_off`).
+    * Otherwise (``--compile inductor``) every bucket compiles now, before the node serves. On CUDA the
+      decode graphs attached before keep the pure decode steps that fit them, the compile time is bounded by
+      :data:`~node.worker.compiled_forward.CUDA_COMPILE_BUDGET_S`, and a compile that fails is logged
+      (``compile_failed``, the reason in ``runner.compiled_error``) and leaves the steps eager.
+
+    Where compiling is not supported (a benchmark model, tensor parallelism) steps stay eager, with a
+    warning (``--compile inductor``) or a note (``auto``)."""
     if config.compile == "none":
         return
     reason = compile_unsupported(runner.device, runner.model)
-    if reason is not None:
+    if config.compile == "auto":
+        reason = reason or auto_compile_off(runner, background)
+        if reason is not None:
+            log.info("compile_off", device=device_id, mode="auto", reason=reason)
+            return
+    elif reason is not None:
         log.warning("compile_off", device=device_id, reason=reason)
         return
     cuda = runner.device.type == "cuda"
     sizes = compile_sizes(config.max_num_batched_tokens, config.compile_sizes, runner.device.type)
+    options = inductor_options(runner.device)
+    cache_dir, root = _use_compile_cache(runner, config, options)
+    if background and not cuda and not config.compile_wait:
+        runner.background = BackgroundCompile(runner, sizes, options, device_id, cache_dir, root)
+        log.info("compile_in_background", device=device_id, sizes=list(sizes), cache_dir=cache_dir)
+        return
     try:
-        runner.compiled = CompiledForward(runner.model, runner.kv_cache, sizes,
+        runner.compiled = CompiledForward(runner.model, runner.kv_cache, sizes, options=options,
                                           budget_s=CUDA_COMPILE_BUDGET_S if cuda else None)
-        ms = runner.compiled.warm_all()
+        with compile_lock(root):  # engines starting together compile in turn: the later ones load the cache
+            ms = runner.compiled.warm_all()
     except Exception as e:
         if not cuda:
             raise
@@ -264,8 +331,9 @@ def attach_compiled_forward(runner: ModelRunner, config: NodeConfig, device_id: 
         runner.compiled = None
         runner.compiled_error = f"{type(e).__name__}: {e}"
         return
-    log.info("forward_compiled", device=device_id, backend=config.compile, sizes=list(runner.compiled.ready_sizes),
-             ms=round(ms), bucket_ms={t: round(v) for t, v in runner.compiled.compile_ms_by_size.items()})
+    log.info("forward_compiled", device=device_id, backend="inductor", sizes=list(runner.compiled.ready_sizes),
+             ms=round(ms), bucket_ms={t: round(v) for t, v in runner.compiled.compile_ms_by_size.items()},
+             cache_dir=cache_dir)
 
 
 def attach_decode_graphs(runner: ModelRunner, config: NodeConfig, max_model_len: int, ops: object,

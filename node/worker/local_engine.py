@@ -13,6 +13,7 @@ import torch
 
 from node.config import NodeConfig
 from node.transport.protocol import Fingerprint
+from node.worker.background_compile import compile_state
 from node.worker.engine_core import EngineCore, StepMsg
 
 
@@ -29,6 +30,7 @@ class LocalEngine:
         self.kv_cache = core.kv_cache
         self.num_blocks = core.num_blocks
         self.threads = torch.get_num_threads()  # the node process's own (this layout runs its steps there)
+        self.compile_state = compile_state(self.runner)  # compiled at load or not at all: never pending here
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
     def submit(self, msg: StepMsg) -> concurrent.futures.Future:

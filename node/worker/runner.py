@@ -20,6 +20,7 @@ import structlog
 import torch
 
 from shiftnode_kernels import cpu_sampling_numba
+from node.worker.background_compile import BackgroundCompile, StepGate
 from node.worker.compiled_forward import CompiledForward
 from node.worker.cuda_graphs import DecodeGraphs
 from node.worker.model import AttentionMetadata, CausalLM
@@ -100,8 +101,10 @@ class ModelRunner:
 
     ``graphs`` (set by the loader, None for eager only): pure decode steps that fit a bucket replay a
     captured CUDA graph (:class:`~node.worker.cuda_graphs.DecodeGraphs`); every other step runs eagerly.
-    ``compiled`` (set by the loader for ``--compile inductor``, else None): steps whose token count fits a
-    compiled bucket run its graph (:class:`~node.worker.compiled_forward.CompiledForward`).
+    ``compiled`` (set by the loader for ``--compile``, else None): steps whose token count fits a
+    compiled bucket run its graph (:class:`~node.worker.compiled_forward.CompiledForward`); ``background``
+    (set by the engine when the buckets compile while it serves, else None): the
+    :class:`~node.worker.background_compile.BackgroundCompile` doing it, and ``gate`` marks each step for it.
     ``pacer`` (set by the loader for ``--benchmark-model timed:PATH``, else None): makes every step
     last its modelled time (:class:`~node.worker.timed_step.StepPacer`).
     """
@@ -128,6 +131,8 @@ class ModelRunner:
         self.pacer: StepPacer | None = None
         self.compiled: CompiledForward | None = None  # --compile inductor (node.worker.compiled_forward)
         self.compiled_error: str | None = None  # why the compile failed on CUDA (steps then run eagerly)
+        self.background: BackgroundCompile | None = None  # buckets compiling while serving (background_compile)
+        self.gate = StepGate()  # parks a background compile thread while a step runs
         # A time-shared group rank in its prefill layout: the pools of the devices whose KV heads it
         # computes, its own among them (node.worker.role_layouts); None: its own pool only.
         self.kv_views: tuple[torch.Tensor, ...] | None = None
@@ -138,7 +143,7 @@ class ModelRunner:
 
     def execute(self, step: StepInput) -> dict[str, SeqOutput]:
         """Run one forward pass over the packed batch and sample. Returns outputs by ``seq_id``."""
-        with self._lock, torch.inference_mode():
+        with self._lock, self.gate.step(), torch.inference_mode():
             return self._execute(step)
 
     def prepare_decode(self) -> float:
