@@ -177,7 +177,7 @@ def test_an_engine_whose_loop_ends_is_reported_down_and_fails_its_requests():
         engine._task.cancel()
         await asyncio.sleep(0)
         engine._task = asyncio.get_running_loop().create_task(engine._loop())
-        engine._task.add_done_callback(engine._on_loop_done)
+        engine._task.add_done_callback(engine.revival.on_loop_done)
         task = asyncio.create_task(collect(node, "stranded"))
         async with asyncio.timeout(5):
             while not engine.batcher.waiting:

@@ -102,3 +102,17 @@ def test_only_the_composition_roots_import_the_node():
     graph = _graph("node")
     importers = sorted(m for m, deps in graph.items() if "node.runtime.node" in deps)
     assert importers == ["node.api.app"], importers  # the CLI builds it through the app factory
+
+
+def test_the_config_reaches_no_layer_above_it():
+    """``node.config`` (flags and their checks) sits below the engines, the runtime and the API: nothing it
+    imports, directly or through other modules, is of ``node.worker``, ``node.runtime`` or ``node.api``."""
+    graph = _graph("node")
+    seen, todo = set(), ["node.config"]
+    while todo:
+        for dep in graph[todo.pop()] - seen:
+            seen.add(dep)
+            todo.append(dep)
+    assert "node.core.cost" in seen  # the walk follows imports (node.timed_cost's)
+    above = sorted(m for m in seen if m.startswith(("node.worker", "node.runtime", "node.api")))
+    assert above == [], above

@@ -89,7 +89,7 @@ from node.core.chunk_budget import (chunk_budget, chunks_extra_s, chunks_s, effi
 from node.core.cost import CostModel
 from node.core.handoff_windows import Handoffs
 from node.core.mixed_placement import MixedPlacement
-from node.core.imbalance import Migrate
+from node.core.role_state import Migrate
 from node.core.roles import (EPS, Decision, NodeSnapshot, Place, Role, RoleScheduler,
                              RoleSchedulerConfig, SwitchRole, WaitingPrompt, _Dev)
 from node.core.role_state import assured_output
@@ -138,7 +138,7 @@ class _Mix:
         self.spacing, self.d, self.hold = False, 0.0, False
 
 
-class AdaptiveScheduler(MixedPlacement, Handoffs, RoleScheduler):
+class AdaptiveScheduler(Handoffs, RoleScheduler):
     """The adaptive policy (module docstring). ``max_step_tokens``: ``--max-num-batched-tokens``, the
     upper bound of a MIXED step's tokens (decode tokens included).
 
@@ -166,6 +166,10 @@ class AdaptiveScheduler(MixedPlacement, Handoffs, RoleScheduler):
         self._spaced: dict[str, tuple[float, float]] = {}  # device -> (its last spaced mixed step's start, next start)
         self._mixed_s: dict[str, float] = {}  # device -> last decision instant it was (or was sent) MIXED (s)
         self._handoff_init()
+        # chunk placement, a part given the estimates it uses (node.core.mixed_placement); bound methods, so
+        # the cost model is read at each call (an online refit replaces it) and the policy still pickles
+        self.mixed = MixedPlacement(target_s=self._ttft_target_s, fits_kv=self._fits_kv, need_blocks=self._need_blocks,
+                                    chunks_s=self._chunks_s, decode_step_s=self._decode_s, urgent=self.urgent)
 
     def quiet_decisions(self, now_s: float, mixed: list[str]) -> list[SwitchRole]:
         """:meth:`decide`'s decisions at ``now_s`` (s) when nothing waits and every device is in the decode
@@ -226,6 +230,14 @@ class AdaptiveScheduler(MixedPlacement, Handoffs, RoleScheduler):
         m = self._mix(_Dev(st, 0), now_s)
         return m.chunk, m.limit_s
 
+    def _ttft_target_s(self) -> float:
+        """The TTFT target a queue as chunks must end within: ``ttft_urgency x ttft_slo`` (s)."""
+        return self.config.ttft_urgency * self.config.ttft_slo_ms / 1e3
+
+    def _decode_s(self, n: int, k: int) -> float:
+        """The decode step time (s) of ``n`` sequences holding ``k`` context tokens (the cost model of now)."""
+        return self.cost.decode_step_s(n, k)
+
     def _m(self, mix: _Mix):
         return lambda c: self.cost.mixed_step_s(c, mix.s, mix.k)
 
@@ -276,10 +288,10 @@ class AdaptiveScheduler(MixedPlacement, Handoffs, RoleScheduler):
         mixing = [dv for dv in dec if dv.st.device_id in mixes]
         places: list[Place] = []
         self._keep_up(now_s, mixing, mixes, 0)  # a queue longer than the target at c*
-        remaining, capped = self._place_mixed(now_s, remaining, mixing, mixes, places)
+        remaining, capped = self.mixed.place(now_s, remaining, mixing, mixes, places)
         if capped:  # prompts the devices had room for but not the time at their chunks: grow them
             self._keep_up(now_s, mixing, mixes, capped)
-            remaining, _ = self._place_mixed(now_s, remaining, mixing, mixes, places)
+            remaining, _ = self.mixed.place(now_s, remaining, mixing, mixes, places)
         self._rescue(now_s, mixing, mixes)
         for dv in mixing:
             mix = mixes[dv.st.device_id]

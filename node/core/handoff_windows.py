@@ -58,8 +58,7 @@ moves.
 from __future__ import annotations
 
 from node.core.chunk_budget import spacing_s
-from node.core.imbalance import Migrate
-from node.core.role_state import (EPS, INF, ResidentSeq, Role, SwitchRole, WaitingPrompt, assured_per_seq,
+from node.core.role_state import (EPS, INF, Migrate, ResidentSeq, Role, SwitchRole, WaitingPrompt, assured_per_seq,
                                    move_blocks)
 from node.core.roles import _Dev
 

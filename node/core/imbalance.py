@@ -86,28 +86,16 @@ import msgspec
 
 from node.core.cost import CostModel
 from node.core.roofline import RooflineCost
-from node.core.role_state import move_blocks
+from node.core.role_state import Migrate, move_blocks
 from node.core.roles import DeviceState, NodeSnapshot, ResidentSeq, Role
 
-__all__ = ["Migrate", "ImbalanceConfig", "ImbalancePolicy"]
+__all__ = ["Migrate", "ImbalanceConfig", "ImbalancePolicy"]  # Migrate: the decision (node.core.role_state)
 
 INF = math.inf
 EPS = 1e-9  # s; float slack in time comparisons
 
 
 _DECODING = (Role.DECODE, Role.MIXED)  # roles whose steps decode every resident
-
-class Migrate(msgspec.Struct, frozen=True, tag="migrate"):
-    """Move decoding sequence ``seq_id`` (the ``ResidentSeq`` id) from ``src_device`` to ``dst_device``.
-
-    ``reason``: ``tpot`` (a prefill window would make it miss its target) or ``imbalance``; the adaptive
-    policy's hand-off windows give ``handoff`` (:mod:`node.core.handoff_windows`).
-    """
-
-    seq_id: str
-    src_device: str
-    dst_device: str
-    reason: str
 
 
 class ImbalanceConfig(msgspec.Struct, frozen=True, kw_only=True):

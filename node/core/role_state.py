@@ -1,7 +1,8 @@
 """What the role policies (:mod:`node.core.roles`, :mod:`node.core.adaptive`) read and return: the
 node's snapshot (each device's role, resident sequences and room; the waiting prompts), the decisions
-(:class:`SwitchRole`, :class:`Place`, :class:`Reject`) and the policy's targets and knobs
-(:class:`RoleSchedulerConfig`). Pure: the standard library and msgspec only."""
+(:class:`SwitchRole`, :class:`Place`, :class:`Reject`, and :class:`Migrate`: a sequence's move between
+devices) and the policy's targets and knobs (:class:`RoleSchedulerConfig`). Pure: the standard library
+and msgspec only."""
 
 from __future__ import annotations
 
@@ -158,6 +159,20 @@ class Reject(msgspec.Struct, frozen=True, tag="reject"):
 
 
 Decision = SwitchRole | Place | Reject
+
+
+class Migrate(msgspec.Struct, frozen=True, tag="migrate"):
+    """Move decoding sequence ``seq_id`` (the ``ResidentSeq`` id) from ``src_device`` to ``dst_device``.
+
+    ``reason``: ``tpot`` (a prefill window would make it miss its target) or ``imbalance``; the adaptive
+    policy's hand-off windows give ``handoff`` (:mod:`node.core.handoff_windows`). Decided by the imbalance
+    fallback (:mod:`node.core.imbalance`) and by those windows.
+    """
+
+    seq_id: str
+    src_device: str
+    dst_device: str
+    reason: str
 
 
 class RoleSchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):

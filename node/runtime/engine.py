@@ -12,10 +12,16 @@ includes) and the engine's stop. Membership changes (new sequences, aborts, deta
 between sends, on the loop; a block freed while a step is in flight goes only to a later step, which
 the engine runs after it.
 
-The step loop and the engine process's lifecycle are here; the role and its switches are a part that
-owns them (``roles``: :class:`~node.runtime.engine_roles.RoleSwitcher`), as are the KV moves leaving the
-device (``moves``: :class:`~node.runtime.moves.KVMover`); which sequences live on the device
-(:mod:`node.runtime.engine_residents`) and death and revival (:mod:`node.runtime.engine_revival`) are mixins.
+The step loop and the engine process's lifecycle are here; every other concern is a part that owns its
+state and is given by its constructor only what it uses (nano-vllm's and vLLM v1's way): the sequences
+the device holds (``residents``: :class:`~node.runtime.engine_residents.Residents`), its role and its
+switches (``roles``: :class:`~node.runtime.engine_roles.RoleSwitcher`), the KV moves leaving it (``moves``:
+:class:`~node.runtime.moves.KVMover`), the blocks transfers hold (``pins``:
+:class:`~node.runtime.block_pins.BlockPins`), its worker jobs (``jobs``:
+:class:`~node.runtime.worker_jobs.WorkerJobs`) and its death and revival (``revival``:
+:class:`~node.runtime.engine_revival.Revival`). The step loop calls the parts; the parts call each other
+only through what their constructors were given. The engine keeps the old names as properties over the
+parts (:mod:`node.runtime.parts`), so drivers, transfers and status pages need not know which part holds what.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from typing import Callable
 
 import structlog
 
-from node.core.batcher import Batcher, ScheduledSeq, StepPlan
+from node.core.batcher import Batcher, StepPlan
 from node.core.quarantine import Quarantine
 from node.core.sequence import PENDING, Sequence
 from node.runtime import block_pins
@@ -39,13 +45,13 @@ from node.runtime.engine_revival import Revival
 from node.runtime.engine_roles import RoleSwitcher
 from node.runtime.moves import COPY_GRACE_S, KVMover
 from node.runtime.parts import part as _part
-from node.runtime.request import RequestState
 from node.runtime.switching import DeviceRole, SwitchRecord
 from node.runtime.step_encoder import StepEncoder
+from node.runtime.worker_jobs import WorkerJobs
 from node.worker.engine_core import StepMsg, StepReply
+from node.worker.engine_messages import retrieved
 from node.worker.engine_process import EngineDied, EngineProcess
 from node.worker.local_engine import LocalEngine
-from node.worker.runner import SeqOutput
 
 log = structlog.get_logger("shiftnode.engine")
 
@@ -61,7 +67,7 @@ class _InFlight:
     pending: list[tuple[Sequence, int, int]]  # sequences given a placeholder token, its index, the item's position
 
 
-class DeviceEngine(Residents, Revival):
+class DeviceEngine:
     """Runs continuous batching on one device.
 
     Args:
@@ -81,10 +87,6 @@ class DeviceEngine(Residents, Revival):
         self.runner = runner
         self.batcher = batcher
         self.clock = clock
-        self.requests: dict[str, RequestState] = {}  # request id → state, for sequences on this device
-        self._by_seq: dict[str, tuple[RequestState, int]] = {}
-        self._aborts: list[str] = []
-        self._detaches: list[tuple[Sequence, asyncio.Future]] = []
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"worker-{device_id}")
         self._task: asyncio.Task | None = None
@@ -100,24 +102,23 @@ class DeviceEngine(Residents, Revival):
         self._idle.set()
         self._current_plan: StepPlan | None = None  # the step being post-processed
         self._inflight: deque[_InFlight] = deque()  # steps sent to the engine, oldest first (at most 2)
-        self._jobs: deque[tuple[Callable, tuple, asyncio.Future]] = deque()  # in_worker jobs
+        self._fatal_step: _InFlight | None = None  # the step whose reply said the engine died
         self.busy_s = 0.0  # the engine's own time in steps, summed (s)
         self.errors: dict[str, int] = {}  # contained failures by stage (step | listener | reconfigure | postprocess)
-        self.failure: str | None = None  # why the device is down (its step loop ended), else None
         self._encoder = StepEncoder()  # what the engine holds of each sequence; steps are diffs
-        self._dead: str | None = None  # the engine process exited (seen between steps)
-        self.engine_died = False  # the device went down because its engine process died (restartable)
+        down = lambda: self.revival.failure  # noqa: E731 - why the device is down, else None (the revival part's)
         self.pins = BlockPins(device_id, lambda: self.batcher.ledger)  # blocks transfers hold; the incarnation
         self.quarantine = Quarantine()  # suspects of an engine death, recomputed alone (node.core.quarantine)
-        # the step the engine died in: seq id → tokens computed at its end; whether it was a quarantine step
-        self.fatal, self.fatal_alone, self._fatal_step = {}, False, None
-        # called for each sequence held here when the engine process dies (node.runtime.resume); None: they fail
-        self.orphan_listener: Callable[[DeviceEngine, RequestState, int], None] | None = None
+        self.residents = Residents(device_id, batcher, self.pins, self.quarantine, self.wake, down,
+                                   lambda req, index: self.revival.lost(req, index))  # the sequences held here
         # the device's role and its switches (time-shared and adaptive modes; role None: colocated)
         self.roles = RoleSwitcher(device_id, role, batcher, clock, lambda: self.runner, self._executor, self._idle,
-                                  lambda: self.failure, self.wake, lambda rec: self._notify(self.switch_listeners, rec),
+                                  down, self.wake, lambda rec: self._notify(self.switch_listeners, rec),
                                   self._count_error)
         self.moves = KVMover(self, clock, self._executor, self.wake, self._notify)  # KV moves leaving this device
+        self.jobs = WorkerJobs(device_id, self._executor, down, self.wake)  # in_worker jobs, between steps
+        self.revival = Revival(self, batcher, self.residents, self.pins, self.quarantine, self.moves, self.jobs,
+                               self.roles, self._executor)  # death and revival, whether the device is up
 
     # --- the role part's face (engine_roles.py): the names drivers, status pages and tests use ---
     role = _part("roles", "role")  # the DeviceRole; None: colocated (every step is MIXED)
@@ -136,6 +137,40 @@ class DeviceEngine(Residents, Revival):
     block_layer_bytes = _part("moves", "block_layer_bytes", settable=True)
     migration_listeners = _part("moves", "migration_listeners")
     incarnation = _part("pins", "incarnation")  # bumped by each revive (node.runtime.block_pins)
+    # the residents part's (engine_residents.py)
+    requests = _part("residents", "requests")  # request id → state, for sequences on this device
+    add = _part("residents", "add")
+    add_seq = _part("residents", "add_seq")
+    adopt = _part("residents", "adopt")
+    readopt = _part("residents", "readopt")
+    detach = _part("residents", "detach")
+    abort = _part("residents", "abort")
+    cached_blocks_of = _part("residents", "cached_blocks_of")
+    reserve_for = _part("residents", "reserve_for")
+    check_ownership = _part("residents", "check_ownership")
+    movable = _part("residents", "movable")
+    release_for_move = _part("residents", "release_for_move")
+    forget_if_empty = _part("residents", "forget_if_empty")
+    release_pinned = _part("pins", "release")  # free pinned blocks now, unless stale (block_pins.py)
+    # the revival part's (engine_revival.py)
+    failure = _part("revival", "failure", settable=True)  # why the device is down (its loop ended), else None
+    up = _part("revival", "up")
+    down_reason = _part("revival", "down_reason")
+    engine_died = _part("revival", "engine_died")
+    fatal = _part("revival", "fatal", settable=True)
+    fatal_alone = _part("revival", "fatal_alone", settable=True)  # the supervisor reads it once
+    orphan_listener = _part("revival", "orphan_listener", settable=True)
+    kv_pools = _part("revival", "kv_pools")
+    stop_runner = _part("revival", "stop_runner")
+    revive = _part("revival", "revive")
+
+    in_worker = _part("jobs", "submit")  # (worker_jobs.py)
+
+    def free_pinned(self, block_ids: list[int]) -> None:
+        """Free blocks of a detached sequence once a peer has committed its copy. Queued behind the
+        worker's current job, so a gather still reading them finishes first. Blocks pinned before a
+        restart are not freed (:func:`~node.runtime.block_pins.stale`)."""
+        self.jobs.after_queued(lambda: (self.pins.release(block_ids), self.wake()))
 
     def _busy_seq_ids(self) -> set[str]:
         """The sequences of the steps in flight."""
@@ -145,6 +180,37 @@ class DeviceEngine(Residents, Revival):
         """The replies of the steps in flight now (a move's copy into blocks freed before waits for them)."""
         return [r.reply for r in self._inflight]
 
+    # --- what the revival part needs of the step loop (engine_revival.StepLoop) -------------------------
+    def dying_step(self) -> _InFlight | None:
+        """The step the engine was computing when it died: the one whose reply said so, else the first
+        step in flight with no answer (None: none). Asked once per death."""
+        def answered(r: _InFlight) -> bool:
+            return r.reply.done() and not r.reply.cancelled() and r.reply.exception() is None
+
+        rec = self._fatal_step or next((r for r in self._inflight if not answered(r)), None)
+        self._fatal_step = None
+        return rec
+
+    def drop_steps(self) -> None:
+        """The step loop ended: nobody awaits the replies of the steps in flight; the device is idle (a
+        switch waiting for the steps in flight goes on, and fails: ``switch_role``)."""
+        for rec in self._inflight:
+            rec.reply.add_done_callback(retrieved)
+        self._inflight.clear()
+        self._idle.set()
+
+    def serve_on(self, runner: EngineProcess | LocalEngine) -> None:
+        """Run steps on ``runner`` (a revive's fresh engine): no step is in flight, and the step diff
+        starts over (the new engine holds nothing)."""
+        self.runner = runner
+        self._encoder.reset()
+        self._inflight.clear()
+        self.step_started_s = None
+
+    def notify_down(self) -> None:
+        """Tell the down listeners the device is down."""
+        self._notify(self.down_listeners)
+
     def _count_error(self, stage: str) -> None:
         """One more contained failure at ``stage`` (step | listener | reconfigure | postprocess)."""
         self.errors[stage] = self.errors.get(stage, 0) + 1
@@ -152,36 +218,23 @@ class DeviceEngine(Residents, Revival):
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"engine-{self.device_id}")
-        self._task.add_done_callback(self._on_loop_done)
-        for process in self._processes():
-            asyncio.get_running_loop().add_reader(process.sentinel, self._on_engine_exit, process)
+        self._task.add_done_callback(self.revival.on_loop_done)
+        for process in self.revival.processes():
+            asyncio.get_running_loop().add_reader(process.sentinel, self.revival.on_engine_exit, process)
 
     async def stop(self, grace_s: float = COPY_GRACE_S) -> None:
         """Stop the loop and the engine. A KV copy in flight gets ``grace_s`` seconds to end, then is
         aborted (:meth:`KVMover.abort_copies`): a stop never waits on a slow link without bound."""
         await self.moves.stop(grace_s)
-        if self._task and not self._task.done():  # a loop that already ended was reported by _on_loop_done
+        if self._task and not self._task.done():  # a loop that already ended was reported (on_loop_done)
             self._task.cancel()
             with suppress(asyncio.CancelledError):
                 await self._task
-        await self.stop_runner()  # (engine_revival.py)
+        await self.revival.stop_runner()
         self._executor.shutdown(wait=True)
 
     def wake(self) -> None:
         self._wake.set()
-
-    async def _run_jobs(self) -> None:
-        loop = asyncio.get_running_loop()
-        while self._jobs:
-            fn, args, fut = self._jobs.popleft()
-            try:
-                result = await loop.run_in_executor(self._executor, fn, *args)
-            except Exception as e:  # noqa: BLE001 - the job's caller gets its own failure
-                if not fut.done():
-                    fut.set_exception(e)
-                continue
-            if not fut.done():
-                fut.set_result(result)
 
     # --- the loop --------------------------------------------------------------------------------
     async def _loop(self) -> None:
@@ -191,7 +244,7 @@ class DeviceEngine(Residents, Revival):
             try:
                 await self._iteration()
             except (asyncio.CancelledError, EngineDied):
-                raise  # a dead engine ends the loop: _on_loop_done reports the device down
+                raise  # a dead engine ends the loop: the revival part reports the device down
             except Exception as e:  # noqa: BLE001 - the device must outlive any one bug
                 self._contain("step", e, self._current_plan)
                 await asyncio.sleep(0)  # let aborts and the driver run before the next try
@@ -202,22 +255,23 @@ class DeviceEngine(Residents, Revival):
         plans N+1: vLLM's async scheduling, SGLang's overlap scheduler). Changes that touch the KV
         pool from this process (moves, in_worker jobs) first let every step in flight finish."""
         self._current_plan = None
-        if self._dead:
-            raise EngineDied(self._dead)
+        if self.revival.exited:
+            raise EngineDied(self.revival.exited)
         # the driver's round first: the moves and detaches it queues are taken below, before any plan
         for hook in self.plan_hooks:
             hook()
-        self._apply_aborts()
+        residents = self.residents
+        residents.apply_aborts()
         self.moves.start_overlapped(self._busy_seq_ids)
-        if (self._detaches or self.moves.queued or self._jobs) and self._inflight:
+        if (residents.detaches_queued or self.moves.queued or self.jobs.queued) and self._inflight:
             await self._complete()
             return
-        self._apply_detaches()
+        residents.apply_detaches()
         if self.moves.queued:
             await self.moves.apply_blocking()
             return
-        if self._jobs:
-            await self._run_jobs()
+        if self.jobs.queued:
+            await self.jobs.run_queued()
             return
         kind = self.roles.step_kind()
         chunk = self.roles.chunk_budget(kind)  # adaptive's MIXED role: the policy's chunk budget
@@ -236,7 +290,7 @@ class DeviceEngine(Residents, Revival):
         batcher as if the step ran (the next plan builds on it) and hand the message to the engine."""
         self._current_plan = plan
         try:
-            msg = self._encoder.encode(plan, self._by_seq)
+            msg = self._encoder.encode(plan, self.residents.by_seq)
             self.roles.split_prefill(plan, msg)  # one step, several instances (a prefill role's layout)
         except BaseException:
             self.batcher.discard(plan)  # never sent: nothing will write the blocks it registered (node.core.ledger)
@@ -269,7 +323,7 @@ class DeviceEngine(Residents, Revival):
         try:
             reply: StepReply = await rec.reply
         except EngineDied:
-            self._fatal_step = rec  # the step the engine was computing when it died (engine_revival.py)
+            self._fatal_step = rec  # the step the engine was computing when it died (dying_step)
             raise
         except Exception:
             # The steps sent after it were planned on its outcome: they fail with it (at most one more).
@@ -299,7 +353,8 @@ class DeviceEngine(Residents, Revival):
                 toks[index] = outs[pos].token_id
         self.steps += 1
         self.busy_s += reply.busy_s
-        self._postprocess(rec, outs)
+        self.residents.emit(rec.plan, rec.msg.items, outs, self.clock(),
+                            lambda e, it: self._contain("postprocess", e, StepPlan(rec.plan.kind, [it])))
         self.last_step_s = reply.busy_s
         self._notify(self.step_listeners, rec.plan, self.last_step_s)
         if reply.compile is not None:  # a bucket compiled in the background: steps from now on are faster
@@ -324,24 +379,8 @@ class DeviceEngine(Residents, Revival):
         self._count_error(stage)
         log.error("engine_error", device=self.device_id, stage=stage, error=f"{type(error).__name__}: {error}",
                   exc_info=error)
-        if plan is not None and plan.items:
-            reqs = {self._by_seq[it.seq.seq_id][0].request_id: self._by_seq[it.seq.seq_id][0]
-                    for it in plan.items if it.seq.seq_id in self._by_seq}
-        else:
-            reqs = dict(self.requests)
-        for req in reqs.values():
-            req.fail(f"internal error on {self.device_id} ({stage}): {type(error).__name__}: {error}")
-            try:
-                self._finish_request(req)
-            except Exception as e:  # noqa: BLE001 - bookkeeping already broken: drop the request's entries
-                log.error("engine_cleanup_failed", device=self.device_id, request=req.request_id, error=str(e))
-                for seq in req.seqs:
-                    self._by_seq.pop(seq.seq_id, None)
-                    with suppress(ValueError):
-                        self.batcher.running.remove(seq)
-                    with suppress(ValueError):
-                        self.batcher.waiting.remove(seq)
-                self.requests.pop(req.request_id, None)
+        self.residents.fail(self.residents.touched_by(plan),
+                            f"internal error on {self.device_id} ({stage}): {type(error).__name__}: {error}")
         self._current_plan = None
 
     def _notify(self, listeners: list[Callable], *args) -> None:
@@ -353,48 +392,3 @@ class DeviceEngine(Residents, Revival):
                 self._count_error("listener")
                 log.error("engine_listener_failed", device=self.device_id, listener=getattr(listener, "__qualname__", repr(listener)),
                           error=f"{type(e).__name__}: {e}", exc_info=e)
-
-    def _postprocess(self, rec: _InFlight, outs: list[SeqOutput]) -> None:
-        """Emit the step's tokens (``outs``: the engine's, in item order). A plain token (not a choice's
-        first, no logprobs, ends nothing: short of ``max_len``, not in ``TokenOutputState.enders``) of a
-        stream with a columnar path (``RequestState.plain``: API front ends) goes there as ``(index, id)``."""
-        now = self.clock()
-        by_seq = self._by_seq
-        for it, item, out in zip(rec.plan.items, rec.msg.items, outs):
-            entry = by_seq.get(item.seq_id)
-            if entry is None:  # the sequence left the device (aborted, finished) while the step ran
-                continue
-            try:
-                (req, i), tok = entry, out.token_id
-                if (req.plain is not None and tok is not None and out.logprobs is None and not out.prompt_logprobs
-                        and req.started[i]):
-                    seq, position, o = it.seq, item.start + it.num_tokens, req.outputs[i]
-                    if (position != seq.prompt_len and position + 1 < seq.max_len and o.finish_reason is None
-                            and tok not in o.enders and seq.first_token_s is not None):
-                        seq.last_token_s = now
-                        req.plain(i + req.index0, tok)
-                        continue
-                self._postprocess_one(it, item.start, out, entry, now)
-            except Exception as e:  # noqa: BLE001 - one sequence's failure (detokenizer, stop logic) is its own
-                self._contain("postprocess", e, StepPlan(rec.plan.kind, [it]))
-
-    def _postprocess_one(self, it: ScheduledSeq, start: int, out: SeqOutput, entry: tuple[RequestState, int],
-                         now: float) -> None:
-        """Emit one scheduled sequence's sampled token (already written over its placeholder)."""
-        seq = it.seq
-        req, i = entry
-        if out.prompt_logprobs:  # rows start.. predict prompt tokens start+1..; idempotent on recompute
-            req.prompt_logprobs[start : start + len(out.prompt_logprobs)] = out.prompt_logprobs
-        if out.token_id is None:
-            return
-        position = start + it.num_tokens  # where the sampled token sits in token_ids
-        seq.last_token_s = now
-        if seq.first_token_s is None:
-            seq.first_token_s = now
-        delta = req.outputs[i].on_token(out.token_id, out.logprobs, position)
-        if position == seq.prompt_len:
-            delta.cached_tokens = seq.num_cached_tokens or 0
-        if delta.finish_reason is not None:
-            self._finish_seq(seq)
-        req.emit(delta)  # the request leaves ``requests`` with its last sequence (_finish_seq), not when
-        # it is done: one that failed elsewhere (a timeout) still holds blocks until its abort applies

@@ -27,7 +27,7 @@ their engine cannot leave a device down for good. The other sequences (bystander
 without a retry charged: a death is not theirs.
 
 Sequences away from the device when it died (detached for a peer hand-off, in a begun in-node move,
-adopted from a peer or a move after it died) are resumed the same way (``DeviceEngine._lost``).
+adopted from a peer or a move after it died) are resumed the same way (:meth:`Revival.lost <node.runtime.engine_revival.Revival.lost>`).
 
 Sampled (temperature > 0) sequences resume too; their continuation is another sample (the engine's
 generator state died with it), as after a preemption.

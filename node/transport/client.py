@@ -10,31 +10,27 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 import structlog
 
 from node.log import request_lines
 from node.transport.protocol import (
-    Goodbye, Heartbeat, LayerHeader, Layout, LayoutMismatch, Message, ProtocolError, RelayEnd, SeqState,
+    Goodbye, Heartbeat, Layout, LayoutMismatch, Message, ProtocolError, RelayEnd, SeqState,
     StatusQuery, StatusReply, TokenRelay, TransferAbort, TransferAborted, TransferAccept, TransferCommitted, TransferDone, TransferOffer,
-    TransferRefuse, TransferRefused, TransportError, TransportTimeout, checksum, check_compatible,
-    new_transfer_id, secret_bytes,
+    TransferRefuse, TransferRefused, TransportError, TransportTimeout, check_compatible,
+    new_transfer_id,
 )
+from node.transport.peer_auth import secret_bytes
 from node.transport.errors import PeerRefused, TransferUnconfirmed, not_kv_peer
-from node.transport.layers import Layers, LayerSource, payload_view, skip_blocks
+from node.transport.layers import FaultHook, Layers, LayerSource, payload_view, skip_blocks, write_layer
 from node.transport.throttle import LinkThrottle, as_throttle
 from node.transport.wire import (
-    DEFAULT_CHUNK_BYTES, DEFAULT_MAX_HEADER_BYTES, client_handshake, drain, encode, read_msg, refusal_code,
+    DEFAULT_CHUNK_BYTES, DEFAULT_MAX_HEADER_BYTES, client_handshake, encode, read_msg, refusal_code,
     say_goodbye, send,
 )
 
 _log = structlog.get_logger("node.transport")
-
-BytesLike = bytes | bytearray | memoryview
-FaultHook = Callable[[int, memoryview], BytesLike]
-
-_CRC_THREAD_BYTES = 4 << 20  # above this, the CRC runs in a thread (zlib releases the GIL)
 
 
 @dataclass
@@ -318,7 +314,9 @@ class KVClient:
                     payload = await source.get(layer)
                     if skip:
                         payload = skip_blocks(payload_view(payload), skip, num_blocks)
-                    await self._send_layer(tid, layer, payload, sent)
+                    await write_layer(self._writer, tid, layer, payload, sent, chunk_bytes=self.chunk_bytes,
+                                      stall_timeout_s=self.stall_timeout_s, link=self.link, fault_hook=self.fault_hook,
+                                      before_write=lambda: self._raise_if_aborted(tid))
                     report.nbytes += sent
                     report.layer_end_s.append(time.monotonic() - t0)
                 await send(self._writer, TransferDone(transfer_id=tid), self.stall_timeout_s)
@@ -343,22 +341,6 @@ class KVClient:
         if request_lines():  # one per sequence moved: --log-requests (node.log)
             log.info("kv_transfer_sent", nbytes=report.nbytes, seconds=round(report.done_s, 6), gbps=round(report.gbps, 3))
         return report
-
-    async def _send_layer(self, tid: str, layer: int, payload: Any, nbytes: int) -> None:
-        view = payload_view(payload)
-        if view.nbytes != nbytes:
-            raise ValueError(f"layer {layer} payload has {view.nbytes} bytes, the layout needs {nbytes}")
-        crc = await asyncio.to_thread(checksum, view) if nbytes > _CRC_THREAD_BYTES else checksum(view)
-        if self.fault_hook is not None:
-            view = memoryview(self.fault_hook(layer, view)).cast("B")
-        self._raise_if_aborted(tid)
-        self._writer.write(encode(LayerHeader(transfer_id=tid, layer=layer, nbytes=nbytes, checksum=crc)))
-        for off in range(0, nbytes, self.chunk_bytes):
-            piece = view[off : off + self.chunk_bytes]
-            if self.link is not None:
-                await self.link.wait(len(piece))
-            self._writer.write(piece)
-            await drain(self._writer, self.stall_timeout_s)
 
     def _explain(self, tid: str, exc: BaseException) -> BaseException:
         """Prefer the receiver's own abort reason over the broken pipe it caused; socket errors become

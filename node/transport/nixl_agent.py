@@ -23,11 +23,9 @@ emulates a remote write with messages that the target's progress handles.
 
 Transfers are WRITEs by the sender (the node that holds the sequence), one NIXL request per layer,
 whose notification (``{transfer_id}|{layer}``) tells the receiver that layer landed: NIXL delivers a
-request's notification only after its data. A layer's descriptors are the K and V halves of each
-block (``layout.block_bytes / 2`` bytes each at ``base + ((layer*2 + kv)*num_blocks + block)*half``
-of a ``[num_layers, 2, num_blocks, block_size, Hkv, D]`` pool), merged over runs of consecutive
-blocks on both sides. The remote pool's address comes from the peer in a
-:class:`~node.transport.protocol.NixlPool` over the authenticated TCP channel.
+request's notification only after its data. A layer's descriptors (:mod:`node.transport.nixl_descriptors`)
+are the K and V halves of runs of blocks consecutive on both sides. The remote pool's address comes
+from the peer in a :class:`~node.transport.protocol.NixlPool` over the authenticated TCP channel.
 """
 
 from __future__ import annotations
@@ -45,6 +43,7 @@ import numpy as np
 import structlog
 
 from node.transport.errors import TransferAborted, TransportError, TransportTimeout
+from node.transport.nixl_descriptors import block_runs, layer_descs
 from node.transport.protocol import Layout, NixlPool
 
 _log = structlog.get_logger("node.transport")
@@ -76,32 +75,6 @@ def nixl_available() -> bool:
     except NixlUnavailable:
         return False
     return True
-
-
-def block_runs(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge a block mapping into runs consecutive on both sides: ``(local_starts, remote_starts,
-    lengths)`` (int64 arrays; ``local[i] -> remote[i]`` for every i)."""
-    if len(local) != len(remote):
-        raise ValueError(f"{len(local)} local blocks for {len(remote)} remote ones")
-    if len(local) == 0:
-        empty = np.zeros(0, np.int64)
-        return empty, empty, empty
-    breaks = np.flatnonzero((np.diff(local) != 1) | (np.diff(remote) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    lengths = np.diff(np.concatenate((starts, [len(local)])))
-    return local[starts], remote[starts], lengths
-
-
-def layer_descs(pool: NixlPool, half_bytes: int, layer: int, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """``[2*runs, 3]`` uint64 rows ``(address, bytes, device)``: the K then V halves of each run of
-    blocks of ``layer`` in ``pool`` (see the module docstring for the address formula)."""
-    rows = np.empty((2 * len(starts), 3), dtype=np.uint64)
-    for kv in (0, 1):
-        part = rows[kv * len(starts):(kv + 1) * len(starts)]
-        part[:, 0] = pool.addr + ((layer * 2 + kv) * pool.num_blocks + starts) * half_bytes
-        part[:, 1] = lengths * half_bytes
-        part[:, 2] = pool.dev
-    return rows
 
 
 class _Expect:

@@ -7,8 +7,6 @@ msgpack body (see :mod:`node.transport.wire`). A :class:`LayerHeader` is followe
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import math
 import secrets
 import zlib
@@ -22,7 +20,6 @@ from node.transport.errors import (  # noqa: F401 - the protocol's errors, re-ex
 )
 
 PROTOCOL_VERSION = 2  # 2: Layout carries a Fingerprint; the handshake ends with HelloAck
-NONCE_BYTES = 32
 
 
 def new_transfer_id(prefix: str) -> str:
@@ -373,34 +370,7 @@ def offer_problems(offer: TransferOffer) -> list[str]:
     return out
 
 
-# ---------------------------------------------------------------------------- auth and checksum
-def _mac(secret: bytes, label: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
-    msg = b"shiftnode-kv/%d/%s|" % (PROTOCOL_VERSION, label) + client_nonce + server_nonce
-    return hmac.new(secret, msg, hashlib.sha256).digest()
-
-
-def server_mac(secret: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
-    """HMAC-SHA256 the server sends; labelled so it can never be replayed as a client proof."""
-    return _mac(secret, b"server", client_nonce, server_nonce)
-
-
-def client_mac(secret: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
-    """HMAC-SHA256 the client sends."""
-    return _mac(secret, b"client", client_nonce, server_nonce)
-
-
-def mac_ok(expected: bytes, got: bytes) -> bool:
-    return hmac.compare_digest(expected, got)
-
-
-def secret_bytes(secret: str | bytes) -> bytes:
-    """The shared secret as bytes; an empty secret is refused."""
-    b = secret.encode() if isinstance(secret, str) else bytes(secret)
-    if not b:
-        raise ValueError("the peer secret must not be empty")
-    return b
-
-
+# ---------------------------------------------------------------------------------- checksum
 def checksum(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     """CRC-32 of ``data`` continuing from ``value`` (stdlib ``zlib.crc32``, ~1 GB/s, releases the GIL)."""
     return zlib.crc32(data, value)

@@ -26,8 +26,9 @@ from node.transport.protocol import (
     ChecksumMismatch, FrameTooLarge, Goodbye, Heartbeat, LayerHeader, Layout, LayoutMismatch,
     ProtocolError, RelayEnd, StatusQuery, StatusReply, TransferAbort, TransferAborted, TransferAccept,
     TransferCommitted, TransferDone, TransferOffer, TransferRefuse, TransportError, check_compatible,
-    offer_problems, secret_bytes, timeout_stage, NixlInfo, NixlQuery,
+    offer_problems, timeout_stage, NixlInfo, NixlQuery,
 )
+from node.transport.peer_auth import secret_bytes
 from node.transport.nixl_plane import info_of, receive_layers
 from node.transport.wire import (
     DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_PAYLOAD_BYTES, encode, read_msg, read_payload, refusal_code, say_goodbye,

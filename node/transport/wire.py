@@ -12,10 +12,11 @@ import struct
 
 import msgspec
 
+from node.transport.peer_auth import NONCE_BYTES, client_mac, mac_ok, server_mac
 from node.transport.protocol import (
-    NONCE_BYTES, PROTOCOL_VERSION, AuthError, FrameTooLarge, Goodbye, Hello, HelloAck, HelloProof, HelloReply,
+    PROTOCOL_VERSION, AuthError, FrameTooLarge, Goodbye, Hello, HelloAck, HelloProof, HelloReply,
     Layout, Message, PeerRefused, ProtocolError, TransportError, TransportTimeout, VersionMismatch, checksum,
-    check_compatible, client_mac, mac_ok, server_mac,
+    check_compatible,
 )
 
 _LEN = struct.Struct(">I")

@@ -15,6 +15,7 @@ import torch
 from node.transport import KVClient, LayoutMismatch, PeerRefused
 from node.transport import fingerprint as fp
 from node.transport import protocol as p
+from node.transport.peer_auth import client_mac, server_mac
 from node.transport.wire import encode, read_msg
 from model_copies import change_one_weight, copy_model
 from support import STORIES
@@ -116,7 +117,7 @@ def test_a_handshake_between_different_weights_is_refused_on_both_sides():
             hello = p.Hello(version=p.PROTOCOL_VERSION, node_id="raw", nonce=b"n" * 32, layout=theirs)
             writer.write(encode(hello))
             reply = await read_msg(reader, 1 << 20, 2.0)
-            writer.write(encode(p.HelloProof(mac=p.client_mac(SECRET.encode(), hello.nonce, reply.nonce))))
+            writer.write(encode(p.HelloProof(mac=client_mac(SECRET.encode(), hello.nonce, reply.nonce))))
             bye = await read_msg(reader, 1 << 20, 2.0)
             assert isinstance(bye, p.Goodbye) and bye.code == "weights" and "KV layout mismatch" in bye.reason
             writer.close()
@@ -136,7 +137,7 @@ def test_a_server_refusal_reaches_the_client_as_peer_refused_with_its_code():
         hello = await read_msg(reader, 1 << 20, 2.0)
         nonce = b"s" * 32
         writer.write(encode(p.HelloReply(version=p.PROTOCOL_VERSION, node_id="strict", nonce=nonce,
-                                         mac=p.server_mac(SECRET.encode(), hello.nonce, nonce))))
+                                         mac=server_mac(SECRET.encode(), hello.nonce, nonce))))
         await read_msg(reader, 1 << 20, 2.0)  # the proof
         writer.write(encode(p.Goodbye(reason="KV layout mismatch (tokenizer: ...)", code="tokenizer")))
         writer.close()

@@ -14,7 +14,8 @@ import torch
 from node.transport import AuthError, KVClient, TransportError
 from node.transport import protocol as p
 from node.transport.wire import client_handshake, encode, read_msg
-from node.transport.nixl_agent import NixlAgent, block_runs
+from node.transport.nixl_agent import NixlAgent
+from node.transport.nixl_descriptors import block_runs
 from node.transport.nixl_plane import info_of
 from node.transport.tensors import gather_layer
 from support import require_nixl

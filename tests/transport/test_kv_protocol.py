@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from node.transport import peer_auth
 from node.transport import protocol as p
 from node.transport.throttle import LinkThrottle
 from node.transport.wire import _DEC, encode
@@ -71,11 +72,11 @@ def test_seq_state_problems():
 
 def test_macs_are_directional_and_keyed():
     a, b = b"a" * 32, b"b" * 32
-    assert p.server_mac(b"k", a, b) != p.client_mac(b"k", a, b)
-    assert p.server_mac(b"k", a, b) != p.server_mac(b"K", a, b)
-    assert p.mac_ok(p.client_mac(b"k", a, b), p.client_mac(b"k", a, b))
+    assert peer_auth.server_mac(b"k", a, b) != peer_auth.client_mac(b"k", a, b)
+    assert peer_auth.server_mac(b"k", a, b) != peer_auth.server_mac(b"K", a, b)
+    assert peer_auth.mac_ok(peer_auth.client_mac(b"k", a, b), peer_auth.client_mac(b"k", a, b))
     with pytest.raises(ValueError):
-        p.secret_bytes("")
+        peer_auth.secret_bytes("")
 
 
 def test_throttle_paces_to_line_rate_on_a_manual_clock():
