@@ -89,10 +89,9 @@ from node.core.chunk_budget import (chunk_budget, chunks_extra_s, chunks_s, effi
 from node.core.cost import CostModel
 from node.core.handoff_windows import Handoffs
 from node.core.mixed_placement import MixedPlacement
-from node.core.role_state import Migrate
+from node.core.role_state import Migrate, assured_output
 from node.core.roles import (EPS, Decision, NodeSnapshot, Place, Role, RoleScheduler,
                              RoleSchedulerConfig, SwitchRole, WaitingPrompt, _Dev)
-from node.core.role_state import assured_output
 from node.core.roofline import RooflineCost
 
 __all__ = ["AdaptiveScheduler", "ChunkBudget", "AdaptiveDecision"]
