@@ -105,9 +105,10 @@ def fallback_node():
     node.close()
 
 
-def with_a_decoding_device(node: NodeProcess, load):
+def with_a_decoding_device(node: NodeProcess, load, outlast: bool = True):
     """Start a long greedy request, wait until its device decodes, run ``load()`` while it does; return
-    the decoding device, ``load()``'s result and the long request's response."""
+    the decoding device, ``load()``'s result and the long request's response. ``outlast``: assert the long
+    request was still decoding when ``load()`` returned."""
     first = reference_cases()[0]
     with cf.ThreadPoolExecutor(1) as pool:
         filler = pool.submit(node.client.post, "/v1/completions", json={
@@ -118,7 +119,7 @@ def with_a_decoding_device(node: NodeProcess, load):
             time.sleep(0.01)
         decoder = next(d["device"] for d in node.status()["devices"] if d["role"] == "decode")
         got = load()
-        assert not filler.done(), "the long request ended before the load did"
+        assert not (outlast and filler.done()), "the long request ended before the load did"
         r = filler.result()
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"][:200] == first["output_token_ids"]
     return decoder, got
@@ -161,23 +162,35 @@ def role_heading_to(device: dict, t: float) -> str:
     return device["switches"][0]["from_role"] if device["switches"] else device["role"]
 
 
+def pausing_at(device: dict, t: float) -> bool:
+    """Whether ``device`` was inside one of its switches (drain and pause) at time ``t`` (node clock, s)."""
+    return any(s["start_s"] <= t < s["end_s"] for s in device["switches"])
+
+
 def test_many_moves_under_concurrent_load_equal_one_device(stories_node, fallback_node):
     """32 concurrent requests prefilled beside a decoding device: their sequences move as they are born
     (several per round, while earlier moves are still copying), and every output equals one device's.
     Under this load the policy may also switch the roles (the filler's device to PREFILL, the other to
     DECODE), so each move is checked against the roles at its start, whichever device decoded first: from
-    a device in (or switching to) PREFILL to one in (or switching to) DECODE, as the "tpot" trigger moves."""
+    a device in (or switching to) PREFILL, or inside a switch's pause, to one in (or switching to) DECODE, as the
+    "tpot" trigger moves."""
     reqs = bodies(32)
     ref = [r.json()["choices"][0]["token_ids"] for r in run(stories_node, reqs, 1)]
-    before = len(fallback_node.status()["kv_transfers"])
-    _, got = with_a_decoding_device(fallback_node, lambda: run(fallback_node, reqs, 32))
+    since = fallback_node.status()["clock_s"]  # kv_transfers keeps the last 200: select by start, not by index
+    # the filler (480 tokens, near the model's context) may end before 32 requests do on a loaded 2-core
+    # machine; the moves are checked against the roles at each one's start below, whoever decoded then
+    _, got = with_a_decoding_device(fallback_node, lambda: run(fallback_node, reqs, 32), outlast=False)
     assert [r.status_code for r in got] == [200] * 32
     assert [r.json()["choices"][0]["token_ids"] for r in got] == ref
     st = fallback_node.wait_idle()
-    moved = st["kv_transfers"][before:]
+    moved = [t for t in st["kv_transfers"] if t["start_s"] >= since]
     devices = {d["device"]: d for d in st["devices"]}
     roles = [(role_heading_to(devices[t["src"]], t["start_s"]), role_heading_to(devices[t["dst"]], t["start_s"]))
              for t in moved]
-    assert len(moved) >= 8 and all(t["reason"] == "tpot" for t in moved), moved
-    assert all(r == ("prefill", "decode") for r in roles), list(zip(roles, moved))
+    assert len(moved) >= 8 and all(t["reason"] == "tpot" for t in moved), sorted({t["reason"] for t in moved})
+    # a source in (or heading to) PREFILL, or in the pause of a switch (200 ms, past the TPOT target: its
+    # sequences would wait it out where they are)
+    ok = [r == ("prefill", "decode") or (r[1] == "decode" and pausing_at(devices[t["src"]], t["start_s"]))
+          for r, t in zip(roles, moved)]
+    assert all(ok), [(r, t) for r, t, good in zip(roles, moved, ok) if not good]
     assert all(d["kv_blocks_used"] == 0 for d in st["devices"])
