@@ -131,8 +131,8 @@ def test_the_shifting_trace_follows_its_segments_and_the_diurnal_curve():
     per = [[r for r in reqs if segment_of(r.arrival_s, 20.0, 4) == i] for i in range(4)]
     expect = [rates[k] * statistics.fmean(diurnal(i * 20 + t / 10, 80.0) for t in range(200)) * 20
               for i, k in enumerate(segs)]
-    for got, want in zip(per, expect):
-        assert len(got) == pytest.approx(want, rel=0.3)
+    for kind, got, want in zip(segs, per, expect):  # the code trace keeps its bursts (CV 13): a wide spread
+        assert 0.3 * want < len(got) < 1.3 * want if kind == "azure-code" else len(got) == pytest.approx(want, rel=0.3)
     assert statistics.fmean(r.prompt_tokens for r in per[1]) > 3 * statistics.fmean(r.prompt_tokens for r in per[0])
     assert statistics.median(r.output_tokens for r in per[2]) < statistics.median(r.output_tokens for r in per[0])
     assert max(r.prompt_tokens + r.output_tokens for r in per[1]) <= 32768
@@ -153,3 +153,21 @@ def test_shifting_summary_picks_one_static_setting_and_a_per_segment_oracle():
     assert out["oracle_good"] == [20, 20]  # A's first segment, B's second
     assert out["vs_best_static"]["ratio"] == pytest.approx(18 / 13)
     assert out["vs_oracle"]["ratio"] == pytest.approx(18 / 20)
+
+
+def test_a_cell_summary_pairs_seeds_and_reports_tuning_only_baselines_from_seed_zero():
+    from bench.studies.heldout import summarize_cell
+    runs = [{"label": lab, "seed": s, "rate": 10.0, "goodput": g, "p90_ttft_ms": t}
+            for s in range(3) for lab, g, t in (("adaptive", 9.0 + s, 400.0), ("colocated", 10.0 + s, 200.0))]
+    cell = {"cell": "8b:x:50:8", "rates": [10.0], "best": {"colocated": "budget", "time-shared": "w"},
+            "tuning_only": {"time-shared": 4.5},
+            "tuning": [{"label": "time-shared", "setting": "w", "goodput": 4.5, "p90_ttft_ms": 800.0}], "runs": runs}
+    rows = {r["baseline"]: r for r in summarize_cell(cell)}
+    col = rows["colocated"]
+    assert col["seeds"] == 3 and col["adaptive_goodput"] == pytest.approx(10.0) and col["baseline_goodput"] == pytest.approx(11.0)
+    want = math.exp(statistics.fmean(math.log((9.0 + s) / (10.0 + s)) for s in range(3)))
+    assert col["goodput_ratio"]["ratio"] == pytest.approx(want) and col["goodput_ratio"]["high"] < 1.0
+    assert col["ttft_p90_ratio"]["ratio"] == pytest.approx(2.0)
+    ts = rows["time-shared (tuning run only)"]
+    assert ts["seeds"] == 1 and ts["goodput_ratio"]["ratio"] == pytest.approx(9.0 / 4.5)
+    assert ts["ttft_p90_ratio"]["ratio"] == pytest.approx(0.5)
