@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--segment-s", type=float, default=10.0, help="seconds per segment (a shortened hour)")
     ap.add_argument("--floor", type=float, default=0.4, help="the diurnal curve's lowest multiplier")
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
     ap.add_argument("--warmup-s", type=float, default=1.0)
     ap.add_argument("--grid", default="small", choices=["small", "heldout"])
     ap.add_argument("--out", default=None)
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     total = a.segment_s * len(segs)
     out = {"commit": git_commit(), "argv": sys.argv[1:] if argv is None else argv, "segments": segs, "rates": rates,
            "segment_s": a.segment_s, "runs": []}
-    for seed in range(a.seeds):
+    for seed in range(a.first_seed, a.first_seed + a.seeds):
         reqs = shifting_trace(rates, segments=segs, segment_s=a.segment_s, seed=seed, floor=a.floor,
                               long_context=CONTEXT)
         counts = [0] * len(segs)
