@@ -62,7 +62,11 @@ GROUPS: tuple[Group, ...] = (
                                    "single probes: is a mode within 0.95x of a baseline's capacity)?"),
         Tool("studies.oracles", "What was each oracle of the simulator worth (clients' max_tokens, the planning "
                                 "model, free decisions, group decode graphs, copies) on one cell, adaptive and colocated?"),
-    ), ("studies.plots", "studies.timeline", "studies.paired"), frozenset({"traffic", "load", "cost", "sim"})),
+        Tool("studies.heldout", "Held-out cells (Mooncake traces, gamma bursts): adaptive's goodput over every tuned "
+                                "baseline at fixed rates, with a 95 % interval over seeds? (simulated)"),
+        Tool("studies.shifting", "On traffic whose mix shifts over a day, does untuned adaptive beat each baseline's "
+                                 "best static setting and reach a per-segment oracle? (simulated)"),
+    ), ("studies.plots", "studies.timeline", "studies.paired", "studies.seed_stats"), frozenset({"traffic", "load", "cost", "sim"})),
     Group("sim", "the discrete-event simulator, driving the node's own pure policies on a virtual clock", (
         Tool("sim", "How would a deployment (mode, devices, link, cost model) serve a workload? Simulated "
                     "TTFT/TPOT/goodput per mode; --tune gives each mode its best knobs first"),
@@ -115,7 +119,8 @@ GROUPS: tuple[Group, ...] = (
                                  "the H200 preset?"),
     ), (), frozenset({"traffic", "load"})),
     Group("traffic", "what a run sends and how it is measured, shared by the live tools and the simulator",
-          (), ("traffic.traces", "traffic.workload", "traffic.metrics", "traffic.clients"), frozenset()),
+          (), ("traffic.traces", "traffic.workload", "traffic.metrics", "traffic.clients", "traffic.arrivals",
+           "traffic.shifting"), frozenset()),
 )
 
 
