@@ -80,7 +80,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     prefill_tp: int = 1  # time-shared: devices per instance in the prefill role (divides decode_tp); pooled: the prefill pool's
     engine_layout: str = "process"  # process: one engine process per device | thread: in the node's process (debugging, bench baseline)
     benchmark_model: str | None = None  # bench tool, not for serving: "zero" (fixed logits, no compute) | "sleep:MS" (each step sleeps MS ms) | "timed:PATH" (a cost model's step times)
-    mode: str = "time-shared"  # adaptive (shiftnode serve's default) | time-shared | colocated | pooled
+    mode: str = "time-shared"  # colocated (shiftnode serve's default) | adaptive | time-shared | pooled
     prefill_devices: list[str] = msgspec.field(default_factory=list)  # pooled mode
     decode_devices: list[str] = msgspec.field(default_factory=list)  # pooled mode
     max_unsent: int = 64  # pooled: prompts in flight plus prefilled-but-unsent caches per prefill device

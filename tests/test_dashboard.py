@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow_only("every test needs a time-shared two-device no
 
 KEY = "dash-key"
 # The two-role mode, whose PREFILL/DECODE bands and the pauses between them the test looks for; the
-# restarted node runs the default (adaptive) mode, whose MIXED bands it looks for then.
+# restarted node runs the adaptive mode, whose MIXED bands it looks for then.
 ARGS = ("--model", str(STORIES), "--mode", "time-shared", "--devices", "cpu:0,cpu:1", "--reconfig-pause-ms", "10",
         "--api-key", KEY,
         "--tpot-slo-ms", "200", "--ttft-slo-ms", "2000")
@@ -164,7 +164,7 @@ def test_dashboard_in_headless_chromium(node, chrome):
         node.close()
         wait_page(d, lambda p: p["conn"] == "disconnected" and p["gaps"] > 0, 10, "'disconnected'")
         # back with one device (starts in about half the time of two): the page follows the new set
-        restarted = NodeProcess("--model", str(STORIES), "--api-key", KEY, port=node.port)
+        restarted = NodeProcess("--model", str(STORIES), "--mode", "adaptive", "--api-key", KEY, port=node.port)
         page = wait_page(d, lambda p: p["conn"] == "live" and len(p["rows"]) == 1 and p["gaps"] > 0, 15,
                          "reconnection after the restart")
         assert page["rows"][0]["device"] == "cpu:0"

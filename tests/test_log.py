@@ -128,8 +128,10 @@ def test_a_live_node_logs_stats_not_requests_by_default_and_requests_on_request(
     start-up lines and stats lines with every field, and no request or role-switch line; the one with
     --log-requests (JSON) writes a line per request and per switch, every field kept. Once idle, neither
     writes another stats line."""
-    quiet, loud = up(NodeProcess("--stats-interval-s", "1", wait=False),
-                     NodeProcess("--stats-interval-s", "1", "--log-requests", "--log-format", "json", wait=False))
+    # adaptive: its free DECODE<->MIXED switches are what the default must keep off the console
+    quiet, loud = up(NodeProcess("--mode", "adaptive", "--stats-interval-s", "1", wait=False),
+                     NodeProcess("--mode", "adaptive", "--stats-interval-s", "1", "--log-requests", "--log-format",
+                                 "json", wait=False))
     try:
         bodies = [{"prompt": f"Once upon a time {k}", "max_tokens": 120, "temperature": 0, "ignore_eos": True}
                   for k in range(4)]

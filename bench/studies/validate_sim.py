@@ -32,7 +32,7 @@ the simulation then uses the same cost model (``--cost-model`` defaults to PATH)
 per token and ``--link-gbps``, so the comparison isolates what the simulator leaves out of the live
 node (its host work, its clock, the policies' view of a running system). ``--prefill-devices N``
 (pooled): the first N of ``--devices`` prefill, the rest decode. ``--modes`` takes ``time-shared``,
-``colocated``, ``pooled`` and ``adaptive`` (the node's default: DECODE, MIXED and PREFILL windows per
+``colocated`` (the node's default), ``pooled`` and ``adaptive`` (DECODE, MIXED and PREFILL windows per
 device; the simulator runs the same ``AdaptiveScheduler``); an adaptive or time-shared simulation's
 switch pause is the mean over the probe's paid switches (those to or from PREFILL, not DECODE <-> MIXED).
 """

@@ -1,6 +1,6 @@
 """The adaptive role policy: per device DECODE, MIXED (decode plus prompt chunks) or a PREFILL window,
-chosen from the queue, the residents' TPOT headroom and the cost model (pure; the default of
-``shiftnode serve``, ``--mode adaptive``).
+chosen from the queue, the residents' TPOT headroom and the cost model (pure; ``shiftnode serve
+--mode adaptive``; the default is colocated, docs/adaptive.md says why).
 
 A device is in the *decode configuration* (DECODE or MIXED: the same execution configuration, so a
 switch between them is free and takes effect at once) or in a PREFILL window (its own configuration:
