@@ -91,6 +91,8 @@ GROUPS: tuple[Group, ...] = (
                              "end exactly, and how soon does the device serve again?"),
         Tool("load.structured", "What does structured output cost: tokens/s and ITL with a JSON schema against none, "
              "the mask per token, a 50-field schema's compile, the grammar cache's bound?"),
+        Tool("load.spec_decode", "Does n-gram speculative decoding pay: ITL, TPOT and tokens/s at 1 and 64 streams "
+             "on outputs that repeat their prompts, with and without --speculative-config?"),
         Tool("load.membership", "How fast do peer sets follow a join, a kill -9 and a clean stop through etcd?"),
         Tool("load.chaos", "With engines killed at random while KV is in flight (moves, hand-offs to a peer), "
                            "does every request end, greedy-exact or with a clear error, with no KV block leaked or "

@@ -10,6 +10,7 @@ import sys
 
 from node.api.flags import add_stream_flags, stream_config
 from node.config import DEFAULT_REQUEST_TIMEOUT_S, EMBEDDED_MODEL, NodeConfig
+from node.core.spec_config import SpeculativeConfig, parse_speculative_config
 from node.serving_options import add_serving_arguments, serving_options_from_args
 
 DEFAULT_COMPILE = "none"
@@ -110,6 +111,10 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compile-cache-dir", default=None, metavar="DIR",
                    help="where compiled steps persist between starts, one folder per model, configuration and "
                         "torch/triton/shiftnode versions [~/.cache/shiftnode]")
+    p.add_argument("--speculative-config", default=None, type=_speculative_arg, metavar="JSON",
+                   help="speculative decoding, vLLM's JSON shape: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (optional \"disable_by_batch_size\": "
+                        "speculate only while a device holds at most that many sequences, running and waiting); default: off")
     lg = p.add_argument_group("logs")
     lg.add_argument("--log-format", default="console", choices=["console", "json"],
                     help="console: one readable line per event; json: one JSON object per line with every field")
@@ -248,6 +253,14 @@ def config_devices(a: argparse.Namespace) -> list[str]:
     return _device_list(a.devices or a.device or "cpu:0")
 
 
+def _speculative_arg(text: str) -> SpeculativeConfig:
+    """argparse type of ``--speculative-config`` (:func:`node.core.spec_config.parse_speculative_config`)."""
+    try:
+        return parse_speculative_config(text)
+    except ValueError as e:  # argparse names the flag itself
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--speculative-config: ")) from None
+
+
 def _sizes_arg(text: str) -> list[int]:
     """argparse type of ``--compile-sizes``: ``"1,2,4"`` → ``[1, 2, 4]``."""
     try:
@@ -275,6 +288,7 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         cpu_threads=a.cpu_threads, cpu_weight_packing=a.cpu_weight_packing == "on",
         enforce_eager=a.enforce_eager, compile=a.compile, compile_sizes=a.compile_sizes, compile_wait=a.compile_wait,
         compile_cache_dir=a.compile_cache_dir,
+        speculative_config=a.speculative_config,
         engine_layout=a.engine_layout, prefix_caching=a.prefix_caching,
         tensor_parallel_size=a.tensor_parallel_size, decode_tp=a.decode_tp, prefill_tp=a.prefill_tp,
         benchmark_model=a.benchmark_model, tool_call_parser=a.tool_call_parser, serving=serving_options_from_args(a),

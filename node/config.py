@@ -8,6 +8,7 @@ from pathlib import Path
 import msgspec
 
 from node.identity import default_node_id, is_host_port, is_own_kv_address
+from node.core.spec_config import SpeculativeConfig
 from node.serving_options import ServingOptions
 
 
@@ -75,6 +76,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
     compile_sizes: list[int] | None = None  # the buckets of --compile (None: the compiled runner's default buckets)
     compile_wait: bool = False  # compile every bucket before serving (else, on CPU engines, in the background)
     compile_cache_dir: str | None = None  # compiled artifacts (node.worker.compile_cache); None: ~/.cache/shiftnode
+    speculative_config: SpeculativeConfig | None = None  # --speculative-config (node.core.spec_config); None: off
     tensor_parallel_size: int = 1  # colocated: devices per engine, --devices grouped in consecutive runs of this many
     decode_tp: int = 1  # time-shared: devices per group, one instance in the decode role; pooled: the decode pool's degree
     prefill_tp: int = 1  # time-shared: devices per instance in the prefill role (divides decode_tp); pooled: the prefill pool's
@@ -195,6 +197,7 @@ class NodeConfig(msgspec.Struct, kw_only=True):
             (self.api_heartbeat_timeout_s > 1.0,  # several WATCH_S pings fit in it
              f"--api-heartbeat-timeout-s must exceed 1 s, got {self.api_heartbeat_timeout_s}"),
             (self.cpu_threads is None or 1 <= self.cpu_threads <= 1024, f"--cpu-threads must be in [1, 1024], got {self.cpu_threads}"),
+            (self.speculative_config is None or self.speculative_config.error() is None, self.speculative_config and self.speculative_config.error()),
         ]
         for ok, message in checks:
             if not ok:

@@ -74,12 +74,13 @@ class ScheduledSeq(msgspec.Struct, gc=False):
     """One sequence of a step: a struct made in C (a fifth of a dataclass's cost; untracked by the GC)."""
 
     seq: Sequence
-    num_tokens: int  # new tokens computed this step: token_ids[num_computed : num_computed + num_tokens]
+    num_tokens: int  # new tokens computed this step: token_ids[num_computed : num_computed + num_tokens] + draft
+    draft: tuple[int, ...] | list[int] = ()  # speculative tokens verified after the last one (node.core.spec_plan)
 
     @property
     def samples(self) -> bool:
         """The step reaches the end of the known tokens, so it samples the next one."""
-        return self.seq.num_computed + self.num_tokens == len(self.seq.token_ids)
+        return self.seq.num_computed + self.num_tokens - len(self.draft) == len(self.seq.token_ids)
 
 
 @dataclass
@@ -387,9 +388,9 @@ class Batcher:
         plan.registered = []
 
     def commit(self, plan: StepPlan) -> None:
-        """Advance ``num_computed`` for every scheduled sequence after its step ran."""
+        """Advance ``num_computed`` for every scheduled sequence after its step ran (drafts: node.core.spec_plan)."""
         for it in plan.items:
-            it.seq.num_computed += it.num_tokens
+            it.seq.num_computed += it.num_tokens - len(it.draft)
 
     def _insert_waiting(self, seq: Sequence) -> None:
         key = seq.sort_key()

@@ -67,9 +67,10 @@ class OnlineRefit:
             tokens = (cost.longest_instance_tokens([it.num_tokens for it in plan.items]) if isinstance(cost, GroupCost)
                       else plan.num_tokens)
             self.prefill.append((tokens, seconds))
-        elif plan.kind is StepKind.DECODE:
-            self.decode.append((0, len(plan.items), sum(it.seq.num_computed for it in plan.items), seconds))
-        elif plan.kind is StepKind.MIXED and in_role:
+        elif plan.kind is StepKind.DECODE:  # a verify item's drafts (node.core.spec_plan): prompt-like tokens
+            drafts = sum(it.num_tokens for it in plan.items) - len(plan.items)
+            self.decode.append((drafts, len(plan.items), sum(it.seq.num_computed for it in plan.items), seconds))
+        elif plan.kind is StepKind.MIXED and in_role:  # (a verify item, num_tokens > 1, counts as prompt work)
             decodes = [it for it in plan.items if it.num_tokens == 1 and it.seq.num_output > 0]
             # the whole step, fitted jointly with the decode steps (node.core.refit): no share of it is
             # estimated from the model being fitted

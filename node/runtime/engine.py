@@ -10,7 +10,7 @@ transfer's gather or scatter) and blocking moves (both once every step in flight
 overlapped moves (pooled hand-offs: beside later steps, on blocks of a sequence no step in flight
 includes) and the engine's stop. Membership changes (new sequences, aborts, detaches) are applied
 between sends, on the loop; a block freed while a step is in flight goes only to a later step, which
-the engine runs after it.
+the engine runs after it (with ``--speculative-config`` it may wait instead: :mod:`node.runtime.spec_decode`).
 
 The step loop and the engine process's lifecycle are here; every other concern is a part that owns its
 state and is given by its constructor only what it uses (nano-vllm's and vLLM v1's way): the sequences
@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from contextlib import suppress
-from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -48,6 +47,7 @@ from node.runtime.parts import part as _part
 from node.runtime.switching import DeviceRole, SwitchRecord
 from node.runtime.step_encoder import StepEncoder
 from node.runtime.worker_jobs import WorkerJobs
+from node.runtime.spec_decode import SpecDecoding
 from node.worker.engine_core import StepMsg, StepReply
 from node.worker.engine_messages import retrieved
 from node.worker.engine_process import EngineDied, EngineProcess
@@ -107,6 +107,7 @@ class DeviceEngine:
         self.errors: dict[str, int] = {}  # contained failures by stage (step | listener | reconfigure | postprocess)
         self._encoder = StepEncoder()  # what the engine holds of each sequence; steps are diffs
         down = lambda: self.revival.failure  # noqa: E731 - why the device is down, else None (the revival part's)
+        self.spec: SpecDecoding | None = None  # --speculative-config (node.runtime.spec_decode); None: off
         self.pins = BlockPins(device_id, lambda: self.batcher.ledger)  # blocks transfers hold; the incarnation
         self.quarantine = Quarantine()  # suspects of an engine death, recomputed alone (node.core.quarantine)
         self.residents = Residents(device_id, batcher, self.pins, self.quarantine, self.wake, down,
@@ -263,7 +264,8 @@ class DeviceEngine:
         residents = self.residents
         residents.apply_aborts()
         self.moves.start_overlapped(self._busy_seq_ids)
-        if (residents.detaches_queued or self.moves.queued or self.jobs.queued) and self._inflight:
+        hold = self.spec is not None and self.spec.hold(self._inflight)  # a verify step needs every last token known
+        if (residents.detaches_queued or self.moves.queued or self.jobs.queued or hold) and self._inflight:
             await self._complete()
             return
         residents.apply_detaches()
@@ -277,6 +279,8 @@ class DeviceEngine:
         chunk = self.roles.chunk_budget(kind)  # adaptive's MIXED role: the policy's chunk budget
         runnable = kind is not None and self.batcher.has_work(kind)
         plan = self.quarantine.schedule(self.batcher, kind, chunk) if runnable else None  # (node.core.quarantine)
+        if plan and hold:
+            self.spec.draft(plan)
         if plan:
             await self._send(plan)
         if self._inflight and (not plan or len(self._inflight) > 1):
@@ -351,10 +355,12 @@ class DeviceEngine:
             toks = seq.token_ids
             if index < len(toks) and toks[index] == PENDING:
                 toks[index] = outs[pos].token_id
+        if self.spec is not None:  # verify items: their further kept tokens, their rejected drafts' blocks
+            self.spec.settle(rec.plan, reply, self.residents.by_seq)
         self.steps += 1
         self.busy_s += reply.busy_s
         self.residents.emit(rec.plan, rec.msg.items, outs, self.clock(),
-                            lambda e, it: self._contain("postprocess", e, StepPlan(rec.plan.kind, [it])))
+                            lambda e, it: self._contain("postprocess", e, StepPlan(rec.plan.kind, [it])), self.spec and self.spec.kept_of)
         self.last_step_s = reply.busy_s
         self._notify(self.step_listeners, rec.plan, self.last_step_s)
         if reply.compile is not None:  # a bucket compiled in the background: steps from now on are faster

@@ -22,6 +22,7 @@ from node.core.quarantine import Quarantine
 from node.core.sequence import PENDING, Sequence
 from node.runtime.block_pins import BlockPins, PinnedBlocks
 from node.runtime.request import RequestState
+from node.runtime.spec_decode import join_kept
 from node.worker.runner import SeqOutput
 
 log = structlog.get_logger("shiftnode.engine")
@@ -136,13 +137,14 @@ class Residents:
 
     # --- a step's tokens ---------------------------------------------------------------------------------
     def emit(self, plan: StepPlan, items: list, outs: list[SeqOutput], now: float,
-             contain: Callable[[Exception, ScheduledSeq], None]) -> None:
+             contain: Callable[[Exception, ScheduledSeq], None], kept: Callable[[str], tuple] | None = None) -> None:
         """Emit a step's tokens to the requests of its sequences held here (``items``: the step message's,
         ``outs``: the engine's, both in ``plan``'s item order; ``now``: monotonic s); a failure of one
         sequence (detokenizer, stop logic) goes to ``contain`` with its item, and the others go on. A plain
         token (not a choice's first, no logprobs, ends nothing: short of ``max_len``, not in
         ``TokenOutputState.enders``) of a stream with a columnar path (``RequestState.plain``: API front
-        ends) goes there as ``(index, id)``."""
+        ends) goes there as ``(index, id)``. ``kept`` (speculative decoding): a verify item's further kept
+        tokens by sequence id (:meth:`node.runtime.spec_decode.SpecDecoding.kept_of`), joined to its delta."""
         by_seq = self.by_seq
         for it, item, out in zip(plan.items, items, outs):
             entry = by_seq.get(item.seq_id)
@@ -151,19 +153,19 @@ class Residents:
             try:
                 (req, i), tok = entry, out.token_id
                 if (req.plain is not None and tok is not None and out.logprobs is None and not out.prompt_logprobs
-                        and req.started[i]):
+                        and req.started[i] and not it.draft):
                     seq, position, o = it.seq, item.start + it.num_tokens, req.outputs[i]
                     if (position != seq.prompt_len and position + 1 < seq.max_len and o.finish_reason is None
                             and tok not in o.enders and seq.first_token_s is not None):
                         seq.last_token_s = now
                         req.plain(i + req.index0, tok)
                         continue
-                self._emit_one(it, item.start, out, entry, now)
+                self._emit_one(it, item.start, out, entry, now, kept)
             except Exception as e:  # noqa: BLE001 - one sequence's failure is its own
                 contain(e, it)
 
     def _emit_one(self, it: ScheduledSeq, start: int, out: SeqOutput, entry: tuple[RequestState, int],
-                  now: float) -> None:
+                  now: float, kept: Callable[[str], tuple] | None = None) -> None:
         """Emit one scheduled sequence's sampled token (already written over its placeholder)."""
         seq = it.seq
         req, i = entry
@@ -171,13 +173,15 @@ class Residents:
             req.prompt_logprobs[start : start + len(out.prompt_logprobs)] = out.prompt_logprobs
         if out.token_id is None:
             return
-        position = start + it.num_tokens  # where the sampled token sits in token_ids
+        position = start + it.num_tokens - len(it.draft)  # where the sampled token sits in token_ids
         seq.last_token_s = now
         if seq.first_token_s is None:
             seq.first_token_s = now
         delta = req.outputs[i].on_token(out.token_id, out.logprobs, position)
         if position == seq.prompt_len:
             delta.cached_tokens = seq.num_cached_tokens or 0
+        if it.draft and kept is not None:  # a verify item's further kept tokens, in the same delta
+            delta = join_kept(req.outputs[i], delta, kept(seq.seq_id), position, seq)
         if delta.finish_reason is not None:
             self.finish_seq(seq)
         req.emit(delta)  # the request leaves ``requests`` with its last sequence (finish_seq), not when

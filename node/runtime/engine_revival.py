@@ -136,7 +136,7 @@ class Revival:
         if not self.engine_died:
             rec = None
         self.fatal = {} if rec is None else {
-            it.seq.seq_id: item.start + it.num_tokens for it, item in zip(rec.plan.items, rec.msg.items)}
+            it.seq.seq_id: item.start + it.num_tokens - len(it.draft) for it, item in zip(rec.plan.items, rec.msg.items)}
         # a suspect of an earlier death, alone in the step: the death is its doing (node.core.quarantine)
         self.fatal_alone = rec is not None and self._quarantine.ran_alone(rec.plan)
         if self.fatal:

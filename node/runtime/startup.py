@@ -14,6 +14,7 @@ from node.core.batcher import BatchConfig, Batcher
 from node.core.ledger import BlockLedger
 from node.core.roles import Role
 from node.runtime.engine import DeviceEngine
+from node.runtime.spec_decode import SpecDecoding
 from node.runtime.switching import DeviceRole
 from node.transport.protocol import Fingerprint
 from node.worker.engine_core import EngineCore
@@ -115,6 +116,8 @@ async def load_engines(config: NodeConfig, prelaunched: dict[str, EngineProcess]
         # Pooled decode devices get no role: they decode, and recompute a sequence that an
         # underestimated output forced them to preempt (vLLM's recompute), in mixed steps.
         engine = DeviceEngine(device_id, runner, batcher, time.monotonic, role)
+        if config.speculative_config is not None:  # node.runtime.spec_decode
+            engine.spec = SpecDecoding(config.speculative_config, batcher, engine._encoder)
         if roles:  # time-shared: each role's limits and layout (node.core.role_config)
             engine.configure_roles(roles, batcher.config, info.cfg.kv_bytes_per_token(info.dtype),
                                    seed=config.seed + len(engines))

@@ -19,9 +19,12 @@ from node.worker.engine_core import NewSeq, SeqBlocks, SeqTokens, StepItem, Step
 
 def _diff(current: list[int], sent: list[int], sent_len: int) -> tuple[int, list[int]] | None:
     """``(keep, add)`` that turns the engine's copy (``sent``'s first ``sent_len`` entries) into
-    ``current``: an append, or the whole list when it was replaced; ``None`` when nothing changed."""
-    if current is not sent or len(current) < sent_len:
+    ``current``: an append, a cut of the same list, or the whole list when it was replaced; ``None``
+    when nothing changed."""
+    if current is not sent:
         return 0, list(current)
+    if len(current) < sent_len:  # truncated in place (a verify step's rejected blocks, node.core.spec_plan)
+        return len(current), []
     if len(current) > sent_len:
         return sent_len, current[sent_len:]
     return None
@@ -71,10 +74,12 @@ class StepEncoder:
             toks = s.token_ids
             start = s.num_computed
             n = it.num_tokens
-            sample = start + n == len(toks)  # it.samples
+            draft = it.draft  # a verify item's speculative tokens (node.core.spec_plan), after the last token
+            sample = start + n - len(draft) == len(toks)  # it.samples
             # prompt logprobs: a prompt chunk of a sequence with no output yet (params not read for a decode)
             top = s.params.prompt_logprobs if start < s.prompt_len == len(toks) else None
-            items.append(StepItem(sid, start, n, sample, -1 if top is None else top))
+            items.append(StepItem(sid, start, n, sample, -1 if top is None else top, list(draft))
+                         if draft else StepItem(sid, start, n, sample, -1 if top is None else top))
             sent = known.get(sid)
             if sent is None:
                 new.append(NewSeq(sid, list(toks), s.prompt_len, s.params, list(s.block_ids)))
@@ -97,6 +102,13 @@ class StepEncoder:
         self._reset = False
         self._msg = msg
         return msg
+
+    def accepted(self, seq_id: str, n: int) -> None:
+        """A verify item's reply kept ``n`` tokens beyond its first: the engine appended them as well (a
+        sequence forgotten since, by a reset, is sent whole with the next message anyway)."""
+        sent = self.known.get(seq_id)
+        if sent is not None:
+            sent.num_tokens += n
 
     def sent(self, msg: StepMsg) -> None:
         """``msg`` went to the engine: each sampling item's token will be appended there (and here as

@@ -38,6 +38,11 @@ ALIASES: dict[str, tuple[str, str, dict[str, str]]] = {
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
           "vllm:cache_config_info")
 COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions")
+SPEC_DECODE = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
+               "vllm:spec_decode_num_accepted_tokens_per_pos", "vllm:spec_decode_draft_acceptance_rate")
+"""Speculative decoding's families (only with ``--speculative-config``): vLLM v1's counters, whose ratios
+give the acceptance rate (accepted / draft tokens) and the mean accepted length (1 + accepted / drafts),
+and v0's acceptance-rate gauge, read from every device's :class:`~node.core.spec_plan.SpecStats`."""
 
 
 class VllmCompatCollector:
@@ -54,6 +59,7 @@ class VllmCompatCollector:
             for family in getattr(self.metrics, attr).collect():
                 yield _renamed(family, name, doc, model, renames)
         yield from _state(self.node, model)
+        yield from _spec_decode(self.node, model)
 
 
 def _renamed(family: Metric, name: str, doc: str, model: str, renames: dict[str, str]) -> Metric:
@@ -94,3 +100,27 @@ def _state(n: StateSource, model: str) -> Iterable[Metric]:
                                   labels=["model_name"])
     preempt.add_metric([model], sum(e.batcher.num_preemptions for e in n.engines))
     return running, waiting, usage, info, queries, hits, preempt
+
+
+def _spec_decode(n: StateSource, model: str) -> Iterable[Metric]:
+    """The speculative-decoding families, summed over the devices; none when speculation is off."""
+    stats = [e.spec.stats for e in n.engines if getattr(e, "spec", None) is not None]
+    if not stats:
+        return ()
+    out = []
+    for name, attr, doc in (
+            ("vllm:spec_decode_num_drafts", "drafts", "Number of spec decoding drafts (verify items)."),
+            ("vllm:spec_decode_num_draft_tokens", "draft_tokens", "Number of draft tokens."),
+            ("vllm:spec_decode_num_accepted_tokens", "accepted_tokens", "Number of accepted tokens.")):
+        fam = CounterMetricFamily(name, doc, labels=["model_name"])
+        fam.add_metric([model], sum(getattr(s, attr) for s in stats))
+        out.append(fam)
+    per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft's "
+                                  "position.", labels=["model_name", "position"])
+    for pos in range(max(len(s.accepted_per_pos) for s in stats)):
+        per_pos.add_metric([model, str(pos)], sum(s.accepted_per_pos[pos] for s in stats if pos < len(s.accepted_per_pos)))
+    drafted, accepted = sum(s.draft_tokens for s in stats), sum(s.accepted_tokens for s in stats)
+    rate = GaugeMetricFamily("vllm:spec_decode_draft_acceptance_rate", "Speculative token acceptance rate (accepted "
+                             "over draft tokens; 0 before any).", labels=["model_name"])
+    rate.add_metric([model], accepted / drafted if drafted else 0.0)
+    return out + [per_pos, rate]

@@ -22,6 +22,7 @@ or inside the device's engine process (:mod:`node.worker.engine_process`).
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import msgspec
@@ -31,7 +32,7 @@ from node.worker.background_compile import CompileState
 from node.worker.grammar_masks import GrammarMasks
 from node.worker.role_layouts import GroupLayouts
 from node.worker.runner import ModelRunner, SeqInput, SeqOutput, StepInput
-from node.worker.sampler import SampleRequest
+from node.worker.sampler import SampleRequest, TokenLogprobs
 from node.worker.timed_step import step_work
 
 
@@ -63,13 +64,16 @@ class SeqBlocks(msgspec.Struct, array_like=True):
 
 class StepItem(msgspec.Struct, array_like=True):
     """One scheduled sequence: compute tokens ``start .. start + num_tokens - 1``; ``sample`` draws the
-    next token; ``prompt_top >= 0`` asks for prompt logprobs with that many alternatives."""
+    next token; ``prompt_top >= 0`` asks for prompt logprobs with that many alternatives. ``draft``
+    (a verify item): the last ``len(draft)`` of the ``num_tokens`` are these speculative tokens, not yet
+    the sequence's; each is verified (:mod:`node.worker.spec_verify`) and the kept ones are appended."""
 
     seq_id: str
     start: int
     num_tokens: int
     sample: bool
     prompt_top: int = -1
+    draft: list[int] = []
 
 
 class StepMsg(msgspec.Struct, tag="step"):
@@ -95,11 +99,15 @@ class StepReply(msgspec.Struct, tag="step", omit_defaults=True):
     """Outputs of a step, one per item, in item order; ``busy_s``: the engine's own time for the
     step (applying the diff, building inputs, forward, sampling), in seconds; ``compile``: the compiled
     buckets when they changed since the last reply (a bucket compiled in the background; else None, left
-    off the wire)."""
+    off the wire). A step with verify items (items with a ``draft``) also has, per item in item order,
+    the tokens kept after its first (``kept``: 0 to ``len(draft)``, empty for other items) and their
+    logprobs when asked (``kept_logprobs``); both are empty lists in every other step."""
 
     outputs: list[SeqOutput]
     busy_s: float = 0.0
     compile: CompileState | None = None
+    kept: list[list[int]] = []
+    kept_logprobs: list[list[TokenLogprobs]] = []
 
 
 class _SeqState:
@@ -176,7 +184,8 @@ class EngineCore:
         if msg.instances:
             return self._composite_step(msg, t0)
         seqs = self.seqs
-        outs = self.runner.execute(self._step_input(msg.items))
+        step = self._step_input(msg.items)
+        outs = self.runner.execute(step)
         pacer = self.pacer
         if pacer is not None:  # a timed benchmark device: the step lasts the cost model's time from t0
             pacer.finish(t0, step_work(msg.items, {it.seq_id: seqs[it.seq_id].prompt_len for it in msg.items}))
@@ -185,19 +194,38 @@ class EngineCore:
             if out.token_id is not None:
                 seqs[it.seq_id].append(out.token_id)
         bg = getattr(self.runner, "background", None)  # buckets compiling while serving (background_compile)
-        return StepReply(ordered, time.perf_counter() - t0, bg.take_update() if bg is not None else None)
+        update = bg.take_update() if bg is not None else None
+        if step.spec:  # verify items: the tokens kept after the first (node.worker.spec_verify)
+            return self._verified(msg.items, ordered, t0, update)
+        return StepReply(ordered, time.perf_counter() - t0, update)
+
+    def _verified(self, items: list[StepItem], ordered: list[SeqOutput], t0: float, update: CompileState | None) -> StepReply:
+        """The reply of a step with verify items: each one's further kept tokens appended to its sequence
+        and listed in the reply, per item (:attr:`StepReply.kept`)."""
+        kept, lps = [], []
+        for it in items:
+            more, more_lps = self.runner.kept.get(it.seq_id, ([], []))
+            s = self.seqs[it.seq_id]
+            for t in more:
+                s.append(t)
+            kept.append(more)
+            lps.append(more_lps)
+        return StepReply(ordered, time.perf_counter() - t0, update, kept, lps)
 
     def _step_input(self, items: list[StepItem]) -> StepInput:
         """The runner's input for ``items``, with the grammar rows' pending mask (filled when the runner
         joins it, after launching the forward pass: :mod:`node.worker.grammar_masks`)."""
         inputs = self._inputs(items)
+        spec = any(it.draft for it in items)
         masks = None
         if self.grammars is not None:
             rows = [s for s in inputs if s.sample is not None]
-            constrained = [(r, self.seqs[s.seq_id]) for r, s in enumerate(rows) if s.sample.params.grammar is not None]
+            # a verify item samples 1 + len(draft) rows (node.worker.runner): number the mask rows over them all
+            first = list(itertools.accumulate((1 + len(s.draft) for s in rows), initial=0)) if spec else range(len(rows))
+            constrained = [(first[r], self.seqs[s.seq_id]) for r, s in enumerate(rows) if s.sample.params.grammar is not None]
             if constrained:
-                masks = self.grammars.start(constrained, len(rows))
-        return StepInput(inputs, masks)
+                masks = self.grammars.start(constrained, first[-1] if spec else len(rows))
+        return StepInput(inputs, masks, spec)
 
     def _inputs(self, items: list[StepItem]) -> list[SeqInput]:
         seqs = self.seqs
@@ -213,7 +241,9 @@ class EngineCore:
                 # Rows start..start+n-1 predict tokens start+1..start+n (within the prompt).
                 targets = toks[start + 1 : min(start + n + 1, s.prompt_len)]
                 top = it.prompt_top
-            inputs.append(SeqInput(it.seq_id, toks[start : start + n], start, s.block_ids, sample, targets, top))
+            d = it.draft
+            ids = toks[start : start + n] if not d else toks[start : start + n - len(d)] + d
+            inputs.append(SeqInput(it.seq_id, ids, start, s.block_ids, sample, targets, top, d))
         return inputs
 
     def _composite_step(self, msg: StepMsg, t0: float) -> StepReply:

@@ -26,6 +26,7 @@ from node.worker.cuda_graphs import DecodeGraphs
 from node.worker.model import AttentionMetadata, CausalLM
 from node.worker.model_config import ModelConfig
 from node.worker.sampler import SampleRequest, TokenLogprobs, logprobs_of, sample
+from node.worker.spec_verify import accepted, verify_requests
 from node.worker.timed_step import StepPacer
 
 log = structlog.get_logger("shiftnode.runner")
@@ -46,6 +47,8 @@ class SeqInput:
         prompt_targets: for prompt logprobs, the prompt tokens at positions ``start+1 ..`` that the
             new rows predict (may be shorter than ``token_ids``); empty when not wanted.
         prompt_top: number of alternatives for prompt logprobs.
+        draft: speculative tokens, the last ``len(draft)`` of ``token_ids`` (a verify item: every row
+            from the one before them is sampled, :mod:`node.worker.spec_verify`); empty otherwise.
     """
 
     seq_id: str
@@ -55,6 +58,7 @@ class SeqInput:
     sample: SampleRequest | None = None
     prompt_targets: list[int] = field(default_factory=list)
     prompt_top: int = 0
+    draft: tuple[int, ...] | list[int] = ()
 
 
 class PendingResult(Protocol):
@@ -68,17 +72,20 @@ class StepInput:
     """A step's sequences, and (``masks``) the pending grammar mask of its sampled rows, whose
     ``result()`` is ``(mask [>= sampled rows, ceil(V / 32)] int32, masked row indices)`` or None
     (:mod:`node.worker.grammar_masks`); resolved after the forward pass and the logits are launched
-    (on a GPU they are still running), before the logits are read."""
+    (on a GPU they are still running), before the logits are read. ``spec``: some sequence is a verify
+    item (its mask rows are then numbered over every sampled row)."""
 
     seqs: list[SeqInput]
     masks: PendingResult | None = None
+    spec: bool = False
 
 
 class SeqOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """A sequence's result of one step: the sampled token (None: the step did not sample), its
     logprobs when asked, and prompt logprobs of the step's prompt rows. A positional struct with
     defaults left off, so a plain token travels in a step's reply as ``[id]`` and decodes in C (the
-    node reads a reply of hundreds of them per step)."""
+    node reads a reply of hundreds of them per step). A verify item's further kept tokens are not here
+    (they would cost every plain token bytes): :attr:`ModelRunner.kept`."""
 
     token_id: int | None = None
     logprobs: TokenLogprobs | None = None
@@ -133,6 +140,9 @@ class ModelRunner:
         self.compiled_error: str | None = None  # why the compile failed on CUDA (steps then run eagerly)
         self.background: BackgroundCompile | None = None  # buckets compiling while serving (background_compile)
         self.gate = StepGate()  # parks a background compile thread while a step runs
+        # The last step's verify items (node.worker.spec_verify): seq id -> (the tokens kept after the first,
+        # their logprobs when asked); set by every step with one, read by the engine core right after it
+        self.kept: dict[str, tuple[list[int], list[TokenLogprobs]]] = {}
         # A time-shared group rank in its prefill layout: the pools of the devices whose KV heads it
         # computes, its own among them (node.worker.role_layouts); None: its own pool only.
         self.kv_views: tuple[torch.Tensor, ...] | None = None
@@ -174,7 +184,9 @@ class ModelRunner:
         outputs = {s.seq_id: SeqOutput() for s in step.seqs}
         # Rows whose logits are needed: the last row of each sampling sequence.
         samplers = [(i, s) for i, s in enumerate(step.seqs) if s.sample is not None]
-        if samplers:
+        if samplers and step.spec:
+            self._sample_verify(hidden, cu, samplers, step, outputs)
+        elif samplers:
             if len(samplers) == cu[-1]:  # a decode step: one row per sequence, every one sampled, in order
                 logits = self.model.compute_logits(hidden)
             else:
@@ -194,6 +206,32 @@ class ModelRunner:
                 targets = torch.tensor(s.prompt_targets, dtype=torch.int64, device=dev)
                 outputs[s.seq_id].prompt_logprobs = logprobs_of(logits, targets, s.prompt_top)
         return outputs
+
+    def _sample_verify(self, hidden: torch.Tensor, cu: list[int], samplers: list[tuple[int, SeqInput]],
+                       step: StepInput, outputs: dict[str, SeqOutput]) -> None:
+        """Sample a step with verify items: every row of a verify item (its last token's and its drafts'),
+        the last row of the others, in one batch; each verify item keeps its matched drafts plus the
+        token after them (:mod:`node.worker.spec_verify`): the first in ``outputs``, the others in :attr:`kept`."""
+        rows: list[int] = []
+        reqs: list[SampleRequest] = []
+        for i, s in samplers:
+            k = len(s.draft)
+            rows.extend(range(cu[i + 1] - 1 - k, cu[i + 1]))
+            reqs.extend(verify_requests(s.sample, list(s.draft)) if k else (s.sample,))
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        mask = step.masks.result() if step.masks is not None else None
+        tokens, logprobs = sample(logits, reqs, self.generator, mask)
+        at = 0
+        kept = self.kept = {}
+        for _, s in samplers:
+            k = len(s.draft)
+            out = outputs[s.seq_id]
+            out.token_id, out.logprobs = tokens[at], logprobs[at]
+            if k:
+                a = accepted(list(s.draft), tokens[at : at + k + 1])
+                lps = logprobs[at + 1 : at + a] if s.sample.params.logprobs is not None else []
+                kept[s.seq_id] = (tokens[at + 1 : at + a], lps)
+            at += k + 1
 
     def _forward(self, step: StepInput) -> torch.Tensor:
         """The forward of any step → final hidden states ``[num_tokens, hidden]``: through a compiled

@@ -1,0 +1,126 @@
+"""Speculative decoding's gain (issue 46, item 3): one node with ``--speculative-config`` against one without,
+on a workload whose outputs repeat spans of their prompts.
+
+    python -m bench.load.spec_decode [--duration S] [--rounds R] [--clients 1,64] [--spec JSON] [--json PATH]
+
+Two ``shiftnode serve --model stories260k --cpu-threads 1`` nodes (one CPU device each; only one is loaded
+at a time),
+closed-loop streaming load (each client sends ``POST /v1/completions`` again as soon as its stream ends),
+greedy, ``max_tokens`` 128 with ``ignore_eos`` (every request streams 128 tokens). The prompts are the
+reference stories' prompts followed by their greedy continuation and the prompt again, as token ids, so
+the continuation copies the prompt (the summaries-and-code-edits case). Cells are interleaved (per round:
+per client count, the plain node then the speculating one), each ``--duration`` seconds after a 2 s
+warm-up. ``tok_s``: streamed tokens / wall; ``itl_p50_ms``: median over chunks of the gap to the
+stream's previous chunk divided by the chunk's tokens (a verify step sends several tokens in one chunk);
+``tpot_ms``: mean per request of (last chunk - first chunk) / (tokens - 1). The speculating node's
+acceptance counts come from ``GET /v1/node``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.load.node_process import NodeServer
+
+SHARED = Path(__file__).resolve().parents[2].parent / "shared"
+STORIES = SHARED / "models" / "stories260k"
+MAX_TOKENS = 128
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+
+
+def repeating_prompts() -> list[list[int]]:
+    """Each reference story's prompt, its greedy continuation (60 tokens) and the prompt again, as token ids."""
+    cases = json.loads((STORIES / "reference_greedy.json").read_text())["cases"]
+    return [c["prompt_token_ids"] + c["output_token_ids"][:60] + c["prompt_token_ids"] for c in cases]
+
+
+async def _client(http: httpx.AsyncClient, bodies: list[dict], k: int, stop_at: float, out: dict) -> None:
+    while time.monotonic() < stop_at:
+        body = bodies[k % len(bodies)]
+        k += 1
+        last = first = None
+        n_tokens = 0
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                now = time.monotonic()
+                n = sum(len(c.get("token_ids") or []) for c in json.loads(line[6:]).get("choices", []))
+                if not n:
+                    continue
+                if last is not None:
+                    out["gaps"].append((now - last) / n)
+                else:
+                    first = now
+                last = now
+                n_tokens += n
+                if now < stop_at:
+                    out["tokens"] += n
+        if first is not None and n_tokens > 1 and last < stop_at:
+            out["tpots"].append((last - first) / (n_tokens - 1))
+
+
+async def _cell(url: str, clients: int, duration: float) -> dict:
+    bodies = [{"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True, "stream": True,
+               "return_token_ids": True} for p in repeating_prompts()]
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=clients + 4)) as http:
+        warm = {"tokens": 0, "gaps": [], "tpots": []}
+        await asyncio.gather(*(_client(http, bodies, i, time.monotonic() + 2.0, warm) for i in range(clients)))
+        out = {"tokens": 0, "gaps": [], "tpots": []}
+        t0 = time.monotonic()
+        await asyncio.gather(*(_client(http, bodies, i, t0 + duration, out) for i in range(clients)))
+    return {"tok_s": out["tokens"] / duration,
+            "itl_p50_ms": 1000 * statistics.median(out["gaps"]) if out["gaps"] else None,
+            "tpot_ms": 1000 * statistics.mean(out["tpots"]) if out["tpots"] else None}
+
+
+def run(duration: float, rounds: int, counts: list[int], spec: str) -> dict:
+    res: dict = {"cells": {}}
+    # one intra-op thread each: the start-up probe of --cpu-threads, timed on a loaded machine, could give the
+    # two nodes different counts (2 threads on 2 busy cores was measured 6x slower than 1), not speculation
+    base = ["--model", str(STORIES), "--devices", "cpu:0", "--cpu-threads", "1"]
+    with NodeServer(base, log_path="/tmp/bench_spec_plain.log") as plain, \
+            NodeServer(base + ["--speculative-config", spec], log_path="/tmp/bench_spec_ngram.log") as ngram:
+        for _ in range(rounds):
+            for clients in counts:
+                for name, node in (("plain", plain), ("ngram", ngram)):
+                    r = asyncio.run(_cell(node.url, clients, duration))
+                    res["cells"].setdefault(f"c{clients}_{name}", []).append(r)
+        res["speculative"] = ngram.get_json("/v1/node")["devices"][0].get("speculative")
+    for c in counts:
+        p, s = res["cells"][f"c{c}_plain"], res["cells"][f"c{c}_ngram"]
+        summary = {"plain_tok_s": statistics.mean(r["tok_s"] for r in p), "ngram_tok_s": statistics.mean(r["tok_s"] for r in s)}
+        summary["tok_s_ratio"] = summary["ngram_tok_s"] / summary["plain_tok_s"]
+        for key in ("itl_p50_ms", "tpot_ms"):  # medians of the cells that have one (a TPOT needs a request ended in the cell)
+            a, b = [r[key] for r in p if r[key] is not None], [r[key] for r in s if r[key] is not None]
+            if a and b:
+                summary |= {f"plain_{key}": statistics.median(a), f"ngram_{key}": statistics.median(b),
+                            f"{key.rsplit('_', 1)[0]}_ratio": statistics.median(b) / statistics.median(a)}
+        res[f"c{c}_summary"] = summary
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--clients", default="1,64", help="client counts (default: 1,64)")
+    ap.add_argument("--spec", default=SPEC, help=f"the speculating node's --speculative-config (default: {SPEC})")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    res = run(a.duration, a.rounds, [int(x) for x in a.clients.split(",")], a.spec)
+    text = json.dumps(res, indent=1)
+    print(text)
+    if a.json:
+        Path(a.json).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
