@@ -112,9 +112,7 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="where compiled steps persist between starts, one folder per model, configuration and "
                         "torch/triton/shiftnode versions [~/.cache/shiftnode]")
     p.add_argument("--speculative-config", default=None, type=_speculative_arg, metavar="JSON",
-                   help="speculative decoding, vLLM's JSON shape: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-                        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (optional \"disable_by_batch_size\": "
-                        "speculate only while a device holds at most that many sequences, running and waiting); default: off")
+                   help="speculative decoding, vLLM's JSON shape, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' [off]; docs/user-guide.md")
     lg = p.add_argument_group("logs")
     lg.add_argument("--log-format", default="console", choices=["console", "json"],
                     help="console: one readable line per event; json: one JSON object per line with every field")
@@ -253,8 +251,7 @@ def config_devices(a: argparse.Namespace) -> list[str]:
     return _device_list(a.devices or a.device or "cpu:0")
 
 
-def _speculative_arg(text: str) -> SpeculativeConfig:
-    """argparse type of ``--speculative-config`` (:func:`node.core.spec_config.parse_speculative_config`)."""
+def _speculative_arg(text: str) -> SpeculativeConfig:  # argparse type: node.core.spec_config.parse_speculative_config
     try:
         return parse_speculative_config(text)
     except ValueError as e:  # argparse names the flag itself
@@ -287,8 +284,7 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         log_level=a.log_level, log_requests=a.log_requests, stats_interval_s=a.stats_interval_s,
         cpu_threads=a.cpu_threads, cpu_weight_packing=a.cpu_weight_packing == "on",
         enforce_eager=a.enforce_eager, compile=a.compile, compile_sizes=a.compile_sizes, compile_wait=a.compile_wait,
-        compile_cache_dir=a.compile_cache_dir,
-        speculative_config=a.speculative_config,
+        compile_cache_dir=a.compile_cache_dir, speculative_config=a.speculative_config,
         engine_layout=a.engine_layout, prefix_caching=a.prefix_caching,
         tensor_parallel_size=a.tensor_parallel_size, decode_tp=a.decode_tp, prefill_tp=a.prefill_tp,
         benchmark_model=a.benchmark_model, tool_call_parser=a.tool_call_parser, serving=serving_options_from_args(a),
