@@ -42,6 +42,7 @@ from node.runtime.block_pins import BlockPins
 from node.runtime.engine_residents import Residents
 from node.runtime.engine_revival import Revival
 from node.runtime.engine_roles import RoleSwitcher
+from node.runtime.inflight import InFlight
 from node.runtime.moves import COPY_GRACE_S, KVMover
 from node.runtime.parts import part as _part
 from node.runtime.switching import DeviceRole, SwitchRecord
@@ -54,17 +55,6 @@ from node.worker.engine_process import EngineDied, EngineProcess
 from node.worker.local_engine import LocalEngine
 
 log = structlog.get_logger("shiftnode.engine")
-
-
-@dataclass
-class _InFlight:
-    """A step sent to the engine and not yet post-processed."""
-
-    plan: StepPlan
-    msg: StepMsg
-    reply: asyncio.Future  # → StepReply
-    sent_s: float
-    pending: list[tuple[Sequence, int, int]]  # sequences given a placeholder token, its index, the item's position
 
 
 class DeviceEngine:
@@ -101,8 +91,8 @@ class DeviceEngine:
         self._idle = asyncio.Event()
         self._idle.set()
         self._current_plan: StepPlan | None = None  # the step being post-processed
-        self._inflight: deque[_InFlight] = deque()  # steps sent to the engine, oldest first (at most 2)
-        self._fatal_step: _InFlight | None = None  # the step whose reply said the engine died
+        self._inflight: deque[InFlight] = deque()  # steps sent to the engine, oldest first (at most 2)
+        self._fatal_step: InFlight | None = None  # the step whose reply said the engine died
         self.busy_s = 0.0  # the engine's own time in steps, summed (s)
         self.errors: dict[str, int] = {}  # contained failures by stage (step | listener | reconfigure | postprocess)
         self._encoder = StepEncoder()  # what the engine holds of each sequence; steps are diffs
@@ -182,10 +172,10 @@ class DeviceEngine:
         return [r.reply for r in self._inflight]
 
     # --- what the revival part needs of the step loop (engine_revival.StepLoop) -------------------------
-    def dying_step(self) -> _InFlight | None:
+    def dying_step(self) -> InFlight | None:
         """The step the engine was computing when it died: the one whose reply said so, else the first
         step in flight with no answer (None: none). Asked once per death."""
-        def answered(r: _InFlight) -> bool:
+        def answered(r: InFlight) -> bool:
             return r.reply.done() and not r.reply.cancelled() and r.reply.exception() is None
 
         rec = self._fatal_step or next((r for r in self._inflight if not answered(r)), None)
@@ -318,7 +308,7 @@ class DeviceEngine:
         if not self._inflight:
             self.step_started_s = now
         self._idle.clear()
-        self._inflight.append(_InFlight(plan, msg, reply, now, pending))
+        self._inflight.append(InFlight(plan, msg, reply, now, pending))
         self._current_plan = None
 
     async def _complete(self) -> None:
@@ -369,7 +359,7 @@ class DeviceEngine:
         if block_pins.LEDGER_CHECK:
             self.check_ownership()
 
-    def _settle_failed(self, rec: _InFlight) -> None:
+    def _settle_failed(self, rec: InFlight) -> None:
         """A step failed: its placeholders go, the engine's state is rebuilt by the next message, the
         blocks it was to fill leave the prefix cache; its requests are failed by the caller."""
         for seq, index, _pos in rec.pending:
