@@ -10,8 +10,8 @@ import sys
 
 from node.api.flags import add_stream_flags, stream_config
 from node.config import DEFAULT_REQUEST_TIMEOUT_S, EMBEDDED_MODEL, NodeConfig
-from node.core.spec_config import SpeculativeConfig, parse_speculative_config
 from node.serving_options import add_serving_arguments, serving_options_from_args
+from node.speculative_flag import add_speculative_flag
 
 DEFAULT_COMPILE = "none"
 """``--compile``'s default (docs/user-guide.md#compiled-steps---compile): eager steps. ``auto`` (compiled in the
@@ -111,8 +111,7 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compile-cache-dir", default=None, metavar="DIR",
                    help="where compiled steps persist between starts, one folder per model, configuration and "
                         "torch/triton/shiftnode versions [~/.cache/shiftnode]")
-    p.add_argument("--speculative-config", default=None, type=_speculative_arg, metavar="JSON",
-                   help="speculative decoding, vLLM's JSON shape, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' [off]; docs/user-guide.md")
+    add_speculative_flag(p)
     lg = p.add_argument_group("logs")
     lg.add_argument("--log-format", default="console", choices=["console", "json"],
                     help="console: one readable line per event; json: one JSON object per line with every field")
@@ -249,13 +248,6 @@ def config_devices(a: argparse.Namespace) -> list[str]:
     if a.mode == "pooled":
         return _device_list(a.prefill_devices) + _device_list(a.decode_devices)
     return _device_list(a.devices or a.device or "cpu:0")
-
-
-def _speculative_arg(text: str) -> SpeculativeConfig:  # argparse type: node.core.spec_config.parse_speculative_config
-    try:
-        return parse_speculative_config(text)
-    except ValueError as e:  # argparse names the flag itself
-        raise argparse.ArgumentTypeError(str(e).removeprefix("--speculative-config: ")) from None
 
 
 def _sizes_arg(text: str) -> list[int]:
