@@ -39,9 +39,9 @@ def assert_one_line_refusal(rc: int, err: str, *words: str) -> None:
     (["--devices", "tpu:0"], ["'tpu:0' is not a device"]),
     (["--device", "cpu:0", "--devices", "cpu:0,cpu:1"], ["--device or --devices"]),
     # stories260k has 4 KV heads: refused from its config before any rank process starts
-    (["--devices", ",".join(f"cpu:{i}" for i in range(8)), "--decode-tp", "8"],
+    (["--devices", ",".join(f"cpu:{i}" for i in range(8)), "--mode", "time-shared", "--decode-tp", "8"],
      ["--decode-tp 8", "num_key_value_heads 4"]),
-    (["--devices", "cpu:0,cpu:1,cpu:2", "--decode-tp", "2"], ["--decode-tp 2 groups --devices"]),
+    (["--devices", "cpu:0,cpu:1,cpu:2", "--mode", "time-shared", "--decode-tp", "2"], ["--decode-tp 2 groups --devices"]),
 ])
 def test_flag_combinations_are_refused_in_one_line(flags, words):
     rc, err, _ = serve(*flags)
