@@ -20,14 +20,28 @@ STORIES_NODE_ARGS = ("--model", str(STORIES))
 _early: list[NodeProcess] = []  # the stories_node launched at session start, until the fixture takes it
 
 
+def _runs_tests(config) -> bool:
+    """Whether this process runs tests: not the controller of a ``pytest -n N`` run (pytest-xdist),
+    which only hands test files to its workers, each of them a pytest session of its own."""
+    return hasattr(config, "workerinput") or config.getoption("dist", "no") == "no"
+
+
 def pytest_sessionstart(session):
     """A run over whole test folders (the suite) launches the shared stories260k node at once, so it
     starts while the tests are collected; ``stories_node`` then waits for it. A run of single files
-    starts it on first use."""
+    starts it on first use. Under ``-n N`` each worker launches its own (the controller none)."""
     args = [a.split("::")[0] for a in session.config.args]
-    if (not session.config.option.collectonly and any(Path(a).is_dir() for a in args)
+    if (not session.config.option.collectonly and _runs_tests(session.config) and any(Path(a).is_dir() for a in args)
             and (STORIES / "model.safetensors").is_file()):
         _early.append(NodeProcess(*STORIES_NODE_ARGS, wait=False))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under ``-n N`` (scripts/test's whole suite), the modules marked ``slow_only`` (each starts nodes of its
+    own) come first, in their own order, so that the workers take the long files early and the run does not
+    end waiting on one of them. Every worker sorts the same way (xdist requires one order)."""
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda item: item.get_closest_marker("slow_only") is None)  # stable: files stay whole
 
 
 def pytest_collection_finish(session):

@@ -121,11 +121,59 @@ def test_scripts_test_quick_selects_the_quick_marker(tmp_path):
     python.write_text('#!/bin/sh\necho "$@"\n')
     python.chmod(0o755)
 
-    def args(*extra: str) -> list[str]:
-        out = subprocess.run(["bash", str(repo / "scripts" / "test"), *extra], capture_output=True, text=True, timeout=30)
+    def args(*extra: str, workers: str | None = None) -> list[str]:
+        env = {k: v for k, v in os.environ.items() if k != "SHIFTNODE_TEST_WORKERS"}
+        if workers is not None:
+            env["SHIFTNODE_TEST_WORKERS"] = workers
+        out = subprocess.run(["bash", str(repo / "scripts" / "test"), *extra], capture_output=True, text=True,
+                             timeout=30, env=env)
         assert out.returncode == 0, out.stderr
         return out.stdout.split()
 
     quick = args("--quick", "tests/core")
     assert quick[:2] == ["-m", "pytest"] and ("-m", "quick") in zip(quick, quick[1:]) and quick[-1] == "tests/core"
-    assert "quick" not in args("tests/core")
+    whole = args("tests/core")
+    assert "quick" not in whole and whole[-1] == "tests/core" and "-n" not in whole  # one process by default
+    # SHIFTNODE_TEST_WORKERS=2: two workers, a file to a worker, in conftest's order (slow_only files first)
+    for extra in ((), ("--quick",)):
+        split = args(*extra, "tests/core", workers="2")
+        pairs = set(zip(split, split[1:]))
+        assert {("-n", "2"), ("--dist", "loadfile")} <= pairs and "--no-loadscope-reorder" in split
+        assert split[-1] == "tests/core" and (("-m", "quick") in pairs) == bool(extra)
+    assert "-n" not in args("tests/core", workers="1")
+
+
+def test_workers_take_the_slow_only_modules_first_each_module_whole():
+    """Under ``-n N`` (a worker's config has ``workerinput``) conftest puts the items of ``slow_only`` modules
+    first, keeping each module's items together and in order; in one process the order is left as collected,
+    and only a process that runs tests (not xdist's controller) launches the early stories260k node."""
+    import conftest
+
+    class Item:
+        def __init__(self, module: str, n: int, slow: bool):
+            self.name, self.slow = f"{module}{n}", slow
+
+        def get_closest_marker(self, name):
+            return pytest.mark.slow_only("x").mark if name == "slow_only" and self.slow else None
+
+    def items():
+        return [Item("a", 1, False), Item("a", 2, False), Item("b", 1, True), Item("c", 1, False),
+                Item("d", 1, True), Item("d", 2, True)]
+
+    class Config:
+        def __init__(self, dist: str, worker: bool):
+            self.dist = dist
+            if worker:
+                self.workerinput = {"workerid": "gw0"}
+
+        def getoption(self, name, default=None):
+            return self.dist if name == "dist" else default
+
+    got = items()
+    conftest.pytest_collection_modifyitems(Config("loadfile", worker=True), got)
+    assert [i.name for i in got] == ["b1", "d1", "d2", "a1", "a2", "c1"]
+    got = items()
+    conftest.pytest_collection_modifyitems(Config("no", worker=False), got)
+    assert [i.name for i in got] == ["a1", "a2", "b1", "c1", "d1", "d2"]
+    assert conftest._runs_tests(Config("no", worker=False)) and conftest._runs_tests(Config("loadfile", worker=True))
+    assert not conftest._runs_tests(Config("loadfile", worker=False))  # the controller

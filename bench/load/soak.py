@@ -25,13 +25,15 @@ At the end, after the load stops and the nodes settle, it prints and checks:
   device or the peer is down), and error events inside streams, by code.
 
 Exit status 0 when there are no leaked blocks, nothing hung, no judged process grew by 5 % or more and no 5xx other
-than 503 was sent. :func:`soak` is what ``tests/test_soak.py`` runs for 20 seconds.
+than 503 was sent. :func:`soak` is what ``tests/test_soak.py`` runs for 10 seconds.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import collections
+import concurrent.futures as cf
+import contextlib
 import json
 import os
 import random
@@ -185,9 +187,13 @@ def soak(duration_s: float, concurrency: int = 16, abort: float = 0.3, model: st
               *(["--kv-cache-memory", kv_cache_memory] if kv_cache_memory else [])]
     b_args = [*common, "--kv-port", str(kv_port), "--kv-host", "127.0.0.1"]
     rep = Report()
-    with NodeServer(b_args, log_path=log_dir / "b.log") as b, \
-            NodeServer([*common, "--devices", "cpu:0,cpu:1", "--peers", f"127.0.0.1:{kv_port}"],
-                       log_path=log_dir / "a.log") as a:
+    with contextlib.ExitStack() as stack:
+        b = NodeServer(b_args, log_path=log_dir / "b.log")
+        a = NodeServer([*common, "--devices", "cpu:0,cpu:1", "--peers", f"127.0.0.1:{kv_port}"], log_path=log_dir / "a.log")
+        stack.callback(lambda: b.stop())  # whichever B is current (the chaos starts a second one)
+        stack.callback(a.stop)
+        with cf.ThreadPoolExecutor(2) as pool:  # side by side (A reconnects to B until B listens)
+            list(pool.map(NodeServer.start, (b, a)))
         t0 = time.monotonic()
 
         async def chaos() -> None:
