@@ -183,7 +183,9 @@ def soak(duration_s: float, concurrency: int = 16, abort: float = 0.3, model: st
     device on stories260k, whose prefix-cache index takes most of an hour of this load to fill)."""
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="soak-"))
     kv_port = free_port()
-    common = ["--model", str(model), "--peer-secret", "soak", "--request-timeout-s", str(request_timeout_s),
+    # time-shared named: the default mode (colocated) takes no --peers
+    common = ["--model", str(model), "--mode", "time-shared", "--peer-secret", "soak",
+              "--request-timeout-s", str(request_timeout_s),
               *(["--kv-cache-memory", kv_cache_memory] if kv_cache_memory else [])]
     b_args = [*common, "--kv-port", str(kv_port), "--kv-host", "127.0.0.1"]
     rep = Report()
