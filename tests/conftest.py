@@ -37,9 +37,9 @@ def pytest_sessionstart(session):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under ``-n N`` (scripts/test's whole suite), the modules marked ``slow_only`` (each starts nodes of its
-    own) come first, in their own order, so that the workers take the long files early and the run does not
-    end waiting on one of them. Every worker sorts the same way (xdist requires one order)."""
+    """Under ``-n N`` (``SHIFTNODE_TEST_WORKERS=2 bash scripts/test``), the modules marked ``slow_only`` (each
+    starts nodes of its own) come first, in their own order, so that the workers take the long files early and
+    the run does not end waiting on one of them. Every worker sorts the same way (xdist requires one order)."""
     if hasattr(config, "workerinput"):
         items.sort(key=lambda item: item.get_closest_marker("slow_only") is None)  # stable: files stay whole
 
