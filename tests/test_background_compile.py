@@ -243,7 +243,7 @@ def test_refit_restart_forgets_the_slower_steps():
 
     refit = OnlineRefit()
     seq = lambda computed: SimpleNamespace(num_computed=computed, num_output=1)  # noqa: E731
-    plan = lambda b: SimpleNamespace(kind=StepKind.DECODE, items=[SimpleNamespace(seq=seq(20 + i)) for i in range(b)])  # noqa: E731
+    plan = lambda b: SimpleNamespace(kind=StepKind.DECODE, items=[SimpleNamespace(seq=seq(20 + i), num_tokens=1) for i in range(b)])  # noqa: E731
     base = CostModel()
     for i in range(64):  # eager steps: 2 ms + 0.1 ms per sequence
         b = 1 + i % 8
