@@ -293,7 +293,7 @@ def test_node_answers_while_compiling_and_v1_node_shows_the_buckets_switch():
     body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}
     with compile_lock(CACHE_ROOT):  # bucket 1 stays pending until the lock is let go
         t0 = time.monotonic()
-        node = NodeProcess("--model", str(STORIES), "--compile", "inductor", "--compile-sizes", "1",
+        node = NodeProcess("--model", str(STORIES), "--mode", "adaptive", "--compile", "inductor", "--compile-sizes", "1",
                            "--compile-cache-dir", str(CACHE_ROOT), "--kv-cache-memory", "4MiB")
         try:
             eager = node.client.post("/v1/completions", json=body)
