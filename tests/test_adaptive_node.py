@@ -14,9 +14,9 @@ from test_time_shared import bodies, run
 pytestmark = pytest.mark.slow_only("both tests start two-device adaptive nodes of their own (one on timed 70B devices)")
 
 
-def test_adaptive_default_matches_one_device_and_reports_mixed_phases(stories_node):
-    node = NodeProcess("--model", str(STORIES), "--devices", "cpu:0,cpu:1", "--tpot-slo-ms", "200",
-                       "--ttft-slo-ms", "2000", wait=False)  # no --mode: the default; starts while REF is computed
+def test_adaptive_matches_one_device_and_reports_mixed_phases(stories_node):
+    node = NodeProcess("--model", str(STORIES), "--mode", "adaptive", "--devices", "cpu:0,cpu:1", "--tpot-slo-ms", "200",
+                       "--ttft-slo-ms", "2000", wait=False)  # starts while REF is computed
     try:
         reqs = bodies(20)
         ref = [r.json()["choices"][0]["token_ids"] for r in run(stories_node, reqs, 1)]
@@ -53,7 +53,7 @@ def test_adaptive_hands_prompts_off_where_no_chunk_fits_a_70b_decode_step():
     import threading
 
     from support import REPO
-    node = NodeProcess("--devices", "cpu:0,cpu:1", "--model", str(REPO / "bench/configs/llama3-70b"),
+    node = NodeProcess("--mode", "adaptive", "--devices", "cpu:0,cpu:1", "--model", str(REPO / "bench/configs/llama3-70b"),
                        "--benchmark-model", f"timed:{REPO / 'bench/cost_models/h200_llama3_70b_tp8_roofline.json'}",
                        "--kv-cache-memory", "60GiB", "--tpot-slo-ms", "20", "--ttft-slo-ms", "2000")
     try:

@@ -71,7 +71,10 @@ def test_full_length_streams_beyond_the_pool_all_finish_exactly(request, mode, b
 
 def test_a_request_no_empty_device_could_hold_is_a_400_not_a_hang():
     """``n`` copies of a prompt that together exceed a whole device's pool can never be placed."""
-    node = NodeProcess("--model", str(STORIES), "--kv-cache-memory", str(16 * BLOCK_BYTES), "--max-model-len", "256")
+    # the role policies' placement (adaptive): it reserves n x the prompt (colocated shares the copies' prompt
+    # blocks and serves this request)
+    node = NodeProcess("--model", str(STORIES), "--mode", "adaptive", "--kv-cache-memory", str(16 * BLOCK_BYTES),
+                       "--max-model-len", "256")
     try:
         r = node.client.post("/v1/completions", json={"prompt": "Once upon a time " * 12, "max_tokens": 4, "n": 8})
         assert r.status_code == 400, r.text

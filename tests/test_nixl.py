@@ -26,7 +26,8 @@ NIXL = ("--kv-transport", "nixl", "--peer-secret", SECRET)
 
 
 def receiver(kv_port: int, port: int | None = None, *extra: str, wait: bool = False) -> NodeProcess:
-    return NodeProcess("--model", str(STORIES), "--kv-port", str(kv_port), *NIXL, *extra, port=port, wait=wait)
+    return NodeProcess("--model", str(STORIES), "--mode", "adaptive", "--kv-port", str(kv_port), *NIXL, *extra, port=port,
+                       wait=wait)
 
 
 @pytest.fixture(scope="module")

@@ -396,9 +396,9 @@ def test_drain_moves_decoding_sequences_mid_decode_to_a_peer_node(stories_node):
     to the peer node mid-decode and finish there with REF output and no gap or duplicate; new
     requests get 503 (code ``draining``); the drained node ends with nothing allocated."""
     port = free_port()
-    nodes = [NodeProcess("--model", str(STORIES), "--kv-port", str(port), "--peer-secret", SECRET, "--log-format",
-                         "json", "--log-requests", wait=False),
-             NodeProcess("--model", str(STORIES), "--peers", f"127.0.0.1:{port}", "--peer-secret", SECRET,
+    nodes = [NodeProcess("--model", str(STORIES), "--mode", "adaptive", "--kv-port", str(port), "--peer-secret", SECRET,
+                         "--log-format", "json", "--log-requests", wait=False),
+             NodeProcess("--model", str(STORIES), "--mode", "adaptive", "--peers", f"127.0.0.1:{port}", "--peer-secret", SECRET,
                          "--imbalance-threshold", "0", wait=False)]  # only the drain moves sequences
     try:
         bodies = [{"prompt": list(range(3 + k, 40 + k)), "max_tokens": 200, "ignore_eos": True, "temperature": 0}

@@ -163,7 +163,7 @@ def test_time_shared_placement_follows_the_cached_prefix(ref_node):
     """Two devices. A conversation's first turn lands on cpu:1 (cpu:0 is busy decoding a long request);
     its next turn, sent when both devices are idle (where placement alone would pick cpu:0), goes to
     cpu:1, which holds its prefix, and equals its REF."""
-    node = NodeProcess("--model", str(STORIES), "--devices", "cpu:0,cpu:1")
+    node = NodeProcess("--model", str(STORIES), "--mode", "adaptive", "--devices", "cpu:0,cpu:1")
     try:
         with cf.ThreadPoolExecutor(1) as pool:
             long = pool.submit(complete, node, fresh(210, 20), 400)

@@ -88,7 +88,7 @@ def test_own_kv_address_is_refused_at_start():
 def test_an_http_port_given_as_peer_is_named_in_health_and_logs(stories_node):
     """The peer list names another node's HTTP port; the node's own KV address is refused at run time."""
     kv_port = free_port()
-    node = NodeProcess("--model", str(STORIES), "--peer-secret", "s", "--kv-port", str(kv_port),
+    node = NodeProcess("--model", str(STORIES), "--mode", "adaptive", "--peer-secret", "s", "--kv-port", str(kv_port),
                        "--peers", f"127.0.0.1:{stories_node.port}")
     try:
         deadline = time.monotonic() + 20
