@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     with EtcdServer() as etcd:
         def start() -> tuple[str, NodeServer]:
             name = f"n{next(counter)}"
-            node = NodeServer(["--model", a.model, "--kv-port", "0", "--kv-host", "127.0.0.1", "--peer-secret", "bench",
+            node = NodeServer(["--model", a.model, "--mode", "time-shared", "--kv-port", "0", "--kv-host", "127.0.0.1", "--peer-secret", "bench",
                                "--etcd", etcd.url, "--node-id", name, "--peer-stale-s", str(a.ttl)],
                               log_path=logs / f"{name}.log")
             node.start()
