@@ -19,15 +19,12 @@ acceptance counts come from ``GET /v1/node``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
-import time
 from pathlib import Path
 
-import httpx
-
 from bench.load.node_process import NodeServer
+from bench.load.stream_cells import stream_cell
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 STORIES = SHARED / "models" / "stories260k"
@@ -41,44 +38,9 @@ def repeating_prompts() -> list[list[int]]:
     return [c["prompt_token_ids"] + c["output_token_ids"][:60] + c["prompt_token_ids"] for c in cases]
 
 
-async def _client(http: httpx.AsyncClient, bodies: list[dict], k: int, stop_at: float, out: dict) -> None:
-    while time.monotonic() < stop_at:
-        body = bodies[k % len(bodies)]
-        k += 1
-        last = first = None
-        n_tokens = 0
-        async with http.stream("POST", "/v1/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                now = time.monotonic()
-                n = sum(len(c.get("token_ids") or []) for c in json.loads(line[6:]).get("choices", []))
-                if not n:
-                    continue
-                if last is not None:
-                    out["gaps"].append((now - last) / n)
-                else:
-                    first = now
-                last = now
-                n_tokens += n
-                if now < stop_at:
-                    out["tokens"] += n
-        if first is not None and n_tokens > 1 and last < stop_at:
-            out["tpots"].append((last - first) / (n_tokens - 1))
-
-
-async def _cell(url: str, clients: int, duration: float) -> dict:
-    bodies = [{"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True, "stream": True,
-               "return_token_ids": True} for p in repeating_prompts()]
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=clients + 4)) as http:
-        warm = {"tokens": 0, "gaps": [], "tpots": []}
-        await asyncio.gather(*(_client(http, bodies, i, time.monotonic() + 2.0, warm) for i in range(clients)))
-        out = {"tokens": 0, "gaps": [], "tpots": []}
-        t0 = time.monotonic()
-        await asyncio.gather(*(_client(http, bodies, i, t0 + duration, out) for i in range(clients)))
-    return {"tok_s": out["tokens"] / duration,
-            "itl_p50_ms": 1000 * statistics.median(out["gaps"]) if out["gaps"] else None,
-            "tpot_ms": 1000 * statistics.mean(out["tpots"]) if out["tpots"] else None}
+def _bodies() -> list[dict]:
+    return [{"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True, "stream": True,
+             "return_token_ids": True} for p in repeating_prompts()]
 
 
 def run(duration: float, rounds: int, counts: list[int], spec: str) -> dict:
@@ -91,7 +53,7 @@ def run(duration: float, rounds: int, counts: list[int], spec: str) -> dict:
         for _ in range(rounds):
             for clients in counts:
                 for name, node in (("plain", plain), ("ngram", ngram)):
-                    r = asyncio.run(_cell(node.url, clients, duration))
+                    r = stream_cell(node.url, _bodies(), clients, duration)
                     res["cells"].setdefault(f"c{clients}_{name}", []).append(r)
         res["speculative"] = ngram.get_json("/v1/node")["devices"][0].get("speculative")
     for c in counts:

@@ -17,16 +17,15 @@ the cache's entries and bytes over 10,000 distinct schemas against its bounds.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import time
 from pathlib import Path
 
-import httpx
 import torch
 
 from bench.load.node_process import NodeServer
+from bench.load.stream_cells import stream_cell
 
 STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260k"
 SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
@@ -42,35 +41,11 @@ def fifty_fields(salt: int = 0) -> dict:
     return {"type": "object", "properties": props, "required": list(props)}
 
 
-async def _client(http: httpx.AsyncClient, body: dict, stop_at: float, tokens: list[int], gaps: list[float]) -> None:
-    while time.monotonic() < stop_at:
-        last = None
-        async with http.stream("POST", "/v1/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                now = time.monotonic()
-                n = sum(len(c.get("token_ids") or []) for c in json.loads(line[6:]).get("choices", []))
-                if n:
-                    if last is not None:
-                        gaps.append((now - last) / n)
-                    last = now
-                    if now < stop_at:
-                        tokens.append(n)
-
-
-async def _cell(url: str, constrained: bool, clients: int, duration: float) -> dict:
+def _body(constrained: bool) -> dict:
     body = {"prompt": "Once upon a time", "max_tokens": MAX_TOKENS, "temperature": 0.8, "stream": True,
             "return_token_ids": True}
-    body |= {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}} if constrained \
-        else {"ignore_eos": True}
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=clients + 4)) as http:
-        await asyncio.gather(*(_client(http, body, time.monotonic() + 2.0, [], []) for _ in range(clients)))  # warm-up
-        tokens: list[int] = []
-        gaps: list[float] = []
-        t0 = time.monotonic()
-        await asyncio.gather(*(_client(http, body, t0 + duration, tokens, gaps) for _ in range(clients)))
-    return {"tok_s": sum(tokens) / duration, "itl_p50_ms": 1000 * statistics.median(gaps) if gaps else None}
+    return body | ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}}
+                   if constrained else {"ignore_eos": True})
 
 
 def node_cells(duration: float, rounds: int, client_counts: list[int]) -> dict:
@@ -79,7 +54,7 @@ def node_cells(duration: float, rounds: int, client_counts: list[int]) -> dict:
         for _ in range(rounds):
             for clients in client_counts:
                 for constrained in (False, True):
-                    r = asyncio.run(_cell(node.url, constrained, clients, duration))
+                    r = stream_cell(node.url, [_body(constrained)], clients, duration)
                     out.setdefault(f"c{clients}_{'schema' if constrained else 'free'}", []).append(r)
         out["grammar_cache"] = node.get_json("/v1/node")["grammar_cache"]
     return out
