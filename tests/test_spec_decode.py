@@ -211,12 +211,23 @@ def test_grammar_rows_decode_one_token_beside_verify_items():
     free = SamplingParams(max_tokens=80, temperature=0.0)
 
     async def both(node: Node, tag: str):
-        # the free choice first: its verify item's rows come before the grammar row in every step
-        f, j = await asyncio.gather(collect(node, f"{tag}-f", prompt, free), staggered(0.05, collect(node, f"{tag}-j", prompt, json_params)))
+        # the free choice first; the grammar choice arrives once the free one is decoding (on the speculating node,
+        # once a step verified its drafts), so its prompt chunk shares a step with verify items however slow the host
+        decoding = asyncio.Event()
+        node.engines[0].step_listeners.append(lambda e, plan, s: decoding.set() if any(
+            it.draft or (it.num_tokens == 1 and node.engines[0].spec is None) for it in plan.items) else None)
+
+        async def grammar_after_decoding():
+            await decoding.wait()
+            return await collect(node, f"{tag}-j", prompt, json_params)
+
+        f, j = await asyncio.gather(collect(node, f"{tag}-f", prompt, free), grammar_after_decoding())
         return j, f
 
     async def go():
-        plain, spec = await Node.create(config()), await Node.create(config(speculative_config=SPEC))
+        # colocated: every step may mix a prompt chunk with decodes (adaptive may prefill in a window of its own)
+        plain = await Node.create(config("colocated"))
+        spec = await Node.create(config("colocated", speculative_config=SPEC))
         plain.start()
         spec.start()
         mixed = []  # steps that verified drafts beside a prompt chunk (a mixed step)
