@@ -5,6 +5,7 @@ The caps are shrunk by flags so that the checks take seconds."""
 import json
 import re
 import socket
+import threading
 import time
 
 import httpx
@@ -81,14 +82,28 @@ def test_a_client_that_reads_slowly_gets_every_token(node):
     whole = node.client.post("/v1/completions", json={**body, "stream": False}).json()
     before = _stalled(node)
     s = _post(node.port, body, rcvbuf=4096)
-    got = b""
     s.settimeout(30)
     # about 16 KB/s while the node generates (slower than it makes them, whatever the machine's load:
     # congested, its deltas held and joined; a read every 0.25 s is progress, so it is never stalled),
-    # then everything at once
-    while (d := node.status()["devices"][0])["running"] or d["waiting"] or not got:
-        got += s.recv(4096)
+    # then everything at once. The slow reads run in a thread of their own, so a status poll that a loaded
+    # machine makes slow never stretches the gap between two reads past the stall limit.
+    generating = threading.Event()
+    generating.set()
+    slow: list[bytes] = []
+
+    def read_slowly():
+        while generating.is_set() or not slow:
+            slow.append(s.recv(4096))
+            time.sleep(0.25)
+
+    reader = threading.Thread(target=read_slowly, daemon=True)
+    reader.start()
+    while (d := node.status()["devices"][0])["running"] or d["waiting"] or not slow:
         time.sleep(0.25)
+    generating.clear()
+    reader.join(60)
+    assert not reader.is_alive()
+    got = b"".join(slow)
     while not got.endswith(b"0\r\n\r\n"):
         chunk = s.recv(1 << 20)
         assert chunk, got[-200:]
