@@ -60,9 +60,9 @@ in (or entering) MIXED each round.
 **Hand-off windows** (:mod:`node.core.handoff_windows`, "handoff"): where every device holding residents is
 spaced or has no chunk and two or more devices are in the decode configuration, one of them may prefill
 for the others, each sequence it prefills moving (:class:`~node.core.imbalance.Migrate`) to a decode
-device, as a disaggregated prefill pool does. It is decided before the windows and chunks above, which
-see only the prompts it did not take; its moves after the windows, so that none lands on a device sent
-to a window.
+device, as a disaggregated prefill pool does (a part, ``handoffs``, that owns its state). It is decided
+before the windows and chunks above, which see only the prompts it did not take; its moves after the
+windows, so that none lands on a device sent to a window.
 
 **State.** The policy remembers, per device, the last decision instant at which the device was (or was
 sent) MIXED: gathering counts ``G`` from there, so mixed phases stay at least ``G`` apart while a prompt
