@@ -60,9 +60,9 @@ in (or entering) MIXED each round.
 **Hand-off windows** (:mod:`node.core.handoff_windows`, "handoff"): where every device holding residents is
 spaced or has no chunk and two or more devices are in the decode configuration, one of them may prefill
 for the others, each sequence it prefills moving (:class:`~node.core.imbalance.Migrate`) to a decode
-device, as a disaggregated prefill pool does. It is decided before the windows and chunks above, which
-see only the prompts it did not take; its moves after the windows, so that none lands on a device sent
-to a window.
+device, as a disaggregated prefill pool does (a part, ``handoffs``, that owns its state). It is decided
+before the windows and chunks above, which see only the prompts it did not take; its moves after the
+windows, so that none lands on a device sent to a window.
 
 **State.** The policy remembers, per device, the last decision instant at which the device was (or was
 sent) MIXED: gathering counts ``G`` from there, so mixed phases stay at least ``G`` apart while a prompt
@@ -87,7 +87,7 @@ import msgspec
 from node.core.chunk_budget import (chunk_budget, chunks_extra_s, chunks_s, efficient_chunk, fastest_chunk, gather_s,
                                     hold_s, keep_up_chunk, mean_budget_s, spacing_s, step_limit_s, window_extra_s)
 from node.core.cost import CostModel
-from node.core.handoff_windows import Handoffs
+from node.core.handoff_windows import HandoffWindows
 from node.core.mixed_placement import MixedPlacement
 from node.core.role_state import Migrate, assured_output
 from node.core.roles import (EPS, Decision, NodeSnapshot, Place, Role, RoleScheduler,
@@ -137,7 +137,7 @@ class _Mix:
         self.spacing, self.d, self.hold = False, 0.0, False
 
 
-class AdaptiveScheduler(Handoffs, RoleScheduler):
+class AdaptiveScheduler(RoleScheduler):
     """The adaptive policy (module docstring). ``max_step_tokens``: ``--max-num-batched-tokens``, the
     upper bound of a MIXED step's tokens (decode tokens included).
 
@@ -164,11 +164,11 @@ class AdaptiveScheduler(Handoffs, RoleScheduler):
         self._eff: dict[tuple[int, int, int], tuple[int, int]] = {}
         self._spaced: dict[str, tuple[float, float]] = {}  # device -> (its last spaced mixed step's start, next start)
         self._mixed_s: dict[str, float] = {}  # device -> last decision instant it was (or was sent) MIXED (s)
-        self._handoff_init()
         # chunk placement, a part given the estimates it uses (node.core.mixed_placement); bound methods, so
         # the cost model is read at each call (an online refit replaces it) and the policy still pickles
         self.mixed = MixedPlacement(target_s=self._ttft_target_s, fits_kv=self._fits_kv, need_blocks=self._need_blocks,
                                     chunks_s=self._chunks_s, decode_step_s=self._decode_s, urgent=self.urgent)
+        self.handoffs = HandoffWindows(self, self._fits_kv)  # hand-off windows, a part reading these estimates
 
     def quiet_decisions(self, now_s: float, mixed: list[str]) -> list[SwitchRole]:
         """:meth:`decide`'s decisions at ``now_s`` (s) when nothing waits and every device is in the decode
@@ -260,15 +260,15 @@ class AdaptiveScheduler(Handoffs, RoleScheduler):
         remaining = self._reject(snapshot, devs, out)
         dec = [dv for dv in devs if dv.st.role in (Role.DECODE, Role.MIXED)]
         mixes = {dv.st.device_id: self._mix(dv, now_s) for dv in dec}
-        hand = self._handoff_devices(now_s, devs)  # node.core.handoff_windows
-        remaining = self._place_handoff(now_s, remaining, hand, out, dec, mixes)
+        hand = self.handoffs.devices(now_s, devs)  # node.core.handoff_windows
+        remaining = self.handoffs.place(now_s, remaining, hand, out, dec, mixes)
         remaining = self._place(now_s, remaining, [dv for dv in devs if dv.target and dv not in hand], out)
         self._end_windows([dv for dv in devs if dv not in hand], out, idle_too=True)
-        if remaining and (opened := self._open_handoff(now_s, dec, mixes, remaining, hand, out)) is not None:
+        if remaining and (opened := self.handoffs.open_window(now_s, dec, mixes, remaining, hand, out)) is not None:
             hand.append(opened)
             dec.remove(opened)
             del mixes[opened.st.device_id]
-            remaining = self._place_handoff(now_s, remaining, [opened], out, dec, mixes)
+            remaining = self.handoffs.place(now_s, remaining, [opened], out, dec, mixes)
         # windows first: a device whose work is cheaper (or only in time) as a window takes it
         for dv in sorted(dec, key=lambda dv: (dv.holder, -self._afford_s(dv, now_s), dv.idx)):
             if not (remaining or self._own_work(dv)):
@@ -283,7 +283,7 @@ class AdaptiveScheduler(Handoffs, RoleScheduler):
                 out[n] = msgspec.structs.replace(out[n], reason=reason)
                 del mixes[dv.st.device_id]
         # after the windows: a hand-off's sequence must not land on a device this round sends to a window
-        self._hand_off(now_s, hand, dec, mixes, out)
+        self.handoffs.hand_off(now_s, hand, dec, mixes, out)
         mixing = [dv for dv in dec if dv.st.device_id in mixes]
         places: list[Place] = []
         self._keep_up(now_s, mixing, mixes, 0)  # a queue longer than the target at c*

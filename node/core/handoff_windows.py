@@ -57,30 +57,70 @@ moves.
 
 from __future__ import annotations
 
-from node.core.chunk_budget import spacing_s
-from node.core.role_state import (EPS, INF, Migrate, ResidentSeq, Role, SwitchRole, WaitingPrompt, assured_per_seq,
-                                   move_blocks)
-from node.core.roles import _Dev
+from typing import Callable, Protocol
 
-__all__ = ["HANDOFF", "Handoffs"]
+from node.core.chunk_budget import spacing_s
+from node.core.cost import CostModel
+from node.core.role_state import (EPS, INF, Migrate, ResidentSeq, Role, RoleSchedulerConfig, SwitchRole, WaitingPrompt,
+                                   assured_per_seq, move_blocks)
+from node.core.roles import _Dev
+from node.core.roofline import RooflineCost
+
+__all__ = ["HANDOFF", "HandoffWindows", "PolicyEstimates"]
 
 HANDOFF = "handoff"
 
 
-class Handoffs:
-    """The hand-off part of :class:`node.core.adaptive.AdaptiveScheduler` (a mixin: it uses the
-    policy's cost model, ``T``, ``dwell_s``, ``pause_s``, ``prefill_s`` and KV fit). State: per
-    hand-off device, the last decision instant it had work (s)."""
+class PolicyEstimates(Protocol):
+    """What the hand-off windows read of the adaptive policy (a :class:`~node.core.windows.WindowMath`), at
+    each call: an online refit replaces its cost model, and each round measures its switch pause again."""
 
-    def _handoff_init(self) -> None:
-        self._handoff: dict[str, float] = {}
+    config: RoleSchedulerConfig  # ttft_urgency, ttft_slo_ms, tpot_slo_ms, copy_s_per_token, prefill_token_budget
+    cost: CostModel | RooflineCost  # the step-time model: decode_step_s, mixed_step_s, prefill_tokens_within
+    T: float  # the per-token target (s)
+    wmax: float  # the longest window (s)
+    pause_s: float  # the switch pause planned for this round (s)
+    dwell_s: float  # the hysteresis a role is held for (s)
 
-    def _handoff_devices(self, now_s: float, devs: list[_Dev]) -> list[_Dev]:
+    def prefill_s(self, tokens: int) -> float:
+        """Seconds of a PREFILL window's steps over ``tokens`` prompt tokens."""
+        ...
+
+    def urgent(self, w: WaitingPrompt, now_s: float) -> bool:
+        """Whether ``w`` is urgent at ``now_s`` (its age plus its service reach the TTFT urgency)."""
+        ...
+
+
+class HandoffWindows:
+    """The hand-off windows of :class:`node.core.adaptive.AdaptiveScheduler` (its ``handoffs``; module
+    docstring). The policy's ``decide`` calls :meth:`devices`, :meth:`place`, :meth:`open_window` and
+    :meth:`hand_off` in that order each round.
+
+    Args:
+        estimates: the policy's cost model, ``T``, ``wmax``, ``pause_s``, ``dwell_s``, prefill time and
+            urgency (:class:`PolicyEstimates`), read at each call.
+        fits_kv: blocks a prompt reserves on a device, or -1 when its free KV or sequence slots cannot
+            take it (``RoleScheduler._fits_kv``).
+
+    State (its own): per hand-off device, the last decision instant (s) it had work, from which its
+    ``dwell`` runs before it closes "drained".
+    """
+
+    def __init__(self, estimates: PolicyEstimates, fits_kv: Callable[[_Dev, WaitingPrompt], int]):
+        self._est, self._fits_kv = estimates, fits_kv
+        self._last_work_s: dict[str, float] = {}
+
+    @property
+    def open_devices(self) -> list[str]:
+        """The devices in a hand-off window as of the last round (ids; a copy)."""
+        return list(self._last_work_s)
+
+    def devices(self, now_s: float, devs: list[_Dev]) -> list[_Dev]:
         """The devices in a hand-off window now (in PREFILL or switching to it); forget the others."""
-        out = [dv for dv in devs if dv.st.device_id in self._handoff and dv.target]
+        out = [dv for dv in devs if dv.st.device_id in self._last_work_s and dv.target]
         kept = {dv.st.device_id for dv in out}
-        for device_id in [d for d in self._handoff if d not in kept]:
-            del self._handoff[device_id]
+        for device_id in [d for d in self._last_work_s if d not in kept]:
+            del self._last_work_s[device_id]
         for dv in out:
             dv.end_by = INF  # its sequences leave after their first token: no resident bounds its queue
             # not "busy": a prompt's tokens leave the queue when its last step is sent, so a window may be
@@ -88,11 +128,11 @@ class Handoffs:
             # step's end instead kept one group prefilling longer: 70B conversation, 4:4, TPOT 20 ms, 13.28
             # req/s, SLO attainment 0.917 -> 0.823 (the groups trade roles less often)
             if dv.q or dv.st.resident:
-                self._handoff[dv.st.device_id] = now_s
+                self._last_work_s[dv.st.device_id] = now_s
         return out
 
-    def _place_handoff(self, now_s: float, waiting: list[WaitingPrompt], hand: list[_Dev], out: list,
-                       dsts: list[_Dev], mixes: dict) -> list[WaitingPrompt]:
+    def place(self, now_s: float, waiting: list[WaitingPrompt], hand: list[_Dev], out: list,
+              dsts: list[_Dev], mixes: dict) -> list[WaitingPrompt]:
         """Place prompts FIFO on hand-off devices (module docstring), those whose mean gap absorbs the
         first gap a move to one of ``dsts`` may cost and whose sequences one of ``dsts`` has room for
         once the hand-off devices' residents have moved; return those left."""
@@ -100,7 +140,7 @@ class Handoffs:
             return waiting
         steps = self._handoff_steps(dsts, mixes)
         taken = self._handoff_taken(hand, dsts, mixes)
-        target_s = self.config.ttft_urgency * self.config.ttft_slo_ms / 1e3
+        target_s = self._est.config.ttft_urgency * self._est.config.ttft_slo_ms / 1e3
         left: list[WaitingPrompt] = []
         for i, w in enumerate(waiting):
             best = None
@@ -110,24 +150,24 @@ class Handoffs:
                 need = self._fits_kv(dv, w)
                 if need < 0:
                     continue
-                finish = dv.t0 + self.prefill_s(dv.q + w.new_tokens(dv.st.device_id))
+                finish = dv.t0 + self._est.prefill_s(dv.q + w.new_tokens(dv.st.device_id))
                 if dv.q > 0 and finish - now_s > target_s + EPS:
                     continue
                 if best is None or (finish, dv.idx) < best[:2]:
                     best = (finish, dv.idx, dv, need)
             if best is None:
                 left.append(w)
-                if self.urgent(w, now_s):  # FIFO: later prompts do not pass an urgent one here
+                if self._est.urgent(w, now_s):  # FIFO: later prompts do not pass an urgent one here
                     left.extend(waiting[i + 1:])
                     break
                 continue
             out.append(best[2].take(w, best[3]))
-            self._handoff[best[2].st.device_id] = now_s
+            self._last_work_s[best[2].st.device_id] = now_s
             taken = trial
         return left
 
-    def _open_handoff(self, now_s: float, dec: list[_Dev], mixes: dict, waiting: list[WaitingPrompt],
-                      hand: list[_Dev], out: list) -> _Dev | None:
+    def open_window(self, now_s: float, dec: list[_Dev], mixes: dict, waiting: list[WaitingPrompt],
+                    hand: list[_Dev], out: list) -> _Dev | None:
         """Switch a decode-configuration device to a hand-off window if the node is in the regime
         (module docstring), counting the room the open hand-off devices ``hand`` take for their moves;
         the device, or None."""
@@ -152,16 +192,16 @@ class Handoffs:
         # Wmax) and the others chunking with dv's residents added
         now_rate = sum(self._chunk_rate(mixes[o.st.device_id]) for o in dec)
         tokens = sum(w.prompt_tokens for w in waiting)
-        tokens = max(1, min(tokens, self.cost.prefill_tokens_within(self.wmax, self.config.prefill_token_budget)))
-        hand_rate = tokens / self.prefill_s(tokens) + sum(
+        window_tokens = self._est.cost.prefill_tokens_within(self._est.wmax, self._est.config.prefill_token_budget)
+        tokens = max(1, min(tokens, window_tokens))
+        hand_rate = tokens / self._est.prefill_s(tokens) + sum(
             self._chunk_rate(mixes[o.st.device_id], *taken.get(o.st.device_id, (0, 0, 0, 0))[2:]) for o in others)
         if hand_rate <= now_rate:
             return None
-        out.append(SwitchRole(dv.st.device_id, Role.PREFILL, HANDOFF, self.wmax,
-                              self.cost.prefill_tokens_within(self.wmax, self.config.prefill_token_budget)))
-        t0 = max(now_s, dv.st.busy_until_s) + self.pause_s
+        out.append(SwitchRole(dv.st.device_id, Role.PREFILL, HANDOFF, self._est.wmax, window_tokens))
+        t0 = max(now_s, dv.st.busy_until_s) + self._est.pause_s
         dv.target, dv.decodeish, dv.t0, dv.ws, dv.end_by = True, False, t0, t0, INF
-        self._handoff[dv.st.device_id] = now_s
+        self._last_work_s[dv.st.device_id] = now_s
         return dv
 
     def _handoff_taken(self, hand: list[_Dev], dsts: list[_Dev], mixes: dict) -> dict[str, list[int]]:
@@ -183,7 +223,8 @@ class Handoffs:
     def _handoff_steps(self, dsts: list[_Dev], mixes: dict) -> list[tuple[float, float]]:
         """``(m(c_T), d)`` (s) of each of ``dsts``: its mixed step at the largest chunk it may grow to, and
         its decode step, the parts of a handed-off sequence's first gap there (:meth:`_first_gap_s`)."""
-        return [(self.cost.mixed_step_s(max(1, mx.chunk, mx.max_chunk), mx.s, mx.k), self.cost.decode_step_s(mx.s, mx.k))
+        cost = self._est.cost
+        return [(cost.mixed_step_s(max(1, mx.chunk, mx.max_chunk), mx.s, mx.k), cost.decode_step_s(mx.s, mx.k))
                 for mx in (mixes[dv.st.device_id] for dv in dsts if dv.st.device_id in mixes)]
 
     def _first_gap_s(self, w: WaitingPrompt, steps: list[tuple[float, float]]) -> float:
@@ -192,7 +233,7 @@ class Handoffs:
         ``copy_s_per_token``) starts once the destination's two pipelined steps in flight end (the node's
         moves and the simulator's wait for them), then the sequence decodes: ``2 m + x + d``; inf with no
         destination. Copies queued before it on the source's link are not counted."""
-        x = w.prompt_tokens * self.config.copy_s_per_token
+        x = w.prompt_tokens * self._est.config.copy_s_per_token
         return min((2 * m + x + d for m, d in steps), default=INF)
 
     def _absorbs(self, w: WaitingPrompt, steps: list[tuple[float, float]]) -> bool:
@@ -202,7 +243,8 @@ class Handoffs:
         the TPOT SLO; one token: no gap). Azure code (short outputs), 70B at 4:4, TPOT 20 ms, 0.661
         req/s: SLO attainment 0.917 before hand-offs, 0.826 handing off every prompt."""
         n = assured_per_seq(w)  # what it surely produces: a short output wins no overrun back
-        return n < 2 or (n - 1) * self.config.tpot_slo_ms / 1e3 >= self._first_gap_s(w, steps) + (n - 2) * self.T
+        tau = self._est.config.tpot_slo_ms / 1e3
+        return n < 2 or (n - 1) * tau >= self._first_gap_s(w, steps) + (n - 2) * self._est.T
 
     def _chunk_rate(self, mix, n_in: int = 0, k_in: int = 0) -> float:
         """Prompt tokens per second a decode-configuration device carries in chunks of ``mix.chunk``
@@ -213,15 +255,15 @@ class Handoffs:
         c, s, k = mix.chunk, mix.s + n_in, mix.k + k_in
         if c <= 0:
             return 0.0
-        d = self.cost.decode_step_s(s, k)
-        if s and d >= self.T:
+        d = self._est.cost.decode_step_s(s, k)
+        if s and d >= self._est.T:
             return 0.0
-        m = self.cost.mixed_step_s(c, s, k)
-        if s and m > self.T:
-            m += spacing_s(m, d, self.T)
+        m = self._est.cost.mixed_step_s(c, s, k)
+        if s and m > self._est.T:
+            m += spacing_s(m, d, self._est.T)
         return c / m
 
-    def _hand_off(self, now_s: float, hand: list[_Dev], dec: list[_Dev], mixes: dict, out: list) -> None:
+    def hand_off(self, now_s: float, hand: list[_Dev], dec: list[_Dev], mixes: dict, out: list) -> None:
         """Move every decoding sequence of the hand-off devices to a decode-configuration device, and
         close the hand-off windows that are done (module docstring). The destinations' room left
         (``kv``, ``slots``) shrinks by what the moves take."""
@@ -238,10 +280,10 @@ class Handoffs:
             if dv.st.role is not Role.PREFILL:
                 continue
             idle = (not dv.st.resident and not dv.placed and not dv.q
-                    and now_s - self._handoff.get(dv.st.device_id, now_s) >= self.dwell_s - EPS)
+                    and now_s - self._last_work_s.get(dv.st.device_id, now_s) >= self._est.dwell_s - EPS)
             if stuck or idle:
                 out.append(SwitchRole(dv.st.device_id, Role.DECODE, "blocked" if stuck else "drained"))
-                self._handoff.pop(dv.st.device_id, None)
+                self._last_work_s.pop(dv.st.device_id, None)
         for dv in dsts:
             kv, slots, _, _ = taken.get(dv.st.device_id, (0, 0, 0, 0))
             dv.kv -= kv
@@ -263,8 +305,8 @@ class Handoffs:
             mix = mixes[dv.st.device_id]
             n = mix.s + dv.qn + n_in
             k = mix.k + dv.q + k_in
-            step = self.cost.decode_step_s(n + 1, k + r.context_tokens)
-            if step > self.T + EPS:  # it would not keep pace there, nor would the device's residents
+            step = self._est.cost.decode_step_s(n + 1, k + r.context_tokens)
+            if step > self._est.T + EPS:  # it would not keep pace there, nor would the device's residents
                 continue
             if best is None or (step, dv.idx) < best[:2]:
                 best = (step, dv.idx, dv, need)

@@ -9,8 +9,9 @@ import pytest
 from node.core.adaptive import AdaptiveScheduler, ChunkBudget
 from node.core.imbalance import Migrate
 from node.core.cost import CostModel
+from node.core.handoff_windows import HandoffWindows
 from node.core.roles import (DeviceState, NodeSnapshot, Place, ResidentSeq, Role, RoleSchedulerConfig, SwitchRole,
-                             WaitingPrompt)
+                             WaitingPrompt, _Dev)
 from tests.core.test_adaptive import CFG, COST, T, EagerMixed, dev, on_pace, switches
 
 pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
@@ -236,3 +237,65 @@ def test_a_slow_link_copy_counts_in_the_first_gap():
     out = AdaptiveScheduler(slow, SPACED).decide(now, snap)
     assert not moves(out) and all(why != "handoff" for *_, why in switches(out))
     assert any(isinstance(p, Place) for p in out)  # placed elsewhere, not left behind
+
+
+class _Estimates:
+    """The estimates the hand-off windows read of a policy (:class:`PolicyEstimates`), by hand and mutable,
+    with no scheduler: the tests' cost model, 1 ms of prefill per 100 prompt tokens, no prompt urgent."""
+
+    def __init__(self, T: float = T, dwell_s: float = 0.1):
+        self.config, self.cost, self.T, self.wmax, self.pause_s, self.dwell_s = CFG, COST, T, 0.2, 0.005, dwell_s
+
+    def prefill_s(self, tokens: int) -> float:
+        return tokens / 1e5
+
+    def urgent(self, w: WaitingPrompt, now_s: float) -> bool:
+        return False
+
+
+class _Mix:
+    """A decode device's round (the adaptive policy's ``_Mix``): no chunk fits, ``s`` residents of ``k`` tokens."""
+
+    def __init__(self, s: int, k: int):
+        self.chunk, self.max_chunk, self.s, self.k = 0, 0, s, k
+
+
+def _round(hand_resident=()):
+    """A hand-off device ``h`` in PREFILL, and decode devices ``a`` (4 residents) and ``b`` (1)."""
+    devs = [_Dev(dev(Role.PREFILL, hand_resident, device_id="h"), 0), _Dev(dev(device_id="a"), 1),
+            _Dev(dev(device_id="b"), 2)]
+    return devs[0], devs[1:], {"a": _Mix(4, 2000), "b": _Mix(1, 500)}
+
+
+def test_the_windows_part_alone_moves_to_the_device_that_keeps_pace_reading_t_at_each_call():
+    est = _Estimates()
+    part = HandoffWindows(est, lambda dv, w: 2)
+    h, dec, mixes = _round(seqs("r", 1, 0.0))
+    out: list = []
+    part.hand_off(0.0, [h], dec, mixes, out)
+    assert moves(out) == [("r0", "h", "b", "handoff")] and switches(out) == []  # b's decode step is the shorter
+    assert dec[1].slots == dev().seq_slots_free - 1  # the move's room is taken from b for the rest of the round
+    est.T = 0.005  # under any decode step here: no destination keeps pace now, so the window closes
+    h, dec, mixes = _round(seqs("r", 1, 0.0))
+    out = []
+    part.hand_off(0.0, [h], dec, mixes, out)
+    assert moves(out) == [] and switches(out) == [("h", Role.DECODE, "blocked")]
+
+
+def test_the_windows_part_owns_its_dwell_state_and_closes_drained_after_the_dwell_of_now():
+    est = _Estimates(dwell_s=0.1)
+    part, other = HandoffWindows(est, lambda dv, w: 2), HandoffWindows(est, lambda dv, w: 2)
+    h, dec, mixes = _round()
+    out: list = []
+    left = part.place(0.0, [WaitingPrompt("p", 400, 0.0, expected_output_tokens=200)], [h], out, dec, mixes)
+    assert left == [] and [(p.request_id, p.device_id) for p in out] == [("p", "h")]
+    assert part.open_devices == ["h"] and other.open_devices == []  # each part's own state
+    h, dec, mixes = _round()  # the next round: the prompt was prefilled and moved, h holds nothing
+    assert part.devices(0.05, [h, *dec]) == [h] and other.devices(0.05, [h, *dec]) == []
+    out = []
+    part.hand_off(0.05, [h], dec, mixes, out)
+    assert out == [] and part.open_devices == ["h"]  # 50 ms idle, under the 100 ms dwell
+    est.dwell_s = 0.04  # a shorter pause measured since: the dwell is read at each call
+    part.hand_off(0.05, [h], dec, mixes, out)
+    assert switches(out) == [("h", Role.DECODE, "drained")]
+    assert part.open_devices == []
