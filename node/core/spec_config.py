@@ -1,9 +1,15 @@
 """The speculative-decoding configuration (``--speculative-config``, vLLM's JSON shape).
 
-Example: ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``.
-Only the n-gram (prompt lookup) method is built; a draft model (``"model"``) is refused with a clear
-error rather than ignored. The prompt-lookup window defaults follow vLLM's: neither bound given, both
-are 5; one given, the other takes its value.
+Two methods:
+
+* n-gram (prompt lookup): ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+  "prompt_lookup_min": 2}``. The prompt-lookup window defaults follow vLLM's: neither bound given, both
+  are 5; one given, the other takes its value.
+* a draft model with the target's vocabulary: ``{"model": "PATH", "num_speculative_tokens": 3}`` (method
+  ``"draft_model"``, inferred from ``"model"`` when ``"method"`` is left out, as vLLM does); it runs in each
+  engine process beside the target (:mod:`node.worker.draft_model`).
+
+Other methods (EAGLE, Medusa, MTP) are refused with a clear error rather than ignored.
 """
 
 from __future__ import annotations
@@ -22,21 +28,36 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     """How a node speculates (vLLM's ``--speculative-config`` keys).
 
     Attributes:
-        method: ``"ngram"``: draft tokens are looked up in the sequence's own prompt and output.
+        method: ``"ngram"``: draft tokens are looked up in the sequence's own prompt and output;
+            ``"draft_model"``: a small model (``model``) proposes them; None (left out): ``"draft_model"``
+            when ``model`` is given, else ``"ngram"`` (:attr:`kind`).
         num_speculative_tokens: draft tokens proposed per sequence per step, ``k >= 1``.
         prompt_lookup_max, prompt_lookup_min: the longest and shortest suffix (in tokens) matched
-            against earlier text; the longest that matches wins.
+            against earlier text; the longest that matches wins (n-gram only).
         disable_by_batch_size: speculate only while the device holds at most this many sequences
             (running and waiting) (:data:`DEFAULT_DISABLE_BY_BATCH_SIZE` when unset).
-        model: a draft model's path (vLLM's key): refused, only ``"ngram"`` is implemented.
+        model: the draft model's Hugging Face folder (vLLM's key), for ``"draft_model"``. Its vocabulary
+            size must be the target's (checked at start-up, :func:`node.worker.draft_model.check_draft_model`).
     """
 
-    method: str = "ngram"
+    method: str | None = None
     num_speculative_tokens: int
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     disable_by_batch_size: int | None = None
     model: str | None = None
+
+    @property
+    def kind(self) -> str:
+        """The method, inferred where ``method`` is left out: ``"draft_model"`` with a ``model``, else ``"ngram"``."""
+        if self.method is not None:
+            return self.method
+        return "draft_model" if self.model is not None else "ngram"
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """Drafts come from a draft model run in the engine processes (not from the node's n-gram lookup)."""
+        return self.kind == "draft_model"
 
     @property
     def lookup_max(self) -> int:
@@ -55,9 +76,17 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 
     def error(self) -> str | None:
         """Why this configuration cannot run, naming the key, or None."""
-        if self.model is not None or self.method != "ngram":
-            return (f"--speculative-config: only method \"ngram\" (prompt lookup) is implemented, got method "
-                    f"{self.method!r}" + (f" with model {self.model!r}" if self.model is not None else ""))
+        kind = self.kind
+        if kind not in ("ngram", "draft_model"):
+            return (f"--speculative-config: method must be \"ngram\" (prompt lookup) or \"draft_model\", got "
+                    f"{kind!r}")
+        if kind == "ngram" and self.model is not None:
+            return (f"--speculative-config: method \"ngram\" takes no model (got model {self.model!r}); leave "
+                    "\"method\" out or set it to \"draft_model\" to draft with that model")
+        if kind == "draft_model" and not self.model:
+            return "--speculative-config: method \"draft_model\" needs \"model\" (the draft model's folder)"
+        if kind == "draft_model" and (self.prompt_lookup_max is not None or self.prompt_lookup_min is not None):
+            return "--speculative-config: prompt_lookup_max and prompt_lookup_min apply to method \"ngram\" only"
         if not 1 <= self.num_speculative_tokens <= 64:
             return f"--speculative-config: num_speculative_tokens must be in [1, 64], got {self.num_speculative_tokens}"
         if not 1 <= self.lookup_min <= self.lookup_max:

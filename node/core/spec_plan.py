@@ -9,6 +9,11 @@ rejected drafts is garbage past the sequence's end; :func:`roll_back` returns th
 such slots to the ledger, and the next step overwrites the rest before reading them (each step writes
 its positions first).
 
+With a draft model (``--speculative-config`` ``"model"``) the node does not know the draft tokens: it
+plans each verify item with ``k`` :data:`PROPOSED_IN_ENGINE` slots (so blocks, token budget and rollback
+are planned exactly as for n-gram drafts), and the engine's draft model fills them in before the target
+verifies them (:mod:`node.worker.draft_model`).
+
 When a verify step runs, the sequence's last token must be known, so the node does not overlap the step
 after it (:mod:`node.runtime.spec_decode`); speculation therefore stops above
 :attr:`~node.core.spec_config.SpeculativeConfig.max_batch` sequences (running and waiting), where a step already
@@ -22,6 +27,10 @@ from node.core.ledger import BlockLedger
 from node.core.ngram_proposer import propose_ngram
 from node.core.sequence import Sequence
 from node.core.spec_config import SpeculativeConfig
+
+
+PROPOSED_IN_ENGINE = -1
+"""A draft slot whose token the engine's draft model proposes (never a token id: ids are ``>= 0``)."""
 
 
 def speculates(seq: Sequence) -> bool:
@@ -63,7 +72,8 @@ class SpecStats:
 
 
 class DraftPlanner:
-    """Adds n-gram drafts to the decode items of a planned step.
+    """Adds drafts to the decode items of a planned step: n-gram lookups, or (draft-model method) slots
+    the engine's draft model fills (:data:`PROPOSED_IN_ENGINE`).
 
     Args:
         config: the node's speculative configuration.
@@ -72,6 +82,7 @@ class DraftPlanner:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self.k = config.num_speculative_tokens
+        self.in_engine = config.uses_draft_model
         self.stats = SpecStats(self.k)
 
     def active(self, running: list[Sequence], num_waiting: int = 0) -> bool:
@@ -102,7 +113,9 @@ class DraftPlanner:
             if it.num_tokens != 1 or seq.num_pending or not seq.is_decoding or not speculates(seq):
                 continue
             k = min(self.k, room, seq.max_len - len(toks) - 1)
-            draft = propose_ngram(toks, k, cfg.lookup_max, cfg.lookup_min) if k > 0 else []
+            if k <= 0:
+                continue
+            draft = [PROPOSED_IN_ENGINE] * k if self.in_engine else propose_ngram(toks, k, cfg.lookup_max, cfg.lookup_min)
             if not draft:
                 continue
             need = ledger.blocks_for(seq.num_computed + 1 + len(draft)) - len(seq.block_ids)

@@ -20,6 +20,7 @@ from node.transport.protocol import Fingerprint
 from node.worker.engine_core import EngineCore
 from node.worker.grammar_masks import GrammarMasks
 from node.worker.engine_group import launch_engine
+from node.worker.draft_model import build_draft_model, check_draft_model
 from node.worker.engine_process import EngineProcess
 from node.worker.local_engine import LocalEngine
 from node.worker.loader import LoadedModel, StartupError, build_runner, load_model_info, select_ops
@@ -65,7 +66,7 @@ async def load_engines(config: NodeConfig, prelaunched: dict[str, EngineProcess]
 
     Raises:
         StartupError: an engine failed to load or died while loading; a tensor-parallel degree the flags
-            or the model cannot run with.
+            or the model cannot run with; a draft model (``--speculative-config``) the target cannot verify.
     """
     prelaunched = dict(prelaunched or {})
     loop = asyncio.get_running_loop()
@@ -75,11 +76,16 @@ async def load_engines(config: NodeConfig, prelaunched: dict[str, EngineProcess]
     try:
         info = load_model_info(config)
         check_tensor_parallel(config, info)
+        check_draft_model(config, info)  # --speculative-config's draft model: its vocabulary is the target's
         if config.engine_layout == "thread":
             for device_id in config.devices:
                 ops = select_ops(config.attention_backend, device_id.partition(":")[0])
                 runner = await loop.run_in_executor(None, build_runner, config, info, device_id, ops)
-                core = EngineCore(runner, grammars=GrammarMasks.for_model(info))
+                draft = None
+                if config.speculative_config is not None and config.speculative_config.uses_draft_model:
+                    draft = await loop.run_in_executor(None, build_draft_model, config, info, device_id, ops,
+                                                       runner.num_blocks)
+                core = EngineCore(runner, grammars=GrammarMasks.for_model(info), draft=draft)
                 await loop.run_in_executor(None, core.warm_up)
                 handles.append(LocalEngine(core))
         else:

@@ -28,7 +28,9 @@ import time
 import msgspec
 
 from node.core.sequence import SamplingParams
+from node.core.spec_plan import PROPOSED_IN_ENGINE
 from node.worker.background_compile import CompileState
+from node.worker.draft_model import DraftModel, DraftRequest
 from node.worker.grammar_masks import GrammarMasks
 from node.worker.role_layouts import GroupLayouts
 from node.worker.runner import ModelRunner, SeqInput, SeqOutput, StepInput
@@ -66,7 +68,8 @@ class StepItem(msgspec.Struct, array_like=True):
     """One scheduled sequence: compute tokens ``start .. start + num_tokens - 1``; ``sample`` draws the
     next token; ``prompt_top >= 0`` asks for prompt logprobs with that many alternatives. ``draft``
     (a verify item): the last ``len(draft)`` of the ``num_tokens`` are these speculative tokens, not yet
-    the sequence's; each is verified (:mod:`node.worker.spec_verify`) and the kept ones are appended."""
+    the sequence's; each is verified (:mod:`node.worker.spec_verify`) and the kept ones are appended. Slots
+    of :data:`~node.core.spec_plan.PROPOSED_IN_ENGINE` are proposed by the engine's draft model first."""
 
     seq_id: str
     start: int
@@ -133,6 +136,8 @@ class EngineCore:
         runner: the device's :class:`ModelRunner` (weights, KV pool).
         layouts: a time-shared group rank's decode and prefill layouts (None otherwise).
         grammars: the structured-output state (:class:`GrammarMasks`); None: sequences are unmasked.
+        draft: the draft model (``--speculative-config`` with ``"model"``, :mod:`node.worker.draft_model`),
+            which fills verify items' :data:`~node.core.spec_plan.PROPOSED_IN_ENGINE` slots; None: no such slots.
 
     Errors: :meth:`step` raises ``KeyError`` for a diff that names a sequence the engine does not
     hold (the node then resets the engine's state with its next message), and whatever the runner
@@ -140,8 +145,10 @@ class EngineCore:
     whether the step ran or not), tokens are appended only by a step that completed.
     """
 
-    def __init__(self, runner: ModelRunner, layouts: GroupLayouts | None = None, grammars: GrammarMasks | None = None):
+    def __init__(self, runner: ModelRunner, layouts: GroupLayouts | None = None, grammars: GrammarMasks | None = None,
+                 draft: DraftModel | None = None):
         self.runner = runner
+        self.draft = draft
         self.layouts = layouts  # a time-shared group's rank: its decode and prefill layouts
         self.grammars = grammars  # structured output (node.worker.grammar_masks); None: a spec is ignored
         self.seqs: dict[str, _SeqState] = {}
@@ -158,21 +165,32 @@ class EngineCore:
     def apply(self, msg: StepMsg) -> None:
         """Bring the per-sequence state up to date with the node's (the diff part of ``msg``)."""
         seqs = self.seqs
+        draft = self.draft
         if msg.reset:
             seqs.clear()
+            if draft is not None:
+                draft.clear()
         for sid in msg.drop:
             seqs.pop(sid, None)
+            if draft is not None:
+                draft.forget(sid)
         for new in msg.new:
             seqs[new.seq_id] = _SeqState(new)
+            if draft is not None:  # an arrival (or a reset sequence): its draft KV is recomputed
+                draft.forget(new.seq_id)
         for t in msg.tokens:
             s = seqs[t.seq_id]
             del s.token_ids[t.keep:]
             s.token_ids.extend(t.add)
             s.grammar = None  # tokens came from elsewhere: the matcher is rebuilt from them
+            if draft is not None:
+                draft.cut(t.seq_id, t.keep)
         for b in msg.blocks:
             s = seqs[b.seq_id]
             del s.block_ids[b.keep:]
             s.block_ids.extend(b.add)
+            if draft is not None:  # blocks past ``keep`` may be another sequence's by now
+                draft.cut(b.seq_id, b.keep * self.runner.block_size)
 
     def step(self, msg: StepMsg) -> StepReply:
         """Apply the diff, run the forward pass and sampling over the items, append sampled tokens. On a
@@ -184,6 +202,8 @@ class EngineCore:
         if msg.instances:
             return self._composite_step(msg, t0)
         seqs = self.seqs
+        if any(it.draft and it.draft[0] == PROPOSED_IN_ENGINE for it in msg.items):
+            self._propose(msg.items)
         step = self._step_input(msg.items)
         outs = self.runner.execute(step)
         pacer = self.pacer
@@ -199,13 +219,32 @@ class EngineCore:
             return self._verified(msg.items, ordered, t0, update)
         return StepReply(ordered, time.perf_counter() - t0, update)
 
+    def _propose(self, items: list[StepItem]) -> None:
+        """Fill the verify items' :data:`~node.core.spec_plan.PROPOSED_IN_ENGINE` slots with the draft
+        model's tokens, in one batch (:meth:`DraftModel.propose`).
+
+        Raises:
+            RuntimeError: this engine has no draft model (the node and engine disagree on the method).
+        """
+        if self.draft is None:
+            raise RuntimeError("a step asks for draft-model drafts but this engine loaded no draft model")
+        asked = [it for it in items if it.draft and it.draft[0] == PROPOSED_IN_ENGINE]
+        seqs = self.seqs
+        got = self.draft.propose([DraftRequest(it.seq_id, seqs[it.seq_id].token_ids, seqs[it.seq_id].block_ids,
+                                               len(it.draft)) for it in asked])
+        for it, d in zip(asked, got):
+            it.draft = d
+
     def _verified(self, items: list[StepItem], ordered: list[SeqOutput], t0: float, update: CompileState | None) -> StepReply:
         """The reply of a step with verify items: each one's further kept tokens appended to its sequence
         and listed in the reply, per item (:attr:`StepReply.kept`)."""
         kept, lps = [], []
+        draft = self.draft
         for it in items:
             more, more_lps = self.runner.kept.get(it.seq_id, ([], []))
             s = self.seqs[it.seq_id]
+            if draft is not None and it.draft:  # the kept drafts' draft KV is the draft model's own
+                draft.verified(it.seq_id, it.start + 1, len(it.draft), len(more))
             for t in more:
                 s.append(t)
             kept.append(more)
@@ -279,16 +318,21 @@ class EngineCore:
         """Run a 2-token prefill and a decode step on the first blocks once, before serving, so the
         first request does not pay kernel compilation (numba, triton) or first-call allocations. The
         blocks (as many as 3 tokens need: one, unless ``--block-size`` is below 3) hold nothing of
-        anyone's: every sequence writes its positions before it reads them."""
+        anyone's: every sequence writes its positions before it reads them. With a draft model a verify
+        step of one draft follows (its proposal and the target's check: 5 tokens' blocks)."""
         params = SamplingParams(max_tokens=2, temperature=0.0)
-        blocks = list(range(-(-3 // self.runner.block_size)))
+        blocks = list(range(-(-(3 if self.draft is None else 5) // self.runner.block_size)))
         seqs = {"warm-up": _SeqState(NewSeq("warm-up", [1, 2], 2, params, blocks))}
         saved, self.seqs = self.seqs, seqs
         try:
             self.step(StepMsg([StepItem("warm-up", 0, 2, True)]))
             self.step(StepMsg([StepItem("warm-up", 2, 1, True)]))
+            if self.draft is not None:
+                self.step(StepMsg([StepItem("warm-up", 3, 2, True, draft=[PROPOSED_IN_ENGINE])]))
         finally:
             self.seqs = saved
+            if self.draft is not None:
+                self.draft.forget("warm-up")
 
     def prepare_decode(self) -> float:
         """The decode role's reconfiguration (:meth:`ModelRunner.prepare_decode`); capture ms."""

@@ -107,7 +107,12 @@ def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid
                      backend=torch.distributed.get_backend(), prefill_degree=tp.prefill_degree or None)
         runner = build_runner(config, info, device_id, ops, kv_alloc=kv_alloc, tp=group,
                               held_degree=(tp.prefill_degree or None) if tp is not None else None, background=True)
-        core = EngineCore(runner, layouts, GrammarMasks.for_model(info))
+        draft = None
+        if config.speculative_config is not None and config.speculative_config.uses_draft_model:
+            from node.worker.draft_model import build_draft_model
+
+            draft = build_draft_model(config, info, device_id, ops, runner.num_blocks)
+        core = EngineCore(runner, layouts, GrammarMasks.for_model(info), draft)
         core.warm_up()
         if device_id.startswith("cpu"):
             from node.worker.cpu_threads import settle_threads

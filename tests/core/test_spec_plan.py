@@ -63,14 +63,26 @@ def test_config_follows_vllm_json_and_defaults():
     assert (cfg.num_speculative_tokens, cfg.lookup_max, cfg.lookup_min) == (4, 4, 2)
     assert cfg.max_batch == DEFAULT_DISABLE_BY_BATCH_SIZE
     cfg = parse_speculative_config('{"num_speculative_tokens": 3, "prompt_lookup_max": 3, "disable_by_batch_size": 9}')
-    assert (cfg.method, cfg.lookup_max, cfg.lookup_min, cfg.max_batch) == ("ngram", 3, 3, 9)
+    assert (cfg.kind, cfg.lookup_max, cfg.lookup_min, cfg.max_batch) == ("ngram", 3, 3, 9)
     cfg = parse_speculative_config('{"num_speculative_tokens": 3}')
     assert (cfg.lookup_max, cfg.lookup_min) == (5, 5)
+    assert (cfg.kind, cfg.uses_draft_model) == ("ngram", False)
+
+
+def test_a_draft_model_config_is_inferred_from_model_as_vllm_does():
+    cfg = parse_speculative_config('{"model": "some/draft", "num_speculative_tokens": 3}')
+    assert (cfg.kind, cfg.uses_draft_model, cfg.model, cfg.num_speculative_tokens) == ("draft_model", True, "some/draft", 3)
+    cfg = parse_speculative_config('{"method": "draft_model", "model": "d", "num_speculative_tokens": 2, '
+                                   '"disable_by_batch_size": 6}')
+    assert (cfg.kind, cfg.max_batch) == ("draft_model", 6)
 
 
 @pytest.mark.parametrize("text, words", [
-    ('{"method": "eagle", "num_speculative_tokens": 3}', "only method"),
-    ('{"model": "some/draft", "num_speculative_tokens": 3}', "only method"),
+    ('{"method": "eagle", "num_speculative_tokens": 3}', "method must be"),
+    ('{"method": "ngram", "model": "some/draft", "num_speculative_tokens": 3}', "takes no model"),
+    ('{"method": "draft_model", "num_speculative_tokens": 3}', 'needs "model"'),
+    ('{"model": "d", "num_speculative_tokens": 3, "prompt_lookup_max": 3}', 'ngram" only'),
+    ('{"model": "d", "num_speculative_tokens": 0}', "num_speculative_tokens"),
     ('{"method": "ngram"}', "num_speculative_tokens"),
     ('{"num_speculative_tokens": 0}', "num_speculative_tokens"),
     ('{"num_speculative_tokens": 2, "prompt_lookup_max": 1, "prompt_lookup_min": 3}', "prompt_lookup_min"),
