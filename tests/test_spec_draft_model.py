@@ -1,0 +1,210 @@
+"""Speculative decoding with a draft model (``--speculative-config '{"model": PATH, ...}'``) end to end on
+stories260k, the real model, in both engine layouts: stories260k drafting for itself gives the reference's
+greedy output with every draft kept; a draft with perturbed weights (same vocabulary, other predictions)
+keeps greedy and seeded sampled output token for token the plain node's while drafts are rejected and their
+blocks rolled back, leaving none behind; a sequence moved between devices has its draft KV recomputed on
+arrival (every self-draft still kept); the counts show under vLLM's names; drafts the target cannot verify are
+refused at start-up, naming the key."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from model_copies import copy_model
+from node.config import NodeConfig
+from node.core.sequence import SamplingParams
+from node.core.spec_config import SpeculativeConfig
+from node.runtime.node import Node
+from node.worker.draft_model import check_draft_model
+from node.worker.loader import StartupError, load_model_info
+from support import STORIES, reference_cases
+
+# the quick tier runs the start-up refusals; the others start in-process nodes of their own
+
+
+def perturbed_draft(tmp_path: Path, scale: float = 0.1, seed: int = 0) -> Path:
+    """stories260k with Gaussian noise of ``scale`` times each weight matrix's own standard deviation added to
+    every matrix (norms kept): the same vocabulary and geometry, predictions that differ often (at 0.1 about a
+    third of the drafts are rejected on the reference prompts)."""
+    folder = copy_model(tmp_path, f"draft-{scale}-{seed}")
+    tensors = load_file(folder / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed)
+    for name, t in tensors.items():
+        if t.dim() == 2:
+            tensors[name] = (t + torch.randn(t.shape, generator=gen, dtype=t.dtype) * t.std() * scale).contiguous()
+    save_file(tensors, folder / "model.safetensors")
+    return folder
+
+
+def spec(draft: Path | str, k: int = 3) -> SpeculativeConfig:
+    return SpeculativeConfig(model=str(draft), num_speculative_tokens=k, disable_by_batch_size=8)
+
+
+def config(draft: Path | str | None, mode: str = "colocated", **kw) -> NodeConfig:
+    return NodeConfig(model=str(STORIES), mode=mode, imbalance_threshold=0.0,
+                      speculative_config=None if draft is None else spec(draft), **kw)
+
+
+async def collect(node: Node, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
+    ids: list[int] = []
+    async for _req, d in node.generate(rid, prompt, params):
+        assert d.error is None, d.error
+        ids += d.token_ids
+    return ids
+
+
+def greedy(case: dict) -> SamplingParams:
+    return SamplingParams(max_tokens=case["max_new_tokens"], temperature=0.0)
+
+
+@pytest.mark.parametrize("layout", ["process", "thread"])
+def test_stories260k_drafting_for_itself_keeps_every_draft_and_the_reference_output(layout):
+    cases = reference_cases()
+
+    async def go():
+        node = await Node.create(config(STORIES, engine_layout=layout))
+        node.start()
+        try:
+            one = [await collect(node, f"a{i}", c["prompt_token_ids"], greedy(c)) for i, c in enumerate(cases)]
+            (e,) = node.engines
+            st = e.spec.stats
+            alone = (st.drafts, st.draft_tokens, st.accepted_tokens)
+            # several at once: the draft catches up on several sequences' prompts in one batch beside verify items
+            many = await asyncio.gather(*[collect(node, f"b{i}", c["prompt_token_ids"], greedy(c))
+                                          for i, c in enumerate(cases)])
+            return one, many, alone, e.batcher.ledger
+        finally:
+            await node.close()
+
+    one, many, (drafts, draft_tokens, accepted), ledger = asyncio.run(go())
+    assert one == [c["output_token_ids"] for c in cases]
+    assert many == [c["output_token_ids"] for c in cases]
+    assert drafts > 50 and accepted == draft_tokens  # acceptance rate 1.0: the draft is the target
+    assert ledger.num_used == 0
+    ledger.check()
+
+
+def test_a_different_draft_keeps_greedy_and_seeded_output_and_leaks_no_block(tmp_path):
+    """A perturbed stories260k drafts: greedy and seeded sampled choices are the plain node's token for token
+    (the kept tokens are the target's own draws: a greedy draft is a point mass, node.worker.draft_model), some
+    drafts are rejected and their blocks rolled back, no block stays used, and /metrics has vLLM's names."""
+    cases = reference_cases()
+    draft = perturbed_draft(tmp_path)
+    sampled = [SamplingParams(max_tokens=60, temperature=t, seed=s, top_p=p)
+               for t, s, p in ((0.8, 7, 1.0), (1.0, 11, 0.9), (0.6, 3, 1.0), (1.0, 5, 1.0))]
+    prompt = cases[1]["prompt_token_ids"]
+
+    async def run(node: Node, tag: str):
+        g = await asyncio.gather(*[collect(node, f"{tag}g{i}", c["prompt_token_ids"], greedy(c))
+                                   for i, c in enumerate(cases)])
+        s = [await collect(node, f"{tag}s{i}", prompt, p) for i, p in enumerate(sampled)]
+        return g, s
+
+    async def go():
+        plain, spec_node = await Node.create(config(None)), await Node.create(config(draft))
+        plain.start()
+        spec_node.start()
+        try:
+            want = await run(plain, "p")
+            got = await run(spec_node, "s")
+            (e,) = spec_node.engines
+            return want, got, e.spec.stats, e.spec.rolled_back_blocks, e.batcher.ledger, spec_node.metrics.render().decode()
+        finally:
+            await plain.close()
+            await spec_node.close()
+
+    (want_g, want_s), (got_g, got_s), stats, rolled_back, ledger, metrics = asyncio.run(go())
+    assert got_g == [c["output_token_ids"] for c in cases] == want_g
+    assert got_s == want_s
+    assert stats.drafts > 50 and 0 < stats.accepted_tokens < stats.draft_tokens
+    assert 0.05 < stats.acceptance_rate < 0.95, stats.acceptance_rate
+    assert rolled_back > 0
+    assert ledger.num_used == 0
+    ledger.check()
+    name = config(None).model_name
+    assert f'vllm:spec_decode_num_draft_tokens_total{{model_name="{name}"}} {float(stats.draft_tokens)}' in metrics
+    assert f'vllm:spec_decode_num_accepted_tokens_total{{model_name="{name}"}} {float(stats.accepted_tokens)}' in metrics
+    assert "vllm:spec_decode_num_drafts_total{" in metrics and "vllm:spec_decode_draft_acceptance_rate{" in metrics
+
+
+def test_a_moved_sequence_has_its_draft_kv_recomputed_on_arrival():
+    """Self-drafting, choice 0 moves cpu:0 → cpu:1 after 30 tokens and back after 90. The move copies the
+    target's KV only; the arriving engine's draft recomputes the sequence's draft KV at its first verify step,
+    so every draft is still kept on both devices (a draft reading stale or missing KV would propose other
+    tokens), and the output is the reference's."""
+    case = reference_cases()[0]
+
+    async def go():
+        # no prefix cache: the sequence comes back to blocks other than those it left (whose draft KV is stale)
+        node = await Node.create(NodeConfig(model=str(STORIES), devices=["cpu:0", "cpu:1"], imbalance_threshold=0.0,
+                                            prefix_caching=False, speculative_config=spec(STORIES)))
+        node.start()
+        try:
+            got: list[int] = []
+            plan, moved = [30, 90], 0
+            async for req, d in node.generate("m", case["prompt_token_ids"], greedy(case)):
+                got += d.token_ids
+                if plan and len(got) >= plan[0]:
+                    plan.pop(0)
+                    seq = req.seqs[0]
+                    src = node.engine(seq.device_id)
+                    dst = next(e for e in node.engines if e is not src)
+                    moved += await src.migrate(seq, dst, "manual") is not None
+            return got, moved, [e.batcher.ledger.num_used for e in node.engines], [e.spec.stats for e in node.engines]
+        finally:
+            await node.close()
+
+    got, moved, used, stats = asyncio.run(go())
+    assert got == case["output_token_ids"]
+    assert moved == 2 and used == [0, 0]
+    for st in stats:
+        assert st.drafts > 0 and st.accepted_tokens == st.draft_tokens
+
+
+def _folder_with_config(tmp_path: Path, **changes) -> Path:
+    folder = copy_model(tmp_path, "changed")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(changes)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("case, words", [
+    ("vocab", "vocab_size 1000 differs from the target's 512"),
+    ("positions", "max_position_embeddings 64 is below --max-model-len"),
+    ("missing", "no config.json"),
+    ("tp", "single-device engines only"),
+    ("benchmark", "--benchmark-model"),
+])
+def test_drafts_the_target_cannot_verify_are_refused_naming_the_key(tmp_path, case, words):
+    draft: Path | str = STORIES
+    kw: dict = {}
+    if case == "vocab":
+        draft = _folder_with_config(tmp_path, vocab_size=1000)
+    elif case == "positions":
+        draft = _folder_with_config(tmp_path, max_position_embeddings=64)
+    elif case == "missing":
+        draft = tmp_path / "nowhere"
+    elif case == "tp":
+        kw = dict(devices=["cpu:0", "cpu:1"], tensor_parallel_size=2)
+    else:
+        kw = dict(benchmark_model="zero")
+    cfg = config(draft, **kw)
+    with pytest.raises(StartupError, match="--speculative-config model") as e:
+        check_draft_model(cfg, load_model_info(cfg))
+    assert words in str(e.value)
+
+
+def test_a_node_refuses_a_draft_of_another_vocabulary_at_start(tmp_path):
+    async def go():
+        await Node.create(config(_folder_with_config(tmp_path, vocab_size=1000)))
+
+    with pytest.raises(StartupError, match="--speculative-config model .*vocab_size 1000"):
+        asyncio.run(go())
