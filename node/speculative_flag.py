@@ -23,4 +23,5 @@ def add_speculative_flag(p: argparse.ArgumentParser) -> None:
     """Add ``--speculative-config`` to ``shiftnode serve``'s parser (its value: a :class:`SpeculativeConfig` or None)."""
     p.add_argument("--speculative-config", default=None, type=speculative_arg, metavar="JSON",
                    help="speculative decoding, vLLM's JSON shape, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-                        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' [off]; docs/user-guide.md")
+                        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' or a draft model with the target's "
+                        "vocabulary, '{\"model\": \"PATH\", \"num_speculative_tokens\": 3}' [off]; docs/user-guide.md")

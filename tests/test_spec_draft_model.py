@@ -3,7 +3,7 @@ stories260k, the real model, in both engine layouts: stories260k drafting for it
 greedy output with every draft kept; a draft with perturbed weights (same vocabulary, other predictions)
 keeps greedy and seeded sampled output token for token the plain node's while drafts are rejected and their
 blocks rolled back, leaving none behind; a sequence moved between devices has its draft KV recomputed on
-arrival (every self-draft still kept); the counts show under vLLM's names; drafts the target cannot verify are
+arrival, as is a pooled hand-off's (every self-draft still kept); the counts show under vLLM's names; drafts the target cannot verify are
 refused at start-up, naming the key."""
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from node.config import NodeConfig
 from node.core.sequence import SamplingParams
 from node.core.spec_config import SpeculativeConfig
 from node.runtime.node import Node
+from node.runtime.node_status import node_status
 from node.worker.draft_model import check_draft_model
 from node.worker.loader import StartupError, load_model_info
 from support import STORIES, reference_cases
@@ -114,6 +115,7 @@ def test_a_different_draft_keeps_greedy_and_seeded_output_and_leaks_no_block(tmp
             want = await run(plain, "p")
             got = await run(spec_node, "s")
             (e,) = spec_node.engines
+            assert node_status(spec_node)["devices"][0]["speculative"]["method"] == "draft_model"
             return want, got, e.spec.stats, e.spec.rolled_back_blocks, e.batcher.ledger, spec_node.metrics.render().decode()
         finally:
             await plain.close()
@@ -165,6 +167,31 @@ def test_a_moved_sequence_has_its_draft_kv_recomputed_on_arrival():
     assert moved == 2 and used == [0, 0]
     for st in stats:
         assert st.drafts > 0 and st.accepted_tokens == st.draft_tokens
+
+
+def test_pooled_hand_offs_recompute_the_draft_kv_on_the_decode_device():
+    """Pooled mode: cpu:0 prefills, cpu:1 decodes what is handed to it (the target's KV only). The decode
+    device's draft catches up on each handed-off prompt at its first verify step: every self-draft is kept
+    there, the prefill device never drafts, and the outputs are the reference's."""
+    cases = reference_cases()
+
+    async def go():
+        node = await Node.create(NodeConfig(model=str(STORIES), mode="pooled", prefill_devices=["cpu:0"],
+                                            decode_devices=["cpu:1"], speculative_config=spec(STORIES)))
+        node.start()
+        try:
+            got = await asyncio.gather(*[collect(node, f"h{i}", c["prompt_token_ids"], greedy(c))
+                                         for i, c in enumerate(cases)])
+            by_device = {e.device_id: e for e in node.engines}
+            return got, by_device["cpu:0"].spec.stats, by_device["cpu:1"].spec.stats, [
+                e.batcher.ledger.num_used for e in node.engines]
+        finally:
+            await node.close()
+
+    got, prefill, decode, used = asyncio.run(go())
+    assert got == [c["output_token_ids"] for c in cases]
+    assert prefill.drafts == 0 and decode.drafts > 20 and decode.accepted_tokens == decode.draft_tokens
+    assert used == [0, 0]
 
 
 def _folder_with_config(tmp_path: Path, **changes) -> Path:

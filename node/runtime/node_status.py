@@ -91,7 +91,7 @@ def node_status(node: StatusSource, history: int = 200, since_s: float | None = 
                 d["chunk_budget"] = e.chunk_tokens
         if getattr(e, "spec", None) is not None:  # --speculative-config (node.runtime.spec_decode)
             st = e.spec.stats
-            d["speculative"] = {"drafts": st.drafts, "draft_tokens": st.draft_tokens, "accepted_tokens": st.accepted_tokens,
+            d["speculative"] = {"method": e.spec.planner.config.kind, "drafts": st.drafts, "draft_tokens": st.draft_tokens, "accepted_tokens": st.accepted_tokens,
                                 "acceptance_rate": round(st.acceptance_rate, 4),
                                 "mean_accepted_length": round(st.mean_accepted_length, 4),
                                 "rolled_back_blocks": e.spec.rolled_back_blocks,
