@@ -194,6 +194,37 @@ def test_pooled_hand_offs_recompute_the_draft_kv_on_the_decode_device():
     assert used == [0, 0]
 
 
+@pytest.mark.quick
+def test_the_draft_proposes_the_reference_tokens_and_recomputes_what_it_lost():
+    """The engine's draft model alone (stories260k, 64 blocks of 16): its greedy proposals continue a
+    reference story as the reference does, the catch-up covers exactly the tokens it has not seen, and after a
+    cut (a block table replaced) its pool is read again only where it was rewritten: zeroing the pool and
+    cutting to 0 gives the same proposals, while zeroing it without the cut changes them."""
+    from node.worker.draft_model import DraftRequest, build_draft_model
+    from node.worker.loader import select_ops
+
+    case = reference_cases()[0]
+    cfg = config(STORIES)
+    draft = build_draft_model(cfg, load_model_info(cfg), "cpu:0", select_ops("auto", "cpu"), 64)
+    toks = case["prompt_token_ids"] + case["output_token_ids"][:20]
+    out = case["output_token_ids"]
+    blocks = list(range(10, 10 + -(-(len(toks) + 8) // 16)))
+    got = draft.propose([DraftRequest("s", toks, blocks, 4)])
+    assert got == [out[20:24]] and draft.known["s"] == len(toks)
+    draft.verified("s", len(toks), 4, 4)  # all kept: the draft computed the first 3 drafts' KV, not the 4th
+    assert draft.known["s"] == len(toks) + 3
+    longer = toks + out[20:25]  # the 4 drafts and the bonus token
+    assert draft.propose([DraftRequest("s", longer, blocks, 3)]) == [out[25:28]]
+    draft.verified("s", len(longer), 3, 1)
+    assert draft.known["s"] == len(longer) + 1
+    draft.runner.kv_cache.zero_()
+    draft.cut("s", 0)
+    again = toks + out[20:27]
+    assert draft.propose([DraftRequest("s", again, blocks, 3)]) == [out[27:30]]
+    draft.runner.kv_cache.zero_()  # stale pool, bookkeeping not told: the proposals go wrong
+    assert draft.propose([DraftRequest("s", again, blocks, 3)]) != [out[27:30]]
+
+
 def _folder_with_config(tmp_path: Path, **changes) -> Path:
     folder = copy_model(tmp_path, "changed")
     cfg = json.loads((folder / "config.json").read_text())

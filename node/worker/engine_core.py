@@ -149,6 +149,8 @@ class EngineCore:
                  draft: DraftModel | None = None):
         self.runner = runner
         self.draft = draft
+        if draft is not None:  # a background compile parks while the draft's steps run too (background_compile)
+            draft.runner.gate = runner.gate
         self.layouts = layouts  # a time-shared group's rank: its decode and prefill layouts
         self.grammars = grammars  # structured output (node.worker.grammar_masks); None: a spec is ignored
         self.seqs: dict[str, _SeqState] = {}
