@@ -6,7 +6,8 @@ package, e.g. a ``git worktree`` of an older commit: ``python -m`` imports from 
 first; the child's ``PYTHONPATH`` is the checkout and its ``kernels`` folder, then the caller's, so an
 uninstalled copy runs too); a node that exits first raises
 :class:`NodeUnavailable` with the tail of its log (an unknown ``--mode`` ends that way), one that is
-not healthy in ``startup_timeout_s`` seconds raises it too. Leaving the block terminates the process
+not healthy in ``startup_timeout_s`` seconds raises it too. Calling :meth:`NodeServer.start` again after the
+process died (a ``kill -9``) starts it anew on the same port, its log appended to. Leaving the block terminates the process
 (SIGTERM, then SIGKILL after ``stop_timeout_s``). Stdlib only (``urllib``), so it needs no event loop.
 """
 
@@ -71,7 +72,8 @@ class NodeServer:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "w") as log:
+        # a restart (start after a kill, on the same port) appends: the log keeps the first life's lines
+        with open(self.log_path, "a" if self.proc is not None else "w") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.repo, env=self.env)
         t0 = time.monotonic()
         deadline = t0 + self.startup_timeout_s
