@@ -256,6 +256,34 @@ def test_worker_jobs_run_in_order_on_the_worker_and_fail_once_the_device_is_down
     asyncio.run(body())
 
 
+def test_after_queued_on_a_down_device_runs_then_and_leaves_no_unretrieved_failure():
+    """``free_pinned`` on a device that died (a hand-off's blocks, a receiver's aborted reservation) goes through
+    ``after_queued``, whose future fails at once; nobody keeps that future, so unless ``after_queued`` takes the
+    failure itself asyncio logs "Future exception was never retrieved" when it is collected (the chaos run
+    found those lines in both nodes' logs)."""
+    import gc
+
+    async def body():
+        seen: list[dict] = []
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: seen.append(ctx))
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            down = [None]
+            jobs = WorkerJobs("cpu:0", executor, lambda: down[0], lambda: None)
+            freed = []
+            jobs.after_queued(lambda: freed.append("queued"))  # queued, then failed by the death
+            down[0] = "engine process of cpu:0 (pid 1) was killed by signal 9"
+            jobs.fail_queued()
+            jobs.after_queued(lambda: freed.append("down"))  # the device is down already: fails at once
+            for _ in range(3):
+                await asyncio.sleep(0)
+            assert freed == ["queued", "down"]
+        gc.collect()
+        await asyncio.sleep(0)
+        assert not [c for c in seen if "never retrieved" in c.get("message", "")], seen
+
+    asyncio.run(body())
+
+
 class _Loop:
     """The step loop revival drives: records what it is asked."""
 

@@ -267,6 +267,8 @@ class Chaos:
             else:
                 node, dev = rng.choice(sorted(pids))
                 context = ",".join(sorted({c for n, d, c in cands if (n, d) == (node, dev)})) or "no-transfer"
+            if node in self.down:  # the whole node was killed since the look: its engines are dying already
+                continue
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pids[(node, dev)], signal.SIGKILL)
                 self.rep.kills.append(Kill(round(time.monotonic() - self.t0, 2), node, dev, pids[(node, dev)], context))

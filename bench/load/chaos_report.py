@@ -38,7 +38,7 @@ def classify_error(status: int, error: dict | None, retry_after: str | None = No
 class Kill:
     """One ``kill -9`` of an engine process: when (s into the run), which, and what was in flight on that
     device at the last look before it (``move-src``, ``move-dst``, ``handoff-src``, ``handoff-dst`` or
-    ``idle-or-decoding``: no KV transfer)."""
+    ``no-transfer``: none)."""
 
     at_s: float
     node: str

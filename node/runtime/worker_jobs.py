@@ -53,9 +53,17 @@ class WorkerJobs:
 
     def after_queued(self, then: Callable[[], None]) -> asyncio.Future:
         """Call ``then()`` on the event loop once every job queued now has ended (or at once, from the
-        next turn of the loop, if the device is down): e.g. free blocks a queued gather still reads."""
+        next turn of the loop, if the device is down): e.g. free blocks a queued gather still reads.
+        A down device's failure of the marker job is taken here, not left on the future: callers
+        (``free_pinned``) drop it, and an unretrieved failure is logged by asyncio as an error."""
         fut = self.submit(_nothing)
-        fut.add_done_callback(lambda _f: then())
+
+        def done(f: asyncio.Future) -> None:
+            if not f.cancelled():
+                f.exception()  # retrieved: the device died; ``then`` runs all the same
+            then()
+
+        fut.add_done_callback(done)
         return fut
 
     async def run_queued(self) -> None:
