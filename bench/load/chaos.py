@@ -44,7 +44,8 @@ After the load the nodes settle (every device back, nothing held), and the run c
 (:class:`~bench.load.chaos_report.ChaosReport`): every request ended (ok, a clear error, or aborted by its
 client; none hung and none with an unclear failure); each greedy answer equals the reference (a prefix of it
 when it ended early); no KV block is held and no request is left on either node; no device counted an
-engine error (a ledger violation is one) and no log line names a ``LedgerError``; both nodes answer
+engine error (a ledger violation is one), no log line names a ``LedgerError`` and none is an error of asyncio's
+own (``ERROR:asyncio:``: an exception that no code retrieved); both nodes answer
 ``/health`` ``ok`` with every device up and serve the reference prompts exactly; and, in runs of 5 minutes
 or more, the private RSS of each node never killed grew less than 10 % after the warm-up; no engine process
 outlived a killed node and every killed node came back; every node's peers have a healthy KV link; with etcd,
@@ -424,8 +425,10 @@ def chaos(scenario: str = "pooled", *, duration_s: float = 60.0, kill_every_s: f
                         rep, rng, a, victim="D" if scenario == "pooled" else "B", etcd=etcd).run()
 
         asyncio.run(go())
-    rep.ledger_log_lines = sum(line.count("LedgerError") for n in nodes.values()
-                               for line in n.log_path.read_text(errors="replace").splitlines())
+    logs = [n.log_path.read_text(errors="replace").splitlines() for n in nodes.values()]
+    rep.ledger_log_lines = sum(line.count("LedgerError") for lines in logs for line in lines)
+    # "Future/Task exception was never retrieved" and the like: a failure the node dropped on the floor
+    rep.asyncio_error_lines = sum(line.startswith("ERROR:asyncio:") for lines in logs for line in lines)
     rep.notes.append(f"node logs: {log_dir}")
     return rep
 

@@ -106,6 +106,7 @@ class ChaosReport:
     live_requests: dict = field(default_factory=dict)  # node -> requests it still holds after the drain
     engine_errors: dict = field(default_factory=dict)  # "node device" -> {stage: count} (ledger check included)
     ledger_log_lines: int = 0  # node log lines naming a LedgerError
+    asyncio_error_lines: int = 0  # node log lines of asyncio's own errors (an exception nobody retrieved)
     health_after: dict = field(default_factory=dict)  # node -> /health status after the settle
     devices_down_after: list[str] = field(default_factory=list)
     served_after: bool = False  # every node answered the reference prompts exactly after the run
@@ -153,6 +154,8 @@ class ChaosReport:
             out.append(f"requests still held {self.live_requests}")
         if any(self.engine_errors.values()) or self.ledger_log_lines:
             out.append(f"engine errors {self.engine_errors}, {self.ledger_log_lines} LedgerError log lines")
+        if self.asyncio_error_lines:
+            out.append(f"{self.asyncio_error_lines} asyncio error log lines (a failure nobody handled)")
         if any(k.orphans for k in self.node_kills):
             out.append(f"engine processes outlived their killed node: {[k.orphans for k in self.node_kills if k.orphans]}")
         if any(k.back_after_s is None for k in self.node_kills) or any(r.back_after_s is None for r in self.etcd_restarts):
@@ -187,7 +190,7 @@ class ChaosReport:
             f"({self.greedy_during_kills} in flight during a kill), different {len(self.greedy_mismatches)}",
             "per node at the end: " + "; ".join(f"{n} {c}" for n, c in self.counters.items()),
             f"leaked KV blocks {sum(self.leaked_blocks.values())} {self.leaked_blocks}; requests still held "
-            f"{self.live_requests}; engine errors {self.engine_errors}; LedgerError log lines {self.ledger_log_lines}",
+            f"{self.live_requests}; engine errors {self.engine_errors}; LedgerError log lines {self.ledger_log_lines}; asyncio error lines {self.asyncio_error_lines}",
             f"after the run: /health {self.health_after}, devices down {self.devices_down_after or 'none'}, "
             f"served the reference exactly: {self.served_after}; etcd membership {self.membership_after or 'not used'}; "
             f"unhealthy peers {self.unhealthy_peers_after}",
