@@ -59,20 +59,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
 import signal
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.load.chaos_client import Prompt, complete, get, greedy_pool, request
 from bench.load.chaos_nodes import kill_nodes, lost_to_a_killed_node, restart_etcd
-from bench.load.chaos_report import LOST_PREFIX, ChaosReport, Kill, classify_error
+from bench.load.chaos_report import LOST_PREFIX, ChaosReport, Kill
 from bench.load.etcd_server import EtcdServer
 from bench.load.node_process import NodeServer, free_port
 from bench.load.soak import STORIES, WORDS, rss_kib
@@ -110,74 +109,6 @@ def _node_args(scenario: str, model: str, transport: str, link_gbps: float, requ
     raise ValueError(f"unknown scenario {scenario!r}: one of {SCENARIOS}")
 
 
-@dataclass
-class Prompt:
-    """A greedy prompt of the run and its reference token ids (from the unkilled run, or the shared file)."""
-
-    text: str
-    max_tokens: int
-    reference: list[int] | None = None
-    shared: bool = False  # one of the model's reference cases (its reference is the file's)
-
-
-def greedy_pool(model: str, n_random: int, rng: random.Random) -> list[Prompt]:
-    """The shared reference cases (when the model has them) and ``n_random`` seeded prompts of 8-120 words
-    that may end at their natural EOS within 200 tokens."""
-    ref = Path(model) / "reference_greedy.json"
-    cases = json.loads(ref.read_text())["cases"] if ref.is_file() else []
-    pool = [Prompt(c["prompt"], c["max_new_tokens"], c["output_token_ids"], shared=True) for c in cases]
-    return pool + [Prompt(" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 120))), 200)
-                   for _ in range(n_random)]
-
-
-async def _get(session: aiohttp.ClientSession, url: str, text: bool = False):
-    async with session.get(url, timeout=aiohttp.ClientTimeout(total=30)) as r:
-        return await (r.text() if text else r.json())
-
-
-async def _complete(session: aiohttp.ClientSession, url: str, p: Prompt) -> list[int] | None:
-    """One non-streamed greedy answer's token ids (None: not a 200)."""
-    body = {"prompt": p.text, "max_tokens": p.max_tokens, "temperature": 0.0, "return_token_ids": True}
-    async with session.post(url + "/v1/completions", json=body) as r:
-        return (await r.json())["choices"][0]["token_ids"] if r.status == 200 else None
-
-
-async def request(session: aiohttp.ClientSession, url: str, body: dict, cut: int | None,
-                  deadline_s: float) -> tuple[str, list[int]]:
-    """Send one completion; (its outcome key, the token ids it received). ``cut``: close the stream after
-    that many events (a client that goes away)."""
-    ids: list[int] = []
-    try:
-        async with asyncio.timeout(deadline_s):
-            async with session.post(url + "/v1/completions", json=body) as r:
-                if r.status != 200:
-                    with contextlib.suppress(ValueError, aiohttp.ContentTypeError):
-                        return classify_error(r.status, (await r.json()).get("error"), r.headers.get("Retry-After")), ids
-                    return classify_error(r.status, None), ids
-                if not body["stream"]:
-                    return "ok", (await r.json())["choices"][0].get("token_ids") or []
-                events, outcome = 0, None
-                async for line in r.content:
-                    if line.startswith(b"data: [DONE]"):
-                        return outcome or "ok", ids
-                    if not line.startswith(b"data: {"):
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        outcome = outcome or classify_error(200, event["error"])
-                        continue
-                    for c in event.get("choices", []):
-                        ids += c.get("token_ids") or []
-                    events += 1
-                    if cut is not None and events >= cut:
-                        return "aborted", ids  # leaving the block closes the connection mid-stream
-                return "unclear:stream ended without [DONE]", ids
-    except TimeoutError:
-        return "hung", ids
-    except aiohttp.ClientError as e:
-        return f"unclear:connection {type(e).__name__}", ids
-
-
 def in_flight(statuses: dict[str, dict]) -> list[tuple[str, str, str]]:
     """``(node, device, context)`` for each live device at either end of a KV transfer in ``statuses``
     (``GET /v1/node`` of each node)."""
@@ -209,7 +140,7 @@ class Chaos:
     async def statuses(self, session) -> dict[str, dict]:
         """``GET /v1/node`` of each node that is up and answers (a node may die while it is asked)."""
         names = [n for n in self.nodes if n not in self.down]
-        got = await asyncio.gather(*(_get(session, self.nodes[n].url + STATUS) for n in names), return_exceptions=True)
+        got = await asyncio.gather(*(get(session, self.nodes[n].url + STATUS) for n in names), return_exceptions=True)
         return {n: st for n, st in zip(names, got) if isinstance(st, dict) and n not in self.down}
 
     async def client(self, session, rng: random.Random, until: float) -> None:
@@ -309,7 +240,7 @@ class Chaos:
     async def reference(self, session) -> None:
         """The unkilled reference: each greedy prompt once (the shared cases must equal their file)."""
         url = self.nodes[self.entry[0]].url
-        got = await asyncio.gather(*(_complete(session, url, p) for p in self.pool))
+        got = await asyncio.gather(*(complete(session, url, p) for p in self.pool))
         for p, ids in zip(self.pool, got):
             if ids is None or (p.reference is not None and ids != p.reference):
                 self.rep.greedy_mismatches.append(f"reference run {p.text[:30]!r}: {ids and len(ids)} tokens")
@@ -347,16 +278,16 @@ class Chaos:
                     rep.engine_errors[key] = d["errors"]
                 if d["failure"] is not None:
                     rep.devices_down_after.append(f"{key}: {d['failure']}")
-            rep.counters[n] = _counters(await _get(session, self.nodes[n].url + "/metrics", text=True))
+            rep.counters[n] = _counters(await get(session, self.nodes[n].url + "/metrics", text=True))
             if "nixl" in st["network"]:  # --kv-transport nixl: the layers that went over NIXL, not TCP
                 rep.counters[n]["nixl_layers"] = {k: st["network"]["nixl"].get(k)
                                                   for k in ("layers_written", "layers_received")}
-            rep.health_after[n] = (await _get(session, self.nodes[n].url + "/health")).get("status")
+            rep.health_after[n] = (await get(session, self.nodes[n].url + "/health")).get("status")
             rep.rss_kib.setdefault(n, [0, 0])[1] = rss_kib(self.nodes[n].proc.pid)[0]
         refs = [p for p in self.pool if p.shared] or self.pool[:2]
         if len(sts) < len(self.nodes):
             return
-        answers = await asyncio.gather(*(_complete(session, self.nodes[n].url, p) for n in self.entry for p in refs))
+        answers = await asyncio.gather(*(complete(session, self.nodes[n].url, p) for n in self.entry for p in refs))
         rep.served_after = all(ids == p.reference for ids, p in zip(answers, refs * len(self.entry)))
 
 
@@ -438,7 +369,7 @@ async def _peers_ready(nodes: dict[str, NodeServer], peers: dict[str, list[str]]
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as session:
         while True:
-            sts = [await _get(session, n.url + STATUS) for n in nodes.values()]
+            sts = [await get(session, n.url + STATUS) for n in nodes.values()]
             healthy = [{p["node_id"] for p in st["network"].get("peers", []) if p["healthy"]} for st in sts]
             if all(set(peers[name]) <= h for name, h in zip(nodes, healthy)):
                 return
