@@ -269,7 +269,10 @@ class Chaos:
             if n not in sts:
                 rep.health_after[n] = "not answering"
         for n, st in sts.items():
-            rep.unhealthy_peers_after[n], rep.membership_after[n] = self._network_gaps(n, st) or ([], "")
+            sick, wrong = self._network_gaps(n, st) or ([], "")
+            rep.unhealthy_peers_after[n] = sick
+            if self.etcd is not None:  # the report says "not used" otherwise
+                rep.membership_after[n] = wrong
             rep.live_requests[n] = st["live_requests"]
             for d in st["devices"]:
                 key = f"{n} {d['device']}"
