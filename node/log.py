@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 
 import structlog
 
@@ -96,3 +97,11 @@ def configure_logging(fmt: str = "console", level: str = "info", log_requests: b
         cache_logger_on_first_use=True,
     )
     logging.basicConfig(level=max(threshold, logging.WARNING), stream=sys.stderr)
+    warnings.showwarning = _warning_to_log  # a library's Python warning (xgrammar's, torch's) as a log line
+
+
+def _warning_to_log(message, category, filename, lineno, file=None, line=None) -> None:
+    """``warnings.showwarning`` replaced: a warning the filters let through (once per place, by default)
+    becomes a structlog ``python_warning`` line instead of raw text on stderr."""
+    structlog.get_logger("shiftnode.warnings").warning(
+        "python_warning", category=category.__name__, message=str(message), source=f"{filename}:{lineno}")

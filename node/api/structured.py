@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import weakref
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -32,6 +34,8 @@ import msgspec
 from node.api.errors import bad_request
 from node.core.grammar_spec import GrammarSpec
 from node.protocol_structured import ResponseFormat, StructuredOutputs
+from node.worker.engine_messages import GrammarPrepare, GrammarReady
+from node.worker.local_engine import LocalEngine
 from node.worker.grammar import GrammarCache, GrammarError, existing_grammar_cache, grammar_cache
 
 MAX_SPEC_BYTES = 256 * 1024  # a schema, pattern or grammar larger than this is refused (compile time grows with it)
@@ -215,25 +219,78 @@ def node_grammars(node) -> GrammarCache:
 
 
 async def check_grammar(node, spec: GrammarSpec, param: str, timeout_s: float | None = None) -> None:
-    """Compile ``spec`` (cached) in a compile thread, within ``timeout_s`` (default
-    :data:`COMPILE_TIMEOUT_S`); a spec already in the node's cache is answered at once, on the loop.
+    """Compile ``spec`` (cached) in a compile thread, then have each engine process compile it too
+    (:func:`prepare_on_engines`), all within ``timeout_s`` (default :data:`COMPILE_TIMEOUT_S`), so no
+    step compiles it; a spec already in the node's cache and ready on every engine is answered at once,
+    on the loop.
 
     Raises:
         APIError: 400 naming ``param`` when it does not compile, accepts nothing or takes too long.
     """
     timeout_s = COMPILE_TIMEOUT_S if timeout_s is None else timeout_s
-    cache = existing_grammar_cache(*_cache_key(node))
-    if cache is not None and cache.cached(spec) is not None:
-        return  # checked before: no trip through the compile threads (two thread hand-offs a request)
     loop = asyncio.get_running_loop()
-    if cache is None:
-        cache = await loop.run_in_executor(_compile_pool, node_grammars, node)
-    try:
-        await asyncio.wait_for(asyncio.wrap_future(_compile_pool.submit(cache.get, spec)), timeout_s)
-    except GrammarError as e:
-        raise bad_request(f"{param}: {e}", param=param) from e
-    except TimeoutError as e:
-        raise bad_request(f"{param}: the {spec.kind} did not compile within {timeout_s:g} s", param=param) from e
+    deadline = loop.time() + timeout_s
+    cache = existing_grammar_cache(*_cache_key(node))
+    if cache is None or cache.cached(spec) is None:  # else checked before: no trip through the compile threads
+        if cache is None:  # built at start-up (node.runtime.startup); a front end's on its first use
+            cache = await loop.run_in_executor(_compile_pool, node_grammars, node)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(_compile_pool.submit(cache.get, spec)), timeout_s)
+        except GrammarError as e:
+            raise bad_request(f"{param}: {e}", param=param) from e
+        except TimeoutError as e:
+            raise bad_request(f"{param}: the {spec.kind} did not compile within {timeout_s:g} s", param=param) from e
+    await prepare_on_engines(node, spec, param, deadline, timeout_s)
+
+
+async def _ask(handle, spec: GrammarSpec):
+    """One engine's :class:`GrammarReady` (raises :class:`EngineDied` for an engine already gone: the
+    call itself raises then, not the future)."""
+    return await handle.async_submit(GrammarPrepare(spec))
+
+
+_PREPARED_PER_ENGINE = 512  # specs remembered as compiled on one engine process (its cache keeps as many)
+_prepared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine handle -> OrderedDict of specs
+
+
+async def prepare_on_engines(node, spec: GrammarSpec, param: str, deadline: float, timeout_s: float) -> None:
+    """Ask every engine process of ``node`` to compile ``spec`` (:class:`GrammarPrepare`, answered between
+    steps while the engine's compile thread works) and wait, polling, until each has it, so the request
+    is queued only once no step will compile it (an engine of the thread layout shares the node's cache;
+    a tensor-parallel group answers for its first rank). An engine that is down is skipped (a step of its
+    successor compiles what it needs).
+
+    Raises:
+        APIError: 400 naming ``param`` when an engine cannot compile it or ``deadline`` (loop time) passes.
+    """
+    waiting = []
+    for e in getattr(node, "engines", ()):
+        handle = e.runner
+        if isinstance(handle, LocalEngine) or e.failure is not None or spec in _prepared.get(handle, ()):
+            continue
+        waiting.append(handle)
+    pause = 0.002
+    loop = asyncio.get_running_loop()
+    while waiting:
+        replies = await asyncio.gather(*(_ask(h, spec) for h in waiting), return_exceptions=True)
+        still = []
+        for h, r in zip(waiting, replies):
+            if isinstance(r, GrammarReady) and r.ready:
+                done = _prepared.setdefault(h, OrderedDict())
+                done[spec] = None
+                if len(done) > _PREPARED_PER_ENGINE:
+                    done.popitem(last=False)
+            elif isinstance(r, GrammarReady) and r.error:
+                raise bad_request(f"{param}: {r.error}", param=param)
+            elif isinstance(r, GrammarReady):
+                still.append(h)
+            # anything else: the engine died or failed the request; its supervisor handles it
+        waiting = still
+        if waiting:
+            if loop.time() + pause > deadline:
+                raise bad_request(f"{param}: the {spec.kind} did not compile within {timeout_s:g} s", param=param)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.05)
 
 
 async def structured(node, req, tools: GrammarSpec | None = None) -> GrammarSpec | None:

@@ -24,7 +24,7 @@ from node.worker.background_compile import compile_state
 from node.worker.engine_core import EngineCore, StepMsg
 from node.worker.grammar_masks import GrammarMasks
 from node.worker.engine_messages import (
-    TP_TIMEOUT_S, CompileReply, CompileStatus, Failed, FingerprintReply, PeerPools, Prepare, Ready, Reconfigure, Request,
+    TP_TIMEOUT_S, CompileReply, CompileStatus, Failed, FingerprintReply, GrammarPrepare, GrammarReady, PeerPools, Prepare, Ready, Reconfigure, Request,
     Shutdown, StepAck, TPRank, Value,
 )
 
@@ -87,6 +87,10 @@ def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid
         if device_id.startswith("cpu"):
             torch.set_num_threads(threads[0])
         info = load_model_info(config)
+        # xgrammar's import and the vocabulary's scan (seconds) overlap the load; done before Ready,
+        # so no step of this engine ever waits for them (node.worker.grammar_masks)
+        grammars = GrammarMasks.for_model(info)
+        preload = grammars.preload()
         ops = select_ops(config.attention_backend, device_id.partition(":")[0])
         holder: dict = {}
         kv_alloc = (lambda shape, dtype, device: _memfd_kv(shape, dtype, device, holder)) \
@@ -112,8 +116,12 @@ def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid
             from node.worker.draft_model import build_draft_model
 
             draft = build_draft_model(config, info, device_id, ops, runner.num_blocks)
-        core = EngineCore(runner, layouts, GrammarMasks.for_model(info), draft)
+        core = EngineCore(runner, layouts, grammars, draft)
         core.warm_up()
+        try:  # before the thread-count probe, which times steps
+            preload.result()
+        except Exception as e:  # noqa: BLE001 - the engine serves without structured output; requests get 400s
+            log.error("grammar_preload_failed", device=device_id, error=f"{type(e).__name__}: {e}")
         if device_id.startswith("cpu"):
             from node.worker.cpu_threads import settle_threads
 
@@ -154,6 +162,8 @@ def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid
                 # rank 0 answers with the outputs; in a step of several instances, each instance's first rank
                 if tp is not None and tp.rank and not (msg.instances and tp.rank < layouts.instances):
                     reply = StepAck([-1 if o.token_id is None else o.token_id for o in reply.outputs], reply.busy_s)
+            elif isinstance(msg, GrammarPrepare):
+                reply = GrammarReady(*grammars.prepare(msg.spec))
             elif isinstance(msg, CompileStatus):
                 reply = CompileReply(compile_state(runner))
             elif isinstance(msg, Prepare):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
+from node.core.grammar_spec import GrammarSpec
 from node.transport.protocol import Fingerprint
 from node.worker.background_compile import CompileState
 from node.worker.engine_core import StepMsg, StepReply
@@ -66,6 +67,21 @@ class CompileReply(msgspec.Struct, tag="compile"):
     state: CompileState | None
 
 
+class GrammarPrepare(msgspec.Struct, tag="grammar_prepare"):
+    """Compile ``spec`` in the engine's compile thread if it is not compiled yet, and say whether it is
+    ready; answered at once, between steps (:meth:`~node.worker.grammar_masks.GrammarMasks.prepare`)."""
+
+    spec: GrammarSpec
+
+
+class GrammarReady(msgspec.Struct, tag="grammar_ready"):
+    """The answer to :class:`GrammarPrepare`: ``ready``, or ``error`` (it does not compile here); neither:
+    still compiling (ask again)."""
+
+    ready: bool
+    error: str = ""
+
+
 class Value(msgspec.Struct, tag="value"):
     value: float
 
@@ -117,7 +133,7 @@ class Reconfigure(msgspec.Struct, tag="reconfigure"):
     role: str
 
 
-Request = StepMsg | Prepare | GetFingerprint | Shutdown | PeerPools | Reconfigure | CompileStatus
-Reply = StepReply | StepAck | Ready | Value | FingerprintReply | Failed | CompileReply
+Request = StepMsg | Prepare | GetFingerprint | Shutdown | PeerPools | Reconfigure | CompileStatus | GrammarPrepare
+Reply = StepReply | StepAck | Ready | Value | FingerprintReply | Failed | CompileReply | GrammarReady
 
 TP_TIMEOUT_S = 300.0  # a collective of a tensor-parallel group waits this long for a rank that never joins

@@ -18,6 +18,7 @@ and CUDA alike. The stop tokens (EOS) are allowed only where the grammar accepts
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 import threading
@@ -28,6 +29,7 @@ import structlog
 import torch
 
 from node.core.grammar_spec import GrammarSpec
+from node.log_native import native_stderr_to_log
 from node.worker.tokenizer import TextTokenizer
 
 if TYPE_CHECKING:
@@ -64,7 +66,8 @@ def tokenizer_info(tok: TextTokenizer, vocab_size: int, stop_ids: list[int]) -> 
     from transformers import PreTrainedTokenizerFast  # xgrammar reads a Hugging Face fast tokenizer
 
     hf = PreTrainedTokenizerFast(tokenizer_object=tok._tok)
-    return xgrammar().TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=list(stop_ids) or None)
+    with native_stderr_to_log():
+        return xgrammar().TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=list(stop_ids) or None)
 
 
 def _choice_ebnf(spec: str) -> str:
@@ -152,6 +155,10 @@ class GrammarCache:
         return entry.grammar
 
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        with native_stderr_to_log():  # xgrammar's C++ warnings (a dropped keyword) as log lines
+            return self._compile_spec(spec)
+
+    def _compile_spec(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         c = self._compiler
         try:
             if spec.kind == "json_schema":
@@ -210,6 +217,31 @@ def grammar_cache(tok: TextTokenizer, vocab_size: int, stop_ids: list[int]) -> G
         if cache is None:
             cache = _caches[key] = GrammarCache(tokenizer_info(tok, vocab_size, stop_ids))
         return cache
+
+
+_preloads: dict[tuple[int, int, tuple[int, ...]], concurrent.futures.Future] = {}
+
+
+def preload_grammar_cache(tok: TextTokenizer, vocab_size: int, stop_ids: list[int]) -> concurrent.futures.Future:
+    """Start building :func:`grammar_cache`'s cache in a daemon thread (importing xgrammar and scanning the
+    vocabulary take seconds: at start-up, never inside a step or on the event loop); the future resolves
+    to the :class:`GrammarCache` (or raises what building it raised). Once per process and key: a second
+    call returns the same future."""
+    key = (id(tok), vocab_size, tuple(stop_ids))
+    with _caches_lock:
+        fut = _preloads.get(key)
+        if fut is not None:
+            return fut
+        fut = _preloads[key] = concurrent.futures.Future()
+
+    def build() -> None:
+        try:
+            fut.set_result(grammar_cache(tok, vocab_size, stop_ids))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the cache
+            fut.set_exception(e)
+
+    threading.Thread(target=build, name="grammar-preload", daemon=True).start()
+    return fut
 
 
 def existing_grammar_cache(tok: TextTokenizer, vocab_size: int, stop_ids: list[int]) -> GrammarCache | None:

@@ -15,15 +15,26 @@ holds the GIL between its short kernels, so the thread waited for the GIL and th
 for the thread, each hand-off a context switch. The whole batch is filled in one xgrammar call into
 a bitmask kept across steps (:class:`~node.worker.grammar.BitmaskFiller`). Matchers take the tokens
 sampled since their last fill there too (not when the step that sampled them ends), so a step's
-reply goes back to the node without waiting for them. A sequence's first sampled step compiles its
-grammar there (a cache hit when the node already compiled it in this process).
+reply goes back to the node without waiting for them.
+
+No step builds the vocabulary's tables or compiles a grammar when the node asked first. The engine
+builds its :class:`~node.worker.grammar.GrammarCache` at start-up (:meth:`GrammarMasks.preload`:
+importing xgrammar and scanning the vocabulary took 1.6-6 s on a 2-core CPU, a stall of every
+stream on the device when the first structured request's step did it), and the node asks each
+engine to compile a request's grammar before queueing it (:meth:`GrammarMasks.prepare`, answered at
+once while a compile thread works; :mod:`node.api.structured` polls). A sequence whose grammar the
+engine has not compiled (one moved, handed off or resumed here) is compiled in its first step here,
+and counted (``in_step_compiles``).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import structlog
 
-from node.worker.grammar import BitmaskFiller, GrammarCache, GrammarError, SeqGrammar, grammar_cache
+from node.core.grammar_spec import GrammarSpec
+from node.worker.grammar import BitmaskFiller, GrammarCache, GrammarError, SeqGrammar, preload_grammar_cache
 from node.worker.tokenizer import TextTokenizer
 
 log = structlog.get_logger("shiftnode.grammar")
@@ -33,10 +44,12 @@ class GrammarMasks:
     """Per-engine grammar state: the compiled-grammar cache and the reused bitmask.
 
     Args:
-        tokenizer: the model's tokenizer (the cache is built from it on first use, not before: an
-            engine that never sees a grammar pays nothing).
+        tokenizer: the model's tokenizer (the cache is built from it by :meth:`preload`, or on first use).
         vocab_size: the model's logits width.
         stop_ids: the ids that end generation (EOS), allowed only where the grammar accepts.
+
+    ``in_step_compiles``: how many times a step had to build the cache or compile a grammar itself
+    (zero when the node prepared every grammar first: :meth:`prepare`).
     """
 
     def __init__(self, tokenizer: TextTokenizer, vocab_size: int, stop_ids: list[int]):
@@ -45,6 +58,10 @@ class GrammarMasks:
         self.stop_ids = list(stop_ids)
         self._cache: GrammarCache | None = None
         self._filler = BitmaskFiller(vocab_size)
+        self._preload: concurrent.futures.Future | None = None
+        self._compiles: dict[GrammarSpec, concurrent.futures.Future] = {}  # specs compiling (or failed)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.in_step_compiles = 0
 
     @classmethod
     def for_model(cls, info) -> "GrammarMasks":
@@ -53,11 +70,53 @@ class GrammarMasks:
         tok = info.tokenizer
         return cls(tok, info.cfg.vocab_size, tok.eos_token_ids or list(info.cfg.eos_token_ids))
 
+    def preload(self) -> concurrent.futures.Future:
+        """Start building the cache in a background thread (once); the future resolves to it."""
+        if self._preload is None:
+            self._preload = preload_grammar_cache(self.tokenizer, self.vocab_size, self.stop_ids)
+        return self._preload
+
     @property
     def cache(self) -> GrammarCache:
+        """The compiled-grammar cache; built here (in the caller's thread: counted in
+        ``in_step_compiles`` when that is a step) if :meth:`preload` has not finished it."""
         if self._cache is None:
-            self._cache = grammar_cache(self.tokenizer, self.vocab_size, self.stop_ids)
+            pre = self.preload()
+            if not pre.done():
+                self.in_step_compiles += 1
+                log.warning("grammar_cache_built_in_step")
+            self._cache = pre.result()
         return self._cache
+
+    def prepare(self, spec: GrammarSpec) -> tuple[bool, str]:
+        """Make ``spec``'s compiled grammar ready for a step, without waiting: ``(True, "")`` once it is in
+        the cache, ``(False, "")`` while the cache is being built or the grammar compiles (in this
+        engine's compile thread; ask again), ``(False, message)`` when it does not compile. Called
+        between steps (the engine's message loop); never blocks on xgrammar."""
+        pre = self.preload()
+        if not pre.done():
+            return False, ""
+        if pre.exception() is not None:
+            return False, f"the grammar engine did not start: {pre.exception()}"
+        cache = self.cache
+        if cache.cached(spec) is not None:
+            self._compiles.pop(spec, None)
+            return True, ""
+        fut = self._compiles.get(spec)
+        if fut is None:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+            while len(self._compiles) >= 64:  # failed specs kept to answer again; bounded, oldest out
+                self._compiles.pop(next(iter(self._compiles)))
+            self._compiles[spec] = self._pool.submit(cache.get, spec)
+            return False, ""
+        if not fut.done():
+            return False, ""
+        error = fut.exception()
+        if error is None:  # compiled, but already evicted again: compile it once more
+            del self._compiles[spec]
+            return self.prepare(spec)
+        return False, str(error)
 
     def start(self, seqs: list, num_rows: int) -> "PendingMask":
         """The mask of a step's grammar rows, to be filled when the runner asks for it.
@@ -95,7 +154,13 @@ class GrammarMasks:
         different xgrammar build in the engine's process): the sequence then runs unmasked rather
         than failing every sequence of the step."""
         try:
-            return self.cache.get(spec)
+            cache = self.cache
+            hit = cache.cached(spec)
+            if hit is not None:
+                return hit
+            self.in_step_compiles += 1  # not prepared here: moved, handed off or resumed onto this engine
+            log.debug("grammar_compiled_in_step", kind=spec.kind)
+            return cache.get(spec)
         except GrammarError as e:
             log.error("grammar_compile_failed_in_engine", kind=spec.kind, error=str(e))
             return None
