@@ -16,10 +16,10 @@ def add_stream_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sse-buffer-bytes", type=int, default=1 << 20,
                    help="a stream whose client has more than this unsent gets its deltas joined until it catches up")
     p.add_argument("--sse-stall-bytes", type=int, default=64 << 20,
-                   help="a stream whose client has more than this unsent and held is aborted as stalled (its KV freed)")
+                   help="a stream whose client has more than this unsent and held is stalled: its KV freed, its stream ended with an error event")
     p.add_argument("--sse-stall-s", type=float, default=60.0,
                    help="a stream whose client, above --sse-buffer-bytes unsent, acknowledges nothing for this long is "
-                        "aborted as stalled")
+                        "stalled (as --sse-stall-bytes)")
     p.add_argument("--api-heartbeat-timeout-s", type=float, default=10.0,
                    help="an API front end that answers no heartbeat for this long (its event loop stuck, its process "
                         "stopped) is killed and started again")

@@ -17,10 +17,14 @@ request ends (n 64, logprobs 20: hundreds of MB). Above ``--sse-buffer-bytes`` o
 stream is *congested*: the handler holds each choice's deltas and joins them (:meth:`SSEWriter.hold`;
 one event per choice once the client catches up, so fewer envelopes). Past ``--sse-stall-bytes``
 (unsent plus held, estimated: this bounds the memory a slow reader pins) or ``--sse-stall-s`` congested
-without progress (not a byte acknowledged by the client's kernel), the client is *stalled*: the connection
-is aborted, which ends its requests and frees their KV as any disconnect does, and
-``shiftnode_stalled_clients_total`` counts it. A client that reads, however slowly, is not aborted
-for time.
+without progress (not a byte acknowledged by the client's kernel), the client is *stalled*: its requests
+end at once and free their KV (the handler's next call raises ``ConnectionResetError``, as for a client
+that left), and ``shiftnode_stalled_clients_total`` counts it. The stream then ends with an ``error``
+event (code ``client_stalled``) and ``[DONE]``, queued behind what the client has not read, and the
+connection is closed once those bytes are out: a client that reads again sees why its stream ended. One
+that still has not read them :data:`CLOSE_GRACE_S` later is aborted (a reset), so a stalled client pins
+its unsent bytes (at most about ``--sse-stall-bytes``) that long at most. A client that reads, however
+slowly, is not stalled for time.
 
 Once the headers are out, the writer registers :meth:`SSEWriter.probe` as the request's liveness probe
 (:func:`node.api.serving.set_probe`): the connection of a client that sent FIN is probed with SSE
@@ -39,6 +43,7 @@ import msgspec
 import structlog
 from aiohttp import HttpVersion11, web
 
+from node.api.errors import error_body
 from node.api.serving import set_probe
 from node.runtime.output import SeqDelta
 
@@ -51,6 +56,8 @@ _encode = msgspec.json.Encoder().encode
 HELD_TOKEN_BYTES = 64
 HELD_TOP_BYTES = 48
 _WATCH_S = 0.1  # how often a congested stream's unsent bytes are looked at
+CLOSE_GRACE_S = 10.0
+"""Seconds a stalled client has to read its stream's end (the ``error`` event) before its connection is aborted."""
 if sys.platform.startswith("linux"):
     import fcntl
     import termios
@@ -168,6 +175,8 @@ class SSEWriter:
     def congested(self) -> bool:
         """Whether the client has more than ``buffer_bytes`` unsent: the caller then holds its deltas
         (:meth:`hold`) instead of writing them, until this is False again."""
+        if self.stalled:
+            raise ConnectionResetError("the client stopped reading (stalled)")
         transport = self.request.transport
         if transport is None or transport.get_write_buffer_size() <= self._floor:
             return False
@@ -175,10 +184,15 @@ class SSEWriter:
         return True
 
     def hold(self, nbytes: int) -> None:
-        """The caller holds ``nbytes`` more (:func:`held_bytes`) for this client; past ``stall_bytes``
-        the client is stalled (the connection aborted: the next write raises ``ConnectionResetError``)."""
+        """The caller holds ``nbytes`` more (:func:`held_bytes`) for this client.
+
+        Raises:
+            ConnectionResetError: past ``stall_bytes`` the client is stalled (the stream's end is queued,
+                the module's docstring), now or before.
+        """
         self.held += nbytes
-        self._check()
+        if self._check():
+            raise ConnectionResetError("the client stopped reading (stalled)")
 
     def release(self) -> None:
         """The caller wrote (or dropped) everything it held."""
@@ -190,7 +204,7 @@ class SSEWriter:
         Raises:
             ConnectionResetError: the client was stalled, or left, meanwhile.
         """
-        while self.congested():
+        while self.congested():  # raises once the client is stalled
             self._drained = asyncio.get_running_loop().create_future()
             await self._drained
         transport = self.request.transport
@@ -246,9 +260,23 @@ class SSEWriter:
         if self._on_stall is not None:
             self._on_stall()
         self._disarm()
-        transport.abort()  # connection_lost: the handler is cancelled, its requests end and free their KV
-        self._wake()
+        self._close_stalled(transport, unsent, waited)
+        self._wake()  # a handler waiting in drained() raises now: its requests end and free their KV
         return True
+
+    def _close_stalled(self, transport: asyncio.Transport, unsent: int, waited: float) -> None:
+        """Queue the stream's end behind the unread bytes (an ``error`` event and ``[DONE]``, unless
+        ``[DONE]`` is already out), close once they are sent, and abort :data:`CLOSE_GRACE_S` later if
+        they are not."""
+        if not self._ended:
+            self._ended = True
+            why = (f"the client stopped reading: {unsent + self.held} bytes unsent" if waited <= self.limits.stall_s
+                   else f"the client read nothing for {waited:.1f} s")
+            body = b"data: " + _encode(error_body(408, f"stream ended: {why}", code="client_stalled")) + b"\n\n"
+            body += b"data: [DONE]\n\n"
+            transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body) if self._chunked else body)
+        transport.close()  # flushes what is queued first; then connection_lost
+        asyncio.get_running_loop().call_later(CLOSE_GRACE_S, transport.abort)  # a no-op once closed
 
     def _write(self, data: bytes) -> None:
         transport = self.request.transport
