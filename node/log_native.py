@@ -7,7 +7,8 @@ switch for them. :func:`native_stderr_to_log` points descriptor 2 at a temporary
 that write them run (grammar compiles and the vocabulary's scan, in their threads: never a step's mask),
 then writes each such line as a structlog warning (``native_warning``, its ``source`` the C++ file and
 line). Anything else written to descriptor 2 meanwhile (another thread's log line, a traceback) is
-copied back to it unchanged, once the last capture ends.
+copied back to it unchanged, once the last capture ends. A child process must not inherit the capture:
+the node starts engine and front-end processes inside :func:`stderr_uncaptured`.
 
 Why a file, not a pipe: nothing has to read while the call runs, and a long message cannot fill a pipe's
 buffer and block the writer.
@@ -31,6 +32,7 @@ log = structlog.get_logger("shiftnode.native")
 _NATIVE_LINE = re.compile(r"^\[\d\d:\d\d:\d\d\] (?P<source>\S+:\d+): (?:(?P<level>[A-Za-z]+): )?(?P<message>.*)$")
 
 _lock = threading.Lock()
+_idle = threading.Condition(_lock)  # notified when the last capture ends
 _depth = 0  # captures in progress (threads compiling at once share one redirection)
 _saved_fd: int | None = None  # descriptor 2 as it was
 _capture = None  # the temporary file descriptor 2 points at
@@ -64,10 +66,21 @@ def native_stderr_to_log(library: str = "xgrammar") -> Iterator[None]:
                 text = _capture.read().decode("utf-8", "replace")
                 _capture.close()
                 _capture = None
+                _idle.notify_all()
             else:
                 text = ""
         if text:
             _replay(text, library)
+
+
+@contextlib.contextmanager
+def stderr_uncaptured() -> Iterator[None]:
+    """Within the block no capture is open, nor can one start: a child process started here inherits the
+    real descriptor 2, not a capture's temporary file (its log lines would be lost with it). Waits for
+    the captures in progress to end (a grammar compile: milliseconds to seconds)."""
+    with _idle:
+        _idle.wait_for(lambda: _depth == 0)
+        yield
 
 
 def _replay(text: str, library: str) -> None:

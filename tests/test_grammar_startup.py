@@ -126,3 +126,31 @@ def test_the_first_structured_request_does_not_stall_a_decoding_stream_and_print
         assert "native_warning" in logs and "multipleOf" in logs  # routed, not lost
     finally:
         node.close()
+
+
+@pytest.mark.quick
+def test_a_child_process_started_while_a_capture_is_open_inherits_the_real_stderr(capfd):
+    """A grammar compiling in one thread (descriptor 2 captured) while the node starts an engine process in
+    another: the start waits for the capture to end, so the child's log lines are not lost in its file."""
+    import subprocess
+    import sys
+
+    from node.log_native import stderr_uncaptured
+
+    opened = threading.Event()
+
+    def compile_slowly():
+        with native_stderr_to_log():
+            opened.set()
+            time.sleep(0.4)
+
+    t = threading.Thread(target=compile_slowly)
+    t.start()
+    assert opened.wait(10)
+    t0 = time.monotonic()
+    with stderr_uncaptured():
+        waited = time.monotonic() - t0
+        subprocess.run([sys.executable, "-c", "import sys; sys.stderr.write('the child writes this\\n')"], check=True)
+    t.join()
+    assert waited > 0.2  # it waited for the capture
+    assert "the child writes this" in capfd.readouterr().err

@@ -42,6 +42,7 @@ from node.api.openai import NODE_KEY, chat_completions, completions
 from node.api.request_ids import echo_request_id
 from node.api.serving import NodeRunner
 from node.config import NodeConfig
+from node.log_native import stderr_uncaptured
 
 log = structlog.get_logger("shiftnode.frontend")
 
@@ -179,8 +180,9 @@ class Frontends:
         ctx = multiprocessing.get_context("fork")
         self.procs = [ctx.Process(target=frontend_main, args=(config, i, self.paths, os.getpid()),
                                   name=f"shiftnode-api-{i}", daemon=True) for i in range(count)]
-        for p in self.procs:
-            p.start()
+        with stderr_uncaptured():  # the children's descriptor 2 is the real one (node.log_native)
+            for p in self.procs:
+                p.start()
 
     def respawn(self, index: int) -> int:
         """Start front end ``index`` again (its process exited; it was reaped). Returns the new pid.
@@ -191,7 +193,8 @@ class Frontends:
         ctx = multiprocessing.get_context("spawn")
         p = ctx.Process(target=frontend_main, args=(self.config, index, self.paths, os.getpid()),
                         name=f"shiftnode-api-{index}", daemon=True)
-        p.start()
+        with stderr_uncaptured():
+            p.start()
         self.procs[index] = p
         return p.pid
 

@@ -15,6 +15,7 @@ import msgspec
 import structlog
 
 from node.config import NodeConfig
+from node.log_native import stderr_uncaptured
 from node.core.role_config import column_ranks
 from node.transport.protocol import Fingerprint
 from node.worker.engine_core import StepMsg, StepReply
@@ -94,7 +95,8 @@ class TPEngineGroup:
         """Start the group's ``len(devices)`` engine processes (forked or spawned as :meth:`EngineProcess.launch`)."""
         group = cls(config, devices, method or "spawn")
         for rank in group.ranks:
-            rank.process.start()
+            with stderr_uncaptured():  # the child's descriptor 2 is the real one (node.log_native)
+                rank.process.start()
             rank._child_conn.close()
         return group
 

@@ -66,6 +66,7 @@ import structlog
 import torch
 
 from node.config import NodeConfig, usable_cores
+from node.log_native import stderr_uncaptured
 from node.transport.protocol import Fingerprint
 from node.worker.cpu_threads import thread_candidates
 from node.worker.engine_main import engine_main
@@ -179,7 +180,8 @@ class EngineProcess:
         before the caller has run parallel torch work: see the module docstring), spawned otherwise.
         ``tp``: as one rank of a tensor-parallel group (:class:`TPEngineGroup` launches those)."""
         handle = cls(config, device_id, method or "spawn", tp)
-        handle.process.start()
+        with stderr_uncaptured():  # the child's descriptor 2 is the real one (node.log_native)
+            handle.process.start()
         handle._child_conn.close()  # the child holds its own copy; ours would hide its death
         return handle
 
