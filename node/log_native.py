@@ -32,8 +32,9 @@ log = structlog.get_logger("shiftnode.native")
 _NATIVE_LINE = re.compile(r"^\[\d\d:\d\d:\d\d\] (?P<source>\S+:\d+): (?:(?P<level>[A-Za-z]+): )?(?P<message>.*)$")
 
 _lock = threading.Lock()
-_idle = threading.Condition(_lock)  # notified when the last capture ends
+_idle = threading.Condition(_lock)  # notified when the last capture ends, and when a child has started
 _depth = 0  # captures in progress (threads compiling at once share one redirection)
+_starting = 0  # child processes being started (stderr_uncaptured): no capture may open meanwhile
 _saved_fd: int | None = None  # descriptor 2 as it was
 _capture = None  # the temporary file descriptor 2 points at
 
@@ -45,7 +46,8 @@ def native_stderr_to_log(library: str = "xgrammar") -> Iterator[None]:
     written back to descriptor 2 as it was. Re-entrant and thread-safe (blocks of several threads
     overlap into one capture)."""
     global _depth, _saved_fd, _capture
-    with _lock:
+    with _idle:
+        _idle.wait_for(lambda: _starting == 0)
         if _depth == 0:
             sys.stderr.flush()  # Python's buffered lines go out before descriptor 2 moves
             _capture = tempfile.TemporaryFile()
@@ -55,7 +57,7 @@ def native_stderr_to_log(library: str = "xgrammar") -> Iterator[None]:
     try:
         yield
     finally:
-        with _lock:
+        with _idle:
             _depth -= 1
             if _depth == 0:
                 sys.stderr.flush()
@@ -78,9 +80,28 @@ def stderr_uncaptured() -> Iterator[None]:
     """Within the block no capture is open, nor can one start: a child process started here inherits the
     real descriptor 2, not a capture's temporary file (its log lines would be lost with it). Waits for
     the captures in progress to end (a grammar compile: milliseconds to seconds)."""
+    global _starting
     with _idle:
         _idle.wait_for(lambda: _depth == 0)
+        _starting += 1
+    try:  # the lock is not held here: a forked child would inherit it locked
         yield
+    finally:
+        with _idle:
+            _starting -= 1
+            _idle.notify_all()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child starts with no capture and a fresh lock (another thread of the parent may have held it)."""
+    global _lock, _idle, _depth, _starting, _saved_fd, _capture
+    _lock = threading.Lock()
+    _idle = threading.Condition(_lock)
+    _depth = _starting = 0
+    _saved_fd = _capture = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _replay(text: str, library: str) -> None:
