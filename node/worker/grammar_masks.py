@@ -113,9 +113,9 @@ class GrammarMasks:
         if not fut.done():
             return False, ""
         error = fut.exception()
-        if error is None:  # compiled, but already evicted again: compile it once more
+        if error is None:  # compiled, then evicted already (or too large to keep): a step compiles it again
             del self._compiles[spec]
-            return self.prepare(spec)
+            return True, ""
         return False, str(error)
 
     def start(self, seqs: list, num_rows: int) -> "PendingMask":
