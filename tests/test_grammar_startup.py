@@ -117,6 +117,7 @@ def test_the_first_structured_request_does_not_stall_a_decoding_stream_and_print
         t.join(120)
         before = [b - a for a, b in zip(arrivals, arrivals[1:]) if b <= sent]
         during = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > sent and a < answered + 0.05]
+        assert arrivals[-1] > answered, "the stream ended before the structured request was answered: nothing measured"
         assert len(before) >= 50 and during, (len(before), len(during))
         bound = max(3 * max(before), 0.3)
         assert max(during) < bound, f"a {max(during):.3f} s gap while the first grammar compiled (bound {bound:.3f} s)"
