@@ -114,7 +114,6 @@ def test_a_client_that_reads_slowly_gets_every_token(node):
         assert chunk, got[-200:]
         got += chunk
     s.close()
-    from support import dechunk
 
     head, _, rest = got.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200")
