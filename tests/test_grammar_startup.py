@@ -1,10 +1,10 @@
-"""Issue 44's first-request stall and raw console lines: the grammar engine starts with the node, a grammar
-compiles off the step path, and xgrammar's C++ warnings become log lines.
+"""Issue 44's first-request stall and raw console lines: the grammar engine starts off the step path on the
+first structured request, a grammar compiles off the step path, and xgrammar's C++ warnings become log lines.
 
 The first structured request used to import xgrammar and scan the vocabulary inside a step of the engine
-process (1.6-6 s on this 2-core sandbox), so every stream on the device stopped; now the engine builds its
-grammar cache before it reports ready and the node has each engine compile a request's grammar in a thread
-before queueing it (:meth:`GrammarMasks.prepare`).
+process (1.6-6 s on this 2-core sandbox), so every stream on the device stopped; now the node has each
+engine build its grammar cache and compile a request's grammar in threads before queueing it
+(:meth:`GrammarMasks.prepare`, answered between steps), and no node builds the cache at start-up.
 """
 
 from __future__ import annotations
@@ -53,8 +53,11 @@ def _prepared(masks: GrammarMasks, spec: GrammarSpec) -> tuple[bool, str]:
 @pytest.mark.quick
 def test_a_prepared_grammar_is_not_compiled_by_the_step_and_an_unprepared_one_is_counted():
     masks = GrammarMasks(TOK, 512, TOK.eos_token_ids)
-    masks.preload().result(timeout=120)
     spec = GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {"prepared": {"type": "integer"}}}))
+    assert not masks.started  # nothing built before a request needs it
+    assert masks.prepare(spec) == (False, "")  # the first ask starts the cache's build in a thread, answered at once
+    masks.preload().result(timeout=120)
+    assert masks.started
     assert masks.prepare(spec) == (False, "")  # not compiled yet: handed to the compile thread, answered at once
     assert _prepared(masks, spec) == (True, "")
     mask, rows = masks.fill([(0, _Seq(spec))])
@@ -87,26 +90,32 @@ def test_xgrammar_cpp_warnings_become_log_lines_and_other_stderr_passes_through(
     assert "multipleOf" in line["message"] and line["library"] == "xgrammar" and line["source"].endswith(".cc:1094")
 
 
-def _timed_stream(node: NodeProcess, arrivals: list[float], started: threading.Event) -> None:
+def _timed_streams(node: NodeProcess, arrivals: list[tuple[int, float]], started: threading.Event,
+                   stop: threading.Event) -> None:
+    """Greedy streams one after another until ``stop``: each token event's (stream, arrival time)."""
     body = {"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True, "temperature": 0, "stream": True}
-    with node.client.stream("POST", "/v1/completions", json=body) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                arrivals.append(time.monotonic())
-                if len(arrivals) == 60:
-                    started.set()
+    n = 0
+    while not stop.is_set():
+        with node.client.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    arrivals.append((n, time.monotonic()))
+                    if len(arrivals) == 200:
+                        started.set()
+        n += 1
 
 
 def test_the_first_structured_request_does_not_stall_a_decoding_stream_and_prints_no_raw_lines():
-    """A stream decodes on a fresh node; its largest inter-token gap while the node's first structured
-    request is served stays within a bound set by its own gaps before (the old code's first grammar step
+    """Streams decode on a fresh node; their largest inter-token gap while the node's first structured
+    request is served (xgrammar imported and the vocabulary scanned, by the node and its engine, then the
+    grammar compiled) stays within a bound set by their own gaps before (the old code's first grammar step
     imported xgrammar: over a second here, every stream of the device waiting)."""
     require_shared()
     node = NodeProcess("--model", str(STORIES), "--log-level", "debug")
     try:
-        arrivals: list[float] = []
-        started = threading.Event()
-        t = threading.Thread(target=_timed_stream, args=(node, arrivals, started), daemon=True)
+        arrivals: list[tuple[int, float]] = []
+        started, stop = threading.Event(), threading.Event()
+        t = threading.Thread(target=_timed_streams, args=(node, arrivals, started, stop), daemon=True)
         t.start()
         assert started.wait(60)
         sent = time.monotonic()
@@ -114,15 +123,21 @@ def test_the_first_structured_request_does_not_stall_a_decoding_stream_and_print
                                                       "guided_json": UNENFORCED_NUMBER})
         answered = time.monotonic()
         assert r.status_code == 200, r.text
+        time.sleep(0.2)
+        stop.set()
         t.join(120)
-        before = [b - a for a, b in zip(arrivals, arrivals[1:]) if b <= sent]
-        during = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > sent and a < answered + 0.05]
-        assert arrivals[-1] > answered, "the stream ended before the structured request was answered: nothing measured"
-        assert len(before) >= 50 and during, (len(before), len(during))
-        bound = max(3 * max(before), 0.3)
-        assert max(during) < bound, f"a {max(during):.3f} s gap while the first grammar compiled (bound {bound:.3f} s)"
+        gaps = [(b, b - a) for (i, a), (j, b) in zip(arrivals, arrivals[1:]) if i == j]  # within one stream
+        before = [g for b, g in gaps if b <= sent]
+        during = [g for b, g in gaps if sent < b < answered + 0.05]
+        assert len(before) >= 150 and during, (len(before), len(during))
+        # the old in-step build stopped every stream for 1.6-6 s here. The build now runs in threads of the node
+        # and the engine, which share the machine's 2 cores and the engine's GIL with the steps: gaps of up to
+        # about a second were seen on a loaded machine, whose own scheduling gaps reach several tenths of a
+        # second (a bare Python loop's). So the bound is generous; the log lines below are the exact check
+        bound = max(5 * max(before), 1.0)
         logs = node.logs()
         assert "grammar_compiled_in_step" not in logs and "grammar_cache_built_in_step" not in logs
+        assert max(during) < bound, f"a {max(during):.3f} s gap while the first grammar compiled (bound {bound:.3f} s)"
         assert not RAW_NATIVE.search(logs), logs[-2000:]
         assert "native_warning" in logs and "multipleOf" in logs  # routed, not lost
     finally:
@@ -155,3 +170,30 @@ def test_a_child_process_started_while_a_capture_is_open_inherits_the_real_stder
     t.join()
     assert waited > 0.2  # it waited for the capture
     assert "the child writes this" in capfd.readouterr().err
+
+
+@pytest.mark.quick
+def test_looking_up_the_cache_never_waits_for_a_build(monkeypatch):
+    """The event loop looks the cache up (existing_grammar_cache, grammar_cache_status) while a thread builds it
+    (xgrammar's import: seconds): the lookup answers at once. It used to wait for the build, under one lock."""
+    from node.worker import grammar
+
+    building, release = threading.Event(), threading.Event()
+
+    def slow_info(tok, vocab_size, stop_ids):
+        building.set()
+        assert release.wait(30)
+        return real_info(tok, vocab_size, stop_ids)
+
+    real_info = grammar.tokenizer_info
+    monkeypatch.setattr(grammar, "tokenizer_info", slow_info)
+    tok = TextTokenizer.from_folder(STORIES)  # a tokenizer object of its own: a key no other test built
+    fut = grammar.preload_grammar_cache(tok, 512, tok.eos_token_ids)
+    assert building.wait(30)
+    t0 = time.monotonic()
+    assert grammar.existing_grammar_cache(tok, 512, tok.eos_token_ids) is None
+    grammar.grammar_cache_status()
+    waited = time.monotonic() - t0
+    release.set()
+    assert fut.result(60) is grammar.existing_grammar_cache(tok, 512, tok.eos_token_ids)
+    assert waited < 0.5, waited

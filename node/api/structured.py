@@ -31,7 +31,7 @@ from typing import Any
 
 import msgspec
 
-from node.api.errors import bad_request
+from node.api.errors import APIError, bad_request, retry_after
 from node.core.grammar_spec import GrammarSpec
 from node.protocol_structured import ResponseFormat, StructuredOutputs
 from node.worker.engine_messages import GrammarPrepare, GrammarReady
@@ -40,6 +40,7 @@ from node.worker.grammar import GrammarCache, GrammarError, existing_grammar_cac
 
 MAX_SPEC_BYTES = 256 * 1024  # a schema, pattern or grammar larger than this is refused (compile time grows with it)
 COMPILE_TIMEOUT_S = 10.0  # compiling longer than this is a 400 (the compile thread finishes on its own)
+GRAMMAR_START_TIMEOUT_S = 120.0  # an engine's grammar cache not built by then (xgrammar's import): 503
 
 _compile_pool = ThreadPoolExecutor(2, thread_name_prefix="grammar-compile")  # off the loop and off the default pool
 
@@ -219,28 +220,41 @@ def node_grammars(node) -> GrammarCache:
 
 
 async def check_grammar(node, spec: GrammarSpec, param: str, timeout_s: float | None = None) -> None:
-    """Compile ``spec`` (cached) in a compile thread, then have each engine process compile it too
-    (:func:`prepare_on_engines`), all within ``timeout_s`` (default :data:`COMPILE_TIMEOUT_S`), so no
-    step compiles it; a spec already in the node's cache and ready on every engine is answered at once,
-    on the loop.
+    """Compile ``spec`` (cached) in a compile thread while each engine process compiles it too
+    (:func:`prepare_on_engines`), each within ``timeout_s`` (default :data:`COMPILE_TIMEOUT_S`) of its
+    grammar engine being up, so no step compiles it; a spec already in the node's cache and ready on every
+    engine is answered at once, on the loop.
 
     Raises:
         APIError: 400 naming ``param`` when it does not compile, accepts nothing or takes too long.
     """
     timeout_s = COMPILE_TIMEOUT_S if timeout_s is None else timeout_s
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    cache = existing_grammar_cache(*_cache_key(node))
-    if cache is None or cache.cached(spec) is None:  # else checked before: no trip through the compile threads
-        if cache is None:  # built at start-up (node.runtime.startup); a front end's on its first use
+
+    async def on_node():
+        cache = existing_grammar_cache(*_cache_key(node))
+        if cache is None:  # the first structured request: xgrammar's import and the vocabulary's scan, off the loop
             cache = await loop.run_in_executor(_compile_pool, node_grammars, node)
-        try:
+        if cache.cached(spec) is not None:  # checked before: no trip through the compile threads
+            return
+        try:  # the compile's bound counts from when the grammar engine is up
             await asyncio.wait_for(asyncio.wrap_future(_compile_pool.submit(cache.get, spec)), timeout_s)
         except GrammarError as e:
             raise bad_request(f"{param}: {e}", param=param) from e
         except TimeoutError as e:
             raise bad_request(f"{param}: the {spec.kind} did not compile within {timeout_s:g} s", param=param) from e
-    await prepare_on_engines(node, spec, param, deadline, timeout_s)
+
+    # the node and its engine processes at once: on the first structured request each builds its cache
+    # (seconds), and one after the other would add them up
+    node_side = asyncio.ensure_future(on_node())
+    try:
+        await prepare_on_engines(node, spec, param, loop.time() + timeout_s, timeout_s)
+    except BaseException:
+        if node_side.done() and not node_side.cancelled():
+            node_side.exception()  # read: the engines' answer is the one raised
+        node_side.cancel()
+        raise
+    await node_side
 
 
 async def _ask(handle, spec: GrammarSpec):
@@ -261,7 +275,8 @@ async def prepare_on_engines(node, spec: GrammarSpec, param: str, deadline: floa
     successor compiles what it needs).
 
     Raises:
-        APIError: 400 naming ``param`` when an engine cannot compile it or ``deadline`` (loop time) passes.
+        APIError: 400 naming ``param`` when an engine cannot compile it or ``deadline`` (loop time) passes; 503
+            (Retry-After) when an engine's grammar cache is not built within :data:`GRAMMAR_START_TIMEOUT_S`.
     """
     waiting = []
     for e in getattr(node, "engines", ()):
@@ -271,9 +286,17 @@ async def prepare_on_engines(node, spec: GrammarSpec, param: str, deadline: floa
         waiting.append(handle)
     pause = 0.002
     loop = asyncio.get_running_loop()
+    start_limit = loop.time() + GRAMMAR_START_TIMEOUT_S
     while waiting:
         replies = await asyncio.gather(*(_ask(h, spec) for h in waiting), return_exceptions=True)
         still = []
+        if any(isinstance(r, GrammarReady) and r.starting for r in replies):
+            # an engine still builds its grammar cache (the first structured request it sees): the compile
+            # has not begun there, so its bound starts later; a cache that never comes is unavailability
+            if loop.time() > start_limit:
+                raise APIError(503, f"{param}: the grammar engine did not start within {GRAMMAR_START_TIMEOUT_S:g} s",
+                               code="service_unavailable", headers=retry_after(5))
+            deadline = max(deadline, loop.time() + timeout_s)
         for h, r in zip(waiting, replies):
             if isinstance(r, GrammarReady) and r.ready:
                 done = _prepared.setdefault(h, OrderedDict())

@@ -77,9 +77,6 @@ async def load_engines(config: NodeConfig, prelaunched: dict[str, EngineProcess]
         info = load_model_info(config)
         check_tensor_parallel(config, info)
         check_draft_model(config, info)  # --speculative-config's draft model: its vocabulary is the target's
-        # the node's grammar cache (it checks each structured request's grammar), built while the engines
-        # load; in the thread layout the engines share it
-        grammars_ready = asyncio.wrap_future(GrammarMasks.for_model(info).preload())
         if config.engine_layout == "thread":
             for device_id in config.devices:
                 ops = select_ops(config.attention_backend, device_id.partition(":")[0])
@@ -100,10 +97,6 @@ async def load_engines(config: NodeConfig, prelaunched: dict[str, EngineProcess]
                 raise StartupError(str(failed[0])) from failed[0]
             for h in handles:  # from now on this loop reads and writes the engines' sockets
                 h.attach(loop)
-        try:
-            await grammars_ready
-        except Exception as e:  # noqa: BLE001 - the node serves; a structured request gets a 400 naming this
-            log.error("grammar_preload_failed", error=f"{type(e).__name__}: {e}")
     except BaseException:
         for h in handles + list(prelaunched.values()):
             await loop.run_in_executor(None, h.stop)

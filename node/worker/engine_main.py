@@ -87,10 +87,9 @@ def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid
         if device_id.startswith("cpu"):
             torch.set_num_threads(threads[0])
         info = load_model_info(config)
-        # xgrammar's import and the vocabulary's scan (seconds) overlap the load; done before Ready,
-        # so no step of this engine ever waits for them (node.worker.grammar_masks)
+        # xgrammar's import and the vocabulary's scan (seconds of CPU) start with the first structured
+        # request's GrammarPrepare, in a thread, never in a step (node.worker.grammar_masks)
         grammars = GrammarMasks.for_model(info)
-        preload = grammars.preload()
         ops = select_ops(config.attention_backend, device_id.partition(":")[0])
         holder: dict = {}
         kv_alloc = (lambda shape, dtype, device: _memfd_kv(shape, dtype, device, holder)) \
@@ -118,10 +117,6 @@ def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid
             draft = build_draft_model(config, info, device_id, ops, runner.num_blocks)
         core = EngineCore(runner, layouts, grammars, draft)
         core.warm_up()
-        try:  # before the thread-count probe, which times steps
-            preload.result()
-        except Exception as e:  # noqa: BLE001 - the engine serves without structured output; requests get 400s
-            log.error("grammar_preload_failed", device=device_id, error=f"{type(e).__name__}: {e}")
         if device_id.startswith("cpu"):
             from node.worker.cpu_threads import settle_threads
 
@@ -163,7 +158,8 @@ def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid
                 if tp is not None and tp.rank and not (msg.instances and tp.rank < layouts.instances):
                     reply = StepAck([-1 if o.token_id is None else o.token_id for o in reply.outputs], reply.busy_s)
             elif isinstance(msg, GrammarPrepare):
-                reply = GrammarReady(*grammars.prepare(msg.spec))
+                ready, error = grammars.prepare(msg.spec)
+                reply = GrammarReady(ready, error, starting=not grammars.started)
             elif isinstance(msg, CompileStatus):
                 reply = CompileReply(compile_state(runner))
             elif isinstance(msg, Prepare):

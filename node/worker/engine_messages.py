@@ -76,10 +76,12 @@ class GrammarPrepare(msgspec.Struct, tag="grammar_prepare"):
 
 class GrammarReady(msgspec.Struct, tag="grammar_ready"):
     """The answer to :class:`GrammarPrepare`: ``ready``, or ``error`` (it does not compile here); neither:
-    still compiling (ask again)."""
+    still compiling (ask again); ``starting``: the engine's grammar cache is still being built (xgrammar's
+    import and the vocabulary's scan, started by the first request that needs it)."""
 
     ready: bool
     error: str = ""
+    starting: bool = False
 
 
 class Value(msgspec.Struct, tag="value"):

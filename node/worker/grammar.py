@@ -206,6 +206,7 @@ def _accepts_something(grammar: xgr.CompiledGrammar, vocab_size: int) -> bool:
 
 _caches: dict[tuple[int, int, tuple[int, ...]], GrammarCache] = {}
 _caches_lock = threading.Lock()
+_build_lock = threading.Lock()  # one cache build at a time (lookups never wait for it)
 
 
 def grammar_cache(tok: TextTokenizer, vocab_size: int, stop_ids: list[int]) -> GrammarCache:
@@ -214,9 +215,18 @@ def grammar_cache(tok: TextTokenizer, vocab_size: int, stop_ids: list[int]) -> G
     key = (id(tok), vocab_size, tuple(stop_ids))
     with _caches_lock:
         cache = _caches.get(key)
-        if cache is None:
-            cache = _caches[key] = GrammarCache(tokenizer_info(tok, vocab_size, stop_ids))
+    if cache is not None:
         return cache
+    # built outside _caches_lock: the event loop's lookups (existing_grammar_cache, grammar_cache_status)
+    # take it, and a build (xgrammar's import, seconds) held inside it stalled the loop for as long
+    with _build_lock:
+        with _caches_lock:
+            cache = _caches.get(key)
+        if cache is None:
+            built = GrammarCache(tokenizer_info(tok, vocab_size, stop_ids))
+            with _caches_lock:
+                cache = _caches.setdefault(key, built)
+    return cache
 
 
 _preloads: dict[tuple[int, int, tuple[int, ...]], concurrent.futures.Future] = {}
@@ -224,7 +234,7 @@ _preloads: dict[tuple[int, int, tuple[int, ...]], concurrent.futures.Future] = {
 
 def preload_grammar_cache(tok: TextTokenizer, vocab_size: int, stop_ids: list[int]) -> concurrent.futures.Future:
     """Start building :func:`grammar_cache`'s cache in a daemon thread (importing xgrammar and scanning the
-    vocabulary take seconds: at start-up, never inside a step or on the event loop); the future resolves
+    vocabulary take seconds: on the first structured request, never inside a step or on the event loop); the future resolves
     to the :class:`GrammarCache` (or raises what building it raised). Once per process and key: a second
     call returns the same future."""
     key = (id(tok), vocab_size, tuple(stop_ids))

@@ -17,12 +17,14 @@ a bitmask kept across steps (:class:`~node.worker.grammar.BitmaskFiller`). Match
 sampled since their last fill there too (not when the step that sampled them ends), so a step's
 reply goes back to the node without waiting for them.
 
-No step builds the vocabulary's tables or compiles a grammar when the node asked first. The engine
-builds its :class:`~node.worker.grammar.GrammarCache` at start-up (:meth:`GrammarMasks.preload`:
-importing xgrammar and scanning the vocabulary took 1.6-6 s on a 2-core CPU, a stall of every
-stream on the device when the first structured request's step did it), and the node asks each
-engine to compile a request's grammar before queueing it (:meth:`GrammarMasks.prepare`, answered at
-once while a compile thread works; :mod:`node.api.structured` polls). A sequence whose grammar the
+No step builds the vocabulary's tables or compiles a grammar when the node asked first. The node asks
+each engine to compile a request's grammar before queueing it (:meth:`GrammarMasks.prepare`, answered
+at once while a thread works; :mod:`node.api.structured` polls). The first such ask also builds the
+engine's :class:`~node.worker.grammar.GrammarCache` in a thread (:meth:`GrammarMasks.preload`:
+importing xgrammar and scanning the vocabulary took 1.6-6 s on a 2-core CPU, a stall of every stream
+on the device when the first structured request's step did it). It is not built at start-up: xgrammar
+imports transformers, about 1.5 s of CPU per process, which a node that never serves structured
+output should not pay at each start. A sequence whose grammar the
 engine has not compiled (one moved, handed off or resumed here) is compiled in its first step here,
 and counted (``in_step_compiles``).
 """
@@ -69,6 +71,11 @@ class GrammarMasks:
         and the stop ids the node ends sequences on (the tokenizer's EOS, else the config's)."""
         tok = info.tokenizer
         return cls(tok, info.cfg.vocab_size, tok.eos_token_ids or list(info.cfg.eos_token_ids))
+
+    @property
+    def started(self) -> bool:
+        """Whether the cache is built (or failed to build): :meth:`prepare` is then about the grammar itself."""
+        return self._cache is not None or (self._preload is not None and self._preload.done())
 
     def preload(self) -> concurrent.futures.Future:
         """Start building the cache in a background thread (once); the future resolves to it."""
