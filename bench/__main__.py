@@ -98,7 +98,7 @@ GROUPS: tuple[Group, ...] = (
                            "does every request end, greedy-exact or with a clear error, with no KV block leaked or "
                            "owned twice, and do both nodes come back healthy?"),
     ), ("load.node_process", "load.etcd_server", "load.host_compare", "load.host_cells", "load.stream_client",
-        "load.stream_cells", "load.chaos_report"),
+        "load.stream_cells", "load.chaos_report", "load.chaos_client", "load.chaos_nodes"),
         frozenset({"traffic"})),
     Group("device", "one device, group or link below the serving loop: kernels, steps, switches, KV transfer", (
         Tool("device.kernels", "Is every Triton kernel right on this GPU, and how close to the copy and "

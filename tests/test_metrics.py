@@ -9,6 +9,17 @@ import pytest
 from support import STORIES, NodeProcess, raw_stream
 
 
+def scrape_until(node, ready, timeout_s: float = 60.0) -> dict[str, float]:
+    """Scrape until ``ready(metrics)`` holds (the streams a test opened have all arrived: on a loaded machine
+    that takes longer than any fixed sleep), or return the last scrape after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = scrape(node)
+        if ready(m) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
 def scrape(node) -> dict[str, float]:
     text = node.client.get("/metrics").text
     out = {}
@@ -62,8 +73,8 @@ def test_b27_gauges_fall_to_idle_after_aborts():
     try:
         body = b'{"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": true, "stream": true}'
         socks = [raw_stream(node.port, body) for _ in range(12)]
-        time.sleep(0.5)
-        busy = scrape(node)
+        busy = scrape_until(node, lambda m: m.get("shiftnode_running_sequences{device=cpu:0}") == 4
+                            and m.get("shiftnode_queue_depth") == 8)
         assert busy["shiftnode_running_sequences{device=cpu:0}"] == 4
         assert busy["shiftnode_queue_depth"] == 8
         assert busy["shiftnode_kv_blocks_used{device=cpu:0}"] > 0
@@ -95,8 +106,8 @@ def test_prefill_and_decode_load_are_exported_apart():
         prompt = [1] + [300 + i for i in range(39)]
         body = ('{"prompt": %s, "max_tokens": 400, "ignore_eos": true, "stream": true}' % prompt).encode()
         socks = [raw_stream(node.port, body) for _ in range(12)]
-        time.sleep(0.5)
-        busy = scrape(node)
+        busy = scrape_until(node, lambda m: m.get("shiftnode_prompt_tokens_total") == 12 * 40
+                            and m.get("shiftnode_decoding_sequences{device=cpu:0}") == 4)
         queued = {k: v for k, v in busy.items() if k.startswith("shiftnode_prefill_queued_tokens{")}
         assert set(queued) == {"shiftnode_prefill_queued_tokens{device=unplaced}",
                                "shiftnode_prefill_queued_tokens{device=cpu:0}"}

@@ -185,12 +185,13 @@ def test_many_moves_under_concurrent_load_equal_one_device(stories_node, fallbac
     st = fallback_node.wait_idle()
     moved = [t for t in st["kv_transfers"] if t["start_s"] >= since]
     devices = {d["device"]: d for d in st["devices"]}
-    roles = [(role_heading_to(devices[t["src"]], t["start_s"]), role_heading_to(devices[t["dst"]], t["start_s"]))
+    # the roles the policy saw when it decided each move (its copy may start later, queued behind others)
+    roles = [(role_heading_to(devices[t["src"]], t["decided_s"]), role_heading_to(devices[t["dst"]], t["decided_s"]))
              for t in moved]
     assert len(moved) >= 8 and all(t["reason"] == "tpot" for t in moved), sorted({t["reason"] for t in moved})
     # a source in (or heading to) PREFILL, or in the pause of a switch (200 ms, past the TPOT target: its
     # sequences would wait it out where they are)
-    ok = [r == ("prefill", "decode") or (r[1] == "decode" and pausing_at(devices[t["src"]], t["start_s"]))
+    ok = [r == ("prefill", "decode") or (r[1] == "decode" and pausing_at(devices[t["src"]], t["decided_s"]))
           for r, t in zip(roles, moved)]
     assert all(ok), [(r, t) for r, t, good in zip(roles, moved, ok) if not good]
     assert all(d["kv_blocks_used"] == 0 for d in st["devices"])

@@ -35,7 +35,9 @@ At a slow ``--link-gbps`` a copy can take minutes; the sequence's client is gone
 
 @dataclass(frozen=True)
 class MigrationRecord:
-    """One sequence moved between devices: times on the node's monotonic clock (s), bytes of KV."""
+    """One sequence moved between devices: times on the node's monotonic clock (s), bytes of KV.
+    ``start_s``: when the copy began (a queued move waits for the copies before it); ``decided_s``: when
+    the policy asked for the move (the roles it saw are those of this instant; None for hand-offs)."""
 
     seq_id: str
     src: str
@@ -45,6 +47,7 @@ class MigrationRecord:
     nbytes: int
     blocks: int
     reason: str
+    decided_s: float | None = None
 
 
 class MoveEnd(Protocol):
@@ -74,11 +77,12 @@ class Move:
     """A move of one decoding sequence to ``dst`` (:meth:`KVMover.migrate`); the fields after
     ``overlap`` are set when it begins (:meth:`KVMover._begin`)."""
 
-    __slots__ = ("seq", "dst", "reason", "fut", "overlap", "req", "index", "start_s", "src_blocks",
+    __slots__ = ("seq", "dst", "reason", "fut", "overlap", "decided_s", "req", "index", "start_s", "src_blocks",
                  "dst_blocks", "reused", "fence")
 
-    def __init__(self, seq: Sequence, dst: MoveEnd, reason: str, fut: asyncio.Future, overlap: bool):
+    def __init__(self, seq: Sequence, dst: MoveEnd, reason: str, fut: asyncio.Future, overlap: bool, decided_s: float):
         self.seq, self.dst, self.reason, self.fut, self.overlap = seq, dst, reason, fut, overlap
+        self.decided_s = decided_s
         self.req: RequestState | None = None
         self.index = 0
         self.start_s = 0.0
@@ -131,7 +135,7 @@ class KVMover:
         starts is dropped without copying, and both sides' blocks are freed.
         """
         fut = asyncio.get_running_loop().create_future()
-        self._queued.append(Move(seq, dst, reason, fut, overlap))
+        self._queued.append(Move(seq, dst, reason, fut, overlap, self._clock()))
         self._wake()
         return fut
 
@@ -212,7 +216,7 @@ class KVMover:
         seq.block_ids = m.dst_blocks
         dst.adopt(m.req, m.index, seq)
         record = MigrationRecord(seq.seq_id, home.device_id, dst.device_id, m.start_s, self._clock(),
-                                 report.nbytes, len(m.dst_blocks), m.reason)  # nbytes: only the blocks not reused
+                                 report.nbytes, len(m.dst_blocks), m.reason, m.decided_s)  # nbytes: only the blocks not reused
         self._notify(self.migration_listeners, dst, seq, record)
         m.fut.set_result(record)
 
