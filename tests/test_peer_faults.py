@@ -237,13 +237,27 @@ def test_wrong_secret_and_layout_are_refused_and_requests_end():
             n.close()
 
 
-def test_a_briefly_stalled_peer_fails_nothing():
+@pytest.fixture(scope="module")
+def default_pair():
+    """A prefill node and one decode peer at default settings, as (prefill, decode, the decode node's KV
+    port), shared by the stall test (which leaves both idle and running) and then the restart test (which
+    kills the decode node: it runs last, later in this file). Closed at the module's end."""
+    port = free_port()
+    d, p = up(decode_node(port, wait=False), prefill_node([port], wait=False))
+    nodes = [p, d]
+    try:
+        yield p, d, port, nodes
+    finally:
+        for n in nodes:
+            n.close()
+
+
+def test_a_briefly_stalled_peer_fails_nothing(default_pair):
     """The decode node stops for 2 s (SIGSTOP) under load: requests wait for it instead of failing with
     'no decode peer reachable' (only a decode side gone for DECODE_WAIT_S fails work)."""
     import signal
 
-    port = free_port()
-    d, p = up(decode_node(port, wait=False), prefill_node([port], wait=False))
+    p, d, _, _ = default_pair
     try:
         wait_peers(p, 1)
         body = {"prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True, "temperature": 0}
@@ -260,8 +274,7 @@ def test_a_briefly_stalled_peer_fails_nothing():
         p.wait_idle(5)
         d.wait_idle(5)
     finally:
-        p.close()
-        d.close()
+        d.proc.send_signal(signal.SIGCONT)  # never leave the shared peer stopped
 
 
 def test_a_peer_with_a_shorter_context_refuses_only_what_it_cannot_hold():
@@ -317,12 +330,11 @@ def test_eviction_pressure_on_the_origin_keeps_unsent_blocks_pinned(stories_node
             n.close()
 
 
-def test_peer_restart_under_load_every_request_ends():
+def test_peer_restart_under_load_every_request_ends(default_pair):
     """B36/B38: requests at a steady rate while the decode peer is killed and restarted on the same
     port: every request ends (completed or a clear error) within its deadline, later ones succeed,
-    and nothing stays allocated."""
-    port = free_port()
-    d, p = up(decode_node(port, wait=False), prefill_node([port], wait=False))
+    and nothing stays allocated. It kills the module's shared decode node, so it is its last user."""
+    p, d, port, nodes = default_pair
     d2 = None
     try:
         wait_peers(p, 1)
@@ -336,6 +348,7 @@ def test_peer_restart_under_load_every_request_ends():
                     d.proc.kill()
                 if i == 12:
                     d2 = decode_node(port)
+                    nodes.append(d2)  # closed with the pair
             res = [f.result(timeout=60) for f in futs]
         codes = [r.status_code for r in res]
         assert set(codes) <= {200, 503}, codes
