@@ -75,17 +75,19 @@ def test_b27_gauges_fall_to_idle_after_aborts(four_slot_node):
     before = scrape(node)
     body = b'{"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": true, "stream": true}'
     socks = [raw_stream(node.port, body) for _ in range(12)]
-    time.sleep(0.5)
-    busy = scrape(node)
-    assert busy["shiftnode_running_sequences{device=cpu:0}"] == 4
-    assert busy["shiftnode_queue_depth"] == 8
-    assert busy["shiftnode_kv_blocks_used{device=cpu:0}"] > 0
-    # the vLLM names a gateway routes on (test_vllm_metrics) say the same
-    assert busy["vllm:num_requests_running{model_name=stories260k}"] == 4
-    assert busy["vllm:num_requests_waiting{model_name=stories260k}"] == 8
-    assert busy["vllm:kv_cache_usage_perc{model_name=stories260k}"] > 0
-    for s in socks:
-        s.close()
+    try:
+        time.sleep(0.5)
+        busy = scrape(node)
+        assert busy["shiftnode_running_sequences{device=cpu:0}"] == 4
+        assert busy["shiftnode_queue_depth"] == 8
+        assert busy["shiftnode_kv_blocks_used{device=cpu:0}"] > 0
+        # the vLLM names a gateway routes on (test_vllm_metrics) say the same
+        assert busy["vllm:num_requests_running{model_name=stories260k}"] == 4
+        assert busy["vllm:num_requests_waiting{model_name=stories260k}"] == 8
+        assert busy["vllm:kv_cache_usage_perc{model_name=stories260k}"] > 0
+    finally:  # the node is shared: a failure above must not leave its streams running into the next test
+        for s in socks:
+            s.close()
     node.wait_idle(5)
     idle = scrape(node)
     assert idle["shiftnode_running_sequences{device=cpu:0}"] == 0
@@ -106,17 +108,19 @@ def test_prefill_and_decode_load_are_exported_apart(four_slot_node):
     prompt = [1] + [300 + i for i in range(39)]
     body = ('{"prompt": %s, "max_tokens": 400, "ignore_eos": true, "stream": true}' % prompt).encode()
     socks = [raw_stream(node.port, body) for _ in range(12)]
-    time.sleep(0.5)
-    busy = scrape(node)
-    queued = {k: v for k, v in busy.items() if k.startswith("shiftnode_prefill_queued_tokens{")}
-    assert set(queued) == {"shiftnode_prefill_queued_tokens{device=unplaced}",
-                           "shiftnode_prefill_queued_tokens{device=cpu:0}"}
-    assert sum(queued.values()) == 8 * 40
-    assert busy["shiftnode_decoding_sequences{device=cpu:0}"] == 4
-    assert _delta(busy, before, "shiftnode_prompt_tokens_total") == 12 * 40
-    assert busy["shiftnode_kv_usage_ratio{device=cpu:0}"] > 0
-    for s in socks:
-        s.close()
+    try:
+        time.sleep(0.5)
+        busy = scrape(node)
+        queued = {k: v for k, v in busy.items() if k.startswith("shiftnode_prefill_queued_tokens{")}
+        assert set(queued) == {"shiftnode_prefill_queued_tokens{device=unplaced}",
+                               "shiftnode_prefill_queued_tokens{device=cpu:0}"}
+        assert sum(queued.values()) == 8 * 40
+        assert busy["shiftnode_decoding_sequences{device=cpu:0}"] == 4
+        assert _delta(busy, before, "shiftnode_prompt_tokens_total") == 12 * 40
+        assert busy["shiftnode_kv_usage_ratio{device=cpu:0}"] > 0
+    finally:  # the node is shared: see above
+        for s in socks:
+            s.close()
     node.wait_idle(5)
     idle = scrape(node)
     assert idle["shiftnode_decoding_sequences{device=cpu:0}"] == 0
