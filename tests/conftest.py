@@ -76,6 +76,20 @@ def keyed_node():
     node.close()
 
 
+LIMITS_NODE_ARGS = ("--model", str(STORIES), "--max-queue", "4", "--max-num-seqs", "2", "--body-timeout-s", "1")
+
+
+@pytest.fixture(scope="session")
+def limits_node():
+    """One stories260k node with small admission limits (``--max-queue 4 --max-num-seqs 2``, a 1 s body
+    timeout), shared by test_time_shared's overload test and test_api_hardening's queue and body-timeout
+    test: each leaves it idle (checked) and counts its counters from before its requests."""
+    require_shared()
+    node = NodeProcess(*LIMITS_NODE_ARGS)
+    yield node
+    node.close()
+
+
 @pytest.fixture(scope="session")
 def pooled_node():
     """One pooled node (prefill on cpu:0, KV handed to decode on cpu:1) shared by test_pooled and

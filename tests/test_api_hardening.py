@@ -102,23 +102,22 @@ def test_chat_text_parts_join_with_newlines(stories_node):
     assert ids == joined
 
 
-def test_more_prompts_than_the_queue_is_a_400_and_slow_bodies_get_408():
-    node = NodeProcess("--model", str(STORIES), "--max-queue", "2", "--body-timeout-s", "1")
-    try:
-        assert_error(post(node, "/v1/completions", {"prompt": ["a", "b", "c"], "max_tokens": 2}), 400, "prompt")
-        # the limit counts sequences: two prompts of n=2 are four
-        r = post(node, "/v1/completions", {"prompt": ["a", "b"], "n": 2, "max_tokens": 2})
-        assert_error(r, 400, "prompt")
-        assert "4 sequences" in r.json()["error"]["message"]
-        s = socket.create_connection(("127.0.0.1", node.port))
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
-        s.settimeout(10)
-        reply = s.recv(4096)
-        s.close()
-        assert reply.startswith(b"HTTP/1.1 408"), reply[:100]
-        node.wait_idle()
-    finally:
-        node.close()
+def test_more_prompts_than_the_queue_is_a_400_and_slow_bodies_get_408(limits_node):
+    """--max-queue 4 and --body-timeout-s 1 (the session's ``limits_node``)."""
+    node = limits_node
+    assert_error(post(node, "/v1/completions", {"prompt": ["a", "b", "c", "d", "e"], "max_tokens": 2}), 400,
+                 "prompt")
+    # the limit counts sequences: three prompts of n=2 are six
+    r = post(node, "/v1/completions", {"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 2})
+    assert_error(r, 400, "prompt")
+    assert "6 sequences" in r.json()["error"]["message"]
+    s = socket.create_connection(("127.0.0.1", node.port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+    s.settimeout(10)
+    reply = s.recv(4096)
+    s.close()
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:100]
+    node.wait_idle()
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -66,7 +66,8 @@ def test_cpu_threads_flag_is_validated():
         NodeConfig(cpu_threads=0).validate()
 
 
-def test_a_live_node_reports_its_engine_threads():
+def test_a_live_node_reports_its_engine_threads(stories_node):
+    from node.config import usable_cores
     from tests.support import NodeProcess
 
     node = NodeProcess("--devices", "cpu:0", "--cpu-threads", "2")
@@ -75,12 +76,9 @@ def test_a_live_node_reports_its_engine_threads():
         assert engine["threads"] == 2, engine
     finally:
         node.close()
-    node = NodeProcess("--devices", "cpu:0")  # timed at start-up: one of the two candidates
-    try:
-        from node.config import usable_cores
-
-        engine = node.status()["devices"][0]["engine"]
-        assert engine["threads"] in thread_candidates(usable_cores(), 0, 1, None, False), engine
-        assert "engine_threads" in node.logs()
-    finally:
-        node.close()
+    # without --cpu-threads, timed at start-up: one of the two candidates (the session's one-device node,
+    # whose log holds its start-up lines)
+    (device,) = stories_node.status()["devices"]
+    assert device["device"] == "cpu:0"
+    assert device["engine"]["threads"] in thread_candidates(usable_cores(), 0, 1, None, False), device["engine"]
+    assert "engine_threads" in stories_node.logs()

@@ -48,61 +48,71 @@ def _complete(node: NodeProcess, max_tokens: int = 24) -> httpx.Response:
                                                        "temperature": 0.0})
 
 
-def test_each_device_has_a_named_engine_process_and_a_killed_one_is_a_down_device():
+@pytest.fixture(scope="module")
+def no_restart_node():
+    """A two-device node whose killed engines stay down, shared by the two tests below: the first kills
+    cpu:0's engine, the second the last engine left (it kills cpu:0's first where it runs alone)."""
     node = NodeProcess("--model", str(STORIES), "--devices", "cpu:0,cpu:1", *NO_RESTART)
-    try:
-        pids = _engine_pids(node)
-        assert set(pids) == {"cpu:0", "cpu:1"} and node.proc.pid not in pids.values()
-        for device, pid in pids.items():
-            assert open(f"/proc/{pid}/comm").read().strip() == f"shiftnode-{device}"
-            assert int(open(f"/proc/{pid}/stat").read().split(")")[1].split()[1]) == node.proc.pid  # the node's child
-        os.kill(pids["cpu:0"], signal.SIGKILL)
+    yield node
+    node.close()
+
+
+def test_each_device_has_a_named_engine_process_and_a_killed_one_is_a_down_device(no_restart_node):
+    node = no_restart_node
+    pids = _engine_pids(node)
+    assert set(pids) == {"cpu:0", "cpu:1"} and node.proc.pid not in pids.values()
+    for device, pid in pids.items():
+        assert open(f"/proc/{pid}/comm").read().strip() == f"shiftnode-{device}"
+        assert int(open(f"/proc/{pid}/stat").read().split(")")[1].split()[1]) == node.proc.pid  # the node's child
+    os.kill(pids["cpu:0"], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while node.health()[1]["status"] == "ok" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    code, body = node.health()
+    assert code == 200 and body["status"] == "degraded" and any("cpu:0" in r for r in body["reasons"]), body
+    for _ in range(3):  # the other device serves everything, exactly
+        r = _complete(node)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == CASE["output_text"][: len(r.json()["choices"][0]["text"])]
+    status = {d["device"]: d for d in node.status()["devices"]}
+    assert "cpu:0" in status["cpu:0"]["failure"] and "signal 9" in status["cpu:0"]["failure"]
+    assert status["cpu:1"]["failure"] is None
+    assert status["cpu:0"]["kv_blocks_used"] == 0 and status["cpu:0"]["running"] == 0  # nothing held by the dead
+    assert 'shiftnode_engine_down{device="cpu:0"} 1.0' in node.client.get("/metrics").text
+
+
+def test_an_engine_killed_mid_stream_ends_the_stream_with_an_error(no_restart_node):
+    """With restarts off and no other device up, the stream cannot resume: it ends with an error. Then,
+    every engine down, a request is a 503 engine_down with Retry-After, and /health a 503."""
+    node = no_restart_node
+    down = {d["device"] for d in node.status()["devices"] if d["failure"] is not None}
+    if "cpu:0" not in down:  # run alone: leave cpu:1 the only device up, as the test above does
+        os.kill(_engine_pids(node)["cpu:0"], signal.SIGKILL)
         deadline = time.monotonic() + 10
         while node.health()[1]["status"] == "ok" and time.monotonic() < deadline:
             time.sleep(0.05)
-        code, body = node.health()
-        assert code == 200 and body["status"] == "degraded" and any("cpu:0" in r for r in body["reasons"]), body
-        for _ in range(3):  # the other device serves everything, exactly
-            r = _complete(node)
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == CASE["output_text"][: len(r.json()["choices"][0]["text"])]
-        status = {d["device"]: d for d in node.status()["devices"]}
-        assert "cpu:0" in status["cpu:0"]["failure"] and "signal 9" in status["cpu:0"]["failure"]
-        assert status["cpu:1"]["failure"] is None
-        assert status["cpu:0"]["kv_blocks_used"] == 0 and status["cpu:0"]["running"] == 0  # nothing held by the dead
-        assert 'shiftnode_engine_down{device="cpu:0"} 1.0' in node.client.get("/metrics").text
-        os.kill(pids["cpu:1"], signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while node.health()[0] == 200 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        r = _complete(node)
-        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_down", r.text
-        assert int(r.headers["Retry-After"]) >= 1
-        assert node.health()[0] == 503
-    finally:
-        node.close()
-
-
-def test_an_engine_killed_mid_stream_ends_the_stream_with_an_error():
-    """With restarts off and no other device, the stream cannot resume: it ends with an error."""
-    node = NodeProcess("--model", str(STORIES), *NO_RESTART)
-    try:
-        pid = _engine_pids(node)["cpu:0"]
-        events = []
-        with node.client.stream("POST", "/v1/completions", json={"prompt": "Once", "max_tokens": 400, "stream": True,
-                                                                   "ignore_eos": True}) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    if len(events) == 3:
-                        os.kill(pid, signal.SIGKILL)
-        assert events[-1] == "[DONE]" or "engine_down" in events[-1] or "engine_down" in events[-2], events[-3:]
-        assert any("engine_down" in e for e in events), events[-3:]
-        assert node.proc.poll() is None  # the node outlives its engine
-        device = node.status()["devices"][0]
-        assert device["kv_blocks_used"] == 0 and device["running"] == 0 and node.status()["live_requests"] == 0
-    finally:
-        node.close()
+    pid = _engine_pids(node)["cpu:1"]
+    events = []
+    with node.client.stream("POST", "/v1/completions", json={"prompt": "Once", "max_tokens": 400, "stream": True,
+                                                               "ignore_eos": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 3:
+                    os.kill(pid, signal.SIGKILL)
+    assert events[-1] == "[DONE]" or "engine_down" in events[-1] or "engine_down" in events[-2], events[-3:]
+    assert any("engine_down" in e for e in events), events[-3:]
+    assert node.proc.poll() is None  # the node outlives its engines
+    status = {d["device"]: d for d in node.status()["devices"]}
+    assert status["cpu:1"]["kv_blocks_used"] == 0 and status["cpu:1"]["running"] == 0
+    assert node.status()["live_requests"] == 0
+    deadline = time.monotonic() + 10
+    while node.health()[0] == 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    r = _complete(node)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_down", r.text
+    assert int(r.headers["Retry-After"]) >= 1
+    assert node.health()[0] == 503
 
 
 def test_engines_exit_with_the_node_on_sigterm_and_on_sigkill():

@@ -68,11 +68,25 @@ def test_request_outcome_is_the_worst_choice():
     assert request_outcome(["stop"]) == "stop"
 
 
-def test_b27_gauges_fall_to_idle_after_aborts():
+@pytest.fixture(scope="module")
+def four_slot_node():
+    """A stories260k node with 4 sequence slots, shared by the two load tests below: each leaves it idle
+    (checked), and each counts its counters from a scrape taken before its load."""
     node = NodeProcess("--model", str(STORIES), "--max-num-seqs", "4")
+    yield node
+    node.close()
+
+
+def _delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
+    return after[key] - before.get(key, 0)
+
+
+def test_b27_gauges_fall_to_idle_after_aborts(four_slot_node):
+    node = four_slot_node
+    before = scrape(node)
+    body = b'{"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": true, "stream": true}'
+    socks = [raw_stream(node.port, body) for _ in range(12)]
     try:
-        body = b'{"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": true, "stream": true}'
-        socks = [raw_stream(node.port, body) for _ in range(12)]
         busy = scrape_until(node, lambda m: m.get("shiftnode_running_sequences{device=cpu:0}") == 4
                             and m.get("shiftnode_queue_depth") == 8)
         assert busy["shiftnode_running_sequences{device=cpu:0}"] == 4
@@ -82,44 +96,43 @@ def test_b27_gauges_fall_to_idle_after_aborts():
         assert busy["vllm:num_requests_running{model_name=stories260k}"] == 4
         assert busy["vllm:num_requests_waiting{model_name=stories260k}"] == 8
         assert busy["vllm:kv_cache_usage_perc{model_name=stories260k}"] > 0
+    finally:  # the node is shared: a failure above must not leave its streams running into the next test
         for s in socks:
             s.close()
-        node.wait_idle(5)
-        idle = scrape(node)
-        assert idle["shiftnode_running_sequences{device=cpu:0}"] == 0
-        assert idle["shiftnode_queue_depth"] == 0
-        assert idle["shiftnode_kv_blocks_used{device=cpu:0}"] == 0
-        assert idle["shiftnode_requests_total{finish_reason=abort}"] == 12
-        assert idle["vllm:request_success_total{finished_reason=abort,model_name=stories260k}"] == 12
-        assert idle["vllm:num_requests_waiting{model_name=stories260k}"] == 0
-        assert re.search(r"^# TYPE shiftnode_kv_usage_ratio gauge$", node.client.get("/metrics").text, re.M)
-    finally:
-        node.close()
+    node.wait_idle(5)
+    idle = scrape(node)
+    assert idle["shiftnode_running_sequences{device=cpu:0}"] == 0
+    assert idle["shiftnode_queue_depth"] == 0
+    assert idle["shiftnode_kv_blocks_used{device=cpu:0}"] == 0
+    assert _delta(idle, before, "shiftnode_requests_total{finish_reason=abort}") == 12
+    assert _delta(idle, before, "vllm:request_success_total{finished_reason=abort,model_name=stories260k}") == 12
+    assert idle["vllm:num_requests_waiting{model_name=stories260k}"] == 0
+    assert re.search(r"^# TYPE shiftnode_kv_usage_ratio gauge$", node.client.get("/metrics").text, re.M)
 
 
-def test_prefill_and_decode_load_are_exported_apart():
+def test_prefill_and_decode_load_are_exported_apart(four_slot_node):
     """The scaling signals (docs/operations.md): with 4 sequence slots and 12 streams of a 40-token prompt
     (token ids, so the count is exact), 4 sequences decode and the other 8 prompts, 320 tokens, wait to be
     computed; the prompt tokens/s counter counts the admitted ones; all fall to 0 once the streams close."""
-    node = NodeProcess("--model", str(STORIES), "--max-num-seqs", "4")
+    node = four_slot_node
+    before = scrape(node)
+    prompt = [1] + [300 + i for i in range(39)]
+    body = ('{"prompt": %s, "max_tokens": 400, "ignore_eos": true, "stream": true}' % prompt).encode()
+    socks = [raw_stream(node.port, body) for _ in range(12)]
     try:
-        prompt = [1] + [300 + i for i in range(39)]
-        body = ('{"prompt": %s, "max_tokens": 400, "ignore_eos": true, "stream": true}' % prompt).encode()
-        socks = [raw_stream(node.port, body) for _ in range(12)]
-        busy = scrape_until(node, lambda m: m.get("shiftnode_prompt_tokens_total") == 12 * 40
+        busy = scrape_until(node, lambda m: _delta(m, before, "shiftnode_prompt_tokens_total") == 12 * 40
                             and m.get("shiftnode_decoding_sequences{device=cpu:0}") == 4)
         queued = {k: v for k, v in busy.items() if k.startswith("shiftnode_prefill_queued_tokens{")}
         assert set(queued) == {"shiftnode_prefill_queued_tokens{device=unplaced}",
                                "shiftnode_prefill_queued_tokens{device=cpu:0}"}
         assert sum(queued.values()) == 8 * 40
         assert busy["shiftnode_decoding_sequences{device=cpu:0}"] == 4
-        assert busy["shiftnode_prompt_tokens_total"] == 12 * 40
+        assert _delta(busy, before, "shiftnode_prompt_tokens_total") == 12 * 40
         assert busy["shiftnode_kv_usage_ratio{device=cpu:0}"] > 0
+    finally:  # the node is shared: see above
         for s in socks:
             s.close()
-        node.wait_idle(5)
-        idle = scrape(node)
-        assert idle["shiftnode_decoding_sequences{device=cpu:0}"] == 0
-        assert sum(v for k, v in idle.items() if k.startswith("shiftnode_prefill_queued_tokens{")) == 0
-    finally:
-        node.close()
+    node.wait_idle(5)
+    idle = scrape(node)
+    assert idle["shiftnode_decoding_sequences{device=cpu:0}"] == 0
+    assert sum(v for k, v in idle.items() if k.startswith("shiftnode_prefill_queued_tokens{")) == 0

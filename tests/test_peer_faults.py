@@ -1,6 +1,6 @@
 """Pooled mode across node processes under faults and limits: each test starts a prefill-only node and its
-decode-only peers of its own (``tests/test_peers.py``'s helpers) and kills, stops, restarts, refuses or saturates
-one of them. A saturated peer makes the origin queue instead of prefilling; the sending node killed
+decode-only peers (``tests/test_peers.py``'s helpers; four tests share one default decode node, see
+``default_pair``) and kills, stops, restarts, refuses or saturates one of them. A saturated peer makes the origin queue instead of prefilling; the sending node killed
 mid-transfer leaves no blocks on the receiver (B32); the receiver killed mid-transfer or mid-decode makes the
 origin retry (re-send, or recompute the prompt plus the tokens already streamed) with no gap or duplicate; a dead
 decode side ends requests with a clear error within bounded time; wrong secrets, layouts and weights are
@@ -25,6 +25,22 @@ from test_peers import SECRET, decode_node, prefill_node, stream_tokens, wait_pe
 
 pytestmark = pytest.mark.slow_only("each test starts a prefill node and decode peers of its own, and kills, stops or "
                                    "refuses one of them")
+
+
+@pytest.fixture(scope="module")
+def default_pair():
+    """A prefill node and one decode peer at default settings, as (prefill, decode, the decode node's KV
+    port, the nodes to close at the module's end). The decode node is also the receiver of the
+    sender-killed and eviction tests (each with a prefill node of its own; each leaves it idle, checked);
+    the stall test stops it for 2 s under load; the restart test, the last user, kills it."""
+    port = free_port()
+    d, p = up(decode_node(port, wait=False), prefill_node([port], wait=False))
+    nodes = [p, d]
+    try:
+        yield p, d, port, nodes
+    finally:
+        for n in nodes:
+            n.close()
 
 
 def test_saturated_peer_backpressure_queues_instead_of_prefilling():
@@ -52,12 +68,12 @@ def test_saturated_peer_backpressure_queues_instead_of_prefilling():
         d.close()
 
 
-def test_sender_killed_mid_transfer_receiver_frees_blocks():
-    """B32: kill -9 the sending node while a slow link streams a long prompt's KV; the receiver frees
-    the partial reservation, stays up, and the request retried on a fresh origin completes."""
-    port = free_port()
-    d, p = up(decode_node(port, wait=False),
-              prefill_node([port], "--link-gbps", "0.002", wait=False))  # ~0.5 MB of KV: about 2 s on the wire
+def test_sender_killed_mid_transfer_receiver_frees_blocks(default_pair):
+    """B32: kill -9 the sending node while a slow link streams a long prompt's KV; the receiver (the
+    module's decode node) frees the partial reservation, stays up, and the request retried on a fresh
+    origin completes."""
+    _, d, port, _ = default_pair
+    p = prefill_node([port], "--link-gbps", "0.002")  # ~0.5 MB of KV: about 2 s on the wire
     p2 = None
     try:
         wait_peers(p, 1)
@@ -81,7 +97,7 @@ def test_sender_killed_mid_transfer_receiver_frees_blocks():
                                                     "temperature": 0, "return_token_ids": True})
         assert r.json()["choices"][0]["token_ids"] == case["output_token_ids"]
     finally:
-        for n in (p, p2, d):
+        for n in (p, p2):
             if n is not None:
                 n.close()
 
@@ -237,13 +253,12 @@ def test_wrong_secret_and_layout_are_refused_and_requests_end():
             n.close()
 
 
-def test_a_briefly_stalled_peer_fails_nothing():
+def test_a_briefly_stalled_peer_fails_nothing(default_pair):
     """The decode node stops for 2 s (SIGSTOP) under load: requests wait for it instead of failing with
     'no decode peer reachable' (only a decode side gone for DECODE_WAIT_S fails work)."""
     import signal
 
-    port = free_port()
-    d, p = up(decode_node(port, wait=False), prefill_node([port], wait=False))
+    p, d, _, _ = default_pair
     try:
         wait_peers(p, 1)
         body = {"prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True, "temperature": 0}
@@ -260,8 +275,7 @@ def test_a_briefly_stalled_peer_fails_nothing():
         p.wait_idle(5)
         d.wait_idle(5)
     finally:
-        p.close()
-        d.close()
+        d.proc.send_signal(signal.SIGCONT)  # never leave the shared peer stopped
 
 
 def test_a_peer_with_a_shorter_context_refuses_only_what_it_cannot_hold():
@@ -291,18 +305,18 @@ def test_a_peer_with_a_shorter_context_refuses_only_what_it_cannot_hold():
         d.close()
 
 
-def test_eviction_pressure_on_the_origin_keeps_unsent_blocks_pinned(stories_node):
+def test_eviction_pressure_on_the_origin_keeps_unsent_blocks_pinned(stories_node, default_pair):
     """B35: a prefill KV pool of ~2 long prompts under a burst and a slow link: blocks being sent are
-    never reused, every request ends with its REF output by its deadline, nothing leaks."""
-    port = free_port()
-    nodes = [decode_node(port, wait=False),
-             prefill_node([port], "--kv-cache-memory", "700KiB", "--link-gbps", "0.5", wait=False)]
+    never reused, every request ends with its REF output by its deadline, nothing leaks. The decode side
+    is the module's decode node."""
+    _, d, port, _ = default_pair
+    nodes = [prefill_node([port], "--kv-cache-memory", "700KiB", "--link-gbps", "0.5", wait=False)]
     try:
         bodies = [{"prompt": c["prompt"], "max_tokens": c["max_new_tokens"]} for c in reference_cases()] * 2
         bodies += [{"prompt": list(range(3 + k, 203 + k)), "max_tokens": 20} for k in range(6)]
         bodies = [{**b, "temperature": 0, "return_token_ids": True} for b in bodies]
         ref = [stories_node.client.post("/v1/completions", json=b).json()["choices"][0]["token_ids"] for b in bodies]
-        d, p = up(*nodes)  # they started while REF was computed
+        (p,) = up(*nodes)  # it started while REF was computed
         wait_peers(p, 1)
         with cf.ThreadPoolExecutor(len(bodies)) as ex:
             futs = [ex.submit(p.client.post, "/v1/completions", json=b) for b in bodies]
@@ -317,12 +331,11 @@ def test_eviction_pressure_on_the_origin_keeps_unsent_blocks_pinned(stories_node
             n.close()
 
 
-def test_peer_restart_under_load_every_request_ends():
+def test_peer_restart_under_load_every_request_ends(default_pair):
     """B36/B38: requests at a steady rate while the decode peer is killed and restarted on the same
     port: every request ends (completed or a clear error) within its deadline, later ones succeed,
-    and nothing stays allocated."""
-    port = free_port()
-    d, p = up(decode_node(port, wait=False), prefill_node([port], wait=False))
+    and nothing stays allocated. It kills the module's shared decode node, so it is its last user."""
+    p, d, port, nodes = default_pair
     d2 = None
     try:
         wait_peers(p, 1)
@@ -336,6 +349,7 @@ def test_peer_restart_under_load_every_request_ends():
                     d.proc.kill()
                 if i == 12:
                     d2 = decode_node(port)
+                    nodes.append(d2)  # closed with the pair
             res = [f.result(timeout=60) for f in futs]
         codes = [r.status_code for r in res]
         assert set(codes) <= {200, 503}, codes

@@ -71,74 +71,86 @@ def test_saturated_decode_pool_queues_then_serves():
         node.close()
 
 
-def test_link_gbps_paces_transfers():
-    """--link-gbps 0.02 makes each hand-off of N bytes take about N*8/(0.02e9) s (within a generous factor)."""
+SLOW_LINK_GBPS = 0.0003
+"""The slow link of :func:`slow_link_node`: a block of stories260k KV (20 KiB) takes about 0.55 s over it."""
+
+
+@pytest.fixture(scope="module")
+def slow_link_node():
+    """A pooled node whose hand-offs cross a slow link (``--link-gbps`` :data:`SLOW_LINK_GBPS`), shared by the
+    three link tests below. Each leaves it idle (checked) and reads only the transfers made after its start
+    (``kv_transfers`` keeps the last 200 moves; these tests make about a dozen)."""
     node = NodeProcess("--model", str(STORIES), "--mode", "pooled", "--prefill-devices", "cpu:0", "--decode-devices", "cpu:1",
-                       "--link-gbps", "0.02")
-    try:
-        r = node.client.post("/v1/completions", json={"prompt": "Once upon a time " * 8, "max_tokens": 5, "temperature": 0})
-        assert r.status_code == 200
-        (t,) = node.wait_idle()["kv_transfers"]
-        expected_s = t["nbytes"] * 8 / 0.02e9
-        assert expected_s > 0.02
-        assert 0.5 * expected_s <= t["end_s"] - t["start_s"] <= 5 * expected_s + 0.05
-    finally:
-        node.close()
+                       "--link-gbps", str(SLOW_LINK_GBPS))
+    yield node
+    node.close()
 
 
-def test_prefill_device_goes_on_while_a_kv_copy_runs():
+def _transfers_since(st: dict, before: int) -> list[dict]:
+    return st["kv_transfers"][before:]
+
+
+def test_link_gbps_paces_transfers(slow_link_node):
+    """--link-gbps G makes each hand-off of N bytes take about N*8/(G*1e9) s (within a generous factor)."""
+    node = slow_link_node
+    before = len(node.status()["kv_transfers"])
+    # token ids no other test of the node sends (a prefix it had cached could shorten the hand-off): 3 blocks
+    prompt = [1] + list(range(460, 500))
+    r = node.client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200
+    (t,) = _transfers_since(node.wait_idle(), before)
+    expected_s = t["nbytes"] * 8 / (SLOW_LINK_GBPS * 1e9)
+    assert expected_s > 0.02
+    assert 0.5 * expected_s <= t["end_s"] - t["start_s"] <= 5 * expected_s + 0.05
+
+
+def test_prefill_device_goes_on_while_a_kv_copy_runs(slow_link_node):
     """Hand-offs overlap (DeviceEngine.migrate(overlap=True)): while one request's KV crawls over a slow
-    link (--link-gbps 0.0005: ~0.65 s for its two blocks), the prefill device prefills and answers
+    link (--link-gbps 0.0003: ~1.1 s for its two blocks), the prefill device prefills and answers
     another request; with copies between steps that request would wait for the copy."""
     import json
 
-    node = NodeProcess("--model", str(STORIES), "--mode", "pooled", "--prefill-devices", "cpu:0", "--decode-devices", "cpu:1",
-                       "--link-gbps", "0.0005")
-    try:
-        case = reference_cases()[1]
-        body = {"prompt": "Once upon a time " * 6, "max_tokens": 4, "temperature": 0, "stream": True, "return_token_ids": True}
-        with node.client.stream("POST", "/v1/completions", json=body) as a:
-            lines = a.iter_lines()
-            first = next(x for x in lines if x.startswith("data: {"))  # A's prefill is done: its copy starts
-            b = node.client.post("/v1/completions", json={"prompt": case["prompt"], "max_tokens": 1, "temperature": 0,
-                                                          "return_token_ids": True})
-            b_done_s = node.status()["clock_s"]
-            rest = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
-        assert b.status_code == 200 and b.json()["choices"][0]["token_ids"] == case["output_token_ids"][:1]
-        assert len(json.loads(first[6:])["choices"][0]["token_ids"]) + sum(
-            len(c["token_ids"]) for e in rest for c in e["choices"]) == 4
-        st = node.wait_idle()
-        (t,) = st["kv_transfers"]  # B's one token finished on the prefill device: only A moved
-        assert t["blocks"] >= 2 and t["end_s"] - t["start_s"] > 0.3
-        assert b_done_s < t["end_s"], (b_done_s, t)
-        assert all(d["kv_blocks_used"] == 0 for d in st["devices"])
-    finally:
-        node.close()
+    node = slow_link_node
+    before = len(node.status()["kv_transfers"])
+    case = reference_cases()[1]
+    body = {"prompt": "Once upon a time " * 6, "max_tokens": 4, "temperature": 0, "stream": True, "return_token_ids": True}
+    with node.client.stream("POST", "/v1/completions", json=body) as a:
+        lines = a.iter_lines()
+        first = next(x for x in lines if x.startswith("data: {"))  # A's prefill is done: its copy starts
+        b = node.client.post("/v1/completions", json={"prompt": case["prompt"], "max_tokens": 1, "temperature": 0,
+                                                      "return_token_ids": True})
+        b_done_s = node.status()["clock_s"]
+        rest = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert b.status_code == 200 and b.json()["choices"][0]["token_ids"] == case["output_token_ids"][:1]
+    assert len(json.loads(first[6:])["choices"][0]["token_ids"]) + sum(
+        len(c["token_ids"]) for e in rest for c in e["choices"]) == 4
+    st = node.wait_idle()
+    (t,) = _transfers_since(st, before)  # B's one token finished on the prefill device: only A moved
+    assert t["blocks"] >= 2 and t["end_s"] - t["start_s"] > 0.3
+    assert b_done_s < t["end_s"], (b_done_s, t)
+    assert all(d["kv_blocks_used"] == 0 for d in st["devices"])
 
 
-def test_clients_leaving_while_their_copies_queue_free_kv_at_once():
+def test_clients_leaving_while_their_copies_queue_free_kv_at_once(slow_link_node):
     """Ten clients leave right after their first token while their KV queues for a slow link (each copy
     about 1.6 s at --link-gbps 0.0003): the queued copies are dropped, not sent, so both devices are
     empty within seconds (sending them all would take 16 s) and a new request is served."""
-
-    node = NodeProcess("--model", str(STORIES), "--mode", "pooled", "--prefill-devices", "cpu:0", "--decode-devices", "cpu:1",
-                       "--link-gbps", "0.0003")
-    try:
-        body = b'{"prompt": [1' + b", 300" * 40 + b'], "max_tokens": 200, "ignore_eos": true, "stream": true}'
-        socks = [raw_stream(node.port, body) for _ in range(10)]
-        for s in socks:  # every first token is out: prefill done, copies queued behind the link
-            s.settimeout(30)
-            got = b""
-            while b"data: " not in got:
-                got += s.recv(4096)
-        for s in socks:
-            s.close()
-        st = node.wait_idle(8)
-        assert len(st["kv_transfers"]) < 10  # the queued ones were never sent
-        r = node.client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 3, "temperature": 0})
-        assert r.status_code == 200
-    finally:
-        node.close()
+    node = slow_link_node
+    before = len(node.status()["kv_transfers"])
+    body = b'{"prompt": [1' + b", 300" * 40 + b'], "max_tokens": 200, "ignore_eos": true, "stream": true}'
+    socks = [raw_stream(node.port, body) for _ in range(10)]
+    for s in socks:  # every first token is out: prefill done, copies queued behind the link
+        s.settimeout(30)
+        got = b""
+        while b"data: " not in got:
+            got += s.recv(4096)
+    for s in socks:
+        s.close()
+    st = node.wait_idle(8)
+    assert all(d["kv_blocks_used"] == 0 for d in st["devices"])
+    assert len(_transfers_since(st, before)) < 10  # the queued ones were never sent
+    r = node.client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200
 
 
 def test_b31_clients_leaving_right_after_prefill_free_both_sides(pooled_node):

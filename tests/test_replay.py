@@ -11,7 +11,7 @@ import pytest
 
 from bench.studies.compare import markdown_table, parser as compare_parser, run_mode
 from bench.studies.timeline import role_segments
-from support import REPO, STORIES, NodeProcess, require_shared
+from support import REPO, STORIES
 from test_metrics import scrape
 
 
@@ -19,11 +19,11 @@ DURATION_S = 10  # Poisson arrivals at 3/s for 10 s: 35 requests with seed 7
 
 
 @pytest.fixture(scope="module")
-def node():
-    require_shared()
-    n = NodeProcess("--model", str(STORIES), "--devices", "cpu:0,cpu:1", "--max-num-batched-tokens", "256")
-    yield n
-    n.close()
+def node(stories_node):
+    """The session's shared stories260k node (tests/conftest.py): the replay's checks count the node's
+    tokens from before each run and compare two seeded runs with each other, so its earlier traffic
+    does not matter, and a node of its own would cost a start-up."""
+    return stories_node
 
 
 def test_replay_runs_a_poisson_workload_with_exact_lengths(node, tmp_path):

@@ -76,27 +76,26 @@ def test_colocated_mode_same_outputs(stories_node):
         node.close()
 
 
-def test_overload_gets_503_with_retry_after_and_nothing_leaks():
-    node = NodeProcess("--model", str(STORIES), "--max-queue", "4", "--max-num-seqs", "2")
-    try:
-        reqs = [{"prompt": "Once upon a time", "max_tokens": 80, "ignore_eos": True, "temperature": 0}] * 30
-        got = run(node, reqs, 30)
-        codes = [r.status_code for r in got]
-        assert set(codes) <= {200, 503} and codes.count(503) > 0 and codes.count(200) >= 4
-        for r in got:
-            if r.status_code == 503:
-                assert r.headers["Retry-After"] and r.json()["error"]["type"] == "service_unavailable"
-            else:
-                assert r.json()["usage"]["completion_tokens"] == 80
-        # every 503 for overload is counted (the API's own queue check counted none before)
-        assert scrape(node)["shiftnode_rejected_requests_total"] == codes.count(503)
-        node.wait_idle()
-        assert node.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
-        # More choices than one device's batch can hold could never be placed: a 400, not a hang.
-        r = node.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 3})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
-    finally:
-        node.close()
+def test_overload_gets_503_with_retry_after_and_nothing_leaks(limits_node):
+    """--max-queue 4, --max-num-seqs 2 (the session's ``limits_node``)."""
+    node = limits_node
+    rejected_before = scrape(node).get("shiftnode_rejected_requests_total", 0)
+    reqs = [{"prompt": "Once upon a time", "max_tokens": 80, "ignore_eos": True, "temperature": 0}] * 30
+    got = run(node, reqs, 30)
+    codes = [r.status_code for r in got]
+    assert set(codes) <= {200, 503} and codes.count(503) > 0 and codes.count(200) >= 4
+    for r in got:
+        if r.status_code == 503:
+            assert r.headers["Retry-After"] and r.json()["error"]["type"] == "service_unavailable"
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 80
+    # every 503 for overload is counted (the API's own queue check counted none before)
+    assert scrape(node)["shiftnode_rejected_requests_total"] - rejected_before == codes.count(503)
+    node.wait_idle()
+    assert node.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    # More choices than one device's batch can hold could never be placed: a 400, not a hang.
+    r = node.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
 
 
 def test_b30_burst_of_500_and_one_request_filling_the_pool():
