@@ -27,7 +27,8 @@ from support import STORIES, NodeProcess, require_shared
 
 TOK = TextTokenizer.from_folder(STORIES)
 RAW_NATIVE = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+\.(cc|h):\d+:", re.M)  # xgrammar's own console format
-UNENFORCED_NUMBER = {"type": "object", "properties": {"x": {"type": "number", "multipleOf": 0.5}}}  # xgrammar warns
+# xgrammar warns (and ignores multipleOf: the API refuses this schema, node.api.structured.unenforced_keyword)
+UNENFORCED_NUMBER = {"type": "object", "properties": {"x": {"type": "number", "multipleOf": 0.5}}}
 
 
 class _Seq:
@@ -120,7 +121,8 @@ def test_the_first_structured_request_does_not_stall_a_decoding_stream_and_print
         assert started.wait(60)
         sent = time.monotonic()
         r = node.client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 16, "temperature": 0,
-                                                      "guided_json": UNENFORCED_NUMBER})
+                                                      "guided_json": {"type": "object", "properties": {
+                                                          "x": {"type": "integer", "multipleOf": 3}}}})
         answered = time.monotonic()
         assert r.status_code == 200, r.text
         time.sleep(0.2)
@@ -139,7 +141,6 @@ def test_the_first_structured_request_does_not_stall_a_decoding_stream_and_print
         assert "grammar_compiled_in_step" not in logs and "grammar_cache_built_in_step" not in logs
         assert max(during) < bound, f"a {max(during):.3f} s gap while the first grammar compiled (bound {bound:.3f} s)"
         assert not RAW_NATIVE.search(logs), logs[-2000:]
-        assert "native_warning" in logs and "multipleOf" in logs  # routed, not lost
     finally:
         node.close()
 

@@ -195,6 +195,27 @@ def test_unenforced_keywords_are_found_only_where_they_are_keywords():
     assert unenforced_keyword({"type": "string", "format": "email", "minLength": 3}) == "minLength"
     assert unenforced_keyword({"type": "string", "minLength": 3, "maxLength": 8}) is None
     assert unenforced_keyword({"type": "object", "properties": {"pattern": {"type": "string", "maxLength": 4}}}) is None
+    # multipleOf: enforced on an integer, dropped on a number (xgrammar accepts 0.3 for multipleOf 0.5)
+    assert unenforced_keyword({"type": "integer", "multipleOf": 3}) is None
+    assert unenforced_keyword({"type": "object", "properties": {"x": {"type": "number", "multipleOf": 0.5}}}) == \
+        "properties.x.multipleOf"
+    assert unenforced_keyword({"type": "object", "properties": {"multipleOf": {"type": "number"}}}) is None
+    # a pattern's lookaround is ignored by xgrammar's regex: refused; an escaped "(?" is a literal
+    assert unenforced_keyword({"type": "string", "pattern": "(?!admin)[a-z]+"}) == "pattern"
+    assert unenforced_keyword({"type": "string", "pattern": "a(?<=a)"}) == "pattern"
+    assert unenforced_keyword({"type": "string", "pattern": "(?:ab)+\\(?=x"}) is None
+
+
+def test_a_regex_with_lookaround_gets_a_400_naming_the_field(stories_node):
+    r = stories_node.client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4,
+                                                          "guided_regex": "(?=[0-9])[a-z0-9]+"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "guided_regex" and "lookahead" in err["message"], err
+    r = stories_node.client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object", "properties": {
+            "x": {"type": "number", "multipleOf": 0.5}}}}}})
+    assert r.status_code == 400 and "properties.x.multipleOf" in r.json()["error"]["message"], r.text
 
 
 def test_a_1mb_schema_gets_a_clear_400(stories_node):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import weakref
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -51,12 +52,13 @@ UNENFORCED_KEYWORDS = ("not", "allOf", "if", "then", "else", "dependentSchemas",
                        "unevaluatedProperties", "unevaluatedItems")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
 _DATA = ("enum", "const", "default", "examples", "required")  # values, not schemas
+LOOKAROUND = re.compile(r"(?<!\\)\(\?<?[=!]")  # (?= (?! (?<= (?<! : xgrammar's regex ignores them
 
 
 def unenforced_keyword(schema: Any, path: str = "") -> str | None:
     """The path of the first keyword of :data:`UNENFORCED_KEYWORDS`, of a ``$ref`` outside the schema (a
-    remote one is not fetched), or of ``minLength``/``maxLength`` beside a ``pattern`` or ``format``, in
-    ``schema``; None where every keyword is enforced."""
+    remote one is not fetched), of ``minLength``/``maxLength`` beside a ``pattern`` or ``format``, or of
+    ``multipleOf`` on anything but an integer, in ``schema``; None where every keyword is enforced."""
     if isinstance(schema, list):
         return next((p for i, s in enumerate(schema) if (p := unenforced_keyword(s, f"{path}[{i}]"))), None)
     if not isinstance(schema, dict):
@@ -67,6 +69,12 @@ def unenforced_keyword(schema: Any, path: str = "") -> str | None:
         bound = next((k for k in ("minLength", "maxLength") if k in schema), None)
         if bound is not None:
             return f"{path}.{bound}" if path else bound
+    # and enforces multipleOf only on an integer ("multipleOf is not supported for type:number; ignoring"),
+    # and a pattern's lookaround not at all ("Lookahead assertion is not supported and is ignored")
+    if "multipleOf" in schema and schema.get("type") != "integer":
+        return f"{path}.multipleOf" if path else "multipleOf"
+    if isinstance(schema.get("pattern"), str) and LOOKAROUND.search(schema["pattern"]):
+        return f"{path}.pattern" if path else "pattern"
     for key, sub in schema.items():
         here = f"{path}.{key}" if path else key
         if key in UNENFORCED_KEYWORDS:
@@ -113,6 +121,15 @@ def _string(value: Any, param: str) -> str:
     return value
 
 
+def _regex(value: Any, param: str) -> str:
+    """A regular expression the grammar engine enforces whole (a lookaround would be ignored: 400)."""
+    value = _string(value, param)
+    if LOOKAROUND.search(value):
+        raise bad_request(f"{param}: lookahead and lookbehind assertions are not supported by the grammar engine "
+                          "(they would not be enforced); rewrite the expression without them", param=param)
+    return value
+
+
 def _choice(value: Any, param: str) -> str:
     if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
         raise bad_request(f"{param} must be a non-empty list of non-empty strings", param=param)
@@ -147,7 +164,7 @@ def _structural_tag(rf: ResponseFormat) -> dict:
             "format": {"type": "triggered_tags", "triggers": list(rf.triggers or []), "tags": tags}}
 
 
-_SO_KEYS = {"json": ("json_schema", _text), "regex": ("regex", _string), "choice": ("choice", _choice),
+_SO_KEYS = {"json": ("json_schema", _text), "regex": ("regex", _regex), "choice": ("choice", _choice),
             "grammar": ("ebnf", _string)}
 
 
@@ -168,7 +185,7 @@ def _structured_outputs(so: StructuredOutputs) -> GrammarSpec | None:
     return GrammarSpec(kind, convert(value, "structured_outputs"))
 
 
-_GUIDED = {"guided_json": ("json_schema", _text), "guided_regex": ("regex", _string),
+_GUIDED = {"guided_json": ("json_schema", _text), "guided_regex": ("regex", _regex),
            "guided_choice": ("choice", _choice), "guided_grammar": ("ebnf", _string)}
 
 
