@@ -171,3 +171,16 @@ def test_a_cell_summary_pairs_seeds_and_reports_tuning_only_baselines_from_seed_
     ts = rows["time-shared (tuning run only)"]
     assert ts["seeds"] == 1 and ts["goodput_ratio"]["ratio"] == pytest.approx(9.0 / 4.5)
     assert ts["ttft_p90_ratio"]["ratio"] == pytest.approx(0.5)
+
+
+def test_the_table_marks_a_seed_range_that_is_not_a_t_interval():
+    """A seed where adaptive served nothing (goodput 0) makes the ratio a median with the seeds' range; the
+    table must not print that range in the brackets of a 95 % interval."""
+    from bench.studies.heldout import format_table
+    runs = [{"label": lab, "seed": s, "rate": 10.0, "goodput": g, "p90_ttft_ms": 500.0}
+            for s, ad in enumerate((10.0, 0.0, 11.0)) for lab, g in (("adaptive", ad), ("colocated", 10.0))]
+    cell = {"cell": "8b:x:50:8", "rates": [10.0], "best": {"colocated": "budget"}, "tuning_only": {},
+            "tuning": [], "runs": runs}
+    row = format_table([cell]).splitlines()[-1]
+    assert "1.00 (median; range 0.00-1.10)" in row and "[0.00" not in row
+    assert "1.00 [1.00, 1.00]" in row  # the TTFT ratio, every seed positive: a t interval as before

@@ -32,7 +32,8 @@ splits) runs seed 0 at the top rate, and each baseline keeps its best goodput (t
 tuning goodput is below ``--eval-floor`` (0.8) of the best baseline's is not rerun (it cannot be the best
 baseline; its tuning run is compared with adaptive's seed 0 at the top rate, one seed, no interval). The table gives,
 per rate, each baseline's goodput, adaptive / baseline with its 95 % interval over seeds
-(:func:`bench.studies.seed_stats.ratio_interval`), and adaptive's p90 TTFT over colocated's (eager and
+(:func:`bench.studies.seed_stats.ratio_interval`; where one seed's figure is 0, the median and the seeds'
+range, marked as such), and adaptive's p90 TTFT over colocated's (eager and
 piecewise). The archive (``--out``) holds every run's steady-state figures.
 """
 
@@ -306,6 +307,10 @@ def summarize_cell(cell: dict) -> list[dict]:
 
 
 def _iv(d: dict) -> str:
+    """``ratio [low, high]``; where a seed's figure was 0 (``ratio_interval`` then gives the median and the
+    seeds' range, not a t interval) the brackets say ``range``, so a range is not read as a 95 % interval."""
+    if d.get("n", 1) > 1 and not d.get("t_interval", True):
+        return f"{d['ratio']:.2f} (median; range {d['low']:.2f}-{d['high']:.2f})"
     return f"{d['ratio']:.2f} [{d['low']:.2f}, {d['high']:.2f}]"
 
 
