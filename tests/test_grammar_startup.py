@@ -76,8 +76,19 @@ def test_a_grammar_that_does_not_compile_in_the_engine_is_an_error_answer():
     assert not ready and "does not compile" in error
 
 
+@pytest.fixture
+def no_native_capture():
+    """Wait until no capture of descriptor 2 is open in this process (a grammar still compiling in a thread
+    of an earlier test's in-process node keeps one open, and a capture's end restores descriptor 2 to what
+    it was at its start), so that ``capfd``, set up after this, owns descriptor 2 for the test."""
+    from node.log_native import stderr_uncaptured
+
+    with stderr_uncaptured():
+        pass
+
+
 @pytest.mark.quick
-def test_xgrammar_cpp_warnings_become_log_lines_and_other_stderr_passes_through(capfd):
+def test_xgrammar_cpp_warnings_become_log_lines_and_other_stderr_passes_through(no_native_capture, capfd):
     from node.worker.grammar import json_schema_ebnf
 
     with structlog.testing.capture_logs() as logs:
@@ -146,7 +157,7 @@ def test_the_first_structured_request_does_not_stall_a_decoding_stream_and_print
 
 
 @pytest.mark.quick
-def test_a_child_process_started_while_a_capture_is_open_inherits_the_real_stderr(capfd):
+def test_a_child_process_started_while_a_capture_is_open_inherits_the_real_stderr(no_native_capture, capfd):
     """A grammar compiling in one thread (descriptor 2 captured) while the node starts an engine process in
     another: the start waits for the capture to end, so the child's log lines are not lost in its file."""
     import subprocess
