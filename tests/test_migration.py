@@ -188,10 +188,12 @@ def test_many_moves_under_concurrent_load_equal_one_device(stories_node, fallbac
     # the roles the policy saw when it decided each move (its copy may start later, queued behind others)
     roles = [(role_heading_to(devices[t["src"]], t["decided_s"]), role_heading_to(devices[t["dst"]], t["decided_s"]))
              for t in moved]
-    assert len(moved) >= 8 and all(t["reason"] == "tpot" for t in moved), sorted({t["reason"] for t in moved})
-    # a source in (or heading to) PREFILL, or in the pause of a switch (200 ms, past the TPOT target: its
-    # sequences would wait it out where they are)
+    # once both devices decode, the "imbalance" trigger (threshold 1) may also move a sequence between them
+    assert {t["reason"] for t in moved} <= {"tpot", "imbalance"}, sorted({t["reason"] for t in moved})
+    assert sum(t["reason"] == "tpot" for t in moved) >= 8
+    # tpot: a source in (or heading to) PREFILL, or in the pause of a switch (200 ms, past the TPOT target: its
+    # sequences would wait it out where they are); imbalance: between two devices in (or heading to) DECODE
     ok = [r == ("prefill", "decode") or (r[1] == "decode" and pausing_at(devices[t["src"]], t["decided_s"]))
-          for r, t in zip(roles, moved)]
+          if t["reason"] == "tpot" else r == ("decode", "decode") for r, t in zip(roles, moved)]
     assert all(ok), [(r, t) for r, t, good in zip(roles, moved, ok) if not good]
     assert all(d["kv_blocks_used"] == 0 for d in st["devices"])
