@@ -37,7 +37,7 @@ def pytest_sessionstart(session):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under ``-n N`` (``SHIFTNODE_TEST_WORKERS=2 bash scripts/test``), the modules marked ``slow_only`` (each
+    """Under ``-n N`` (``bash scripts/test``: 2 workers), the modules marked ``slow_only`` (each
     starts nodes of its own) come first, in their own order, so that the workers take the long files early and
     the run does not end waiting on one of them. Every worker sorts the same way (xdist requires one order)."""
     if hasattr(config, "workerinput"):

@@ -110,8 +110,9 @@ def test_ci_runs_the_suite_with_ci_set(tmp_path):
 
 
 def test_scripts_test_quick_selects_the_quick_marker(tmp_path):
-    """``bash scripts/test --quick ARGS`` runs pytest with ``-m quick`` and ARGS; without ``--quick``, no marker
-    filter. Run on a copy whose set-up does nothing and whose python prints its arguments."""
+    """``bash scripts/test --quick ARGS`` runs pytest with ``-m quick`` and ARGS in one process; without ``--quick``,
+    no marker filter, in two xdist workers; ``SHIFTNODE_TEST_WORKERS`` overrides either. Run on a copy whose
+    set-up does nothing and whose python prints its arguments."""
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
     shutil.copy(REPO / "scripts" / "test", repo / "scripts" / "test")
@@ -132,8 +133,11 @@ def test_scripts_test_quick_selects_the_quick_marker(tmp_path):
 
     quick = args("--quick", "tests/core")
     assert quick[:2] == ["-m", "pytest"] and ("-m", "quick") in zip(quick, quick[1:]) and quick[-1] == "tests/core"
+    assert "-n" not in quick  # the quick tier: one process (its API tests share one node)
     whole = args("tests/core")
-    assert "quick" not in whole and whole[-1] == "tests/core" and "-n" not in whole  # one process by default
+    pairs = set(zip(whole, whole[1:]))
+    assert "quick" not in whole and whole[-1] == "tests/core"
+    assert {("-n", "2"), ("--dist", "loadfile")} <= pairs  # the whole suite: two workers by default
     # SHIFTNODE_TEST_WORKERS=2: two workers, a file to a worker, in conftest's order (slow_only files first)
     for extra in ((), ("--quick",)):
         split = args(*extra, "tests/core", workers="2")
