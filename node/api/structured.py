@@ -243,7 +243,8 @@ async def check_grammar(node, spec: GrammarSpec, param: str, timeout_s: float | 
     engine is answered at once, on the loop.
 
     Raises:
-        APIError: 400 naming ``param`` when it does not compile, accepts nothing or takes too long.
+        APIError: 400 naming ``param`` when it does not compile, accepts nothing or takes too long; 503 with
+            ``Retry-After`` when an engine's grammar engine does not start (:func:`prepare_on_engines`).
     """
     timeout_s = COMPILE_TIMEOUT_S if timeout_s is None else timeout_s
     loop = asyncio.get_running_loop()
