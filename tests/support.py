@@ -262,3 +262,25 @@ def require_nixl() -> None:
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         pytest.fail(why + "; CI must run this test", pytrace=False)
     pytest.skip(why)
+
+
+async def generate_moving(node, rid: str, prompt: list[int], params, at: tuple[int, ...] = (30, 90)):
+    """Run one choice on an in-process two-device ``node`` (:class:`~node.runtime.node.Node`), moving its
+    sequence to the other device (reason ``manual``) each time its output reaches a count in ``at``.
+
+    Returns:
+        ``(tokens, moves)``: the output token ids, and per move ``(record, num_computed)``: the
+        :class:`~node.runtime.moves.MigrationRecord` (None if the move did not happen) and the sequence's
+        computed tokens after it.
+    """
+    got: list[int] = []
+    plan, moves = list(at), []
+    async for req, d in node.generate(rid, prompt, params):
+        got += d.token_ids
+        if plan and len(got) >= plan[0]:
+            plan.pop(0)
+            seq = req.seqs[0]
+            src = node.engine(seq.device_id)
+            dst = next(e for e in node.engines if e is not src)
+            moves.append((await src.migrate(seq, dst, "manual"), seq.num_computed))
+    return got, moves

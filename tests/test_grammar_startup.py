@@ -9,6 +9,7 @@ engine build its grammar cache and compile a request's grammar in threads before
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
@@ -200,7 +201,7 @@ def test_looking_up_the_cache_never_waits_for_a_build(monkeypatch):
     real_info = grammar.tokenizer_info
     monkeypatch.setattr(grammar, "tokenizer_info", slow_info)
     tok = TextTokenizer.from_folder(STORIES)  # a tokenizer object of its own: a key no other test built
-    fut = grammar.preload_grammar_cache(tok, 512, tok.eos_token_ids)
+    fut = concurrent.futures.ThreadPoolExecutor(1).submit(grammar.grammar_cache, tok, 512, tok.eos_token_ids)
     assert building.wait(30)
     t0 = time.monotonic()
     assert grammar.existing_grammar_cache(tok, 512, tok.eos_token_ids) is None

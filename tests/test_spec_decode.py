@@ -13,7 +13,7 @@ from node.config import NodeConfig
 from node.core.sequence import SamplingParams
 from node.core.spec_config import SpeculativeConfig
 from node.runtime.node import Node
-from support import STORIES, NodeProcess, reference_cases, stream, stream_text
+from support import STORIES, NodeProcess, generate_moving, reference_cases, stream, stream_text
 
 pytestmark = pytest.mark.slow_only("each test starts in-process nodes of its own, with and without speculation")
 
@@ -145,18 +145,9 @@ def test_a_sequence_moved_after_verify_steps_goes_on_exactly():
         node.start()
         try:
             params = SamplingParams(max_tokens=case["max_new_tokens"], temperature=0.0)
-            got: list[int] = []
-            plan, moved = [30, 90], []
-            async for req, d in node.generate("m", case["prompt_token_ids"], params):
-                got += d.token_ids
-                if plan and len(got) >= plan[0]:
-                    plan.pop(0)
-                    seq = req.seqs[0]
-                    src = node.engine(seq.device_id)
-                    dst = next(e for e in node.engines if e is not src)
-                    rec = await src.migrate(seq, dst, "manual")
-                    assert rec is not None
-                    moved.append((rec.blocks, -(-seq.num_computed // 16)))  # no rejected draft's block moved
+            got, moves = await generate_moving(node, "m", case["prompt_token_ids"], params)
+            assert all(rec is not None for rec, _ in moves)
+            moved = [(rec.blocks, -(-computed // 16)) for rec, computed in moves]  # no rejected draft's block moved
             stats = [e.spec.stats for e in node.engines]
             return got, moved, [e.batcher.ledger.num_used for e in node.engines], stats
         finally:

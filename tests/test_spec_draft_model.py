@@ -24,7 +24,7 @@ from node.runtime.node import Node
 from node.runtime.node_status import node_status
 from node.worker.draft_model import check_draft_model
 from node.worker.loader import StartupError, load_model_info
-from support import STORIES, reference_cases
+from support import STORIES, generate_moving, reference_cases
 
 # the quick tier runs the start-up refusals; the others start in-process nodes of their own
 
@@ -148,16 +148,8 @@ def test_a_moved_sequence_has_its_draft_kv_recomputed_on_arrival():
                                             prefix_caching=False, speculative_config=spec(STORIES)))
         node.start()
         try:
-            got: list[int] = []
-            plan, moved = [30, 90], 0
-            async for req, d in node.generate("m", case["prompt_token_ids"], greedy(case)):
-                got += d.token_ids
-                if plan and len(got) >= plan[0]:
-                    plan.pop(0)
-                    seq = req.seqs[0]
-                    src = node.engine(seq.device_id)
-                    dst = next(e for e in node.engines if e is not src)
-                    moved += await src.migrate(seq, dst, "manual") is not None
+            got, moves = await generate_moving(node, "m", case["prompt_token_ids"], greedy(case))
+            moved = sum(rec is not None for rec, _ in moves)
             return got, moved, [e.batcher.ledger.num_used for e in node.engines], [e.spec.stats for e in node.engines]
         finally:
             await node.close()

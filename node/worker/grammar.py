@@ -18,7 +18,6 @@ and CUDA alike. The stop tokens (EOS) are allowed only where the grammar accepts
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import re
 import threading
@@ -227,31 +226,6 @@ def grammar_cache(tok: TextTokenizer, vocab_size: int, stop_ids: list[int]) -> G
             with _caches_lock:
                 cache = _caches.setdefault(key, built)
     return cache
-
-
-_preloads: dict[tuple[int, int, tuple[int, ...]], concurrent.futures.Future] = {}
-
-
-def preload_grammar_cache(tok: TextTokenizer, vocab_size: int, stop_ids: list[int]) -> concurrent.futures.Future:
-    """Start building :func:`grammar_cache`'s cache in a daemon thread (importing xgrammar and scanning the
-    vocabulary take seconds: on the first structured request, never inside a step or on the event loop); the future resolves
-    to the :class:`GrammarCache` (or raises what building it raised). Once per process and key: a second
-    call returns the same future."""
-    key = (id(tok), vocab_size, tuple(stop_ids))
-    with _caches_lock:
-        fut = _preloads.get(key)
-        if fut is not None:
-            return fut
-        fut = _preloads[key] = concurrent.futures.Future()
-
-    def build() -> None:
-        try:
-            fut.set_result(grammar_cache(tok, vocab_size, stop_ids))
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the cache
-            fut.set_exception(e)
-
-    threading.Thread(target=build, name="grammar-preload", daemon=True).start()
-    return fut
 
 
 def existing_grammar_cache(tok: TextTokenizer, vocab_size: int, stop_ids: list[int]) -> GrammarCache | None:

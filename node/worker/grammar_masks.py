@@ -36,7 +36,8 @@ import concurrent.futures
 import structlog
 
 from node.core.grammar_spec import GrammarSpec
-from node.worker.grammar import BitmaskFiller, GrammarCache, GrammarError, SeqGrammar, preload_grammar_cache
+from node.worker.grammar import (BitmaskFiller, GrammarCache, GrammarError, SeqGrammar, existing_grammar_cache,
+                                 grammar_cache)
 from node.worker.tokenizer import TextTokenizer
 
 log = structlog.get_logger("shiftnode.grammar")
@@ -77,10 +78,17 @@ class GrammarMasks:
         """Whether the cache is built (or failed to build): :meth:`prepare` is then about the grammar itself."""
         return self._cache is not None or (self._preload is not None and self._preload.done())
 
+    def _thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        """This engine's one grammar thread: the cache's build, then each grammar's compile, in that order."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        return self._pool
+
     def preload(self) -> concurrent.futures.Future:
-        """Start building the cache in a background thread (once); the future resolves to it."""
+        """Start building the cache in this engine's grammar thread (once); the future resolves to it
+        (:func:`~node.worker.grammar.grammar_cache`: one cache per process and tokenizer)."""
         if self._preload is None:
-            self._preload = preload_grammar_cache(self.tokenizer, self.vocab_size, self.stop_ids)
+            self._preload = self._thread().submit(grammar_cache, self.tokenizer, self.vocab_size, self.stop_ids)
         return self._preload
 
     @property
@@ -88,11 +96,12 @@ class GrammarMasks:
         """The compiled-grammar cache; built here (in the caller's thread: counted in
         ``in_step_compiles`` when that is a step) if :meth:`preload` has not finished it."""
         if self._cache is None:
-            pre = self.preload()
-            if not pre.done():
+            key = (self.tokenizer, self.vocab_size, self.stop_ids)
+            pending = self._preload is not None and not self._preload.done()
+            if pending or (self._preload is None and existing_grammar_cache(*key) is None):
                 self.in_step_compiles += 1
                 log.warning("grammar_cache_built_in_step")
-            self._cache = pre.result()
+            self._cache = self._preload.result() if self._preload is not None else grammar_cache(*key)
         return self._cache
 
     def prepare(self, spec: GrammarSpec) -> tuple[bool, str]:
@@ -111,11 +120,9 @@ class GrammarMasks:
             return True, ""
         fut = self._compiles.get(spec)
         if fut is None:
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
             while len(self._compiles) >= 64:  # failed specs kept to answer again; bounded, oldest out
                 self._compiles.pop(next(iter(self._compiles)))
-            self._compiles[spec] = self._pool.submit(cache.get, spec)
+            self._compiles[spec] = self._thread().submit(cache.get, spec)
             return False, ""
         if not fut.done():
             return False, ""
