@@ -37,6 +37,7 @@ from node.runtime.moves import MigrationRecord
 from node.runtime.peer_state import Peer
 from node.runtime.request import RequestState
 from node.transport import KVClient, Layout, PeerRefused, SeqState, TransferRefused, TransportError
+from node.transport.errors import DeviceDown
 from node.transport.protocol import RelayEnd, new_transfer_id
 from node.worker.sampler import TokenLogprobs
 
@@ -198,14 +199,18 @@ class HandOff:
         take it or the retries are spent. Nothing was adopted there, whatever happened."""
         links, req, index, seq, peer = self.links, self.req, self.index, self.seq, self.peer
         refused_offer = isinstance(e, TransferRefused)  # nothing was reserved there
-        if not isinstance(e, (TransportError, OSError)):
+        device_down = isinstance(e, DeviceDown)  # our device died under the gather: not the peer's fault
+        if not isinstance(e, (TransportError, OSError, DeviceDown)):
             log.exception("handoff_error", seq=seq.seq_id, peer=peer.addr)
         links.timed_out(e)
-        peer.hold_until = time.monotonic() + (links.status_poll_s if refused_offer else links.reconnect_s)
+        if not device_down:
+            peer.hold_until = time.monotonic() + (links.status_poll_s if refused_offer else links.reconnect_s)
         if isinstance(e, PeerRefused):  # the handshake (or the layout in the offer): not this peer for now
             links.refused(peer, e)
         elif refused_offer:
             log.info("handoff_refused", seq=seq.seq_id, peer=peer.addr, reason=str(e))
+        elif device_down:  # the sequence resumes on another device (engine revival); logged without a traceback
+            log.warning("handoff_device_down", seq=seq.seq_id, peer=peer.addr, error=str(e))
         else:  # the peer freed whatever it had reserved; our copy is intact
             peer.failures += 1
             log.warning("handoff_failed", seq=seq.seq_id, peer=peer.addr, error=str(e) or type(e).__name__)

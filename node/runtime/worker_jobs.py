@@ -13,6 +13,8 @@ from collections import deque
 from concurrent.futures import Executor
 from typing import Callable
 
+from node.transport.errors import DeviceDown
+
 
 def _nothing() -> None:
     return None
@@ -40,12 +42,13 @@ class WorkerJobs:
     def submit(self, fn: Callable, *args) -> asyncio.Future:
         """Run ``fn(*args)`` on the worker thread at the next point where no step is in flight, in order
         with the steps (a KV gather or scatter for a transfer must not race a step writing the same pool).
-        The future resolves to its result, or fails with its error, or with ``RuntimeError`` if the device
-        is (or goes) down before it runs."""
+        The future resolves to its result, or fails with its error, or with
+        :class:`~node.transport.errors.DeviceDown` (a ``RuntimeError``) if the device is (or goes) down
+        before it runs."""
         fut = asyncio.get_running_loop().create_future()
         failure = self._down()
         if failure is not None:
-            fut.set_exception(RuntimeError(f"device {self._device_id} is down: {failure}"))
+            fut.set_exception(DeviceDown(f"device {self._device_id} is down: {failure}"))
             return fut
         self._queued.append((fn, args, fut))
         self._wake()
@@ -81,8 +84,8 @@ class WorkerJobs:
                 fut.set_result(result)
 
     def fail_queued(self) -> None:
-        """Fail the queued jobs with ``RuntimeError`` (the device is down: none will run)."""
+        """Fail the queued jobs with :class:`~node.transport.errors.DeviceDown` (the device is down: none will run)."""
         while self._queued:
             _fn, _args, fut = self._queued.popleft()
             if not fut.done():
-                fut.set_exception(RuntimeError(f"device {self._device_id} is down: {self._down()}"))
+                fut.set_exception(DeviceDown(f"device {self._device_id} is down: {self._down()}"))

@@ -75,6 +75,16 @@ class TransferAborted(TransportError):
     """A transfer failed after the receiver reserved its blocks; the receiver freed them."""
 
 
+class DeviceDown(RuntimeError):
+    """The local device whose KV pool a transfer reads or writes is down (its engine died).
+
+    Raised by the node's side of a transfer (a gather or scatter queued for a dead device's worker), not
+    by the protocol. It is an expected case that the node recovers from (the transfer aborts, the
+    receiver frees what it reserved, the sequence resumes on another device), so the transfer's ends
+    log it as a warning with its reason, without a traceback; anything else a callback raises is a bug
+    and keeps its error-level traceback."""
+
+
 class ChecksumMismatch(TransferAborted):
     """A layer's payload does not match its checksum."""
 

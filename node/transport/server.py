@@ -28,6 +28,7 @@ from node.transport.protocol import (
     TransferCommitted, TransferDone, TransferOffer, TransferRefuse, TransportError, check_compatible,
     offer_problems, timeout_stage, NixlInfo, NixlQuery,
 )
+from node.transport.errors import DeviceDown
 from node.transport.peer_auth import secret_bytes
 from node.transport.nixl_plane import info_of, receive_layers
 from node.transport.wire import (
@@ -325,6 +326,8 @@ class KVServer:
                     log.exception("kv_on_abort_failed")
                 if not isinstance(exc, asyncio.CancelledError) and not writer.is_closing():
                     writer.write(encode(TransferAbort(transfer_id=tid, reason=reason[:1000])))
+                if isinstance(exc, DeviceDown):  # expected and recovered: kv_transfer_aborted said why
+                    raise TransferAborted(reason) from exc
                 if not isinstance(exc, (TransportError, asyncio.IncompleteReadError, ConnectionError,
                                         asyncio.CancelledError)):
                     log.error("kv_callback_failed", exc_info=exc)

@@ -18,6 +18,7 @@ from node.transport import (
     AuthError, KVClient, LayoutMismatch, TransferAborted, TransferRefused, TransportError, TransportTimeout,
 )
 from node.transport import protocol as p
+from node.transport.errors import DeviceDown
 from node.transport.tensors import gather_layer
 from node.transport.throttle import as_throttle
 from node.transport.wire import client_handshake, encode, read_msg
@@ -233,16 +234,24 @@ def test_corrupted_layer_is_caught_by_the_checksum():
     run(main())
 
 
-def test_raising_receiver_callback_aborts():
+@pytest.mark.parametrize("error", [RuntimeError, DeviceDown])
+def test_raising_receiver_callback_aborts(error):
+    """A receiving callback that raises aborts the transfer and frees what was reserved. A bug (any
+    exception) is logged at error level with its traceback; a device that went down under the scatter
+    (:class:`DeviceDown`, expected and recovered) only by ``kv_transfer_aborted``'s warning."""
     async def main():
         src = random_cache(seed=5)
-        rx = FakeReceiver(torch.zeros_like(src), fail_on_layer=1)
+        rx = FakeReceiver(torch.zeros_like(src), fail_on_layer=1, fail_with=error)
         seq, nb = make_seq(num_cached=20, prompt_len=20, block_size=16)
-        async with rx.server() as server, await connect(server) as client:
-            with pytest.raises(TransferAborted, match="scatter failed"):
-                await client.send_sequence(rx.layout, seq, layer_source(src, [0, 1]), nb, transfer_id="x")
-            await rx.wait()
+        with capture_logs() as logs:
+            async with rx.server() as server, await connect(server) as client:
+                with pytest.raises(TransferAborted, match="scatter failed"):
+                    await client.send_sequence(rx.layout, seq, layer_source(src, [0, 1]), nb, transfer_id="x")
+                await rx.wait()
         assert "scatter failed" in rx.aborted["x"] and rx.num_free == 32
+        failed = [e for e in logs if e["event"] == "kv_callback_failed"]
+        assert [e["log_level"] for e in failed] == (["error"] if error is RuntimeError else [])
+        assert [e for e in logs if e["event"] == "kv_transfer_aborted" and e["log_level"] == "warning"]
     run(main())
 
 

@@ -41,7 +41,8 @@ class FakeReceiver:
     """What the lead's engine does on the receiving side: a block free list and a KV cache."""
 
     def __init__(self, kv: torch.Tensor, model_id: str = "tiny", reserve_delay_s: float = 0.0,
-                 fail_on_layer: int | None = None, refuse: bool = False, scatter: bool = True):
+                 fail_on_layer: int | None = None, refuse: bool = False, scatter: bool = True,
+                 fail_with: type[Exception] = RuntimeError):
         self.kv = kv
         self.layout: Layout = layout_of(kv, model_id)
         self.free = list(range(kv.shape[2]))[::-1]
@@ -52,6 +53,7 @@ class FakeReceiver:
         self.reserve_calls = 0
         self.reserve_delay_s = reserve_delay_s
         self.fail_on_layer = fail_on_layer
+        self.fail_with = fail_with  # what on_layer raises at fail_on_layer
         self.refuse = refuse
         self.scatter = scatter
         self.event = asyncio.Event()
@@ -73,7 +75,7 @@ class FakeReceiver:
 
     def on_layer(self, tid: str, layer: int, data: bytearray) -> None:
         if layer == self.fail_on_layer:
-            raise RuntimeError("scatter failed (test)")
+            raise self.fail_with("scatter failed (test)")
         self.layers[tid].append(layer)
         if self.scatter:
             scatter_layer_bytes(data, self.layout, self.kv, layer, self.reserved[tid])
