@@ -91,6 +91,24 @@ def test_outputs_equal_the_single_process_nodes(launched, stories_node):
     assert len(fe.status()["api_processes"]) == 2
 
 
+def test_a_structured_request_through_a_front_end_is_prepared_off_the_step(fe, stories_node):
+    """The front end compiles its own copy of the grammar (the 400 checks); the control process holds the
+    sequence until the engine has it compiled (:mod:`node.runtime.grammar_gate`), so no step compiles it
+    (before, every new schema through a front end was compiled inside a step of the engine)."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["name", "age"]}
+    body = {"prompt": "Once upon a time", "max_tokens": 60, "temperature": 0, "return_token_ids": True,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "fe", "schema": schema}}}
+    mine, ref = fe.client.post("/v1/completions", json=body), stories_node.client.post("/v1/completions", json=body)
+    assert mine.status_code == ref.status_code == 200, (mine.text, ref.text)
+    assert mine.json()["choices"][0]["token_ids"] == ref.json()["choices"][0]["token_ids"]
+    doc = json.loads(mine.json()["choices"][0]["text"])
+    assert set(doc) == {"name", "age"}
+    [device] = fe.status()["devices"]
+    assert device["grammar_in_step"] == 0 and device["grammar_held"] >= 1, device
+
+
 def _metric(text: str, name: str) -> float:
     m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0

@@ -7,6 +7,12 @@ unmoved run's and validates against its schema:
 * a resume after the engine carrying the sequence is killed (recomputed on the other device);
 * a pooled hand-off inside one node (prefill device → decode device);
 * a pooled hand-off to a peer node over TCP.
+
+And none of them costs a step: the sequence is held out of its new device's steps
+(``Sequence.grammar_wait``, :mod:`node.runtime.grammar_gate`) until that engine's grammar thread has
+compiled its grammar and replayed its emitted tokens into a matcher, so no step compiles a grammar or
+rebuilds a matcher (each device's ``grammar_in_step`` stays 0; before, every arrival rebuilt its matcher
+in its first step there, and a peer node's or a revived engine's also compiled the grammar in it).
 """
 
 from __future__ import annotations
@@ -92,17 +98,23 @@ def test_device_moves_a_hand_off_and_an_engine_kill_keep_the_grammar_and_the_gre
             handed = await _run(node, "handed-off", 15, hand_off)
             killed = await _run(node, "killed", 18, kill)
             used = [e.batcher.ledger.num_used for e in node.engines if e.failure is None]
-            return unmoved, moved, moved_back, handed, killed, used, node.metrics.render().decode()
+            in_step = {e.device_id: e.grammar_in_step for e in node.engines}
+            held = sum(e.grammar_gate.num_held for e in node.engines)
+            return unmoved, moved, moved_back, handed, killed, used, node.metrics.render().decode(), in_step, held
         finally:
             await node.close()
 
-    unmoved, moved, moved_back, handed, killed, used, metrics = asyncio.run(go())
+    unmoved, moved, moved_back, handed, killed, used, metrics, in_step, held = asyncio.run(go())
     ids, text, finish = unmoved
     assert finish == "stop" and len(ids) > 30, (finish, len(ids))  # long enough that the moves fall mid-output
     valid(text)
     assert moved == unmoved and moved_back == unmoved and handed == unmoved and killed == unmoved
     assert "shiftnode_kv_recomputes_total 1.0" in metrics  # the killed engine's sequence was recomputed elsewhere
     assert used == [0]  # the surviving device holds no block
+    # every arrival (two moves, a hand-off, a resume) was prepared off the step: no step of either
+    # device compiled a grammar or rebuilt a matcher
+    assert held >= 4 and in_step == {"cpu:0": 0, "cpu:1": 0}, (held, in_step)
+    assert 'shiftnode_grammar_in_step_total{device="cpu:0"} 0.0' in metrics
 
 
 def _complete(node, body: dict) -> dict:
@@ -115,18 +127,60 @@ BODY = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "return_to
         "response_format": {"type": "json_schema", "json_schema": {"name": "story", "schema": SCHEMA}}}
 
 
+def grammar_counts(node) -> tuple[int, int]:
+    """A node's ``(grammar_in_step, grammar_held)`` summed over its devices (``/v1/node``)."""
+    devices = node.status()["devices"]
+    return sum(d["grammar_in_step"] for d in devices), sum(d["grammar_held"] for d in devices)
+
+
 def test_a_pooled_hand_off_inside_a_node_keeps_the_grammar(stories_node, pooled_node):
     before = pooled_node.status()["kv_transfers"]
+    in_step, held = grammar_counts(pooled_node)
     one = _complete(stories_node, BODY)
     handed = _complete(pooled_node, BODY)
     assert len(pooled_node.status()["kv_transfers"]) > len(before)  # it was handed off
     valid(one["text"])
     assert handed["token_ids"] == one["token_ids"] and handed["text"] == one["text"]
+    after_in_step, after_held = grammar_counts(pooled_node)
+    assert after_in_step == in_step and after_held > held  # held on the decode device, never rebuilt in a step
 
 
 def test_a_pooled_hand_off_to_a_peer_node_over_tcp_keeps_the_grammar(stories_node, peer_pair):
-    prefill, _ = peer_pair
+    prefill, decode = peer_pair
+    in_step, held = grammar_counts(decode)
     one = _complete(stories_node, BODY)
     handed = _complete(prefill, BODY)
     valid(one["text"])
     assert handed["token_ids"] == one["token_ids"] and handed["text"] == one["text"]
+    # the peer never saw the request: its engine compiled the grammar and replayed the matcher off the step
+    after_in_step, after_held = grammar_counts(decode)
+    assert after_in_step == in_step and after_held > held, (in_step, after_in_step, held, after_held)
+
+
+def test_a_grammar_that_does_not_compile_on_the_engine_ends_the_request_with_an_error_and_frees_its_blocks():
+    """A sequence placed on a device with a grammar the engine cannot compile (the API never checked it:
+    the node's own generate) is held, then failed with an error event; nothing is left behind, and a
+    sequence beside it runs meanwhile."""
+    bad = SamplingParams(max_tokens=8, temperature=0.0, grammar=GrammarSpec("ebnf", "root ::= undefined_rule"))
+
+    async def go():
+        node = await Node.create(NodeConfig(model=str(STORIES), devices=["cpu:0"]))
+        node.start()
+        try:
+            async def failing():
+                return [d async for _req, d in node.generate("bad", node.tokenizer.encode(PROMPT), bad)]
+
+            side = asyncio.ensure_future(_run(node, "beside"))
+            deltas = await asyncio.wait_for(failing(), 120)
+            beside = await side
+            e = node.engines[0]
+            return deltas, beside, e.batcher.ledger.num_used, e.grammar_in_step, e.grammar_gate.num_held
+        finally:
+            await node.close()
+
+    deltas, beside, used, in_step, held = asyncio.run(go())
+    [last] = [d for d in deltas if d.error is not None]
+    assert "does not compile" in last.error and last.error_status == 400 and last.error_code == "grammar_error"
+    assert not any(d.token_ids for d in deltas)  # never stepped
+    valid(beside[1])
+    assert used == 0 and in_step == 0 and held == 2, (used, in_step, held)

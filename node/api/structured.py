@@ -25,8 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import weakref
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -35,13 +33,13 @@ import msgspec
 from node.api.errors import APIError, bad_request, retry_after
 from node.core.grammar_spec import GrammarSpec
 from node.protocol_structured import ResponseFormat, StructuredOutputs
-from node.worker.engine_messages import GrammarPrepare, GrammarReady
+from node.runtime.grammar_gate import (COMPILE_TIMEOUT_S, GRAMMAR_START_TIMEOUT_S, GrammarFailed,  # noqa: F401
+                                       is_prepared, until_ready)
+from node.worker.engine_messages import GrammarPrepare
 from node.worker.local_engine import LocalEngine
 from node.worker.grammar import GrammarCache, GrammarError, existing_grammar_cache, grammar_cache
 
 MAX_SPEC_BYTES = 256 * 1024  # a schema, pattern or grammar larger than this is refused (compile time grows with it)
-COMPILE_TIMEOUT_S = 10.0  # compiling longer than this is a 400 (the compile thread finishes on its own)
-GRAMMAR_START_TIMEOUT_S = 120.0  # an engine's grammar cache not built by then (xgrammar's import): 503
 
 _compile_pool = ThreadPoolExecutor(2, thread_name_prefix="grammar-compile")  # off the loop and off the default pool
 
@@ -266,7 +264,7 @@ async def check_grammar(node, spec: GrammarSpec, param: str, timeout_s: float | 
     # (seconds), and one after the other would add them up
     node_side = asyncio.ensure_future(on_node())
     try:
-        await prepare_on_engines(node, spec, param, loop.time() + timeout_s, timeout_s)
+        await prepare_on_engines(node, spec, param, timeout_s)
     except BaseException:
         if node_side.done() and not node_side.cancelled():
             node_side.exception()  # read: the engines' answer is the one raised
@@ -275,63 +273,28 @@ async def check_grammar(node, spec: GrammarSpec, param: str, timeout_s: float | 
     await node_side
 
 
-async def _ask(handle, spec: GrammarSpec):
-    """One engine's :class:`GrammarReady` (raises :class:`EngineDied` for an engine already gone: the
-    call itself raises then, not the future)."""
-    return await handle.async_submit(GrammarPrepare(spec))
-
-
-_PREPARED_PER_ENGINE = 512  # specs remembered as compiled on one engine process (its cache keeps as many)
-_prepared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine handle -> OrderedDict of specs
-
-
-async def prepare_on_engines(node, spec: GrammarSpec, param: str, deadline: float, timeout_s: float) -> None:
+async def prepare_on_engines(node, spec: GrammarSpec, param: str, timeout_s: float) -> None:
     """Ask every engine process of ``node`` to compile ``spec`` (:class:`GrammarPrepare`, answered between
-    steps while the engine's compile thread works) and wait, polling, until each has it, so the request
-    is queued only once no step will compile it (an engine of the thread layout shares the node's cache;
-    a tensor-parallel group answers for its first rank). An engine that is down is skipped (a step of its
-    successor compiles what it needs).
+    steps while the engine's compile thread works) and wait, polling (:func:`~node.runtime.grammar_gate.until_ready`),
+    until each has it, so the request is queued only once no step will compile it (an engine of the
+    thread layout shares the node's cache; a tensor-parallel group answers for its first rank). An engine
+    that is down, or dies meanwhile, is skipped (its successor is asked when a sequence lands on it:
+    :mod:`node.runtime.grammar_gate`).
 
     Raises:
-        APIError: 400 naming ``param`` when an engine cannot compile it or ``deadline`` (loop time) passes; 503
-            (Retry-After) when an engine's grammar cache is not built within :data:`GRAMMAR_START_TIMEOUT_S`.
+        APIError: 400 naming ``param`` when an engine cannot compile it or not within ``timeout_s`` of its
+            grammar engine being up; 503 (Retry-After) when an engine's grammar cache is not built within
+            :data:`GRAMMAR_START_TIMEOUT_S`.
     """
-    waiting = []
-    for e in getattr(node, "engines", ()):
-        handle = e.runner
-        if isinstance(handle, LocalEngine) or e.failure is not None or spec in _prepared.get(handle, ()):
-            continue
-        waiting.append(handle)
-    pause = 0.002
-    loop = asyncio.get_running_loop()
-    start_limit = loop.time() + GRAMMAR_START_TIMEOUT_S
-    while waiting:
-        replies = await asyncio.gather(*(_ask(h, spec) for h in waiting), return_exceptions=True)
-        still = []
-        if any(isinstance(r, GrammarReady) and r.starting for r in replies):
-            # an engine still builds its grammar cache (the first structured request it sees): the compile
-            # has not begun there, so its bound starts later; a cache that never comes is unavailability
-            if loop.time() > start_limit:
-                raise APIError(503, f"{param}: the grammar engine did not start within {GRAMMAR_START_TIMEOUT_S:g} s",
-                               code="service_unavailable", headers=retry_after(5))
-            deadline = max(deadline, loop.time() + timeout_s)
-        for h, r in zip(waiting, replies):
-            if isinstance(r, GrammarReady) and r.ready:
-                done = _prepared.setdefault(h, OrderedDict())
-                done[spec] = None
-                if len(done) > _PREPARED_PER_ENGINE:
-                    done.popitem(last=False)
-            elif isinstance(r, GrammarReady) and r.error:
-                raise bad_request(f"{param}: {r.error}", param=param)
-            elif isinstance(r, GrammarReady):
-                still.append(h)
-            # anything else: the engine died or failed the request; its supervisor handles it
-        waiting = still
-        if waiting:
-            if loop.time() + pause > deadline:
-                raise bad_request(f"{param}: the {spec.kind} did not compile within {timeout_s:g} s", param=param)
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, 0.05)
+    waiting = [e.runner for e in getattr(node, "engines", ())
+               if not isinstance(e.runner, LocalEngine) and e.failure is None and not is_prepared(e.runner, spec)]
+    replies = await asyncio.gather(*(until_ready(h, GrammarPrepare(spec), timeout_s) for h in waiting),
+                                   return_exceptions=True)
+    failed = [r for r in replies if isinstance(r, GrammarFailed)]  # anything else: the engine died (its supervisor's)
+    for r in sorted(failed, key=lambda r: r.status):  # a grammar's own error first
+        if r.status == 503:
+            raise APIError(503, f"{param}: {r}", code="service_unavailable", headers=retry_after(5))
+        raise bad_request(f"{param}: {r}", param=param)
 
 
 async def structured(node, req, tools: GrammarSpec | None = None) -> GrammarSpec | None:

@@ -12,7 +12,8 @@ sequence cap and free blocks allow. The step kind restricts what may run, which 
 
 When a sequence needs a block and none is free, the newest running sequence is preempted: its
 blocks are freed and it is recomputed later from its prompt plus its output so far (vLLM's
-recompute preemption), so it never loses tokens and never fails for lack of memory.
+recompute preemption), so it never loses tokens and never fails for lack of memory. A sequence whose
+grammar is not ready on the device's engine (``Sequence.grammar_wait``) is left out of steps meanwhile.
 
 Prefix caching (the ledger's cache): a waiting sequence is admitted with its block table starting
 with the cached blocks of its longest cached prefix of full blocks, and ``num_computed`` at their
@@ -242,11 +243,11 @@ class Batcher:
             ntok = len(seq.token_ids)
             done = seq.num_computed
             if ntok - done == 1 and ntok > seq.prompt_len:  # seq.is_decoding
-                if not decodes or ntok >= seq.max_len:  # its last token needs no KV: it ends
+                if not decodes or ntok >= seq.max_len or seq.grammar_wait:  # ends, or its grammar is not ready
                     i += 1
                     continue
                 n = 1
-            elif not prompts:
+            elif not prompts or seq.grammar_wait:
                 i += 1
                 continue
             else:
@@ -290,8 +291,10 @@ class Batcher:
         plan.preempted.append(seq)
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = next((s for s in self.waiting if not s.grammar_wait), None)  # ready ones, in queue order
+            if seq is None:
+                break
             adm = self._admission(seq, budget)
             if adm is None:
                 break
@@ -309,7 +312,7 @@ class Batcher:
                 seq.num_registered = len(hits)
             seq.block_ids.extend(hits + got)
             seq.num_computed += cached
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             plan.items.append(ScheduledSeq(seq, n))
@@ -338,10 +341,8 @@ class Batcher:
         With its cached prefix first; if that does not fit the free blocks (reusing reclaimable blocks
         consumes free ones too), without it, so the cache never admits less than no cache would.
         """
-        options = [self.cached_prefix(seq)]
-        if options[0]:
-            options.append([])
-        for hits in options:
+        first = self.cached_prefix(seq)
+        for hits in ([first, []] if first else [first]):
             cached = len(hits) * self.ledger.block_size
             n = seq.num_uncomputed - cached
             cap = min(budget, self.config.item_cap)
@@ -393,8 +394,7 @@ class Batcher:
             it.seq.num_computed += it.num_tokens - len(it.draft)
 
     def _insert_waiting(self, seq: Sequence) -> None:
-        key = seq.sort_key()
-        pos = len(self.waiting)
+        key, pos = seq.sort_key(), len(self.waiting)
         while pos > 0 and self.waiting[pos - 1].sort_key() > key:
             pos -= 1
         self.waiting.insert(pos, seq)

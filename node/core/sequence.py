@@ -85,12 +85,17 @@ class Sequence:
     appended as :data:`PENDING` (``num_pending`` counts such tail entries, 0 or 1), so the next step
     can be planned before the token is known; the device's engine feeds the real token itself and the
     node writes it over the placeholder when the step's reply arrives.
+
+    ``grammar_wait``: the device's engine is still compiling the sequence's grammar (or replaying its
+    emitted tokens into a matcher) in its grammar thread; no step includes the sequence until the runtime
+    clears it (:mod:`node.runtime.grammar_gate`), so no step waits for a compile.
     """
 
     __slots__ = (
         "seq_id", "request_id", "index", "arrival_s", "token_ids", "prompt_len", "params",
         "max_len", "num_computed", "block_ids", "status", "num_preemptions", "device_id",
         "last_token_s", "first_token_s", "block_keys", "num_registered", "num_cached_tokens", "num_pending",
+        "grammar_wait",
     )
 
     def __init__(self, seq_id: str, request_id: str, index: int, arrival_s: float,
@@ -114,6 +119,7 @@ class Sequence:
         self.num_registered = 0
         self.num_cached_tokens: int | None = None
         self.num_pending = 0
+        self.grammar_wait = False
 
     @property
     def num_output(self) -> int:

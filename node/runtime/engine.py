@@ -42,6 +42,7 @@ from node.runtime.block_pins import BlockPins
 from node.runtime.engine_residents import Residents
 from node.runtime.engine_revival import Revival
 from node.runtime.engine_roles import RoleSwitcher
+from node.runtime.grammar_gate import GrammarGate
 from node.runtime.inflight import InFlight
 from node.runtime.moves import COPY_GRACE_S, KVMover
 from node.runtime.parts import part as _part
@@ -94,6 +95,7 @@ class DeviceEngine:
         self._inflight: deque[InFlight] = deque()  # steps sent to the engine, oldest first (at most 2)
         self._fatal_step: InFlight | None = None  # the step whose reply said the engine died
         self.busy_s = 0.0  # the engine's own time in steps, summed (s)
+        self.grammar_in_step = 0  # grammars compiled and matchers rebuilt inside this device's steps (0: all prepared)
         self.errors: dict[str, int] = {}  # contained failures by stage (step | listener | reconfigure | postprocess)
         self._encoder = StepEncoder()  # what the engine holds of each sequence; steps are diffs
         down = lambda: self.revival.failure  # noqa: E731 - why the device is down, else None (the revival part's)
@@ -101,7 +103,11 @@ class DeviceEngine:
         self.pins = BlockPins(device_id, lambda: self.batcher.ledger)  # blocks transfers hold; the incarnation
         self.quarantine = Quarantine()  # suspects of an engine death, recomputed alone (node.core.quarantine)
         self.residents = Residents(device_id, batcher, self.pins, self.quarantine, self.wake, down,
-                                   lambda req, index: self.revival.lost(req, index))  # the sequences held here
+                                   lambda req, index: self.revival.lost(req, index),
+                                   lambda seq: self.grammar_gate.hold(seq))  # the sequences held here
+        # grammar sequences wait out of steps until this device's engine has their grammar ready (grammar_gate)
+        self.grammar_gate = GrammarGate(device_id, lambda: self.runner, self.residents.holds,
+                                        self.residents.fail_seq, self.wake)
         # the device's role and its switches (time-shared and adaptive modes; role None: colocated)
         self.roles = RoleSwitcher(device_id, role, batcher, clock, lambda: self.runner, self._executor, self._idle,
                                   down, self.wake, lambda rec: self._notify(self.switch_listeners, rec),
@@ -217,6 +223,7 @@ class DeviceEngine:
         """Stop the loop and the engine. A KV copy in flight gets ``grace_s`` seconds to end, then is
         aborted (:meth:`KVMover.abort_copies`): a stop never waits on a slow link without bound."""
         await self.moves.stop(grace_s)
+        self.grammar_gate.cancel()
         if self._task and not self._task.done():  # a loop that already ended was reported (on_loop_done)
             self._task.cancel()
             with suppress(asyncio.CancelledError):
@@ -349,6 +356,7 @@ class DeviceEngine:
             self.spec.settle(rec.plan, reply, self.residents.by_seq)
         self.steps += 1
         self.busy_s += reply.busy_s
+        self.grammar_in_step += reply.grammar_in_step  # an arrival's grammar its engine had to make in a step
         self.residents.emit(rec.plan, rec.msg.items, outs, self.clock(),
                             lambda e, it: self._contain("postprocess", e, StepPlan(rec.plan.kind, [it])), self.spec and self.spec.kept_of)
         self.last_step_s = reply.busy_s

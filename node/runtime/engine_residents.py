@@ -40,13 +40,16 @@ class Residents:
         down: returns why the device is down, else None (a down device takes nothing).
         lost: called with ``(request, index)`` for a sequence whose KV is lost with the device's pool
             (:meth:`Revival.lost <node.runtime.engine_revival.Revival.lost>`: resumed elsewhere or failed).
+        hold: called with each sequence placed here, before the batcher sees it: holds a grammar sequence
+            out of steps until the engine has its grammar ready (:meth:`GrammarGate.hold
+            <node.runtime.grammar_gate.GrammarGate.hold>`).
     """
 
     def __init__(self, device_id: str, batcher: Batcher, pins: BlockPins, quarantine: Quarantine,
                  wake: Callable[[], None], down: Callable[[], str | None],
-                 lost: Callable[[RequestState, int], None]):
+                 lost: Callable[[RequestState, int], None], hold: Callable[[Sequence], None] = lambda seq: None):
         self._device_id, self._batcher, self._pins, self._quarantine = device_id, batcher, pins, quarantine
-        self._wake, self._down, self._lost = wake, down, lost
+        self._wake, self._down, self._lost, self._hold = wake, down, lost, hold
         self.requests: dict[str, RequestState] = {}  # request id → state, for sequences on this device
         self.by_seq: dict[str, tuple[RequestState, int]] = {}  # seq id → (request, choice index), held here
         self._aborts: list[str] = []
@@ -69,6 +72,7 @@ class Residents:
         for i, seq in enumerate(req.seqs):
             seq.device_id = self._device_id
             self.by_seq[seq.seq_id] = (req, i)
+            self._hold(seq)
             self._batcher.add(seq)
         self._wake()
 
@@ -83,6 +87,7 @@ class Residents:
         seq.device_id = self._device_id
         self.requests[req.request_id] = req
         self.by_seq[seq.seq_id] = (req, index)
+        self._hold(seq)
         self._batcher.add(seq)
         if until is not None:
             self._quarantine.add(seq, until)
@@ -101,6 +106,7 @@ class Residents:
         seq.device_id = self._device_id
         self.requests[req.request_id] = req
         self.by_seq[seq.seq_id] = (req, index)
+        self._hold(seq)
         self._batcher.adopt(seq)
         self._wake()
 
@@ -293,6 +299,19 @@ class Residents:
                 seq.token_ids.pop()
             seq.num_pending = 0
         return held
+
+    def holds(self, seq: Sequence) -> bool:
+        """Whether ``seq`` is held on this device now (placed here, not finished, aborted or moved on)."""
+        return seq.device_id == self._device_id and seq.seq_id in self.by_seq
+
+    def fail_seq(self, seq: Sequence, message: str, status: int) -> None:
+        """End the request of ``seq``, held here, with an error event (status 400 ``grammar_error``; 503
+        ``service_unavailable`` with Retry-After) and free its blocks (:meth:`fail`)."""
+        entry = self.by_seq.get(seq.seq_id)
+        if entry is not None:
+            code, retry = ("service_unavailable", 5.0) if status == 503 else ("grammar_error", None)
+            self.fail([entry[0]], message, status=status, code=code, retry_after_s=retry)
+            self._wake()
 
     def fail(self, reqs: list[RequestState], message: str, **error) -> None:
         """Fail each of ``reqs`` with ``message`` (``error``: :meth:`RequestState.fail`'s status, code,

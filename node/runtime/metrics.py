@@ -145,14 +145,18 @@ class _StateCollector:
                                       labels=["device"])
         restarts = CounterMetricFamily("shiftnode_engine_restarts", "Restarts of the device's engine after its "
                                        "process died (each attempt; see --engine-restart-max)", labels=["device"])
+        in_step = CounterMetricFamily("shiftnode_grammar_in_step", "Grammars compiled and matchers rebuilt inside "
+                                      "a device's steps (each stalls the step; 0 when every arrival was prepared "
+                                      "off the step)", labels=["device"])
         supervisor = getattr(n, "supervisor", None)
         for e in n.engines:
+            in_step.add_metric([e.device_id], getattr(e, "grammar_in_step", 0))
             for stage, count in e.errors.items():
                 errors.add_metric([e.device_id, stage], count)
             down.add_metric([e.device_id], 1.0 if e.failure else 0.0)
             preempt.add_metric([e.device_id], e.batcher.num_preemptions)
             restarts.add_metric([e.device_id], supervisor.total.get(e.device_id, 0) if supervisor else 0)
-        yield from (oldest, live, errors, down, preempt, restarts)
+        yield from (oldest, live, errors, down, preempt, restarts, in_step)
         for e in n.engines:
             led = e.batcher.ledger
             used.add_metric([e.device_id], led.num_used)

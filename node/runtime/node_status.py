@@ -65,6 +65,9 @@ def node_status(node: StatusSource, history: int = 200, since_s: float | None = 
             "steps": e.steps,
             "preemptions": e.batcher.num_preemptions,
             "errors": dict(e.errors),  # contained failures by stage; the device kept serving
+            # grammars compiled / matchers rebuilt inside steps (0 when every grammar arrival was prepared first)
+            "grammar_in_step": e.grammar_in_step,
+            "grammar_held": e.grammar_gate.num_held,  # sequences held out of steps while their grammar was prepared
             "failure": e.failure,  # why the device is down, or null
             "restart": node.supervisor.status(e.device_id, now),  # restarts, their limits, the outage (null while up)
             # --compile: the token-count buckets, which run compiled and which are pending (null: eager steps)

@@ -104,13 +104,16 @@ class StepReply(msgspec.Struct, tag="step", omit_defaults=True):
     buckets when they changed since the last reply (a bucket compiled in the background; else None, left
     off the wire). A step with verify items (items with a ``draft``) also has, per item in item order,
     the tokens kept after its first (``kept``: 0 to ``len(draft)``, empty for other items) and their
-    logprobs when asked (``kept_logprobs``); both are empty lists in every other step."""
+    logprobs when asked (``kept_logprobs``); both are empty lists in every other step. ``grammar_in_step``:
+    grammars this step compiled or matchers it rebuilt itself (arrivals the node did not prepare:
+    :attr:`~node.worker.grammar_masks.GrammarMasks.in_step`; 0, left off the wire, when none)."""
 
     outputs: list[SeqOutput]
     busy_s: float = 0.0
     compile: CompileState | None = None
     kept: list[list[int]] = []
     kept_logprobs: list[list[TokenLogprobs]] = []
+    grammar_in_step: int = 0
 
 
 class _SeqState:
@@ -121,7 +124,7 @@ class _SeqState:
         self.prompt_len = new.prompt_len
         self.params = new.params
         self.block_ids = new.block_ids
-        self.grammar = None  # SeqGrammar: built from the emitted tokens when first sampled here
+        self.grammar = None  # SeqGrammar: prepared for an arrival (EngineCore.apply), else built when first sampled
 
     def append(self, token_id: int) -> None:
         """A token this engine sampled (the grammar matcher, if any, takes it when it next fills a mask:
@@ -176,8 +179,11 @@ class EngineCore:
             seqs.pop(sid, None)
             if draft is not None:
                 draft.forget(sid)
+        grammars = self.grammars
         for new in msg.new:
-            seqs[new.seq_id] = _SeqState(new)
+            s = seqs[new.seq_id] = _SeqState(new)
+            if grammars is not None and new.params.grammar is not None:  # its matcher, if the node prepared it
+                s.grammar = grammars.arrived(new.seq_id, new.params.grammar, new.token_ids, new.prompt_len)
             if draft is not None:  # an arrival (or a reset sequence): its draft KV is recomputed
                 draft.forget(new.seq_id)
         for t in msg.tokens:
@@ -200,6 +206,14 @@ class EngineCore:
         from the start of this call, so applying the diff and sampling count toward it
         (:mod:`node.worker.timed_step`)."""
         t0 = time.perf_counter()
+        grammars = self.grammars
+        before = grammars.in_step if grammars is not None else 0
+        reply = self._step(msg, t0)
+        if grammars is not None and grammars.in_step != before:
+            reply.grammar_in_step = grammars.in_step - before
+        return reply
+
+    def _step(self, msg: StepMsg, t0: float) -> StepReply:
         self.apply(msg)
         if msg.instances:
             return self._composite_step(msg, t0)

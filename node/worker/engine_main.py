@@ -24,8 +24,8 @@ from node.worker.background_compile import compile_state
 from node.worker.engine_core import EngineCore, StepMsg
 from node.worker.grammar_masks import GrammarMasks
 from node.worker.engine_messages import (
-    TP_TIMEOUT_S, CompileReply, CompileStatus, Failed, FingerprintReply, GrammarPrepare, GrammarReady, PeerPools, Prepare, Ready, Reconfigure, Request,
-    Shutdown, StepAck, TPRank, Value,
+    TP_TIMEOUT_S, CompileReply, CompileStatus, Failed, FingerprintReply, GrammarPrepare, PeerPools, Prepare, Ready, Reconfigure, Request,
+    Shutdown, StepAck, TPRank, Value, answer_grammar,
 )
 
 log = structlog.get_logger("shiftnode.engine_process")
@@ -158,8 +158,7 @@ def engine_main(conn: Connection, config: NodeConfig, device_id: str, parent_pid
                 if tp is not None and tp.rank and not (msg.instances and tp.rank < layouts.instances):
                     reply = StepAck([-1 if o.token_id is None else o.token_id for o in reply.outputs], reply.busy_s)
             elif isinstance(msg, GrammarPrepare):
-                ready, error = grammars.prepare(msg.spec)
-                reply = GrammarReady(ready, error, starting=not grammars.started)
+                reply = answer_grammar(grammars, msg)
             elif isinstance(msg, CompileStatus):
                 reply = CompileReply(compile_state(runner))
             elif isinstance(msg, Prepare):

@@ -69,19 +69,34 @@ class CompileReply(msgspec.Struct, tag="compile"):
 
 class GrammarPrepare(msgspec.Struct, tag="grammar_prepare"):
     """Compile ``spec`` in the engine's compile thread if it is not compiled yet, and say whether it is
-    ready; answered at once, between steps (:meth:`~node.worker.grammar_masks.GrammarMasks.prepare`)."""
+    ready; answered at once, between steps (:meth:`~node.worker.grammar_masks.GrammarMasks.prepare`).
+    ``seq_id`` (a sequence arriving with output already emitted: moved, handed off, resumed): also build
+    its matcher from ``emitted`` (its output token ids) in that thread, ready when the answer says so;
+    the sequence's first step here takes it instead of rebuilding it."""
 
     spec: GrammarSpec
+    seq_id: str = ""
+    emitted: list[int] = []
 
 
 class GrammarReady(msgspec.Struct, tag="grammar_ready"):
     """The answer to :class:`GrammarPrepare`: ``ready``, or ``error`` (it does not compile here); neither:
     still compiling (ask again); ``starting``: the engine's grammar cache is still being built (xgrammar's
-    import and the vocabulary's scan, started by the first request that needs it)."""
+    import and the vocabulary's scan, started by the first request that needs it). ``in_step``: how many
+    times a step of this engine has compiled a grammar or rebuilt a matcher from emitted tokens itself
+    (:attr:`~node.worker.grammar_masks.GrammarMasks.in_step`; 0 when every arrival was prepared)."""
 
     ready: bool
     error: str = ""
     starting: bool = False
+    in_step: int = 0
+
+
+def answer_grammar(grammars, msg: GrammarPrepare) -> GrammarReady:
+    """An engine's answer to ``msg`` from its :class:`~node.worker.grammar_masks.GrammarMasks` (between
+    steps, in the thread that runs them; never waits for a compile)."""
+    ready, error = grammars.prepare(msg.spec, msg.seq_id, msg.emitted)
+    return GrammarReady(ready, error, starting=not grammars.started, in_step=grammars.in_step)
 
 
 class Value(msgspec.Struct, tag="value"):

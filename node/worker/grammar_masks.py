@@ -25,8 +25,12 @@ importing xgrammar and scanning the vocabulary took 1.6-6 s on a 2-core CPU, a s
 on the device when the first structured request's step did it). It is not built at start-up: xgrammar
 imports transformers, about 1.5 s of CPU per process, which a node that never serves structured
 output should not pay at each start. A sequence whose grammar the
-engine has not compiled (one moved, handed off or resumed here) is compiled in its first step here,
-and counted (``in_step_compiles``).
+sequence that arrives with output already emitted (moved, handed off, resumed here) is prepared the
+same way, its matcher included: the node holds it out of the steps (``Sequence.grammar_wait``,
+:mod:`node.runtime.grammar_gate`) while this engine's grammar thread compiles its grammar and replays
+its emitted tokens into a new matcher (:meth:`GrammarMasks.prepare` with ``seq_id``); its first step
+here takes that matcher (:meth:`GrammarMasks.arrived`). A step that still has to compile a grammar or
+replay a matcher itself (a sequence nobody prepared) does it, and counts it (``in_step``).
 """
 
 from __future__ import annotations
@@ -51,9 +55,13 @@ class GrammarMasks:
         vocab_size: the model's logits width.
         stop_ids: the ids that end generation (EOS), allowed only where the grammar accepts.
 
-    ``in_step_compiles``: how many times a step had to build the cache or compile a grammar itself
-    (zero when the node prepared every grammar first: :meth:`prepare`).
+    ``in_step_compiles``: how many times a step had to build the cache or compile a grammar itself;
+    ``in_step_rebuilds``: how many matchers a step had to rebuild from tokens emitted before it (a
+    sequence that arrived unprepared); both zero when the node prepared every grammar and arrival first
+    (:meth:`prepare`). ``in_step``: their sum.
     """
+
+    MAX_ARRIVALS = 256  # matchers built for arriving sequences not taken yet (one moved on: dropped, oldest out)
 
     def __init__(self, tokenizer: TextTokenizer, vocab_size: int, stop_ids: list[int]):
         self.tokenizer = tokenizer
@@ -64,7 +72,14 @@ class GrammarMasks:
         self._preload: concurrent.futures.Future | None = None
         self._compiles: dict[GrammarSpec, concurrent.futures.Future] = {}  # specs compiling (or failed)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._arrivals: dict[str, tuple] = {}  # seq id -> (spec, emitted, future of its SeqGrammar)
         self.in_step_compiles = 0
+        self.in_step_rebuilds = 0
+
+    @property
+    def in_step(self) -> int:
+        """Grammars compiled plus matchers rebuilt inside steps (see the class docstring)."""
+        return self.in_step_compiles + self.in_step_rebuilds
 
     @classmethod
     def for_model(cls, info) -> "GrammarMasks":
@@ -104,11 +119,48 @@ class GrammarMasks:
             self._cache = self._preload.result() if self._preload is not None else grammar_cache(*key)
         return self._cache
 
-    def prepare(self, spec: GrammarSpec) -> tuple[bool, str]:
+    def prepare(self, spec: GrammarSpec, seq_id: str = "", emitted: list[int] = ()) -> tuple[bool, str]:
         """Make ``spec``'s compiled grammar ready for a step, without waiting: ``(True, "")`` once it is in
         the cache, ``(False, "")`` while the cache is being built or the grammar compiles (in this
         engine's compile thread; ask again), ``(False, message)`` when it does not compile. Called
-        between steps (the engine's message loop); never blocks on xgrammar."""
+        between steps (the engine's message loop); never blocks on xgrammar.
+
+        ``seq_id``: a sequence arriving here with ``emitted`` output token ids: ready only once its
+        matcher has also been built from them in the compile thread (kept for :meth:`arrived`)."""
+        ready, error = self._prepare_spec(spec)
+        if not ready or not seq_id:
+            return ready, error
+        emitted = tuple(emitted)
+        entry = self._arrivals.get(seq_id)
+        if entry is None or entry[0] != spec or entry[1] != emitted:
+            while len(self._arrivals) >= self.MAX_ARRIVALS:
+                self._arrivals.pop(next(iter(self._arrivals)))
+            entry = self._arrivals[seq_id] = (spec, emitted, self._thread().submit(self._replay, spec, emitted))
+        fut = entry[2]
+        if not fut.done():
+            return False, ""
+        return (True, "") if fut.exception() is None else (False, str(fut.exception()))
+
+    def _replay(self, spec: GrammarSpec, emitted: tuple[int, ...]):
+        """A new matcher of ``spec`` that has taken ``emitted`` (in the compile thread)."""
+        return SeqGrammar(self.cache.get(spec), list(emitted))
+
+    def arrived(self, seq_id: str, spec: GrammarSpec, token_ids: list[int], prompt_len: int):
+        """The matcher :meth:`prepare` built for ``seq_id``, if it is ready and was built from the start of
+        this sequence's output (``token_ids``, its prompt the first ``prompt_len``); else None (the
+        first step that samples it builds one: counted). The entry is dropped either way."""
+        entry = self._arrivals.pop(seq_id, None)
+        if entry is None:
+            return None
+        got, emitted, fut = entry
+        if got != spec or not fut.done() or fut.exception() is not None:
+            return None
+        if tuple(token_ids[prompt_len : prompt_len + len(emitted)]) != emitted:
+            return None
+        return fut.result()
+
+    def _prepare_spec(self, spec: GrammarSpec) -> tuple[bool, str]:
+        """:meth:`prepare` for the compiled grammar alone."""
         pre = self.preload()
         if not pre.done():
             return False, ""
@@ -153,7 +205,10 @@ class GrammarMasks:
         grammars, rows = [], []
         for row, s in seqs:
             g = s.grammar
-            if g is None:  # new here, or its tokens were replaced: rebuilt from what it emitted
+            if g is None:  # new here and not prepared, or its tokens were replaced: rebuilt from what it emitted
+                if len(s.token_ids) > s.prompt_len:
+                    self.in_step_rebuilds += 1  # an arrival nobody prepared (GrammarMasks.prepare with seq_id)
+                    log.debug("grammar_matcher_rebuilt_in_step", tokens=len(s.token_ids) - s.prompt_len)
                 g = s.grammar = SeqGrammar(self._compiled(s.params.grammar), [])
             g.catch_up(s.token_ids, s.prompt_len)
             if g.active:

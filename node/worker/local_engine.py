@@ -15,6 +15,7 @@ from node.config import NodeConfig
 from node.transport.protocol import Fingerprint
 from node.worker.background_compile import compile_state
 from node.worker.engine_core import EngineCore, StepMsg
+from node.worker.engine_messages import GrammarPrepare, answer_grammar
 
 
 class LocalEngine:
@@ -36,8 +37,13 @@ class LocalEngine:
     def submit(self, msg: StepMsg) -> concurrent.futures.Future:
         return self._pool.submit(self.core.step, msg)
 
-    def async_submit(self, msg: StepMsg) -> asyncio.Future:
-        """:meth:`submit` as an asyncio future of the running loop."""
+    def async_submit(self, msg: StepMsg | GrammarPrepare) -> asyncio.Future:
+        """:meth:`submit` as an asyncio future of the running loop; a :class:`GrammarPrepare` is answered
+        in the same thread, between steps, as an engine process answers it."""
+        if isinstance(msg, GrammarPrepare):
+            if self.core.grammars is None:
+                raise RuntimeError("this engine serves no grammar (it was built without GrammarMasks)")
+            return asyncio.wrap_future(self._pool.submit(answer_grammar, self.core.grammars, msg))
         return asyncio.wrap_future(self._pool.submit(self.core.step, msg))
 
     def prepare_decode(self) -> float:
