@@ -4,7 +4,8 @@ xgrammar writes its warnings (``[16:14:13] /project/cpp/json_schema_converter.cc
 multipleOf is not supported for type:number; ignoring multipleOf``) with C++'s ``std::cerr``, straight to
 file descriptor 2: past structlog, in neither log format and whatever ``--log-level`` says. It has no
 switch for them. :func:`native_stderr_to_log` points descriptor 2 at a temporary file while the calls
-that write them run (grammar compiles and the vocabulary's scan, in their threads: never a step's mask),
+that write them run (grammar compiles, the vocabulary's scan, and a matcher's replay of the tokens an
+arriving sequence emitted elsewhere, in their threads: never a step's mask),
 then writes each such line as a structlog warning (``native_warning``, its ``source`` the C++ file and
 line). Anything else written to descriptor 2 meanwhile (another thread's log line, a traceback) is
 copied back to it unchanged, once the last capture ends. A child process must not inherit the capture:

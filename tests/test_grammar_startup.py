@@ -71,6 +71,39 @@ def test_a_prepared_grammar_is_not_compiled_by_the_step_and_an_unprepared_one_is
 
 
 @pytest.mark.quick
+def test_an_arrivals_matcher_is_replayed_off_the_step_and_taken_by_its_first_step():
+    """A sequence arriving with output (moved, handed off, resumed): the engine's grammar thread compiles its
+    grammar and replays its emitted tokens into a matcher (:meth:`GrammarMasks.prepare` with ``seq_id``); the
+    sequence's first step takes it (:meth:`GrammarMasks.arrived`) and fills its mask without a compile or a
+    replay. One nobody prepared, or prepared from other tokens, is replayed by its step, and counted."""
+    masks = GrammarMasks(TOK, 512, TOK.eos_token_ids)
+    spec = GrammarSpec("regex", "(ab|cd)+e")
+    prompt = TOK.encode("Once upon a time")
+    emitted = TOK.encode("ab", add_special_tokens=False)
+    deadline = time.monotonic() + 60
+    while (got := masks.prepare(spec, "moved", emitted)) == (False, "") and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert got == (True, "")
+    arrival = _Seq(spec)
+    arrival.token_ids, arrival.prompt_len = prompt + emitted, len(prompt)
+    arrival.grammar = masks.arrived("moved", spec, arrival.token_ids, arrival.prompt_len)
+    assert arrival.grammar is not None and arrival.grammar.consumed == len(emitted)
+    assert masks.arrived("moved", spec, arrival.token_ids, arrival.prompt_len) is None  # taken once
+    masks.fill([(0, arrival)])
+    assert masks.in_step == 0
+    assert _prepared(masks, spec) == (True, "")
+    other = _Seq(spec)  # prepared from other tokens than it carries: not taken, replayed by its step
+    assert masks.prepare(spec, "other", [5]) == (False, "")
+    deadline = time.monotonic() + 60
+    while masks.prepare(spec, "other", [5]) == (False, "") and time.monotonic() < deadline:
+        time.sleep(0.005)
+    other.token_ids, other.prompt_len = prompt + emitted, len(prompt)
+    assert masks.arrived("other", spec, other.token_ids, other.prompt_len) is None
+    masks.fill([(0, other)])
+    assert (masks.in_step_compiles, masks.in_step_rebuilds) == (0, 1)
+
+
+@pytest.mark.quick
 def test_a_grammar_that_does_not_compile_in_the_engine_is_an_error_answer():
     masks = GrammarMasks(TOK, 512, TOK.eos_token_ids)
     ready, error = _prepared(masks, GrammarSpec("ebnf", "root ::= undefined_rule"))
@@ -101,6 +134,39 @@ def test_xgrammar_cpp_warnings_become_log_lines_and_other_stderr_passes_through(
     assert "not a native log line" in err
     [line] = [e for e in logs if e["event"] == "native_warning"]
     assert "multipleOf" in line["message"] and line["library"] == "xgrammar" and line["source"].endswith(".cc:1094")
+
+
+@pytest.mark.quick
+def test_a_matchers_warning_while_an_arrival_is_replayed_becomes_a_log_line(no_native_capture, capfd):
+    """xgrammar's matcher warns on the console about a token it cannot take (a special token: one whose text
+    is empty, as a chat model's added tokens are). An arriving sequence's tokens were sampled elsewhere, not
+    under this matcher's mask, so its replay (in the engine's grammar thread) may meet one: the line is a
+    ``native_warning`` log event, not a raw console line, and the matcher stops masking (logged)."""
+    import xgrammar
+
+    from node.worker.grammar import GrammarCache, tokenizer_info
+
+    masks = GrammarMasks(TOK, 512, TOK.eos_token_ids)
+    vocab = list(tokenizer_info(TOK, 512, TOK.eos_token_ids).decoded_vocab)
+    vocab[0] = b""  # <unk> as a special token
+    info = xgrammar.TokenizerInfo(vocab, vocab_size=512, stop_token_ids=TOK.eos_token_ids)
+    assert info.special_token_ids == [0]
+    built = concurrent.futures.Future()
+    built.set_result(GrammarCache(info))
+    masks._preload = built  # this vocabulary's cache, as if the engine had built it
+    spec = GrammarSpec("regex", "(ab|cd)+e")
+    capfd.readouterr()
+    with structlog.testing.capture_logs() as logs:
+        deadline = time.monotonic() + 60
+        while (got := masks.prepare(spec, "arrived", [0])) == (False, "") and time.monotonic() < deadline:
+            time.sleep(0.005)
+    err = capfd.readouterr().err
+    assert got == (True, "")
+    assert not RAW_NATIVE.search(err), err
+    [line] = [e for e in logs if e["event"] == "native_warning"]
+    assert "cannot accept special token id 0" in line["message"] and line["source"].startswith("/project/cpp/grammar_matcher")
+    assert any(e["event"] == "grammar_token_rejected" for e in logs)
+    assert masks.arrived("arrived", spec, [5, 0], 1).broken
 
 
 def _timed_streams(node: NodeProcess, arrivals: list[tuple[int, float]], started: threading.Event,

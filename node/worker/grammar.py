@@ -197,9 +197,10 @@ def json_schema_ebnf(schema: str) -> str:
 def _accepts_something(grammar: xgr.CompiledGrammar, vocab_size: int) -> bool:
     """Whether any token (a stop token included) is allowed at the start: false for a grammar whose
     language is empty (a regex of an empty class, a schema no value satisfies)."""
-    m = xgrammar().GrammarMatcher(grammar)
-    mask = xgrammar().allocate_token_bitmask(1, vocab_size)
-    m.fill_next_token_bitmask(mask)
+    with native_stderr_to_log():  # a matcher's own console warnings, as log lines
+        m = xgrammar().GrammarMatcher(grammar)
+        mask = xgrammar().allocate_token_bitmask(1, vocab_size)
+        m.fill_next_token_bitmask(mask)
     return bool(mask.any())
 
 

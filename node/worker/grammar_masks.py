@@ -40,6 +40,7 @@ import concurrent.futures
 import structlog
 
 from node.core.grammar_spec import GrammarSpec
+from node.log_native import native_stderr_to_log
 from node.worker.grammar import (BitmaskFiller, GrammarCache, GrammarError, SeqGrammar, existing_grammar_cache,
                                  grammar_cache)
 from node.worker.tokenizer import TextTokenizer
@@ -142,8 +143,12 @@ class GrammarMasks:
         return (True, "") if fut.exception() is None else (False, str(fut.exception()))
 
     def _replay(self, spec: GrammarSpec, emitted: tuple[int, ...]):
-        """A new matcher of ``spec`` that has taken ``emitted`` (in the compile thread)."""
-        return SeqGrammar(self.cache.get(spec), list(emitted))
+        """A new matcher of ``spec`` that has taken ``emitted`` (in the compile thread). The tokens were
+        sampled elsewhere, not under this matcher's mask: xgrammar's matcher warns on the console about
+        one it cannot take (a special token), so its lines become log lines here (:mod:`node.log_native`)."""
+        grammar = self.cache.get(spec)
+        with native_stderr_to_log():
+            return SeqGrammar(grammar, list(emitted))
 
     def arrived(self, seq_id: str, spec: GrammarSpec, token_ids: list[int], prompt_len: int):
         """The matcher :meth:`prepare` built for ``seq_id``, if it is ready and was built from the start of

@@ -89,3 +89,21 @@ def test_remove_frees_everything():
     assert led.num_used == 3
     b.remove(s)
     assert led.num_free == 10 and not b.running
+
+
+def test_a_sequence_waiting_for_its_grammar_is_left_out_of_steps_and_the_others_go_on():
+    """``Sequence.grammar_wait`` (its engine still compiles its grammar: node.runtime.grammar_gate): a held
+    running sequence is not decoded, a held waiting one is not admitted, and the others pass it by."""
+    b = Batcher(BlockLedger(100, 16), BatchConfig(max_batched_tokens=1000))
+    a, c = seq(0, 20), seq(1, 20)
+    b.add(a)
+    b.add(c)
+    a.grammar_wait = True  # the queue's head waits
+    assert run_step(b, StepKind.MIXED) == {"s1": 20}
+    assert b.waiting == [a] and b.running == [c]
+    a.grammar_wait = False
+    c.grammar_wait = True  # now the decoding one waits
+    assert run_step(b, StepKind.MIXED) == {"s0": 20}
+    assert run_step(b, StepKind.DECODE) == {"s0": 1}
+    c.grammar_wait = False
+    assert run_step(b, StepKind.DECODE) == {"s0": 1, "s1": 1}
