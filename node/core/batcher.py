@@ -291,7 +291,7 @@ class Batcher:
         plan.preempted.append(seq)
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = next((s for s in self.waiting if not s.grammar_wait), None)  # ready ones, in queue order
             if seq is None:
                 break

@@ -24,8 +24,8 @@ engine's :class:`~node.worker.grammar.GrammarCache` in a thread (:meth:`GrammarM
 importing xgrammar and scanning the vocabulary took 1.6-6 s on a 2-core CPU, a stall of every stream
 on the device when the first structured request's step did it). It is not built at start-up: xgrammar
 imports transformers, about 1.5 s of CPU per process, which a node that never serves structured
-output should not pay at each start. A sequence whose grammar the
-sequence that arrives with output already emitted (moved, handed off, resumed here) is prepared the
+output should not pay at each start. A sequence placed on this engine any other way, or one that
+arrives with output already emitted (moved, handed off, resumed here) is prepared the
 same way, its matcher included: the node holds it out of the steps (``Sequence.grammar_wait``,
 :mod:`node.runtime.grammar_gate`) while this engine's grammar thread compiles its grammar and replays
 its emitted tokens into a new matcher (:meth:`GrammarMasks.prepare` with ``seq_id``); its first step
