@@ -213,10 +213,12 @@ def test_the_first_structured_request_does_not_stall_a_decoding_stream_and_print
         # the old in-step build stopped every stream for 1.6-6 s here. The build now runs in threads of the node
         # and the engine, which share the machine's 2 cores and the engine's GIL with the steps: gaps of up to
         # about a second were seen on a loaded machine, whose own scheduling gaps reach several tenths of a
-        # second (a bare Python loop's). So the bound is generous; the log lines below are the exact check
-        bound = max(5 * max(before), 1.0)
+        # second (a bare Python loop's), and a 1.02 s gap was seen once at load 8. So the bound is generous
+        # (the old stall was 1.6-6 s); the exact checks are the log lines and the device's in-step counter
+        bound = max(5 * max(before), 1.5)
         logs = node.logs()
         assert "grammar_compiled_in_step" not in logs and "grammar_cache_built_in_step" not in logs
+        assert [d["grammar_in_step"] for d in node.status()["devices"]] == [0], node.status()["devices"]
         assert max(during) < bound, f"a {max(during):.3f} s gap while the first grammar compiled (bound {bound:.3f} s)"
         assert not RAW_NATIVE.search(logs), logs[-2000:]
     finally:
