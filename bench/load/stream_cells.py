@@ -8,7 +8,8 @@ ends, cycling through the bodies it is given. A cell runs a 2 s warm-up, then ``
 ``tok_s`` is the tokens streamed before the end over ``duration``; ``itl_p50_ms`` the median over chunks of
 the gap to the stream's previous chunk divided by the chunk's tokens (a chunk may carry several tokens);
 ``tpot_ms`` the mean per request ended in the cell of (last chunk - first chunk) / (tokens - 1);
-``lengths`` the output tokens of each request that ended in the window. Given the node's pid, ``cpu_s`` is
+``lengths`` the output tokens of each request begun in the window (those still streaming at its end are
+waited for: counting only those that ended inside it would favour short ones). Given the node's pid, ``cpu_s`` is
 the CPU time (user + system, from ``/proc``) its processes spent in the window, by role (the node's own
 process, its API front ends, its engines: :func:`bench.load.host_compare.cpu_by_role`), read at the
 window's start and at its end, the same span as ``tok_s``'s tokens; ``node_us_per_token`` their sum
@@ -55,10 +56,9 @@ async def _client(http: httpx.AsyncClient, bodies: list[dict], k: int, stop_at: 
                 n_tokens += n
                 if now < stop_at:
                     out["tokens"] += n
-        if first is not None and last < stop_at:
-            out["lengths"].append(n_tokens)
-            if n_tokens > 1:
-                out["tpots"].append((last - first) / (n_tokens - 1))
+        out["lengths"].append(n_tokens)  # every request begun in the window: no bias towards short ones
+        if first is not None and n_tokens > 1 and last < stop_at:
+            out["tpots"].append((last - first) / (n_tokens - 1))
 
 
 async def _window_cpu(pid: int, until: float, out: dict) -> None:
