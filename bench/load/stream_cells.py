@@ -13,8 +13,8 @@ waited for: counting only those that ended inside it would favour short ones). G
 the CPU time (user + system, from ``/proc``) its processes spent in the window, by role (the node's own
 process, its API front ends, its engines: :func:`bench.load.host_compare.cpu_by_role`), read at the
 window's start and at its end, the same span as ``tok_s``'s tokens; ``node_us_per_token`` their sum
-over the window's tokens, in µs (``cpu_s["client"]``: this process's own CPU, the load's, which shares
-the machine with the node). CPU per token hardly depends on how much CPU the shared machine lets
+over the window's tokens, in µs (``cpu_s["client"]`` and ``client_us_per_token``: this process's own CPU,
+the load's, which shares the machine with the node). CPU per token hardly depends on how much CPU the shared machine lets
 the node have, so it is the steadier figure for comparing two settings.
 """
 
@@ -84,6 +84,7 @@ async def _cell(url: str, bodies: list[dict], clients: int, duration: float, pid
     if out["cpu"] is not None:
         res["cpu_s"] = dict(zip(("node", "api", "engines"), out["cpu"])) | {"client": out["client_cpu"]}
         res["node_us_per_token"] = 1e6 * sum(out["cpu"]) / out["tokens"] if out["tokens"] else None
+        res["client_us_per_token"] = 1e6 * out["client_cpu"] / out["tokens"] if out["tokens"] else None
     return res
 
 
@@ -91,5 +92,5 @@ def stream_cell(url: str, bodies: list[dict], clients: int, duration: float, pid
     """One cell (module doc) of ``clients`` closed-loop streams on the node at ``url``, client ``i`` starting
     at ``bodies[i % len(bodies)]``; ``duration`` in seconds; ``pid``: the node's process, to read its CPU.
     Returns ``tok_s``, ``itl_p50_ms``, ``tpot_ms`` (``None`` where the cell saw no gap or no ended request)
-    and ``lengths``; with ``pid``, ``cpu_s`` and ``node_us_per_token`` too."""
+    and ``lengths``; with ``pid``, ``cpu_s``, ``node_us_per_token`` and ``client_us_per_token`` too."""
     return asyncio.run(_cell(url, bodies, clients, duration, pid))

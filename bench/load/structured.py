@@ -27,7 +27,8 @@ round ran back to back, so they share the machine's phase) and their spread.
 ``tok/s``: streamed tokens / wall; ``ITL p50``: median gap between a stream's token chunks (ms);
 ``node_us_per_token``: the node's processes' CPU (user + system: the control process, its API front ends,
 its engine) in the window over its tokens, in µs, which hardly depends on how much of the shared machine
-the node got. Then, in this process: the mask's CPU per token (thread CPU time: fill for a 64-row batch on
+the node got; ``client_us_per_token`` the same of this process (the load, which shares the two cores
+with the node: a request's set-up costs the client too, so shorter outputs cost it more per token). Then, in this process: the mask's CPU per token (thread CPU time: fill for a 64-row batch on
 the engine's code path, one call into a reused bitmask; apply, and xgrammar's CPU kernel on the same
 mask for comparison; accept; over 10 walks of 64 sequences through the grammar), the
 compile time of a 50-field schema cold (a new cache) and cached, and the cache's entries and bytes over
@@ -98,17 +99,20 @@ def _spread(values: list[float]) -> dict:
 
 
 def summary(cells: dict, clients: int) -> dict:
-    """Per client count: each arm's mean tok/s, median ITL p50 and median CPU per token, and the schema
+    """Per client count: each arm's mean tok/s, median ITL p50 and median CPU per token (the node's, the
+    load's), and the schema
     arm's ratios to ``matched`` (fair) and ``free`` (literal), round by round (tok/s: schema / other;
     CPU per token: schema / other) with their median and range."""
     arms = {a: cells[f"c{clients}_{a}"] for a in ("schema", "matched", "free")}
     res: dict = {}
     for a, rs in arms.items():
         cpu = [r["node_us_per_token"] for r in rs if r.get("node_us_per_token")]
+        client = [r["client_us_per_token"] for r in rs if r.get("client_us_per_token")]
         res[a] = {"tok_s": statistics.mean(r["tok_s"] for r in rs),
                   "itl_p50_ms": statistics.median(r["itl_p50_ms"] for r in rs if r["itl_p50_ms"] is not None),
                   "mean_output_tokens": statistics.mean(r["mean_output_tokens"] for r in rs if r["mean_output_tokens"]),
-                  "node_us_per_token": statistics.median(cpu) if cpu else None}
+                  "node_us_per_token": statistics.median(cpu) if cpu else None,
+                  "client_us_per_token": statistics.median(client) if client else None}
     for other in ("matched", "free"):
         pairs = list(zip(arms["schema"], arms[other]))
         res[f"ratio_{other}"] = _spread([s["tok_s"] / o["tok_s"] for s, o in pairs])
