@@ -55,6 +55,17 @@ def free_port() -> int:
             return port
 
 
+def checkout_env() -> dict[str, str]:
+    """This process's environment with this checkout's packages first on ``PYTHONPATH`` (``node`` and
+    ``kernels/shiftnode_kernels``), as pytest's ``pythonpath`` puts them first here: a node started from
+    a worktree then runs that worktree's kernels, not those of the checkout the package was installed
+    from (``python -m`` finds ``node`` in the cwd, but ``shiftnode_kernels`` only on the path)."""
+    env = dict(os.environ)
+    path = [str(REPO), str(REPO / "kernels")] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
+    return env
+
+
 class NodeProcess:
     """A ``shiftnode serve`` subprocess on a free loopback port; stops on ``close()``.
 
@@ -72,7 +83,7 @@ class NodeProcess:
             # would load the shared cores of the suite
             args = (*args, "--compile", "none")
         cmd = [sys.executable, "-m", "node.cli", "serve", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO, env=checkout_env())
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
         self.client: httpx.Client | None = None
