@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 from pathlib import Path
@@ -72,8 +73,12 @@ def _body(constrained: bool, max_tokens: int = MAX_TOKENS) -> dict:
 
 def matched_bodies(lengths: list[int]) -> list[dict]:
     """Unconstrained bodies (``ignore_eos``) whose ``max_tokens`` follow ``lengths``, the output lengths
-    of the constrained arm, in the order they came (a client cycles through them)."""
-    return [_body(False, n) for n in lengths if n > 0] or [_body(False)]
+    of the constrained arm, in a fixed shuffled order (a client ``i`` starts at the ``i``-th and cycles
+    through them: in the order they ended, the first ones, which every client starts with, are the
+    shortest)."""
+    order = [n for n in lengths if n > 0]
+    random.Random(0).shuffle(order)
+    return [_body(False, n) for n in order] or [_body(False)]
 
 
 def node_cells(duration: float, rounds: int, client_counts: list[int]) -> dict:
