@@ -133,6 +133,7 @@ def in_process() -> dict:
     from node.core.grammar_spec import GrammarSpec
     from node.worker.grammar import BitmaskFiller, GrammarCache, SeqGrammar, apply_mask, tokenizer_info, xgrammar
     from node.worker.tokenizer import TextTokenizer
+    from shiftnode_kernels import cpu_bitmask_numba
 
     tok = TextTokenizer.from_folder(STORIES)
     vocab = 512
@@ -150,6 +151,7 @@ def in_process() -> dict:
     # mask cost per token: 64 sequences walked through the grammar by seeded draws under the mask, WALKS times;
     # thread CPU time (a loaded machine stretches wall time, not this)
     grammar = cache.get(GrammarSpec("json_schema", json.dumps(SCHEMA)))
+    cpu_bitmask_numba.available()  # compiled or loaded now, as a process's first grammar cache does (not timed)
     filler = BitmaskFiller(vocab)
     gen = torch.Generator().manual_seed(0)
     fill_s = apply_s = xgr_apply_s = accept_s = 0.0

@@ -345,7 +345,7 @@ def apply_mask(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> Non
     """Set the disallowed logits of ``rows`` of ``logits [N, V]`` float32 to ``-inf`` in place. ``mask``
     ``[M, ceil(V / 32)]`` int32 with ``M >= max(rows) + 1``: only its ``rows`` are read (it may be the
     larger, reused buffer of :class:`BitmaskFiller`). On the CPU, the compiled loop of
-    :mod:`shiftnode_kernels.cpu_bitmask_numba` (a tenth of xgrammar's CPU kernel's time at 64 rows); elsewhere,
+    :mod:`shiftnode_kernels.cpu_bitmask_numba` (a tenth of xgrammar's CPU kernel's time on cached logits); elsewhere,
     or without Numba, xgrammar's kernel, the mask moved to the logits' device first (only its first
     ``max(rows) + 1`` rows)."""
     if logits.device.type == "cpu" and mask.device.type == "cpu" and cpu_bitmask_numba.apply_bitmask(logits, mask, rows):
