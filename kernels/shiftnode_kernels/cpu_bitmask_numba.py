@@ -7,7 +7,8 @@ Structured output (:mod:`node.worker.grammar`) masks each constrained row's disa
 with the logits in cache, this loop 12-16 µs (5 µs for one row: the call's fixed cost); in the engine's
 step it fell from 2.0% to 0.4% of the engine's samples at 64 constrained streams (py-spy). Where the
 logits are not in cache (``python -m bench.load.structured``'s in-process walk, between xgrammar's fill
-and a fresh ``randn``), both take about 2 µs a token (2.2 against 2.0; why both are slower there was not isolated).
+and a fresh ``randn``), both take about 2 µs a token (2.2 against 2.0; why both are slower there was not
+isolated).
 A logit is kept by an ``and`` with all ones or replaced by ``-inf``'s bits, without a branch on the
 mask's bits, and words whose 32 tokens are all allowed are skipped. The result is the same as
 xgrammar's: a masked logit becomes ``-inf``, the others are left as they were.
