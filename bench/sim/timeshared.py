@@ -492,7 +492,7 @@ def simulate_time_shared(requests: list[TraceRequest], cfg: SimConfig, cost: Cos
             threshold=cfg.fallback_threshold, tpot_slo_ms=policy.tpot_slo_ms, slo_margin=policy.slo_margin,
             reconfig_pause_ms=policy.reconfig_pause_ms, prefill_token_budget=policy.prefill_token_budget,
             local_transfer_s_per_token=policy.copy_s_per_token,
-            ttft_slo_ms=policy.ttft_slo_ms), plan_cost)
+            ttft_slo_ms=policy.ttft_slo_ms, ttft_urgency=policy.ttft_urgency), plan_cost)
     refit = None
     if cfg.planning == "refit":  # as Node builds RoleDriver: one configuration where no decode graphs and one degree
         one = not (isinstance(cost, RooflineCost) and cost.max_graph_batch > 0) and not isinstance(cost, GroupCost)

@@ -35,6 +35,8 @@ unthrottled), is added to ``t_dst``; and since the source runs no step while it 
 waits: local moves are made only while their copies, all together, leave the source's oldest queued
 prompt its first token within the TTFT SLO (``oldest + ttft_slo >= t0 + P(q) + sum c``), and only when
 the move pays for the queueing its copy causes (``ImbalancePolicy._tpot_pays``).
+None is made while a waiting prompt is urgent (:func:`~node.core.role_state.urgent_at`): a device fed newborns
+(no stall budget) stays in DECODE, its prefill lost to the queue; unmoved, a newborn waits out its birth window.
 
 **Trigger "imbalance"** (decode loads across devices differ past ``threshold``). Among DECODE-role
 devices holding sequences, the *load* of a device is its estimated decode step ``L = d(n, k)`` (s) —
@@ -86,7 +88,7 @@ import msgspec
 
 from node.core.cost import CostModel
 from node.core.roofline import RooflineCost
-from node.core.role_state import Migrate, move_blocks
+from node.core.role_state import Migrate, move_blocks, urgent_at
 from node.core.roles import DeviceState, NodeSnapshot, ResidentSeq, Role
 
 __all__ = ["Migrate", "ImbalanceConfig", "ImbalancePolicy"]  # Migrate: the decision (node.core.role_state)
@@ -114,6 +116,7 @@ class ImbalanceConfig(msgspec.Struct, frozen=True, kw_only=True):
     local_transfer_s_per_token: float = 0.0  # s per context token to another device of this node (0: free)
     ttft_slo_ms: float = 1000.0  # the role scheduler's: how long a copy may hold a source's prefill window
     peer_overhead_ms: float = 5.0  # per move to a peer: connection, handshake, the relay's first token
+    ttft_urgency: float = 0.5  # the role scheduler's: a waiting prompt this far into its TTFT SLO is urgent
 
 
 class _Dev:
@@ -252,7 +255,10 @@ class ImbalancePolicy:
         remote = [_Dev(st, len(devs) + i, local=False) for i, st in enumerate(peers)]
         out: list[Migrate] = []
         planned: set[str] = set()
-        self._tpot(now_s, devs, remote, planned, out)
+        c = self.config  # no local tpot move while a waiting prompt is urgent (module doc)
+        local = [] if any(urgent_at(w, now_s, self.pause_s, self.cost.prefill_s(w.prompt_tokens, c.prefill_token_budget),
+                                    c.ttft_urgency, c.ttft_slo_ms) for w in snapshot.waiting) else [dv for dv in devs if dv.decode_side]
+        self._tpot(now_s, devs, local, remote, planned, out)
         self._balance(now_s, devs, remote, planned, out)
         return out
 
@@ -276,8 +282,8 @@ class ImbalancePolicy:
                     self._move(s, src, dst, need, "drain", planned, out)
         return out
 
-    def _tpot(self, now_s: float, devs: list[_Dev], remote: list[_Dev], planned: set[str], out: list[Migrate]) -> None:
-        local = [dv for dv in devs if dv.decode_side]
+    def _tpot(self, now_s: float, devs: list[_Dev], local: list[_Dev], remote: list[_Dev], planned: set[str],
+              out: list[Migrate]) -> None:
         if not local and not remote:
             return
         for src in devs:

@@ -219,3 +219,11 @@ def move_blocks(s: ResidentSeq, dst: DeviceState) -> int:
     rest = max(1, s.expected_output_tokens - s.output_tokens)
     low = blocks_for(s.context_tokens + 1, dst.block_size)
     return max(low, min(blocks_for(s.context_tokens + rest, dst.block_size), dst.kv_total_blocks))
+
+
+def urgent_at(w: WaitingPrompt, now_s: float, pause_s: float, prefill_s: float, ttft_urgency: float,
+              ttft_slo_ms: float) -> bool:
+    """Whether a waiting prompt is *urgent*: its age at ``now_s`` plus the switch pause and its prefill
+    ``prefill_s`` (all s) reach ``ttft_urgency`` of the TTFT SLO (``ttft_slo_ms``, ms). The role scheduler
+    forces windows for such prompts; the imbalance fallback makes no local tpot move while one waits."""
+    return now_s - w.arrival_s + pause_s + prefill_s >= ttft_urgency * ttft_slo_ms / 1e3

@@ -35,7 +35,7 @@ idle device (no resident sequence, nothing queued) takes any one prompt, however
 from __future__ import annotations
 
 from node.core.cost import CostModel
-from node.core.role_state import INF, DeviceState, RoleSchedulerConfig, WaitingPrompt, assured_output
+from node.core.role_state import INF, DeviceState, RoleSchedulerConfig, WaitingPrompt, assured_output, urgent_at
 from node.core.roofline import RooflineCost
 
 
@@ -118,9 +118,8 @@ class WindowMath:
 
     def urgent(self, w: WaitingPrompt, now_s: float) -> bool:
         """The prompt's age plus its service time reaches ``ttft_urgency`` of the TTFT SLO."""
-        age = now_s - w.arrival_s
-        limit_s = self.config.ttft_urgency * self.config.ttft_slo_ms / 1e3
-        return age + self.pause_s + self.prefill_s(w.prompt_tokens) >= limit_s
+        return urgent_at(w, now_s, self.pause_s, self.prefill_s(w.prompt_tokens), self.config.ttft_urgency,
+                         self.config.ttft_slo_ms)
 
     def _forced_cap_s(self, st: DeviceState, now_s: float, t0: float) -> float:
         """Longest forced window (s) from ``t0``; -inf when none may open now.

@@ -77,7 +77,7 @@ class RoleDriver(Driver):
             threshold=node.config.imbalance_threshold, tpot_slo_ms=rc.tpot_slo_ms, slo_margin=rc.slo_margin,
             reconfig_pause_ms=rc.reconfig_pause_ms, prefill_token_budget=rc.prefill_token_budget,
             transfer_s_per_token=copy_s_per_token, local_transfer_s_per_token=copy_s_per_token,
-            ttft_slo_ms=rc.ttft_slo_ms), scheduler.cost)
+            ttft_slo_ms=rc.ttft_slo_ms, ttft_urgency=rc.ttft_urgency), scheduler.cost)
         self._switch_tasks: set[asyncio.Task] = set()  # role switches under way
         self._switch_series: dict[tuple[str, str, str], tuple] = {}  # (device, from, to) -> its two metric series
         self._moving: dict[str, str] = {}  # sequence id → destination device, while its move is queued or copying

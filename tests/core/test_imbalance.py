@@ -7,6 +7,7 @@ import pytest
 
 from node.core.cost import CostModel
 from node.core.imbalance import ImbalanceConfig, ImbalancePolicy, Migrate
+from node.core.role_state import WaitingPrompt, urgent_at
 from node.core.roles import DeviceState, NodeSnapshot, ResidentSeq, Role, blocks_for
 
 pytestmark = pytest.mark.quick  # the quick tier (bash scripts/test --quick) runs every test here
@@ -371,3 +372,40 @@ def test_a_tpot_move_must_pay_for_the_queueing_its_copy_causes():
     # a cheap copy (3 ms) pays even for one token: ~85 ms sooner against 6 x 3 ms
     assert policy(msgspec.structs.replace(CFG, local_transfer_s_per_token=1e-5, ttft_slo_ms=5000)).decide(NOW, snap) \
         == [Migrate("new-0", "p0", "d1", "tpot")]
+
+
+# --- no local tpot move while prompts wait urgent (a burst on two CPU devices) ---------------------
+def _with_waiting(snap: NodeSnapshot, arrival_s: float, n: int = 8) -> NodeSnapshot:
+    """The snapshot with ``n`` unplaced 280-token prompts that arrived at ``arrival_s``."""
+    return NodeSnapshot(snap.devices, tuple(WaitingPrompt(f"w{i}", 280, arrival_s, 10) for i in range(n)))
+
+
+def test_no_local_tpot_move_while_a_waiting_prompt_is_urgent():
+    # The burst of the report: p0 prefills, its newborn would be late; d1 decodes. A move would hold d1 in
+    # DECODE (a newborn has no stall budget) while the queue waits, so d1 could never take a window.
+    p = policy()  # TTFT SLO 1 s, urgency 0.5: urgent once age + p + P(280) >= 0.5 s
+    fresh = _with_waiting(window_snapshot(), arrival_s=NOW)  # age 0: 5 ms + 7.6 ms, not urgent
+    assert p.decide(NOW, fresh) == [Migrate("new-0", "p0", "d1", "tpot")]
+    old = _with_waiting(window_snapshot(), arrival_s=NOW - 0.6)
+    assert urgent_at(old.waiting[0], NOW, p.pause_s, COST.prefill_s(280, 2048), 0.5, 1000)
+    assert p.decide(NOW, old) == []
+    # the threshold is the role scheduler's: just under it, the move is made
+    edge = NOW - (0.5 - p.pause_s - COST.prefill_s(280, 2048)) + 1e-3
+    assert p.decide(NOW, _with_waiting(window_snapshot(), arrival_s=edge)) == [Migrate("new-0", "p0", "d1", "tpot")]
+
+
+def test_an_urgent_queue_still_lets_a_peer_take_a_late_sequence():
+    # a peer node's device is not this node's prefill capacity: the move there is still made
+    p = policy()
+    snap = _with_waiting(window_snapshot(), arrival_s=NOW - 0.6)
+    peer = dev("peer:d0", Role.DECODE)
+    assert p.decide(NOW, snap, (peer,)) == [Migrate("new-0", "p0", "peer:d0", "tpot")]
+
+
+def test_an_urgent_queue_leaves_the_imbalance_trigger_alone():
+    # only tpot moves into a decode device are held back; balancing two decoding devices goes on
+    p = policy()
+    heavy = [seq(f"h{i}", ctx=4000, out=5, first=NOW - 1) for i in range(8)]
+    snap = NodeSnapshot((dev("d0", Role.DECODE, heavy), dev("d1", Role.DECODE, [seq("l0", ctx=10, out=5, first=NOW - 1)])),
+                        tuple(WaitingPrompt(f"w{i}", 280, NOW - 0.6, 10) for i in range(4)))
+    assert [m.reason for m in p.decide(NOW, snap)] and all(m.reason == "imbalance" for m in p.decide(NOW, snap))
