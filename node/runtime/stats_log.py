@@ -11,7 +11,9 @@ Console::
 ``generation_tokens_per_s``, ``running``, ``waiting``, ``kv_usage_pct``, ``roles``, ``switches``,
 ``interval_s``) beside the ``summary`` text.
 
-The numbers: prompt tokens of the requests admitted in the interval and tokens generated in it, per
+The numbers: prompt tokens of the requests admitted in the interval (not yet prefilled ones: a burst
+admitted in one interval and prefilled in the next reads 0 prompt tokens/s in the second, where vLLM's
+line counts prefill work done) and tokens generated in it, per
 second of the interval (the node's ``shiftnode_prompt_tokens`` and ``shiftnode_generation_tokens``
 counters); running and waiting sequences now (a request with ``n`` choices counts ``n``, as vLLM v1
 counts its child requests); the share of the devices' KV blocks in use now (all devices together);

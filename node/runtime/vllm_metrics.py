@@ -30,7 +30,8 @@ ALIASES: dict[str, tuple[str, str, dict[str, str]]] = {
     "vllm:e2e_request_latency_seconds": ("e2e", "Histogram of e2e request latency in seconds.", {}),
     "vllm:request_success": ("requests", "Count of processed requests by finish reason (one per prompt, "
                              "labelled by its worst choice).", {"finish_reason": "finished_reason"}),
-    "vllm:prompt_tokens": ("prompt_tokens", "Number of prefill tokens processed.", {}),
+    "vllm:prompt_tokens": ("prompt_tokens", "Number of prompt tokens, counted when their request is admitted "
+                           "(vLLM counts them as its prefills are processed).", {}),
     "vllm:generation_tokens": ("generation_tokens", "Number of generation tokens processed.", {}),
 }
 """Renamed copies of shiftnode's histograms and counters (see docs/dashboard.md for the table)."""
