@@ -17,6 +17,9 @@ from node.protocol_extras import MessageExtras, SamplingExtras, StreamOptions
 from node.protocol_structured import ResponseFormat, StructuredOutputs
 from node.protocol_tools import Tool, ToolCall, ToolChoice
 
+# OpenAI's values of reasoning_effort (any other is a 400 naming the field)
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
 __all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "PeerChange", "StreamOptions", "TextPart",
            "decode_request"]
 
@@ -93,7 +96,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (Qwen3's enable_thinking)
     chat_template: str | None = None  # refused: the node renders its own template (--chat-template)
     include_reasoning: bool = True  # with --reasoning-parser: false leaves reasoning_content out
-    reasoning_effort: str | None = None  # passed to the chat template as `reasoning_effort`
+    reasoning_effort: ReasoningEffort | None = None  # passed to the chat template as `reasoning_effort`
     documents: Any = None  # refused: retrieval documents for templates that take them
     mm_processor_kwargs: Any = None  # refused: the node serves text models
     prediction: Any = None  # refused: predicted outputs
@@ -106,7 +109,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     add_generation_prompt: bool = True
     tools: list[Tool] | None = None  # tool calling: node.api.tool_calls
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None  # None: true (OpenAI's default); only with tools
     functions: list[Any] | None = None  # the legacy form of tools
     function_call: Any = None
     modalities: list[str] | None = None  # only ["text"]

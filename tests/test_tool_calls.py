@@ -225,3 +225,38 @@ def test_the_parser_is_detected_from_unambiguous_templates():
     assert detect_parser((STORIES / "chat_template.jinja").read_text()) is None
     assert detect_parser(None) is None
     assert detect_parser(FAMILIES["qwen2-style"][0] + "[TOOL_CALLS]") is None  # two families' markers: ambiguous
+
+
+BROKEN = {  # (text, declared names, content, calls): a call that is not valid JSON, or names no declared tool, is content
+    "hermes": [
+        ('<tool_call>{"name": "get_weather", "arguments": {"city": Paris}}</tool_call>', None,
+         '<tool_call>{"name": "get_weather", "arguments": {"city": Paris}}</tool_call>', []),
+        ('Hi<tool_call>{"name": "nope", "arguments": {}}</tool_call><tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>',
+         {"get_time"}, 'Hi{"name": "nope", "arguments": {}}', [("get_time", '{"zone": "UTC"}')]),
+        ('<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call><tool_call>{"name": "get_time", "arguments": [1]}',
+         None, '{"name": "get_time", "arguments": [1]}', [("get_time", '{"zone": "UTC"}')]),
+        ('<tool_call>{"name": "get_time"}</tool_call><tool_call>{"name": "get_time", "arguments": {"zone"',
+         None, '{"name": "get_time", "arguments": {"zone"', [("get_time", "{}")]),
+    ],
+    "llama3_json": [('{"name": "get_weather", "parameters": {"city": Paris}}', None,
+                     '{"name": "get_weather", "parameters": {"city": Paris}}', []),
+                    ('{"name": "rm_rf", "parameters": {}}', {"get_time"}, '{"name": "rm_rf", "parameters": {}}', [])],
+    "mistral": [('[TOOL_CALLS][{"name": "get_time", "arguments": "{zone"}, {"name": "get_time", "arguments": {"zone": "CET"}}]',
+                 None, '{"name": "get_time", "arguments": "{zone"}', [("get_time", '{"zone": "CET"}')])],
+}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("kind", list(BROKEN))
+def test_invalid_or_undeclared_calls_stay_content_whole_and_streamed(kind):
+    for text, declared, content, calls in BROKEN[kind]:
+        names = None if declared is None else frozenset(declared)
+        whole = ToolCallParser(kind, declared=names)
+        whole.feed(text)
+        got_content, got = whole.result()
+        assert (got_content or "") == content and [(c["function"]["name"], c["function"]["arguments"]) for c in got] == calls
+        for c in got:
+            assert isinstance(json.loads(c["function"]["arguments"]), dict)
+        for seed in range(20):  # a stream never sends a call the whole reply rejects, and agrees on the content
+            s_content, s_calls, _ = _stream(ToolCallParser(kind, declared=names), text, random.Random(seed))
+            assert s_calls == calls and s_content == content, (seed, s_content, s_calls)

@@ -18,13 +18,14 @@ from node.runtime.interfaces import ApiNode
 NODE_KEY = web.AppKey("node", ApiNode)  # the node (or an API front end's stand-in) an application serves
 
 def _error_param(message: str) -> str | None:
-    """The request field a msgspec validation message points at (``$.messages[0].role`` → ``messages``);
-    an unknown field is named with its path (``foo``, ``stream_options.foo``, ``messages[0].foo``)."""
+    """The request field a msgspec validation message points at, with its path (``$.messages[0].role`` →
+    ``messages[0].role``, as OpenAI names a nested field); an unknown field is named with its path too
+    (``foo``, ``stream_options.foo``, ``messages[0].foo``)."""
     unknown = re.match(r"Object contains unknown field `([^`]+)`(?: - at `\$\.?([^`]*)`)?", message)
     if unknown:
         return f"{unknown.group(2)}.{unknown.group(1)}" if unknown.group(2) else unknown.group(1)
     if " - at `$." in message:
-        return re.split(r"[.\[`]", message.rpartition(" - at `$.")[2])[0] or None
+        return message.rpartition(" - at `$.")[2].split("`")[0] or None
     missing = re.search(r"missing required field `([^`]+)`", message)
     return missing.group(1) if missing else None
 

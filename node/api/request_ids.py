@@ -27,8 +27,8 @@ def client_request_id(request: web.Request, body_id: str | None) -> str | None:
     given = request.headers.get(HEADER) or body_id
     if given is None:
         return None
-    if len(given) > MAX_CHARS or not given.isprintable() or not given.isascii():
-        raise bad_request(f"a request id ({HEADER} or request_id) must be at most {MAX_CHARS} printable ASCII "
+    if not given or len(given) > MAX_CHARS or not given.isprintable() or not given.isascii():
+        raise bad_request(f"a request id ({HEADER} or request_id) must be 1 to {MAX_CHARS} printable ASCII "
                           "characters", param="request_id")
     return given
 

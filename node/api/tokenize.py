@@ -2,7 +2,7 @@
 
 ``/tokenize`` takes a text ``prompt`` (with ``add_special_tokens``, default true) or chat ``messages``
 rendered by the chat template as ``/v1/chat/completions`` renders them (``add_generation_prompt``,
-``continue_final_message``, ``chat_template_kwargs``; ``add_special_tokens`` default false), and answers
+``continue_final_message``, ``chat_template_kwargs``, ``tools``; ``add_special_tokens`` default false), and answers
 ``{"count", "max_model_len", "tokens", "token_strs"}`` (``token_strs`` with ``return_token_strs``: each
 token's vocabulary piece). ``/detokenize`` takes ``tokens`` and answers ``{"prompt": text}``. Unknown
 fields are a 400 naming them, as everywhere.
@@ -19,7 +19,9 @@ from node.api.errors import bad_request
 from node.api.openai import off_loop
 from node.api.request_body import NODE_KEY, read_json
 from node.api.validate import _encode, chat_prompt, check_model
-from node.protocol import ChatMessage
+from node.api.tool_calls import template_tools
+from node.protocol import ChatMessage, ReasoningEffort
+from node.protocol_tools import Tool
 
 
 class TokenizeCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -40,9 +42,9 @@ class TokenizeChatRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: ReasoningEffort | None = None
     return_token_strs: bool = False
-    tools: Any = None  # the structured-output/tool path (issue 44): refused until it renders them
+    tools: list[Tool] | None = None  # rendered into the template as chat renders them
 
 
 TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
@@ -67,9 +69,8 @@ async def tokenize(request: web.Request) -> web.Response:
     check_model(req, node.config.model_name)
     tok = node.tokenizer
     if isinstance(req, TokenizeChatRequest):
-        if req.tools is not None:
-            raise bad_request("tools are not supported by /tokenize yet", param="tools")
-        ids = await off_loop(chat_prompt, req, tok, node.max_model_len)
+        tools = template_tools(req.tools) if req.tools else None
+        ids = await off_loop(chat_prompt, req, tok, node.max_model_len, tools)
     else:
         ids = await off_loop(_encode, tok, req.prompt, node.max_model_len, "prompt", req.add_special_tokens)
     strs = [tok.id_to_token(t) for t in ids] if req.return_token_strs else None

@@ -25,7 +25,7 @@ from node.api.errors import bad_request
 from node.api.tool_parsers import PARSERS, ToolCallParser, detect_parser
 from node.core.grammar_spec import GrammarSpec
 from node.protocol import ChatCompletionRequest, ChatMessage
-from node.protocol_tools import NamedToolChoice
+from node.protocol_tools import NamedToolChoice, Tool
 
 # a function without ``parameters`` takes none (OpenAI: an empty parameter list), so its arguments are "{}"
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -48,11 +48,21 @@ class ToolPlan:
     named: str | None = None
 
     def new_parser(self) -> ToolCallParser | None:
-        return None if self.parser is None else ToolCallParser(self.parser, self.named)
+        if self.parser is None:
+            return None
+        return ToolCallParser(self.parser, self.named, frozenset(t["function"]["name"] for t in self.tools or ()))
 
 
 def _schema(params: dict | None) -> dict:
     return params if params else NO_PARAMETERS
+
+
+def template_tools(tools: list[Tool]) -> list[dict]:
+    """``tools`` as chat templates read them: OpenAI's JSON shape, absent keys left out."""
+    return [{"type": "function", "function": {k: v for k, v in (("name", t.function.name),
+                                                                ("description", t.function.description),
+                                                                ("parameters", t.function.parameters)) if v is not None}}
+            for t in tools]
 
 
 def plan_tools(req: ChatCompletionRequest, parser: str | None, template: str | None = None) -> ToolPlan:
@@ -63,19 +73,18 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None, template: str | N
         parser: the node's ``--tool-call-parser`` (None: the one ``template``, the chat template, names, if any).
 
     Raises:
-        APIError: 400 for a choice without tools, a named function that is not among them, duplicate
+        APIError: 400 for a choice or ``parallel_tool_calls`` without tools, a named function that is not among them, duplicate
             names, ``auto`` with tools on a node without a parser, or a grammar choice beside another
             structured-output form.
     """
     choice = req.tool_choice
-    if not req.tools:
-        if choice not in (None, "none", "auto"):  # with no tools, "auto" calls none
-            raise bad_request("tool_choice needs tools", param="tool_choice")
+    if not req.tools:  # as OpenAI: these fields are only allowed when tools are given (whatever their value)
+        if choice is not None:
+            raise bad_request("tool_choice is only allowed when tools are given", param="tool_choice")
+        if req.parallel_tool_calls is not None:
+            raise bad_request("parallel_tool_calls is only allowed when tools are given", param="parallel_tool_calls")
         return ToolPlan()
-    tools = [{"type": "function", "function": {k: v for k, v in (("name", t.function.name),
-                                                                  ("description", t.function.description),
-                                                                  ("parameters", t.function.parameters)) if v is not None}}
-             for t in req.tools]
+    tools = template_tools(req.tools)
     names = [t.function.name for t in req.tools]
     if len(set(names)) != len(names):
         raise bad_request("tools must have distinct function names", param="tools")
@@ -105,7 +114,7 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None, template: str | N
     items = [{"type": "object", "properties": {"name": {"const": t.function.name}, "parameters": _schema(t.function.parameters)},
               "required": ["name", "parameters"]} for t in req.tools]
     schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
-    if not req.parallel_tool_calls:
+    if req.parallel_tool_calls is False:
         schema["maxItems"] = 1
     return ToolPlan(tools, GrammarSpec("json_schema", json.dumps(schema)), "list")
 

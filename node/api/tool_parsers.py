@@ -18,8 +18,16 @@ Without ``--tool-call-parser`` the parser is taken from the chat template where 
 Streaming follows OpenAI: a call's first delta carries its ``index``, ``id``, ``type`` and the function
 ``name`` (with empty ``arguments``), later deltas carry argument fragments, which concatenate to the
 arguments exactly as the model wrote them. The name is read with ``partial-json-parser`` (a string
-counts only once closed); the arguments' span is found by a bracket scan of the call object, so a
-fragment is sent as soon as its characters are known to belong to the arguments.
+counts only once closed); the arguments' span is found by a bracket scan of the call object.
+
+What the model wrote freely (``hermes``, ``llama3_json``, ``mistral``) is a call only when its object is
+valid JSON naming a declared tool, with arguments that are a JSON object (absent: ``{}``), as vLLM's
+parsers require; so that a stream never sends a call the whole reply would reject, such a call's deltas
+are held until its object closes and passes (its name delta, then its arguments in one delta). A
+rejected call's text stays content: after the text before the calls, each rejected call's object, in
+order (one left open at the end included); when no call passes, the whole output is content. The grammar
+kinds' (``list``, ``named``) output is valid by construction: their argument fragments are sent as they
+come.
 """
 
 from __future__ import annotations
@@ -111,7 +119,7 @@ def _close_scalar(text: str, fields: dict, key: str | None, value_start: int | N
 
 
 class _Call:
-    __slots__ = ("start", "end", "id", "name", "args", "sent_name", "sent_args")
+    __slots__ = ("start", "end", "id", "name", "args", "sent_name", "sent_args", "valid")
 
     def __init__(self, start: int):
         self.start = start
@@ -121,6 +129,7 @@ class _Call:
         self.args = ""  # the arguments' text known so far
         self.sent_name = False
         self.sent_args = 0
+        self.valid: bool | None = None  # a freely written call's verdict, once its object closed
 
 
 class ToolCallParser:
@@ -129,14 +138,18 @@ class ToolCallParser:
     Args:
         kind: one of :data:`PARSERS`, ``list`` or ``named``.
         name: the function of a ``named`` choice.
+        declared: the names of the request's tools; a freely written call naming another is content.
 
     :meth:`feed` takes each text delta and returns the content delta and the ``delta.tool_calls``
     entries it makes due; :meth:`result` gives the whole message's ``(content, tool_calls)``.
     """
 
-    def __init__(self, kind: str, name: str | None = None):
+    def __init__(self, kind: str, name: str | None = None, declared: frozenset[str] | None = None):
         self.kind = kind
         self.named = name
+        self.declared = declared  # the request's tool names (None: any name)
+        self.checked = kind in PARSERS  # freely written calls: each validated before it is sent
+        self.pending: list[str] = []  # rejected calls' texts, while no call has passed
         self.text = ""
         self.region: int | None = 0 if kind in ("list", "named") else None  # where the calls begin
         self.content_sent = 0
@@ -195,7 +208,10 @@ class ToolCallParser:
             end, fields = scan_object(t, c.start)
             raw = t[c.start : end if end is not None else len(t)]
             if c.name is None:
-                head = partial_json_parser.loads(raw, Allow.ALL & ~Allow.STR) if raw else {}
+                try:
+                    head = partial_json_parser.loads(raw, Allow.ALL & ~Allow.STR) if raw else {}
+                except Exception:  # noqa: BLE001 (the library raises several kinds): malformed, no name
+                    head = {}
                 name = head.get("name") if isinstance(head, dict) else None
                 c.name = name if isinstance(name, str) else None
             span = next((fields[k] for k in _ARG_KEYS if k in fields), None)
@@ -203,7 +219,10 @@ class ToolCallParser:
                 b, e = span
                 value = t[b : e if e is not None else len(t)]
                 if t[b] == '"':  # arguments written as a JSON string: known once the string closes
-                    c.args = json.loads(value) if e is not None else ""
+                    try:
+                        c.args = json.loads(value) if e is not None else ""
+                    except ValueError:  # not a JSON string: the call fails its check
+                        c.args = ""
                 else:
                     c.args = value
             c.end = end
@@ -226,25 +245,64 @@ class ToolCallParser:
             return content, []
         self._scan()
         out = []
-        for i, c in enumerate(self.calls):
+        index = 0
+        for c in self.calls:
+            if self.checked:
+                if c.end is None:
+                    break  # held until its object closes: it may yet fail
+                if c.valid is None:
+                    c.valid = self._check(c)
+                    if not c.valid:
+                        self.pending.append(self.text[c.start : c.end])
+                if not c.valid:
+                    if any(x.valid for x in self.calls):
+                        content += "".join(self.pending)  # a call passed: rejected texts are content now
+                        self.pending.clear()
+                    continue
+                content += "".join(self.pending)  # those rejected before the first call that passed
+                self.pending.clear()
             if c.name is None:
                 break  # name first: later calls wait too, so indices go out in order
             if not c.sent_name:
                 c.sent_name = True
-                out.append({"index": i, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}})
+                out.append({"index": index, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}})
             if len(c.args) > c.sent_args:
-                out.append({"index": i, "function": {"arguments": c.args[c.sent_args :]}})
+                out.append({"index": index, "function": {"arguments": c.args[c.sent_args :]}})
                 c.sent_args = len(c.args)
+            index += 1
         return content, out
 
+    def _check(self, c: _Call) -> bool:
+        """Whether the closed call object ``c`` is a call (module docstring); fills in absent arguments."""
+        try:
+            obj = json.loads(self.text[c.start : c.end])
+        except ValueError:
+            return False
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return False
+        if self.declared is not None and obj["name"] not in self.declared:
+            return False
+        if not any(k in obj for k in _ARG_KEYS):
+            c.args = "{}"
+        try:
+            return isinstance(json.loads(c.args), dict)
+        except ValueError:
+            return False
+
     def flush(self) -> str:
-        """At the end: text held back as a possible marker, and, when no call came, the whole region."""
-        if not any(c.name for c in self.calls):
+        """At the end: text held back as a possible marker, and, when no call came, the whole region
+        (for freely written calls: when none passed; else the object of one left open)."""
+        if not self._made_calls():
             rest = self.text[self.content_sent :]
+        elif self.checked and self.calls[-1].end is None:
+            rest = self.text[self.calls[-1].start :]
         else:
             rest = ""
         self.content_sent = len(self.text)
         return rest
+
+    def _made_calls(self) -> bool:
+        return any(c.valid for c in self.calls) if self.checked else any(c.name for c in self.calls)
 
     def result(self) -> tuple[str | None, list[dict]]:
         """The whole message: ``(content, tool_calls)`` in OpenAI's shape (content None when empty)."""
@@ -252,9 +310,18 @@ class ToolCallParser:
             self._find_region()
         if self.region is not None:
             self._scan()
-        calls = [c for c in self.calls if c.name is not None]
+        if self.checked:
+            for c in self.calls:
+                if c.valid is None and c.end is not None:
+                    c.valid = self._check(c)
+            calls = [c for c in self.calls if c.valid]
+        else:
+            calls = [c for c in self.calls if c.name is not None]
         if not calls:
             return self.text, []
         content = self.text[: self.region] if self.region else ""
+        if self.checked:  # rejected calls' objects (one left open included) stay content, in order
+            content += "".join(self.text[c.start : c.end if c.end is not None else len(self.text)]
+                               for c in self.calls if not c.valid)
         return (content or None), [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.args}}
                                    for c in calls]

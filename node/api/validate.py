@@ -17,6 +17,7 @@ MAX_LOGPROBS = 20
 MIN_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
+COUNT_IN_FULL_CHARS = 256 * 1024  # a prompt up to this long is tokenized to count it (~1 s at worst)
 
 
 def check_model(req: _SamplingFields, served: str) -> None:
@@ -33,12 +34,29 @@ def _range(name: str, value: float | int | None, lo: float, hi: float, lo_open: 
         raise bad_request(f"{name} must be in {bound}, got {value}", param=name)
 
 
+# Names the renderer itself passes to the template (and the template itself): a chat_template_kwargs key
+# among them would collide with the renderer's own argument (a TypeError) or silently replace it.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
+                                      "bos_token", "eos_token", "self", "chat_template", "documents"})
+
+
 def _encode(tok: TextTokenizer, text: str, max_model_len: int, param: str, add_special_tokens: bool = True) -> list[int]:
-    """Tokenize, refusing at once a text too long to fit the context whatever its tokens are."""
-    if len(text) > max_model_len * tok.max_chars_per_token:
-        raise bad_request(f"This model's maximum context length is {max_model_len} tokens; the {param} has "
-                          f"{len(text)} characters, more than {max_model_len} tokens can hold.", param=param)
-    return tok.encode(text, add_special_tokens=add_special_tokens)
+    """Tokenize; a text of more than ``max_model_len`` tokens is a 400 naming both lengths in tokens, as
+    vLLM's does. Callers run this off the event loop.
+
+    A text too long to fit whatever its tokens are and too long to count quickly (over
+    :data:`COUNT_IN_FULL_CHARS`: tokenizing megabytes takes seconds) is refused without tokenizing it; its
+    error says it is more than ``max_model_len`` tokens.
+    """
+    what = "prompt" if param == "prompt" else "prompt rendered from the messages"
+    if len(text) > max(max_model_len * tok.max_chars_per_token, COUNT_IN_FULL_CHARS):
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, your {what} "
+                          f"has {len(text)} characters, which is more than {max_model_len} tokens.", param=param)
+    ids = tok.encode(text, add_special_tokens=add_special_tokens)
+    if len(ids) > max_model_len:
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, your {what} "
+                          f"is {len(ids)} tokens.", param=param)
+    return ids
 
 
 def completion_prompts(req: CompletionRequest, tok: TextTokenizer, vocab_size: int, max_model_len: int) -> list[list[int]]:
@@ -77,12 +95,18 @@ def chat_prompt(req: ChatCompletionRequest, tok: TextTokenizer, max_model_len: i
     ``chat_template_kwargs`` and ``reasoning_effort`` become template variables;
     ``continue_final_message`` leaves the last message open. Run off the loop."""
     messages = []  # at least one, each with a known role: the decoder checked (node.protocol)
-    for m in req.messages:
+    for i, m in enumerate(req.messages):
         content = m.content
         if isinstance(content, list):
-            if any(part.type != "text" for part in content):
-                raise bad_request("only text content parts are supported", param="messages")
-            content = "\n".join(part.text or "" for part in content)
+            for j, part in enumerate(content):
+                if part.type != "text":
+                    raise bad_request("only text content parts are supported", param=f"messages[{i}].content[{j}].type")
+                if part.text is None:  # OpenAI: a text part's text is required
+                    raise bad_request("a text content part needs its text", param=f"messages[{i}].content[{j}].text")
+            content = "\n".join(part.text for part in content)
+        if m.role == "tool" and m.tool_call_id is None:  # OpenAI: required (the template pairs it with its call)
+            raise bad_request("a tool message needs the tool_call_id of the call it answers",
+                              param=f"messages[{i}].tool_call_id")
         message = template_message(m, content or "")
         if m.reasoning_content is not None:
             message["reasoning_content"] = m.reasoning_content
@@ -91,6 +115,11 @@ def chat_prompt(req: ChatCompletionRequest, tok: TextTokenizer, max_model_len: i
         raise bad_request("continue_final_message and add_generation_prompt cannot both be true (a final message "
                           "is either continued or followed by a new one)", param="continue_final_message")
     variables = dict(req.chat_template_kwargs or {})
+    for key in variables:
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise bad_request(f"chat_template_kwargs must not set {key!r}: the server passes it to the template "
+                              f"itself (reserved: {', '.join(sorted(RESERVED_TEMPLATE_KWARGS))})",
+                              param=f"chat_template_kwargs.{key}")
     if req.reasoning_effort is not None:
         variables.setdefault("reasoning_effort", req.reasoning_effort)
     try:
@@ -183,7 +212,8 @@ _UNSUPPORTED = ("logits_processors", "functions", "audio")
 def reject_unsupported(req) -> None:
     """Refuse a request naming a field that would change what is generated and that this server does
     not implement (beam search, legacy functions, audio), as vLLM refuses what
-    it cannot do: 400 naming the field, rather than an answer that silently ignores it.
+    it cannot do: 400 naming the field, rather than an answer that silently ignores it. Also
+    ``stream_options`` without ``stream: true`` (it would have no effect).
 
     Raises:
         APIError: 400 with ``param`` the field.
@@ -195,5 +225,7 @@ def reject_unsupported(req) -> None:
         raise bad_request("beam search is not supported by this server", param="use_beam_search")
     if getattr(req, "function_call", None) not in (None, "none", "auto"):  # the legacy form: use tools
         raise bad_request("function_call is not supported by this server: use tools and tool_choice", param="function_call")
+    if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM
+        raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
     if getattr(req, "modalities", None) not in (None, ["text"]):
         raise bad_request(f"modalities {req.modalities} are not supported: only [\"text\"]", param="modalities")

@@ -174,8 +174,9 @@ class TextTokenizer:
             )
         except jinja2.TemplateError as e:
             raise TokenizerError(f"chat template failed: {e}") from e
-        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as e:
-            # a template variable of a type the template cannot use (chat_template_kwargs come from the client)
+        except Exception as e:  # noqa: BLE001
+            # whatever a template does with the client's messages and chat_template_kwargs (a variable of a
+            # type it cannot use, a recursion, a filter that raises) is the request's fault: a 400, never a 500
             raise TokenizerError(f"chat template failed: {type(e).__name__}: {e}") from e
         if continue_final_message:
             final = str(messages[-1].get("content") or "").strip() if messages else ""
