@@ -2,6 +2,7 @@
 
 import json
 import random
+import re
 
 import httpx
 import pytest
@@ -175,3 +176,58 @@ def test_plain_text_response_format_is_accepted(stories_node):
     r = post(stories_node, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                                                     "response_format": {"type": "text"}})
     assert r.status_code == 200, r.text
+
+
+CHAT_X = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("key", ["messages", "tools", "add_generation_prompt", "continue_final_message", "self",
+                                 "chat_template", "bos_token"])
+def test_reserved_chat_template_kwargs_are_a_400_on_chat_and_tokenize(stories_node, key):
+    for path, body in (("/v1/chat/completions", CHAT_X), ("/tokenize", {"messages": CHAT_X["messages"]})):
+        assert_error(post(stories_node, path, {**body, "chat_template_kwargs": {key: 5}}), 400, f"chat_template_kwargs.{key}")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("body,param", [
+    ({**CHAT_X, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({**CHAT_X, "stream": False, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+    ({**CHAT_X, "tool_choice": "none"}, "tool_choice"),
+    ({**CHAT_X, "tool_choice": "auto"}, "tool_choice"),
+    ({**CHAT_X, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({**CHAT_X, "parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({**CHAT_X, "reasoning_effort": "ultra"}, "reasoning_effort"),
+    ({**CHAT_X, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
+    ({**CHAT_X, "messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "4"}]}, "messages[1].tool_call_id"),
+    ({**CHAT_X, "request_id": ""}, "request_id"),
+    ({**CHAT_X, "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+])
+def test_fields_that_would_be_dropped_or_misread_are_a_400(stories_node, body, param):
+    assert_error(post(stories_node, "/v1/chat/completions", body), 400, param)
+
+
+@pytest.mark.quick
+def test_the_accepted_forms_of_those_fields_still_serve(stories_node):
+    for extra in ({"reasoning_effort": "low"}, {"stream": True, "stream_options": {"include_usage": True}},
+                  {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]}):
+        r = post(stories_node, "/v1/chat/completions", {**CHAT_X, **extra})
+        assert r.status_code == 200, (extra, r.text)
+    r = post(stories_node, "/v1/completions", {"prompt": "Once", "max_tokens": 2, "stream": True,
+                                               "stream_options": {"include_usage": True}})
+    assert r.status_code == 200, r.text
+    assert_error(post(stories_node, "/v1/completions", {"prompt": "Once", "max_tokens": 2,
+                                                        "stream_options": {"include_usage": True}}), 400, "stream_options")
+
+
+@pytest.mark.quick
+def test_an_over_long_prompt_error_gives_its_length_in_tokens(stories_node):
+    limit = post(stories_node, "/tokenize", {"prompt": "Once"}).json()["max_model_len"]
+    text = "Once upon a time " * 400
+    for path, body in (("/v1/completions", {"prompt": text, "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 2})):
+        r = post(stories_node, path, body)
+        assert_error(r, 400, "prompt" if "prompt" in body else "messages")
+        msg = r.json()["error"]["message"]
+        assert f"{limit} tokens" in msg and "characters" not in msg, msg
+        assert int(re.search(r"However, your .* is (\d+) tokens", msg).group(1)) > limit, msg

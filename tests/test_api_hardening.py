@@ -70,7 +70,7 @@ def test_error_param_names_the_field(stories_node):
     assert_error(post(stories_node, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
                                                              "top_logprobs": 21}), 400, "top_logprobs")
     assert_error(post(stories_node, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 600}]}), 400, "messages")
-    assert_error(post(stories_node, "/v1/chat/completions", {"messages": [{"role": 5}]}), 400, "messages")
+    assert_error(post(stories_node, "/v1/chat/completions", {"messages": [{"role": 5}]}), 400, "messages[0].role")
 
 
 @pytest.mark.quick
@@ -87,8 +87,10 @@ def test_echo_logprob_tokens_index_into_the_text(stories_node):
         else:
             choice = post(stories_node, "/v1/completions", body).json()["choices"][0]
             text, tokens, offsets = choice["text"], choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]
-        assert "".join(tokens) == text
-        assert all(text[o:].startswith(t) for o, t in zip(offsets, tokens))
+        # a byte piece of a character is named bytes:\xNN (vLLM); the others join to the text around it
+        assert "".join(t for t in tokens if not t.startswith("bytes:")) == text.replace("😀", "")
+        assert any(t.startswith("bytes:") for t in tokens)
+        assert all(text[o:].startswith(t) for o, t in zip(offsets, tokens) if not t.startswith("bytes:"))
 
 
 @pytest.mark.quick

@@ -74,7 +74,8 @@ def test_outputs_equal_the_single_process_nodes(launched, stories_node):
     ]
     ends = []
     for path, body in bodies:
-        mine, ref = fe.client.post(path, json=body), stories_node.client.post(path, json=body)
+        whole = {k: v for k, v in body.items() if k != "stream_options"}  # a 400 without stream (as OpenAI)
+        mine, ref = fe.client.post(path, json=whole), stories_node.client.post(path, json=whole)
         assert mine.status_code == ref.status_code == 200, (mine.text, ref.text)
         assert _strip(mine.json()) == _strip(ref.json()), path
         assert _strip(stream(fe.client, path, body)) == _strip(stream(stories_node.client, path, body)), path

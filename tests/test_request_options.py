@@ -128,7 +128,8 @@ def test_partial_utf8_logprobs_are_byte_exact(stories_node):
     assert first["token"] == "bytes:\\xe4" and first["bytes"] == [0xE4]  # not U+FFFD's [239, 191, 189]
     body = {"prompt": PROMPT + " 中中", "max_tokens": 1, "echo": True, "logprobs": 1}
     lp = complete(stories_node, **body)["choices"][0]["logprobs"]
-    assert "".join(lp["tokens"]).startswith(PROMPT + " 中中")  # the tokens still join to the text
+    assert lp["tokens"][-7:-1] == ["bytes:\\xe4", "bytes:\\xb8", "bytes:\\xad"] * 2  # vLLM's names, in tokens too
+    assert "".join(t for t in lp["tokens"] if not t.startswith("bytes:")).startswith(PROMPT + " ")
     tops = [k for t in lp["top_logprobs"] if t for k in t]
     assert "\ufffd" not in "".join(tops)  # a partial character is named by its bytes, never by U+FFFD
 
@@ -194,3 +195,35 @@ def test_through_the_openai_sdk(stories_node):
         stream_options={"include_usage": True}, extra_body={"stream_options": {"include_usage": True,
                                                                                 "continuous_usage_stats": True}}))
     assert all(c.usage is not None for c in chunks)
+
+
+def test_token_masks_beside_a_grammar_are_refused_not_broken(stories_node):
+    """allowed_token_ids or bad_words beside a grammar could leave a step no token both allow; it drew
+    token 0 then (``[0, 300, 300]`` for this body), breaking the grammar's guarantee."""
+    body = {"prompt": "Once", "max_tokens": 3, "allowed_token_ids": [300], "guided_regex": "[0-9]+", "return_token_ids": True}
+    r = stories_node.client.post("/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+    r = stories_node.client.post("/v1/completions", json={**body, "allowed_token_ids": None, "bad_words": ["1"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    r = stories_node.client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "tools": tools, "tool_choice": "required",
+        "allowed_token_ids": [300, 301]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+    assert complete(stories_node, max_tokens=2, guided_regex="[0-9]+")["choices"][0]["text"].isdigit()
+    stories_node.wait_idle()  # nothing leaked: every device back to 0 KV blocks
+
+
+def test_completion_logprob_tokens_of_partial_characters_match_their_keys(stories_node):
+    """Tokens that are pieces of characters came back as "" with text_offset 0; and the echoed first
+    token was "Once" while its top_logprobs key was " Once"."""
+    out = complete(stories_node, prompt="Once", max_tokens=6, allowed_token_ids=[229, 131, 159], seed=1, temperature=1.0,
+                   logprobs=2, return_token_ids=True)["choices"][0]
+    lp = out["logprobs"]
+    assert all(t.startswith("bytes:\\x") for t in lp["tokens"]), lp["tokens"]
+    assert all(tok in top for tok, top in zip(lp["tokens"], lp["top_logprobs"]))  # one name for both
+    assert all(0 <= o <= len(out["text"]) for o in lp["text_offset"]) and lp["text_offset"] == sorted(lp["text_offset"])
+    echo = complete(stories_node, prompt="Once upon", max_tokens=1, echo=True, logprobs=1)["choices"][0]["logprobs"]
+    # the chosen token is keyed by its own string ("Once"), never by another decoding of it (" Once")
+    assert not any(k != tok and k.strip() == tok.strip() for tok, top in zip(echo["tokens"][1:], echo["top_logprobs"][1:])
+                   for k in top), echo

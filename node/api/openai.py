@@ -22,7 +22,8 @@ from node.api.fields import reject_refused
 from node.api.frontend_node import FrontNode
 from node.api.request_body import NODE_KEY, read_json  # noqa: F401 - NODE_KEY: imported from here by the apps
 from node.api.request_ids import public_id
-from node.api.request_options import prompt_logprobs_count, truncate_prompt, with_request_options
+from node.api.request_options import (prompt_logprobs_count, reject_masks_beside_grammar, truncate_prompt,
+                                      with_request_options)
 from node.api.responses import ChoiceState, chat_logprobs, completion_logprobs, envelope, prompt_logprobs_body, usage
 from node.api.sse import Backlog, SSEWriter, StreamLimits
 from node.api.structured import structured
@@ -236,7 +237,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise bad_request(f"{len(prompts)} prompts x n={req.n} = {len(prompts) * req.n} sequences in one request exceed "
                           f"the queue limit of {node.config.max_queue} (--max-queue)", param="prompt")
     echo_lp = req.logprobs if req.echo else None
-    grammar = await structured(node, req)
+    grammar = reject_masks_beside_grammar(req, await structured(node, req))
     want_plp = prompt_logprobs_count(req)
     prompt_lp = max((k for k in (echo_lp, want_plp) if k is not None), default=None)
     jobs = []
@@ -343,7 +344,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_logprobs=want_plp,
                              max_n=node.config.max_num_seqs, logprobs_param="top_logprobs", prompt_param="messages")
     params = with_request_options(params, req, tok, node.info.cfg.vocab_size, priority_policy=_priority_policy(node))
-    params = msgspec.structs.replace(params, grammar=await structured(node, req, plan.grammar))
+    params = msgspec.structs.replace(params, grammar=reject_masks_beside_grammar(req, await structured(node, req, plan.grammar)))
     tool_out = ChatToolOutput(plan)
     request_id = node.new_request_id("chatcmpl")
     env = envelope("chat.completion.chunk", public_id(request, "chatcmpl", req.request_id, request_id),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from node.api.errors import bad_request
+from node.core.grammar_spec import GrammarSpec
 from node.core.sequence import SamplingParams
 from node.worker.tokenizer import TextTokenizer
 
@@ -82,6 +83,23 @@ def with_request_options(params: SamplingParams, req, tok: TextTokenizer, vocab:
         bad_words=bad_word_ids(tok, words) if words else (),
         include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
         cache_salt=req.cache_salt, priority=req.priority)
+
+
+def reject_masks_beside_grammar(req, grammar: GrammarSpec | None) -> GrammarSpec | None:
+    """400 for ``allowed_token_ids`` or ``bad_words`` beside a grammar (structured output, or a required or
+    named ``tool_choice``): at a step where the grammar allows only tokens they forbid, the row would have no
+    token left to draw, and the sampler's fallback would break the grammar's guarantee. vLLM takes both and
+    can then emit tokens outside the grammar; the node refuses the combination up front instead.
+    Returns ``grammar``.
+
+    Raises:
+        APIError: 400 naming ``allowed_token_ids`` or ``bad_words``.
+    """
+    for name in ("allowed_token_ids", "bad_words"):
+        if grammar is not None and getattr(req, name):
+            raise bad_request(f"{name} cannot be combined with structured output or a required or named "
+                              f"tool_choice (a step could be left with no token both allow)", param=name)
+    return grammar
 
 
 def prompt_logprobs_count(req, param: str = "prompt_logprobs") -> int | None:

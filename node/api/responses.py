@@ -59,8 +59,9 @@ def completion_logprobs(tok: TextTokenizer, entries: list[TokenLogprobs | None],
     """Legacy completions logprobs ``{tokens, token_logprobs, top_logprobs, text_offset}``.
 
     Token strings come from ``detok`` (the choice's running detokenizer), so they concatenate to the
-    returned text and ``text_offset`` indexes into it (a character split over byte tokens is given to
-    the token that completes it). ``entries[i] is None`` marks the first prompt token under echo (it
+    returned text and ``text_offset`` indexes into it, except a token that is part of a character (a
+    byte-fallback piece): it is named ``bytes:\\xNN`` as vLLM names it (in ``top_logprobs`` too), and
+    its ``text_offset`` is where its character's text begins. ``entries[i] is None`` marks the first prompt token under echo (it
     has no logprob). ``as_ids``: tokens and ``top_logprobs`` keys are ``token_id:N`` (the text offsets
     still count the text). Returns the body and the text offset after the last token.
     """
@@ -68,11 +69,15 @@ def completion_logprobs(tok: TextTokenizer, entries: list[TokenLogprobs | None],
     off = offset0
     for tid, e in zip(token_ids, entries):
         text = detok.add(tid)
-        tokens.append(f"token_id:{tid}" if as_ids else text)
+        name = token_name(tok, tid, as_ids)
+        # a partial character's token is named by its bytes (vLLM's bytes:\xNN), as in top_logprobs;
+        # any other by the text it adds, so such tokens join to the text
+        tokens.append(name if as_ids or name.startswith("bytes:") else text)
         offsets.append(off)
         off += len(text)
         lps.append(None if e is None else e.logprob)
-        tops.append(None if e is None else {token_name(tok, t, as_ids): lp for t, lp in e.top})  # distinct keys
+        # distinct keys; the chosen token's is its string above (one decoding for both)
+        tops.append(None if e is None else {(tokens[-1] if t == tid else token_name(tok, t, as_ids)): lp for t, lp in e.top})
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, off
 
 
