@@ -220,10 +220,23 @@ def test_completion_logprob_tokens_of_partial_characters_match_their_keys(storie
     out = complete(stories_node, prompt="Once", max_tokens=6, allowed_token_ids=[229, 131, 159], seed=1, temperature=1.0,
                    logprobs=2, return_token_ids=True)["choices"][0]
     lp = out["logprobs"]
-    assert all(t.startswith("bytes:\\x") for t in lp["tokens"]), lp["tokens"]
-    assert all(tok in top for tok, top in zip(lp["tokens"], lp["top_logprobs"]))  # one name for both
+    # stories260k's byte-fallback token of byte b is id b + 3 (BYTES_ZH); named as in top_logprobs keys
+    assert lp["tokens"] == [f"bytes:\\x{t - 3:02x}" for t in out["token_ids"]], lp["tokens"]
+    assert not any("\ufffd" in k or k == "" for top in lp["top_logprobs"] for k in top)
     assert all(0 <= o <= len(out["text"]) for o in lp["text_offset"]) and lp["text_offset"] == sorted(lp["text_offset"])
     echo = complete(stories_node, prompt="Once upon", max_tokens=1, echo=True, logprobs=1)["choices"][0]["logprobs"]
     # the chosen token is keyed by its own string ("Once"), never by another decoding of it (" Once")
     assert not any(k != tok and k.strip() == tok.strip() for tok, top in zip(echo["tokens"][1:], echo["top_logprobs"][1:])
                    for k in top), echo
+
+
+def test_continuous_usage_stats_report_one_cached_count(stories_node):
+    """The role chunk went out before the prefill and said cached_tokens 0, later chunks 16."""
+    body = {"messages": [{"role": "user", "content": "Once upon a time there was a little dog named Max " * 3}],
+            "max_tokens": 3, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    stream(stories_node.client, "/v1/chat/completions", body)  # fills the prefix cache
+    events = stream(stories_node.client, "/v1/chat/completions", body)[:-1]
+    assert events[0]["choices"][0]["delta"].get("role") == "assistant"
+    cached = {e["usage"]["prompt_tokens_details"]["cached_tokens"] for e in events}
+    assert len(cached) == 1 and cached.pop() > 0, events

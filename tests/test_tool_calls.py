@@ -260,3 +260,14 @@ def test_invalid_or_undeclared_calls_stay_content_whole_and_streamed(kind):
         for seed in range(20):  # a stream never sends a call the whole reply rejects, and agrees on the content
             s_content, s_calls, _ = _stream(ToolCallParser(kind, declared=names), text, random.Random(seed))
             assert s_calls == calls and s_content == content, (seed, s_content, s_calls)
+
+
+def test_tokenize_renders_tools_as_chat_does(family_node):
+    """/tokenize refused tools ("not supported yet"); it renders them into the template as chat does."""
+    _, node, _ = family_node
+    with_tools = node.client.post("/tokenize", json={"messages": ASK, "tools": TOOLS})
+    assert with_tools.status_code == 200, with_tools.text
+    without = node.client.post("/tokenize", json={"messages": ASK}).json()
+    chat = node.client.post("/v1/chat/completions", json={"messages": ASK, "tools": TOOLS, "tool_choice": "none",
+                                                         "max_tokens": 1}).json()
+    assert with_tools.json()["count"] == chat["usage"]["prompt_tokens"] > without["count"]

@@ -20,11 +20,12 @@ from node.api.errors import APIError, bad_request, delta_error, error_body
 from node.api.chat_content import ChatContent
 from node.api.fields import reject_refused
 from node.api.frontend_node import FrontNode
-from node.api.request_body import NODE_KEY, read_json  # noqa: F401 - NODE_KEY: imported from here by the apps
+from node.api.request_body import NODE_KEY, off_loop, read_json  # noqa: F401 - NODE_KEY: imported from here by the apps
 from node.api.request_ids import public_id
 from node.api.request_options import (prompt_logprobs_count, reject_masks_beside_grammar, truncate_prompt,
                                       with_request_options)
-from node.api.responses import ChoiceState, chat_logprobs, completion_logprobs, envelope, prompt_logprobs_body, usage
+from node.api.responses import (ChoiceState, RequestEcho, chat_logprobs, completion_logprobs, envelope, prompt_logprobs_body,
+                                usage)
 from node.api.sse import Backlog, SSEWriter, StreamLimits
 from node.api.structured import structured
 from node.api.tool_calls import ChatToolOutput, plan_tools
@@ -49,11 +50,6 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     index0: int
-
-
-async def off_loop(fn, *args):
-    """Run CPU-heavy request preparation (tokenization, templates) in a thread, not on the event loop."""
-    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
 def _queue_full(e: QueueFullError) -> APIError:
@@ -106,9 +102,12 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
         def open_choices() -> bool:
             return any(None in r.reasons for r in reqs)
 
-        def fold(d: SeqDelta) -> dict | None:  # the caller accounted each delta it joins (node.account)
+        def note_cached(d: SeqDelta) -> None:
             if d.cached_tokens is not None and d.index % n == 0:
                 cached[d.index // n] = d.cached_tokens
+
+        def fold(d: SeqDelta) -> dict | None:  # the caller accounted each delta it joins (node.account)
+            note_cached(d)
             return on_delta(choices[d.index], d)
 
         if not stream:
@@ -165,6 +164,11 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
                 chunks = []
                 failed = ending = False
                 try:
+                    if first:  # continuous usage: the role chunks wait for the prefill's cached count (as vLLM's)
+                        for d in batch:
+                            note_cached(d)
+                        chunks += [{**c, **usage_now()} for c in first]
+                        first.clear()
                     if backlog and not congested:
                         flush(chunks)
                     for d in batch:
@@ -192,10 +196,14 @@ async def run_request(request: web.Request, *, request_id: str, jobs: list[Job],
 
         try:
             await sse.prepare()
-            sse.send_many([{**chunk_envelope, **c, **(usage_now() if continuous_usage else {})} for c in first_chunks(choices)])
+            first = [{**chunk_envelope, **c} for c in first_chunks(choices)]
+            if not continuous_usage:
+                sse.send_many(first)
+                first.clear()
             if open_choices():
                 deltas.consume(write_step)  # each step's deltas are written from here on, in one call per step
                 await ended
+            sse.send_many([{**c, **usage_now()} for c in first])  # no step came (every choice ended at once)
             if backlog:  # the ends were held for a congested client: once it catches up (or is stalled)
                 await sse.drained()
                 sse.send_many(flush([]))
@@ -245,7 +253,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         params = sampling_params(req, prompt_len=len(ids), max_model_len=node.max_model_len, max_tokens=req.max_tokens,
                                  default_max_tokens=16, vocab_size=vocab, logprobs=req.logprobs, prompt_logprobs=prompt_lp,
                                  max_n=node.config.max_num_seqs)
-        params = with_request_options(params, req, tok, vocab, priority_policy=_priority_policy(node))
+        params = with_request_options(params, req, tok, vocab, priority_policy=node.config.serving.scheduling_policy == "priority")
         jobs.append(Job(ids, msgspec.structs.replace(params, grammar=grammar), p * req.n))
     request_id = node.new_request_id("cmpl")
     env = envelope("text_completion", public_id(request, "cmpl", req.request_id, request_id), node.config.model_name)
@@ -314,16 +322,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
     )
 
 
-def _priority_policy(node) -> bool:
-    return node.config.serving.scheduling_policy == "priority"
-
-
-@dataclass
-class RequestEcho:
-    prompt_ids: list[int]
-    text: str
-
-
 # --- /v1/chat/completions ------------------------------------------------------------------------
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     node = request.app[NODE_KEY]
@@ -343,7 +341,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                              default_max_tokens=None, vocab_size=node.info.cfg.vocab_size,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_logprobs=want_plp,
                              max_n=node.config.max_num_seqs, logprobs_param="top_logprobs", prompt_param="messages")
-    params = with_request_options(params, req, tok, node.info.cfg.vocab_size, priority_policy=_priority_policy(node))
+    params = with_request_options(params, req, tok, node.info.cfg.vocab_size, priority_policy=node.config.serving.scheduling_policy == "priority")
     params = msgspec.structs.replace(params, grammar=reject_masks_beside_grammar(req, await structured(node, req, plan.grammar)))
     tool_out = ChatToolOutput(plan)
     request_id = node.new_request_id("chatcmpl")

@@ -59,3 +59,8 @@ async def read_json(request: web.Request, kind: type) -> object:
         raise bad_request(f"invalid request: {e}", param=_error_param(str(e))) from e
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
         raise bad_request(f"request body is not valid JSON: {str(e)[:200]}") from e
+
+
+async def off_loop(fn, *args):
+    """Run CPU-heavy request preparation (tokenization, templates) in a thread, not on the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)

@@ -11,6 +11,14 @@ from node.worker.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 
 @dataclass
+class RequestEcho:
+    """A completions prompt as ``echo`` returns it: its token ids and its text."""
+
+    prompt_ids: list[int]
+    text: str
+
+
+@dataclass
 class ChoiceState:
     """Text, tokens and logprobs of one choice as they accumulate.
 

@@ -16,8 +16,7 @@ import msgspec
 from aiohttp import web
 
 from node.api.errors import bad_request
-from node.api.openai import off_loop
-from node.api.request_body import NODE_KEY, read_json
+from node.api.request_body import NODE_KEY, off_loop, read_json
 from node.api.validate import _encode, chat_prompt, check_model
 from node.api.tool_calls import template_tools
 from node.protocol import ChatMessage, ReasoningEffort
