@@ -211,6 +211,10 @@ def test_token_masks_beside_a_grammar_are_refused_not_broken(stories_node):
         "allowed_token_ids": [300, 301]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
     assert complete(stories_node, max_tokens=2, guided_regex="[0-9]+")["choices"][0]["text"].isdigit()
+    word = stories_node.client.post("/detokenize", json={"tokens": [400]}).json()["prompt"]  # a one-token word
+    r = stories_node.client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 2, "allowed_token_ids": [400],
+                                                           "bad_words": [word]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text
     stories_node.wait_idle()  # nothing leaked: every device back to 0 KV blocks
 
 

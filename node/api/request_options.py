@@ -78,9 +78,12 @@ def with_request_options(params: SamplingParams, req, tok: TextTokenizer, vocab:
                           param="priority")
     if not -(2**63) <= req.priority < 2**63:
         raise bad_request("priority must fit in 64 bits", param="priority")
+    banned = bad_word_ids(tok, words) if words else ()
+    if allowed and set(allowed) <= {w[0] for w in banned if len(w) == 1}:  # no token left to draw at any step
+        raise bad_request("bad_words ban every one of allowed_token_ids", param="bad_words")
     return msgspec.structs.replace(
         params, logit_bias=_logit_bias(req.logit_bias, vocab), allowed_token_ids=tuple(allowed),
-        bad_words=bad_word_ids(tok, words) if words else (),
+        bad_words=banned,
         include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
         cache_salt=req.cache_salt, priority=req.priority)
 
