@@ -69,8 +69,8 @@ def completion_logprobs(tok: TextTokenizer, entries: list[TokenLogprobs | None],
     Token strings come from ``detok`` (the choice's running detokenizer), so they concatenate to the
     returned text and ``text_offset`` indexes into it, except a token that is part of a character (a
     byte-fallback piece): it is named ``bytes:\\xNN`` as vLLM names it (in ``top_logprobs`` too), and
-    its ``text_offset`` is where its character's text begins. ``entries[i] is None`` marks the first prompt token under echo (it
-    has no logprob). ``as_ids``: tokens and ``top_logprobs`` keys are ``token_id:N`` (the text offsets
+    its ``text_offset`` is where its character's text begins. ``entries[i] is None`` marks the first
+    prompt token under echo (it has no logprob). ``as_ids``: tokens and ``top_logprobs`` keys are ``token_id:N`` (the text offsets
     still count the text). Returns the body and the text offset after the last token.
     """
     tokens, lps, tops, offsets = [], [], [], []
