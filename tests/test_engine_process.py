@@ -115,16 +115,37 @@ def test_an_engine_killed_mid_stream_ends_the_stream_with_an_error(no_restart_no
     assert node.health()[0] == 503
 
 
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rpartition(")")[2].split()[1])
+
+
 def test_engines_exit_with_the_node_on_sigterm_and_on_sigkill():
+    """Both the engines forked at the start (the node's children) and a restarted one (forked from the
+    node's fork server: node.worker.engine_start) end with the node. The restarted engine of the
+    SIGKILLed node is stopped (SIGSTOP) first, so it cannot see its socket close: only the death
+    signal that fires when the server exits can end it."""
     sigs = (signal.SIGTERM, signal.SIGKILL)
     nodes = up(*(NodeProcess("--model", str(STORIES), "--devices", "cpu:0,cpu:1", wait=False) for _ in sigs))
     try:
-        for sig, node in zip(sigs, nodes):  # one node per signal (started together)
-            pids = list(_engine_pids(node).values())
+        killed = [_engine_pids(node)["cpu:1"] for node in nodes]
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+        for sig, node, old in zip(sigs, nodes, killed):  # one node per signal (started together)
+            deadline = time.monotonic() + 60
+            while (_engine_pids(node)["cpu:1"] in (old, None) or node.health()[1]["status"] != "ok") \
+                    and time.monotonic() < deadline:
+                time.sleep(0.1)
+            pids = _engine_pids(node)
+            server = _parent(pids["cpu:1"])
+            assert _parent(pids["cpu:0"]) == node.proc.pid and server != node.proc.pid
+            assert _parent(server) == node.proc.pid and len(os.listdir(f"/proc/{server}/task")) == 1  # one thread
             assert _complete(node).status_code == 200
+            if sig == signal.SIGKILL:
+                os.kill(pids["cpu:1"], signal.SIGSTOP)
             node.proc.send_signal(sig)
             node.proc.wait(15)
-            assert _wait_gone(pids) == [], f"engines left after {sig.name}"
+            assert _wait_gone([*pids.values(), server]) == [], f"engines or fork server left after {sig.name}"
     finally:
         for node in nodes:
             node.close()

@@ -3,7 +3,8 @@ of its ranks: the group goes down whole) is started again with backoff, unless i
 
 What a restart does. The dead processes are reaped and their sockets closed
 (:meth:`DeviceEngine.stop_runner <node.runtime.engine.DeviceEngine.stop_runner>`), a fresh engine is
-spawned for the same devices (:func:`~node.worker.engine_group.launch_engine`; it loads the weights
+started for the same devices (:func:`~node.worker.engine_group.launch_engine`: forked from the node's
+fork server on the CPU, spawned on CUDA, :mod:`node.worker.engine_start`; it loads the weights
 again and allocates a new KV pool), and the device serves again on it
 (:meth:`DeviceEngine.revive <node.runtime.engine.DeviceEngine.revive>`): a new block ledger (the old
 prefix cache pointed into the dead pool), the layout of the role the device has (time-shared and
@@ -170,7 +171,7 @@ class EngineSupervisor:
         try:
             await engine.stop_runner()  # the dead processes reaped, their sockets closed
             _drop_pool(engine.runner)
-            runner = await loop.run_in_executor(None, launch_engine, self.config, self.devices[d], "spawn")
+            runner = await loop.run_in_executor(None, launch_engine, self.config, self.devices[d])
             await self._wait_ready(runner)
             runner.attach(loop)
             await engine.revive(runner)

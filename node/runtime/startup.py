@@ -89,7 +89,7 @@ async def load_engines(config: NodeConfig, prelaunched: dict[str, EngineProcess]
                 await loop.run_in_executor(None, core.warm_up)
                 handles.append(LocalEngine(core))
         else:
-            handles = [prelaunched.pop(i, None) or launch_engine(config, g, "spawn") for i, g in zip(ids, groups)]
+            handles = [prelaunched.pop(i, None) or launch_engine(config, g) for i, g in zip(ids, groups)]
             results = await asyncio.gather(*(loop.run_in_executor(None, h.wait_ready) for h in handles),
                                            return_exceptions=True)
             failed = [r for r in results if isinstance(r, BaseException)]

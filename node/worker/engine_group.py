@@ -22,6 +22,7 @@ from node.worker.engine_core import StepMsg, StepReply
 from node.worker.engine_messages import EngineDied, EngineError, Prepare, Reconfigure, StepAck, TPRank
 from node.worker.engine_messages import retrieved as _retrieved
 from node.worker.engine_process import EngineProcess, submit_from_thread
+from node.worker.engine_start import start_method
 
 log = structlog.get_logger("shiftnode.engine_group")
 
@@ -92,8 +93,9 @@ class TPEngineGroup:
 
     @classmethod
     def launch(cls, config: NodeConfig, devices: list[str], method: str | None = None) -> "TPEngineGroup":
-        """Start the group's ``len(devices)`` engine processes (forked or spawned as :meth:`EngineProcess.launch`)."""
-        group = cls(config, devices, method or "spawn")
+        """Start the group's ``len(devices)`` engine processes (started by ``method`` as
+        :meth:`EngineProcess.launch`; None: :func:`~node.worker.engine_start.start_method`'s choice)."""
+        group = cls(config, devices, method or start_method(devices))
         for rank in group.ranks:
             with stderr_uncaptured():  # the child's descriptor 2 is the real one (node.log_native)
                 rank.process.start()
@@ -333,7 +335,8 @@ class TPEngineGroup:
 
 def launch_engine(config: NodeConfig, devices: list[str], method: str | None = None) -> "EngineProcess | TPEngineGroup":
     """The engine of one group of ``config.device_groups()``: an :class:`EngineProcess` for a single
-    device, a :class:`TPEngineGroup` for ``tensor_parallel_size > 1``."""
+    device, a :class:`TPEngineGroup` for ``tensor_parallel_size > 1``; started by ``method`` (None: a fork
+    server's fork for CPU devices, a spawn for others: :func:`~node.worker.engine_start.start_method`)."""
     if len(devices) == 1:
         return EngineProcess.launch(config, devices[0], method)
     return TPEngineGroup.launch(config, devices, method)

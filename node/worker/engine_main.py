@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import multiprocessing.forkserver
 import os
 import signal
 import sys
@@ -32,14 +33,34 @@ log = structlog.get_logger("shiftnode.engine_process")
 
 
 def _die_with_parent(parent_pid: int, device_id: str) -> None:
-    """SIGKILL this process when the parent dies (Linux), and name it for ``ps``/``top``
-    (``shiftnode-cpu:0``); exit now if the parent is already gone."""
+    """SIGKILL this process when its parent dies (Linux), and name it for ``ps``/``top``
+    (``shiftnode-cpu:0``); exit now if the node is already gone (:func:`parent_alive`).
+
+    The parent is the node (``parent_pid``), or the fork server the node started
+    (:mod:`node.worker.engine_start`), which exits when the node dies."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         libc.prctl(15, f"shiftnode-{device_id}".encode()[:15])  # PR_SET_NAME
-    if os.getppid() != parent_pid:
+    if not parent_alive(parent_pid):
         os._exit(0)
+
+
+def parent_alive(node_pid: int) -> bool:
+    """Whether this process still hangs from the node ``node_pid``: its parent is the node, or (started by
+    a fork server) its parent is a process whose parent is the node. Checked after the parent-death
+    signal is set, so a node or server that dies later kills this process; one that died before has
+    left it with another parent (``init`` or a subreaper, never a child of the node)."""
+    parent = os.getppid()
+    if parent == node_pid:
+        return True
+    if multiprocessing.forkserver.get_inherited_fds() is None:  # not started by a fork server
+        return False
+    try:
+        with open(f"/proc/{parent}/stat") as f:
+            return int(f.read().rpartition(")")[2].split()[1]) == node_pid
+    except (OSError, ValueError, IndexError):
+        return not sys.platform.startswith("linux")  # no /proc to ask: trust the server's own watch
 
 
 def _memfd_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, holder: dict) -> torch.Tensor:

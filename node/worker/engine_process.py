@@ -35,8 +35,10 @@ after the destination's steps that were in flight when its blocks were taken
 Start. Engines for CPU devices are forked by ``shiftnode serve`` before the event loop starts
 (:func:`prelaunch`): the child shares the already imported modules, so it starts in milliseconds,
 and the parent has not yet run any parallel torch work that a fork would break; the node imports its
-HTTP application only after the fork, so those imports overlap the engines' start-up. CUDA devices, and
-nodes created inside a process that has already computed (tests), spawn a fresh interpreter.
+HTTP application only after the fork, so those imports overlap the engines' start-up. A CPU engine
+started later (a restart, or a node created inside a process that has already computed, as tests do)
+is forked from a fork server that has imported torch and the engine's modules; CUDA devices spawn a
+fresh interpreter (:mod:`node.worker.engine_start`).
 
 Tensor-parallel groups (``--tensor-parallel-size D``, ``--decode-tp``/``--prefill-tp``). A group of ``D`` devices is one device of the
 node: one engine process per rank, each a full engine (its own socket pair, its own shard of the
@@ -44,7 +46,8 @@ weights and of the KV heads), joined in a ``torch.distributed`` group; :class:`T
 node's handle and sends each request to every rank (see there for ordering, replies and failure).
 
 Lifetime. The engine exits when the node says so, when its end of the pipe closes, and (Linux
-``PR_SET_PDEATHSIG``) when the node process dies in any way; it ignores SIGINT, which a terminal
+``PR_SET_PDEATHSIG``) when the node process dies in any way (an engine forked from the fork server
+dies with the server, which exits when the node dies: :mod:`node.worker.engine_start`); it ignores SIGINT, which a terminal
 sends the whole process group, so a Ctrl-C stops the node, which then stops its engines. A dead
 engine is seen by the node as :class:`EngineDied` (its device is then reported down).
 """
@@ -70,6 +73,7 @@ from node.log_native import stderr_uncaptured
 from node.transport.protocol import Fingerprint
 from node.worker.cpu_threads import thread_candidates
 from node.worker.engine_main import engine_main
+from node.worker.engine_start import process_target, start_method
 from node.worker.engine_messages import (
     EngineDied, EngineError, Failed, GetFingerprint, PeerPools, Prepare, Ready, Reply, Shutdown, TPRank,
 )
@@ -152,8 +156,8 @@ class EngineProcess:
         threads = engine_thread_candidates(config, usable_cores(), tensor_parallel=tp is not None)
         ctx = multiprocessing.get_context(method)
         self._conn, child = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=engine_main, name=f"shiftnode-engine-{device_id}",
-                                   args=(child, config, device_id, os.getpid(), threads, tp), daemon=True)
+        target, args = process_target(method, engine_main, (child, config, device_id, os.getpid(), threads, tp))
+        self.process = ctx.Process(target=target, name=f"shiftnode-engine-{device_id}", args=args, daemon=True)
         self._child_conn = child
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(Reply)
@@ -176,10 +180,11 @@ class EngineProcess:
     @classmethod
     def launch(cls, config: NodeConfig, device_id: str, method: str | None = None,
                tp: TPRank | None = None) -> "EngineProcess":
-        """Start the engine process of ``device_id``: forked when ``method`` is ``"fork"`` (only safe
-        before the caller has run parallel torch work: see the module docstring), spawned otherwise.
+        """Start the engine process of ``device_id`` by ``method``: ``"fork"`` (only safe before the
+        caller has run parallel torch work: see the module docstring), ``"forkserver"`` or ``"spawn"``;
+        None: :func:`~node.worker.engine_start.start_method`'s choice for the device.
         ``tp``: as one rank of a tensor-parallel group (:class:`TPEngineGroup` launches those)."""
-        handle = cls(config, device_id, method or "spawn", tp)
+        handle = cls(config, device_id, method or start_method([device_id]), tp)
         with stderr_uncaptured():  # the child's descriptor 2 is the real one (node.log_native)
             handle.process.start()
         handle._child_conn.close()  # the child holds its own copy; ours would hide its death
