@@ -345,9 +345,15 @@ def launch_engine(config: NodeConfig, devices: list[str], method: str | None = N
 def prelaunch(config: NodeConfig) -> dict[str, "EngineProcess | TPEngineGroup"]:
     """Fork the engines of ``config``'s CPU devices (groups, at ``--tensor-parallel-size`` > 1) now
     (call before the event loop starts and before any parallel torch work in this process), keyed by
-    the group's device id. CUDA devices are spawned later."""
+    the group's device id. CUDA devices are spawned later. With two or more CPU engines the CPU
+    kernels are built first, here, for all of them (:mod:`node.worker.engine_preload`)."""
     if config.engine_layout != "process" or config.tensor_parallel_error() is not None:
         return {}  # (a refused configuration is reported by Node.create)
     from node.config import group_id
 
-    return {group_id(g): launch_engine(config, g, "fork") for g in config.device_groups() if g[0].startswith("cpu")}
+    groups = [g for g in config.device_groups() if g[0].startswith("cpu")]
+    if sum(len(g) for g in groups) > 1:  # built once here, not once per engine (node.worker.engine_preload)
+        from node.worker.engine_preload import warm_cpu_kernels
+
+        warm_cpu_kernels()
+    return {group_id(g): launch_engine(config, g, "fork") for g in groups}

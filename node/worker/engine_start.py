@@ -40,19 +40,15 @@ import threading
 from typing import Any, Callable
 
 # The modules an engine imports to load and serve, imported once by the fork server. Importing them runs
-# no parallel work and starts no thread (tests/test_engine_start.py checks the server is one thread).
+# no parallel work and starts no thread (tests/test_engine_start.py checks the server is one thread);
+# node.worker.engine_preload builds the kernels every CPU engine builds at its start.
 PRELOAD = (
     "torch",
     "node.worker.engine_main",
     "node.worker.loader",
     "node.worker.cpu_threads",
     "node.log",
-    "shiftnode_kernels.cpu_decode_numba",  # Numba and LLVM: about a third of an engine's imports
-    "shiftnode_kernels.cpu_sampling_numba",
-    "numba",
-    "numba.core.cgutils",
-    "numba.extending",
-    "llvmlite.ir",
+    "node.worker.engine_preload",  # last: builds the CPU kernels (Numba), which an engine's start runs
 )
 
 _preload_lock = threading.Lock()
