@@ -12,7 +12,9 @@ Three ways, by what the starting process has done and which device the engine dr
   imports torch and the engine's modules (:data:`PRELOAD`) once and then only forks. One engine start
   then costs a fork instead of a new interpreter importing torch and the node (about 2 CPU-seconds).
   The server starts on the first such engine start (never for a ``shiftnode serve`` node whose engines
-  never restart) and lives as long as the process that started it.
+  never restart: starting it costs about as much as one spawn, so a node pays it only when it needs a
+  second engine start) and lives as long as the process that started it. ``multiprocessing`` starts its
+  resource tracker with it (a small interpreter without torch).
 - ``"spawn"``: engines of CUDA devices (a fork after CUDA initialisation is unsafe, and the server
   would have to import the CUDA runtime for every device kind).
 
