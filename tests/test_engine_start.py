@@ -34,7 +34,6 @@ def _report(conn, node_pid: int) -> None:
     conn.close()
 
 
-@pytest.mark.quick
 def test_a_child_of_the_fork_server_has_the_nodes_environment_and_directory_and_lets_go_of_the_server(
         monkeypatch, tmp_path):
     """The server was started before the environment and the directory changed (as a server started by
