@@ -120,6 +120,19 @@ def _parent(pid: int) -> int:
         return int(f.read().rpartition(")")[2].split()[1])
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` now."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if _parent(int(entry)) == pid:
+                    out.append(int(entry))
+            except (OSError, ValueError, IndexError):  # gone meanwhile
+                pass
+    return out
+
+
 def test_engines_exit_with_the_node_on_sigterm_and_on_sigkill():
     """Both the engines forked at the start (the node's children) and a restarted one (forked from the
     node's fork server: node.worker.engine_start) end with the node. The restarted engine of the
@@ -143,9 +156,10 @@ def test_engines_exit_with_the_node_on_sigterm_and_on_sigkill():
             assert _complete(node).status_code == 200
             if sig == signal.SIGKILL:
                 os.kill(pids["cpu:1"], signal.SIGSTOP)
+            family = {*pids.values(), server, *_children(node.proc.pid)}  # with multiprocessing's resource tracker
             node.proc.send_signal(sig)
             node.proc.wait(15)
-            assert _wait_gone([*pids.values(), server]) == [], f"engines or fork server left after {sig.name}"
+            assert _wait_gone(sorted(family)) == [], f"engines, fork server or tracker left after {sig.name}"
     finally:
         for node in nodes:
             node.close()
