@@ -28,9 +28,13 @@ def test_cpu_engines_start_from_the_fork_server_and_cuda_engines_spawn():
 
 def _report(conn, node_pid: int) -> None:
     """Runs in the forked child: what it inherited and whether it sees the node above it."""
+    import sys
+
     server = multiprocessing.forkserver._forkserver
+    kernels = [sys.modules.get(f"shiftnode_kernels.{name}") for name in ("cpu_decode_numba", "cpu_sampling_numba")]
+    built = all(m is not None and (m._lazy.kernel is not None or m._lazy.error is not None) for m in kernels)
     conn.send((os.environ.get("SHIFTNODE_TEST_MARK"), os.getcwd(), server._forkserver_alive_fd,
-               parent_alive(node_pid), parent_alive(node_pid + 1), os.getppid()))
+               parent_alive(node_pid), parent_alive(node_pid + 1), os.getppid(), built))
     conn.close()
 
 
@@ -39,7 +43,7 @@ def test_a_child_of_the_fork_server_has_the_nodes_environment_and_directory_and_
     """The server was started before the environment and the directory changed (as a server started by
     an earlier node of the same process is): the child still runs with the node's current ones, holds no
     copy of the server's alive pipe (else the server would outlive the node), and finds the node as its
-    parent's parent."""
+    parent's parent. The CPU kernels were built by the server (node.worker.engine_preload)."""
     ctx = multiprocessing.get_context("forkserver")
     process_target("forkserver", _report, ())  # names the preload, as an engine's start does
     multiprocessing.forkserver.ensure_running()
@@ -54,10 +58,11 @@ def test_a_child_of_the_fork_server_has_the_nodes_environment_and_directory_and_
     child_end.close()
     try:
         assert mine.poll(60), "the child did not report"
-        mark, cwd, alive_fd, node_above, other_above, parent = mine.recv()
+        mark, cwd, alive_fd, node_above, other_above, parent, kernels_built = mine.recv()
     finally:
         p.join(10)
     assert (mark, cwd) == ("after the server started", str(tmp_path))
     assert alive_fd is None
     assert parent == server and node_above and not other_above
+    assert kernels_built  # by the server, once (node.worker.engine_preload), not by each engine
     assert p.exitcode == 0
