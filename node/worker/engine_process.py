@@ -47,8 +47,9 @@ node's handle and sends each request to every rank (see there for ordering, repl
 
 Lifetime. The engine exits when the node says so, when its end of the pipe closes, and (Linux
 ``PR_SET_PDEATHSIG``) when the node process dies in any way (an engine forked from the fork server
-dies with the server, which exits when the node dies: :mod:`node.worker.engine_start`); it ignores SIGINT, which a terminal
-sends the whole process group, so a Ctrl-C stops the node, which then stops its engines. A dead
+dies with the server, which exits when the node dies: :mod:`node.worker.engine_start`); it ignores
+SIGINT, which a terminal sends the whole process group, so a Ctrl-C stops the node, which then stops
+its engines. A dead
 engine is seen by the node as :class:`EngineDied` (its device is then reported down).
 """
 
