@@ -23,7 +23,9 @@ through the server: the engine drops its copy of the server's "alive" pipe (:fun
 the node is the only holder of the pipe's write end; when the node dies in any way the server reads
 end-of-file and exits, and the engine's parent-death signal (set by
 :func:`~node.worker.engine_main.engine_main` on the server) kills it. The engine checks at start that
-the chain node → server → engine is intact (:func:`~node.worker.engine_main.parent_alive`).
+the chain node → server → engine is intact (:func:`~node.worker.engine_main.parent_alive`). A server
+killed on its own takes its engines with it: the node sees them die, and their restarts start a new
+server (``multiprocessing`` starts one again when it finds the old one gone).
 
 Process state. A spawned engine gets the node's environment and working directory at its start; a
 forked-from-server one would get the server's, fixed when the server started, so :func:`serve_forked`
