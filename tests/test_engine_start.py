@@ -43,7 +43,7 @@ def test_a_child_of_the_fork_server_has_the_nodes_environment_and_directory_and_
     """The server was started before the environment and the directory changed (as a server started by
     an earlier node of the same process is): the child still runs with the node's current ones, holds no
     copy of the server's alive pipe (else the server would outlive the node), and finds the node as its
-    parent's parent. The CPU kernels were built by the server (node.worker.engine_preload)."""
+    parent's parent. The CPU kernels were built by the server (node.worker.fork_server_init)."""
     ctx = multiprocessing.get_context("forkserver")
     process_target("forkserver", _report, ())  # names the preload, as an engine's start does
     multiprocessing.forkserver.ensure_running()
@@ -64,5 +64,5 @@ def test_a_child_of_the_fork_server_has_the_nodes_environment_and_directory_and_
     assert (mark, cwd) == ("after the server started", str(tmp_path))
     assert alive_fd is None
     assert parent == server and node_above and not other_above
-    assert kernels_built  # by the server, once (node.worker.engine_preload), not by each engine
+    assert kernels_built  # by the server, once (node.worker.fork_server_init), not by each engine
     assert p.exitcode == 0

@@ -45,14 +45,14 @@ from typing import Any, Callable
 
 # The modules an engine imports to load and serve, imported once by the fork server. Importing them runs
 # no parallel work and starts no thread (tests/test_engine_start.py checks the server is one thread);
-# node.worker.engine_preload builds the kernels every CPU engine builds at its start.
+# node.worker.fork_server_init builds the kernels every CPU engine builds at its start.
 PRELOAD = (
     "torch",
     "node.worker.engine_main",
     "node.worker.loader",
     "node.worker.cpu_threads",
     "node.log",
-    "node.worker.engine_preload",  # last: builds the CPU kernels (Numba), which an engine's start runs
+    "node.worker.fork_server_init",  # last: builds the CPU kernels; the server's exit is immediate
 )
 
 _preload_lock = threading.Lock()
