@@ -15,6 +15,14 @@ least-squares problem, non-negative (:func:`node.core.cost.nonneg_least_squares`
   there is one fixed cost and no ``e``, and prompt steps are rows of the same problem ``a + c_p n``;
   otherwise a window's steps are fitted apart (``a_p + c_p n``: the prefill configuration), and where
   there are none the mixed rows give the prompt terms (``a_p = a_d + e``).
+* **identified**: where every sample is a mixed step (a device prompt-bound for the last
+  :data:`node.core.online_refit.SAMPLES` steps runs no pure decode step), the intercept and ``e`` are one
+  column, and only ``a_d + e`` is known. The decode intercept then keeps its value (lowered only if the
+  fitted sum is below it) and ``e`` takes the rest. Before, the least-squares split put the whole eager
+  mixed-step floor into ``a_d``: the policy's decode step read 14.4 ms against a true 6.5-10 ms (8B on
+  simulated H200s, Mooncake conversation, TPOT 20), its step limit left chunks of ~120 tokens a third of
+  the prompt rate it needed, the queue grew, every device stayed MIXED, no decode step came to correct the
+  fit, and TTFT ran away (p50 10 s, issue 43; ``bench.studies.heldout``, 8B Mooncake conversation 20:8).
 * **damped**: each coefficient moves at most ``max_shift`` (25 %) of the mean measured step per refit,
   measured by its contribution at the samples' mean (``|Δc_j| x mean column_j <= max_shift x mean step``),
   so one noisy window on a shared machine cannot swing the policy's chunk sizes, and a coefficient at 0
@@ -94,10 +102,16 @@ def fit_steps(prefill: list[tuple[int, float]], steps: list[tuple[int, int, int,
                       prefill_per_token_s=cp)
     elif not shared_fixed:
         if steps:
-            rows = [[1.0, float(b), float(k), float(p), 1.0 if p else 0.0] for p, b, k, _ in steps]
             e0 = max(0.0, base.prefill_fixed_s - base.decode_fixed_s)
             old = [base.decode_fixed_s, base.decode_per_seq_s, base.decode_per_context_token_s, base.prefill_per_token_s, e0]
-            a, cb, ck, cp, e = _fit(rows, [s for *_, s in steps], old, max_shift)
+            if any(p == 0 for p, *_ in steps):
+                rows = [[1.0, float(b), float(k), float(p), 1.0 if p else 0.0] for p, b, k, _ in steps]
+                a, cb, ck, cp, e = _fit(rows, [s for *_, s in steps], old, max_shift)
+            else:  # every step mixed: a_d and e are one column, so only a_d + e is known (module doc)
+                rows = [[1.0, float(b), float(k), float(p)] for p, b, k, _ in steps]
+                fixed, cb, ck, cp = _fit(rows, [s for *_, s in steps], [old[0] + e0] + old[1:4], max_shift)
+                a = min(base.decode_fixed_s, fixed)
+                e = fixed - a
             fields.update(decode_fixed_s=a, decode_per_seq_s=cb, decode_per_context_token_s=ck)
             if not prefill and any(p for p, *_ in steps):  # no window seen: the mixed rows give the prompt terms
                 fields.update(prefill_fixed_s=a + e, prefill_per_token_s=cp)
