@@ -178,6 +178,24 @@ class BlockLedger:
         assert out is not None  # checked above
         return out
 
+    def fork(self, held: Seq[int], n: int) -> list[int] | None:
+        """Reference the already referenced blocks ``held`` once more (another block table shares them,
+        as the choices of one request share their prompt's blocks) and allocate ``n`` new ones, all or
+        nothing. Returns the new blocks, or ``None`` (nothing changed) when they do not fit.
+
+        Raises:
+            LedgerError: a block of ``held`` that nobody references (sharing it would hand out a free block).
+        """
+        for b in held:
+            if not 0 <= b < self.num_blocks or self._refs[b] <= 0:
+                raise LedgerError(f"block {b} shared but not allocated")
+        out = self.allocate(n)
+        if out is None:
+            return None
+        for b in held:
+            self._refs[b] += 1
+        return out
+
     def free(self, blocks: Seq[int]) -> None:
         """Drop one reference from each block; a block reaching zero becomes reclaimable if cached,
         else clean. Blocks are released last first, so a sequence's tail is evicted before its head.

@@ -144,6 +144,7 @@ class DeviceEngine:
     abort = _part("residents", "abort")
     cached_blocks_of = _part("residents", "cached_blocks_of")
     reserve_for = _part("residents", "reserve_for")
+    reserve_shared = _part("residents", "reserve_shared")
     check_ownership = _part("residents", "check_ownership")
     movable = _part("residents", "movable")
     release_for_move = _part("residents", "release_for_move")

@@ -135,6 +135,16 @@ class Residents:
         got = self._batcher.ledger.reserve(token_ids, num_computed, num_blocks, memo, root=salt_root(salt))
         return (self._pins.pin(got[0]), got[1]) if got is not None else (None, 0)
 
+    def reserve_shared(self, shared: list[int], num_computed: int, num_blocks: int) -> list[int] | None:
+        """Blocks here for a sequence of ``num_blocks`` blocks arriving in the same copy as another one
+        whose leading blocks it shares on the source (the choices of one request share their prompt's):
+        ``shared``, that one's blocks here, referenced once more (written by the copy once, for both), as
+        far as they are full blocks of computed tokens (``num_computed``: nothing writes those again),
+        then new ones. Pinned, as :meth:`reserve_for`'s; ``None`` when they do not fit."""
+        shared = shared[: min(num_computed // self._batcher.ledger.block_size, num_blocks)]
+        new = self._batcher.ledger.fork(shared, num_blocks - len(shared))
+        return self._pins.pin([*shared, *new]) if new is not None else None
+
     def check_ownership(self) -> None:
         """Raise ``LedgerError`` unless every block is referenced exactly as often as it is held
         (:func:`~node.runtime.block_pins.check_ownership`)."""

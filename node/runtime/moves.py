@@ -5,7 +5,9 @@ that owns a device's outgoing moves, and :class:`MoveEnd`, what it needs of eith
 A move is begun (the destination's blocks taken, the sequence released here with its blocks pinned),
 then copied, then finished (the source's blocks freed, the destination adopts the sequence), so nothing
 is ever half-installed. Blocking moves run between this device's steps, nothing of it running
-meanwhile; overlapped ones (pooled) run beside its later steps on a copier task, one after another.
+meanwhile; overlapped ones (pooled) run beside its later steps on a copier task, one job after another,
+each job copying every move to one destination begun meanwhile (:mod:`node.runtime.copy_batch`: the
+choices of one request send their shared prompt blocks once).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import structlog
 
 from node.core.sequence import Sequence, SeqStatus
 from node.runtime.block_pins import PinnedBlocks, stale
+from node.runtime.copy_batch import CopyBatch
 from node.runtime.request import RequestState
 from node.transport.local import copy_sharded_blocks
 
@@ -37,7 +40,10 @@ At a slow ``--link-gbps`` a copy can take minutes; the sequence's client is gone
 class MigrationRecord:
     """One sequence moved between devices: times on the node's monotonic clock (s), bytes of KV.
     ``start_s``: when the copy began (a queued move waits for the copies before it); ``decided_s``: when
-    the policy asked for the move (the roles it saw are those of this instant; None for hand-offs)."""
+    the policy asked for the move (the roles it saw are those of this instant; None for hand-offs).
+    ``nbytes``: the KV this sequence's copy sent (blocks the destination already held, or that another
+    sequence of the same copy job sent for it, are not counted); ``shared_blocks``: its leading blocks
+    that another sequence of the same copy job sent (:mod:`node.runtime.copy_batch`)."""
 
     seq_id: str
     src: str
@@ -48,6 +54,7 @@ class MigrationRecord:
     blocks: int
     reason: str
     decided_s: float | None = None
+    shared_blocks: int = 0
 
 
 class MoveEnd(Protocol):
@@ -68,6 +75,7 @@ class MoveEnd(Protocol):
     def release_for_move(self, seq: Sequence) -> PinnedBlocks: ...
     def reserve_for(self, token_ids: list[int], num_computed: int, num_blocks: int,
                     memo: list[bytes] | None = None, salt: str | None = None) -> tuple[list[int] | None, int]: ...
+    def reserve_shared(self, shared: list[int], num_computed: int, num_blocks: int) -> list[int] | None: ...
     def release_pinned(self, blocks: list[int]) -> None: ...
     def adopt(self, req: RequestState, index: int, seq: Sequence) -> None: ...
     def forget_if_empty(self, req: RequestState) -> None: ...
@@ -78,7 +86,7 @@ class Move:
     ``overlap`` are set when it begins (:meth:`KVMover._begin`)."""
 
     __slots__ = ("seq", "dst", "reason", "fut", "overlap", "decided_s", "req", "index", "start_s", "src_blocks",
-                 "dst_blocks", "reused", "fence")
+                 "dst_blocks", "reused", "fence", "shared")
 
     def __init__(self, seq: Sequence, dst: MoveEnd, reason: str, fut: asyncio.Future, overlap: bool, decided_s: float):
         self.seq, self.dst, self.reason, self.fut, self.overlap = seq, dst, reason, fut, overlap
@@ -89,6 +97,7 @@ class Move:
         self.src_blocks: list[int] = []
         self.dst_blocks: list[int] = []
         self.reused = 0
+        self.shared = 0  # leading blocks referenced from an earlier move of its copy job (copy_batch)
         self.fence: list[asyncio.Future] = []
 
 
@@ -109,9 +118,9 @@ class KVMover:
                  notify: Callable[..., None]):
         self._home, self._clock, self._executor, self._wake, self._notify = home, clock, executor, wake, notify
         self._queued: list[Move] = []  # queued moves, not begun
-        self._copies: deque[Move] = deque()  # overlapped moves begun, copied by _copy_loop in order
+        self._copies: deque[CopyBatch] = deque()  # overlapped moves begun, copied by _copy_loop in order
         self._copier: asyncio.Task | None = None
-        self.copying: Move | None = None  # the overlapped move being copied now
+        self.copying: CopyBatch | None = None  # the overlapped moves being copied now
         self._blocking: Move | None = None  # the blocking move being copied now (between two steps)
         self._abort = threading.Event()  # set on stop or death: a copy in flight ends at its next layer
         self.link_gbps: float | None = None  # emulated interconnect for KV leaving this device
@@ -145,7 +154,8 @@ class KVMover:
         return sum(m.seq.num_computed for m in self._in_flight())
 
     def _in_flight(self) -> list[Move]:
-        return [*self._queued, *self._copies, *(m for m in (self.copying, self._blocking) if m is not None)]
+        batches = [*self._copies, *([self.copying] if self.copying is not None else [])]
+        return [*self._queued, *(m for b in batches for m in b.moves), *([self._blocking] if self._blocking else [])]
 
     @property
     def destinations(self) -> list[str]:
@@ -158,15 +168,21 @@ class KVMover:
         """Moves wait to begin (the step loop gives the blocking ones a step boundary)."""
         return bool(self._queued)
 
-    def _begin(self, m: Move) -> bool:
+    def _begin(self, m: Move, batch: CopyBatch | None = None) -> bool:
         """Take the destination's blocks and release the sequence here (keeping its blocks pinned);
-        False (and the future resolved to None) when the move is refused."""
+        False (and the future resolved to None) when the move is refused. ``batch``: the copy job it
+        joins; leading blocks it shares here with a move of that job are shared there too."""
         seq, dst, home = m.seq, m.dst, self._home
         entry = home.movable(seq)
         blocks = None
         if entry is not None and dst.failure is None:
-            blocks, m.reused = dst.reserve_for(seq.token_ids, seq.num_computed, len(seq.block_ids), seq.block_keys,
-                                               seq.params.cache_salt)
+            lead = batch.shared_lead(seq.block_ids) if batch is not None else []
+            blocks = dst.reserve_shared(lead, seq.num_computed, len(seq.block_ids)) if lead else None
+            if blocks is not None:  # (the destination's cached blocks among them stay out of the copy: batch.cached)
+                m.shared = next((i for i, (a, b) in enumerate(zip(blocks, lead)) if a != b), min(len(blocks), len(lead)))
+            else:
+                blocks, m.reused = dst.reserve_for(seq.token_ids, seq.num_computed, len(seq.block_ids),
+                                                   seq.block_keys, seq.params.cache_salt)
         if blocks is None:
             m.fut.set_result(None)
             return False
@@ -179,46 +195,64 @@ class KVMover:
         m.src_blocks = home.release_for_move(seq)
         return True
 
-    async def _finish(self, m: Move) -> None:
-        """Copy a begun move's KV (layer by layer, in logical block order, read back for verification),
-        then free the source blocks and let the destination adopt the sequence with its position counter
-        unchanged; on a failed copy the destination blocks are freed and the sequence comes back here.
-        A move whose request ended (client left, timed out) before or during its copy is dropped.
-        Prefix cache: the destination's own cached prefix (``m.reused`` blocks) is not received."""
-        seq, dst, reused, home = m.seq, m.dst, m.reused, self._home
-        for reply in m.fence:  # the destination's steps sent before its blocks were taken
+    async def _finish(self, batch: CopyBatch) -> None:
+        """Copy a batch of begun moves' KV in one job (layer by layer, in logical block order, each
+        destination block once, read back for verification), then, per move, free the source blocks and
+        let the destination adopt the sequence with its position counter unchanged; on a failed copy every
+        move's destination blocks are freed and its sequence comes back here. A move whose request ended
+        (client left, timed out) before or during the copy is dropped. Prefix cache: the destination's own
+        cached prefix (``m.reused`` blocks) is not received."""
+        dst, home = batch.dst, self._home
+        for reply in {id(r): r for m in batch.moves for r in m.fence}.values():  # dst's steps sent before its blocks were taken
             with suppress(BaseException):
                 await asyncio.shield(reply)
-        if self._gone(m):
-            return self._drop(m)
-        m.start_s = self._clock()  # the copy itself starts now (queued copies waited for the link)
-        try:
-            self._check_ends(m)
-            report = await asyncio.get_running_loop().run_in_executor(self._executor, partial(
-                copy_sharded_blocks, home.kv_pools, m.src_blocks[reused:], dst.kv_pools,
-                m.dst_blocks[reused:], link_gbps=self.link_gbps, block_layer_bytes=self.block_layer_bytes,
-                abort=self._abort))
-            self._check_ends(m)  # either end died (or came back) during the copy: nothing would run it there
-        except Exception as e:  # noqa: BLE001 - a failed copy leaves the sequence where it was
-            log.warning("migration_failed", seq=seq.seq_id, src=home.device_id, dst=dst.device_id, error=str(e))
-            if self._gone(m):
-                return self._drop(m)
-            dst.release_pinned(m.dst_blocks)
-            seq.block_ids = m.src_blocks
-            home.adopt(m.req, m.index, seq)  # a dead source resumes it instead (Residents.adopt)
-            m.fut.set_result(None)
+        live = []
+        for m in batch.moves:
+            self._drop(m) if self._gone(m) else live.append(m)
+        if not live:
             return
+        start = self._clock()  # the copy itself starts now (queued copies waited for the link)
+        src_blocks, dst_blocks, first = batch.pairs(live)
+        try:
+            for m in live:
+                m.start_s = start
+                self._check_ends(m)
+            report = await asyncio.get_running_loop().run_in_executor(self._executor, partial(
+                copy_sharded_blocks, home.kv_pools, src_blocks, dst.kv_pools, dst_blocks, link_gbps=self.link_gbps,
+                block_layer_bytes=self.block_layer_bytes, abort=self._abort))
+            for m in live:
+                self._check_ends(m)  # either end died (or came back) during the copy: nothing would run it there
+        except Exception as e:  # noqa: BLE001 - a failed copy leaves the sequences where they were
+            for m in live:
+                log.warning("migration_failed", seq=m.seq.seq_id, src=home.device_id, dst=dst.device_id, error=str(e))
+                self._give_back(m)
+            return
+        end = self._clock()
+        block_bytes = report.nbytes // len(dst_blocks) if dst_blocks else 0
+        for m in live:
+            if self._gone(m):
+                self._drop(m)
+                continue
+            seq = m.seq
+            home.release_pinned(m.src_blocks)
+            home.forget_if_empty(m.req)
+            self._wake()
+            seq.block_ids = m.dst_blocks
+            dst.adopt(m.req, m.index, seq)
+            record = MigrationRecord(seq.seq_id, home.device_id, dst.device_id, m.start_s, end,
+                                     block_bytes * first[id(m)], len(m.dst_blocks), m.reason, m.decided_s, m.shared)
+            self._notify(self.migration_listeners, dst, seq, record)
+            m.fut.set_result(record)
+
+    def _give_back(self, m: Move) -> None:
+        """A begun move whose copy failed: its destination blocks are freed and its sequence goes on here
+        (a dead source resumes it instead: ``Residents.adopt``), or is dropped if its request ended."""
         if self._gone(m):
             return self._drop(m)
-        home.release_pinned(m.src_blocks)
-        home.forget_if_empty(m.req)
-        self._wake()
-        seq.block_ids = m.dst_blocks
-        dst.adopt(m.req, m.index, seq)
-        record = MigrationRecord(seq.seq_id, home.device_id, dst.device_id, m.start_s, self._clock(),
-                                 report.nbytes, len(m.dst_blocks), m.reason, m.decided_s)  # nbytes: only the blocks not reused
-        self._notify(self.migration_listeners, dst, seq, record)
-        m.fut.set_result(record)
+        m.dst.release_pinned(m.dst_blocks)
+        m.seq.block_ids = m.src_blocks
+        self._home.adopt(m.req, m.index, m.seq)
+        m.fut.set_result(None)
 
     def _check_ends(self, m: Move) -> None:
         """Raise ``RuntimeError`` if either end of ``m`` is down or was restarted since it began (its
@@ -246,17 +280,21 @@ class KVMover:
         """Carry out the queued blocking moves between steps (nothing of this device runs meanwhile)."""
         while self._queued:
             m = self._queued.pop(0)
-            if self._begin(m):
+            batch = CopyBatch(m.dst)
+            if self._begin(m, batch):
+                batch.add(m)
                 self._blocking = m
                 try:
-                    await self._finish(m)
+                    await self._finish(batch)
                 finally:
                     self._blocking = None
 
     def start_overlapped(self, busy: Callable[[], set[str]]) -> None:
         """Begin every queued overlapped move whose sequence is in no step in flight (``busy``: the seq
         ids of the steps in flight), and hand it to the copier task (the others wait: the blocking ones
-        for a step boundary, the overlapped ones for their sequence's last step to end)."""
+        for a step boundary, the overlapped ones for their sequence's last step to end). Moves to one
+        device join one copy job: the last one still waiting for the link, else a new one
+        (:mod:`node.runtime.copy_batch`), so a burst of hand-offs is one gather, not one job each."""
         if not self._queued or not any(m.overlap for m in self._queued):
             return
         in_flight = busy()
@@ -264,9 +302,16 @@ class KVMover:
         for m in self._queued:
             if not m.overlap or m.seq.seq_id in in_flight:
                 keep.append(m)
-            elif self._begin(m):
-                self._copies.append(m)
+                continue
+            batch = next((b for b in self._copies if b.dst is m.dst), None)
+            if batch is None:
+                batch = CopyBatch(m.dst)
+                self._copies.append(batch)
+            if self._begin(m, batch):
+                batch.add(m)
         self._queued = keep
+        while self._copies and not self._copies[-1].moves:  # (a new job none of whose moves began)
+            self._copies.pop()
         if self._copies and (self._copier is None or self._copier.done()):
             self._copier = asyncio.get_running_loop().create_task(self._copy_loop(),
                                                                   name=f"copies-{self._home.device_id}")
@@ -276,26 +321,28 @@ class KVMover:
         device stop at its next layer or link wait (``CopyAborted``: the move fails, its destination
         blocks are freed), so the worker thread is free for the engine's stop. A copy whose request
         already ended (on SIGTERM the server cancelled every handler first) is aborted at once."""
-        m = self.copying
-        if m is not None and not self._gone(m) and self._copier is not None and not self._copier.done():
+        b = self.copying
+        if b is not None and not all(map(self._gone, b.moves)) and self._copier is not None and not self._copier.done():
             await asyncio.wait([self._copier], timeout=grace_s)
         self._abort.set()
 
     async def _copy_loop(self) -> None:
-        """Overlapped moves, one after another while this device's steps go on."""
+        """Overlapped copy jobs, one after another while this device's steps go on."""
         while self._copies:
-            m = self.copying = self._copies.popleft()
+            b = self.copying = self._copies.popleft()
             try:
-                await self._finish(m)
+                await self._finish(b)
             except asyncio.CancelledError:
-                if not m.fut.done():
-                    m.fut.cancel()
+                for m in b.moves:
+                    if not m.fut.done():
+                        m.fut.cancel()
                 raise
-            except Exception as e:  # noqa: BLE001 - one move's bug must not strand the others
-                log.warning("migration_failed", seq=m.seq.seq_id, src=self._home.device_id, dst=m.dst.device_id,
-                            error=str(e))
-                if not m.fut.done():
-                    m.fut.set_result(None)
+            except Exception as e:  # noqa: BLE001 - one job's bug must not strand the others
+                for m in b.moves:
+                    log.warning("migration_failed", seq=m.seq.seq_id, src=self._home.device_id,
+                                dst=m.dst.device_id, error=str(e))
+                    if not m.fut.done():
+                        m.fut.set_result(None)
             finally:
                 self.copying = None
 
