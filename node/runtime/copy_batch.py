@@ -12,14 +12,19 @@ fails, every move of the batch fails with it (each frees its own references).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:  # (moves imports this module)
-    from node.runtime.moves import Move, MoveEnd
+
+class Move(Protocol):
+    """What a batch reads of a begun :class:`node.runtime.moves.Move` (which imports this module)."""
+
+    src_blocks: list[int]  # its blocks on the source, in logical order
+    dst_blocks: list[int]  # its blocks on the destination, same order
+    reused: int  # leading destination blocks taken from the destination's prefix cache
 
 
 class CopyBatch:
-    """Moves to ``dst`` copied in one job.
+    """Moves to ``dst`` (a :class:`node.runtime.moves.MoveEnd`) copied in one job.
 
     ``sharing``: source block → the destination block a move of the batch holds for it (its blocks
     past those the destination's prefix cache already held); ``cached``: destination blocks taken
@@ -27,7 +32,7 @@ class CopyBatch:
 
     __slots__ = ("dst", "moves", "sharing", "cached")
 
-    def __init__(self, dst: MoveEnd):
+    def __init__(self, dst: object):
         self.dst = dst
         self.moves: list[Move] = []
         self.sharing: dict[int, int] = {}

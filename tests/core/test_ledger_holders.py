@@ -40,3 +40,20 @@ def test_check_holders_of_a_ledger_without_prefix_caching_passes_a_consistent_po
     held = led.allocate(2)
     assert 0 in held
     led.check_holders(Counter(held))
+
+
+def test_fork_shares_held_blocks_all_or_nothing_and_refuses_free_ones():
+    """``fork``: a second block table referencing held blocks (a request's choices sharing their prompt on
+    the device a hand-off copies them to) plus new ones; nothing changes when the new ones do not fit."""
+    led = BlockLedger(6, 4)
+    a = led.allocate(3)
+    new = led.fork(a[:2], 1)
+    assert new is not None and new[0] not in a and [led.refcount(b) for b in a] == [2, 2, 1]
+    led.check_holders(Counter(a) + Counter(a[:2] + new))
+    assert led.fork(a[:2], 3) is None and [led.refcount(b) for b in a] == [2, 2, 1] and led.num_free == 2
+    with pytest.raises(LedgerError):
+        led.fork([next(b for b in range(6) if led.refcount(b) == 0)], 0)
+    led.free(a[:2] + new)
+    led.free(a)
+    assert led.num_free == 6
+    led.check()
