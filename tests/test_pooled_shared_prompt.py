@@ -88,7 +88,7 @@ def test_an_abort_during_a_shared_copy_frees_every_block(monkeypatch):
         prefill = node.engine("cpu:0")
         run = asyncio.create_task(choices(node, "r", params))
         batch = await wait_for(lambda: prefill.moves.copying, 60)
-        assert len(batch.moves) == N
+        assert len(batch.moves) == N and sum(m.shared for m in batch.moves) == (N - 1) * ((len(PROMPT) - 1) // 16)
         run.cancel()
         await asyncio.sleep(0.2)
         gate.set()

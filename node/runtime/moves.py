@@ -208,7 +208,10 @@ class KVMover:
                 await asyncio.shield(reply)
         live = []
         for m in batch.moves:
-            self._drop(m) if self._gone(m) else live.append(m)
+            if self._gone(m):
+                self._drop(m)  # its references to shared blocks go; the others' keep them
+            else:
+                live.append(m)
         if not live:
             return
         start = self._clock()  # the copy itself starts now (queued copies waited for the link)
