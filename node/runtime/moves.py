@@ -176,7 +176,9 @@ class KVMover:
         entry = home.movable(seq)
         blocks = None
         if entry is not None and dst.failure is None:
-            lead = batch.shared_lead(seq.block_ids) if batch is not None else []
+            lead = []  # (never blocks taken before a restart of dst: their ids name the dead pool's memory)
+            if batch is not None and batch.moves and not stale(batch.moves[0].dst_blocks, dst.incarnation):
+                lead = batch.shared_lead(seq.block_ids)
             blocks = dst.reserve_shared(lead, seq.num_computed, len(seq.block_ids)) if lead else None
             if blocks is not None:  # (the destination's cached blocks among them stay out of the copy: batch.cached)
                 m.shared = next((i for i, (a, b) in enumerate(zip(blocks, lead)) if a != b), min(len(blocks), len(lead)))
