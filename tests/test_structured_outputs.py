@@ -162,7 +162,7 @@ def test_max_tokens_cut_off_is_length_and_eos_waits_for_the_grammar(stories_node
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "only one structured-output form"),
     ({"guided_choice": []}, "guided_choice", "non-empty list"),
     ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
-    ({"response_format": {"type": "xml"}}, "response_format", "response_format.type"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "Invalid enum value 'xml'"),
     ({"structured_outputs": {"regexp": "a"}}, "structured_outputs.regexp", "unknown field `regexp`"),
     ({"guided_regex": "[a-z]+", "ignore_eos": True}, "ignore_eos", "grammar decides"),
     ({"guided_regex": "[a-z]+", "min_tokens": 3}, "min_tokens", "grammar decides"),

@@ -73,13 +73,13 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None, template: str | N
         parser: the node's ``--tool-call-parser`` (None: the one ``template``, the chat template, names, if any).
 
     Raises:
-        APIError: 400 for a choice or ``parallel_tool_calls`` without tools, a named function that is not among them, duplicate
+        APIError: 400 for a choice other than ``none`` or ``parallel_tool_calls`` without tools, a named function that is not among them, duplicate
             names, ``auto`` with tools on a node without a parser, or a grammar choice beside another
             structured-output form.
     """
     choice = req.tool_choice
-    if not req.tools:  # as OpenAI: these fields are only allowed when tools are given (whatever their value)
-        if choice is not None:
+    if not req.tools:  # as vLLM: "none" (which changes nothing here) is served, any other choice needs tools
+        if choice is not None and choice != "none":
             raise bad_request("tool_choice is only allowed when tools are given", param="tool_choice")
         if req.parallel_tool_calls is not None:
             raise bad_request("parallel_tool_calls is only allowed when tools are given", param="parallel_tool_calls")
