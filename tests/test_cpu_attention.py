@@ -109,6 +109,27 @@ def test_prefill_and_chunked_prefill_on_cached_context(block_size, group, head_d
     check(*make_case(q_lens, ctx, 2 * group, 2, head_dim, block_size, seed=block_size + group))
 
 
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_short_queries_run_as_decode_rows(decode_kernel, block_size, monkeypatch):
+    """Verify items (a last token plus drafts: 2 to SHORT_QUERY_TOKENS new tokens at the end of a context)
+    beside decode rows, a longer prompt chunk, and sequences with no new tokens; each short query's rows
+    go to the decode kernel (one per row, its own context) and match the causal reference."""
+    seen = []
+    real = cpu_attention._decode
+    monkeypatch.setattr(cpu_attention, "_decode", lambda q, *a: (seen.append(q.shape[0]), real(q, *a))[1])
+    n = cpu_attention.SHORT_QUERY_TOKENS
+    q_lens = [5, 1, 0, 2, n, 12, 3, 0]
+    ctx = [5 + 3 * block_size, 40, 9, 2, n + 1, 30, block_size + 1, 0]
+    check(*make_case(q_lens, ctx, 8, 2, 32, block_size, seed=block_size))
+    assert seen == [5 + 1 + 2 + n + 3]  # every short-query and decode row in one call; the 12-token chunk apart
+    seen.clear()
+    check(*make_case([2, 0], [7, 3], 4, 2, 16, block_size, seed=1))  # all rows decode rows, not one per sequence
+    assert seen == [2]
+    seen.clear()
+    check(*make_case([n + 1], [n + 4], 4, 2, 16, block_size, seed=2))  # past the bound: the prefill path
+    assert seen == []
+
+
 def test_mixed_step_with_empty_and_single_token_sequences(decode_kernel):
     # decode rows, prompt chunks, a sequence with no new tokens and one with no context at all
     q_lens = [1, 12, 0, 1, 7, 1, 0, 1]

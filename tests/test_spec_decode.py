@@ -204,10 +204,24 @@ def test_grammar_rows_decode_one_token_beside_verify_items():
 
     async def both(node: Node, tag: str):
         # the free choice first; the grammar choice arrives once the free one is decoding (on the speculating node,
-        # once a step verified its drafts), so its prompt chunk shares a step with verify items however slow the host
+        # once two verify steps in a row kept every draft: it copies its prompt, and the steps that come next
+        # verify drafts too), so its prompt chunk shares a step with verify items however slow the host
         decoding = asyncio.Event()
-        node.engines[0].step_listeners.append(lambda e, plan, s: decoding.set() if any(
-            it.draft or (it.num_tokens == 1 and node.engines[0].spec is None) for it in plan.items) else None)
+        spec = node.engines[0].spec
+        run = [0, 0]  # verify steps in a row that kept every draft; accepted tokens so far
+
+        def listen(e, plan, s):
+            if spec is None:
+                if any(it.num_tokens == 1 for it in plan.items):
+                    decoding.set()
+                return
+            drafted = sum(len(it.draft) for it in plan.items)
+            kept = spec.stats.accepted_tokens - run[1]
+            run[:] = [run[0] + 1 if drafted and kept == drafted else 0, spec.stats.accepted_tokens]
+            if run[0] >= 2:
+                decoding.set()
+
+        node.engines[0].step_listeners.append(listen)
 
         async def grammar_after_decoding():
             await decoding.wait()

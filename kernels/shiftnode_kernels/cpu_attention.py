@@ -19,7 +19,13 @@ paged layout and the varlen batch), tuned for the CPU:
   added per sequence (the split-K combine of flash-decoding, Dao et al. 2023, with the global maximum
   taken first). ``C`` follows the batch's mean context (about half of it, so padding averages under a
   quarter of the real work) between one block and :data:`MAX_CHUNK_TOKENS`.
-* **Prefill rows** (sequences with several new tokens: prompts, chunked prefill over a cached prefix)
+* **Short queries** (sequences with 2 to :data:`SHORT_QUERY_TOKENS` new tokens: speculative decoding's
+  verify items, a last token plus its drafts) run as decode rows too: row ``j`` of a ``q_len``-token
+  query at the end of a ``ctx``-token context sees the first ``ctx - q_len + 1 + j`` tokens, which is a
+  decode row of that context over the same block table (its K/V are written before attention runs). So
+  a verify item costs the decode kernel's per-row work, not a gather and an SDPA call per layer, and
+  each of its rows is computed as the decode step at that position would compute it.
+* **Prefill rows** (sequences with more new tokens: prompts, chunked prefill over a cached prefix)
   run one :func:`torch.nn.functional.scaled_dot_product_attention` call per sequence over its own
   gathered blocks (``enable_gqa``, no repeated heads), causal with ``is_causal`` when the chunk is the
   whole context and with a bottom-right causal mask when a cached prefix precedes it. A prompt is
@@ -41,12 +47,19 @@ import torch.nn.functional as F
 
 from shiftnode_kernels import cpu_decode_numba
 
-__all__ = ["paged_attention", "DECODE_KERNEL", "MAX_CHUNK_TOKENS", "GATHER_BUDGET_BYTES"]
+__all__ = ["paged_attention", "DECODE_KERNEL", "MAX_CHUNK_TOKENS", "GATHER_BUDGET_BYTES", "SHORT_QUERY_TOKENS"]
 
 DECODE_KERNEL = os.environ.get("SHIFTNODE_CPU_DECODE", "auto")
 """Decode rows: ``"auto"`` runs the compiled kernel where it applies (Numba installed, a float32 or bfloat16 cache) and
 the torch chunks otherwise; ``"torch"`` always runs the torch chunks. Read from
 ``$SHIFTNODE_CPU_DECODE`` at import (benches compare the two in a node); tests set it directly."""
+
+SHORT_QUERY_TOKENS = 8
+"""Sequences with at most this many new tokens run as decode rows (one per new token, module docstring):
+speculative decoding's verify items (``1 + num_speculative_tokens``) and tiny prompt chunks. Measured on
+stories260k (5 layers, 2 CPU cores): a 1+4-token verify step cost 1.41x a decode step's CPU time through
+the prefill path and 1.1x as decode rows (``python -m bench.load.spec_step``). Longer queries amortise one
+SDPA call over their quadratic work, and a decode row per token would read the context once per row."""
 
 MAX_CHUNK_TOKENS = 256
 """Upper bound of the decode chunk (tokens): past it a GEMM is already long enough to amortise its
@@ -97,25 +110,42 @@ def paged_attention(
         return out
     lens = seq_lens.tolist()
     cu = cu_seqlens_q.tolist()
-    decode: list[int] = []
+    rows: list[int] = []  # decode rows: the query row, its sequence, the context it sees
+    row_seqs: list[int] = []
+    row_lens: list[int] = []
+    one_each = True  # every sequence has exactly one new token (a pure decode step)
     for i, ctx in enumerate(lens):
         q_len = cu[i + 1] - cu[i]
         if q_len > ctx:
             raise ValueError(f"sequence {i} has {q_len} new tokens but a context of {ctx}")
+        one_each = one_each and q_len == 1
         if q_len == 1:
-            decode.append(i)
+            rows.append(cu[i])
+            row_seqs.append(i)
+            row_lens.append(ctx)
+        elif 1 < q_len <= SHORT_QUERY_TOKENS:  # row j sees ctx - q_len + 1 + j tokens: a decode row there
+            rows.extend(range(cu[i], cu[i + 1]))
+            row_seqs.extend([i] * q_len)
+            row_lens.extend(range(ctx - q_len + 1, ctx + 1))
         elif q_len > 1:
             _prefill_one(q[cu[i]:cu[i + 1]], k_cache, v_cache, block_tables[i], ctx, scale, out[cu[i]:cu[i + 1]])
-    if decode:
-        if len(decode) == num_tokens:  # a pure decode step: rows are the sequences, in order
+    if not rows:
+        return out
+    dev = q.device
+    if len(rows) == num_tokens:  # every row is a decode row, in order: no gather of q, no scatter of out
+        if one_each:  # one per sequence (a pure decode step): the tables as they are
             _decode(q, k_cache, v_cache, block_tables, seq_lens, lens, scale, out)
         else:
-            sel = torch.tensor(decode, dtype=torch.long, device=q.device)
-            rows = torch.tensor([cu[i] for i in decode], dtype=torch.long, device=q.device)
-            part = torch.empty((len(decode), num_heads, head_dim), dtype=q.dtype, device=q.device)
-            _decode(q.index_select(0, rows), k_cache, v_cache, block_tables.index_select(0, sel),
-                    seq_lens.index_select(0, sel), [lens[i] for i in decode], scale, part)
-            out.index_copy_(0, rows, part)
+            sel = torch.tensor(row_seqs, dtype=torch.long, device=dev)
+            _decode(q, k_cache, v_cache, block_tables.index_select(0, sel),
+                    torch.tensor(row_lens, dtype=torch.int32, device=dev), row_lens, scale, out)
+        return out
+    sel = torch.tensor(row_seqs, dtype=torch.long, device=dev)
+    at = torch.tensor(rows, dtype=torch.long, device=dev)
+    part = torch.empty((len(rows), num_heads, head_dim), dtype=q.dtype, device=dev)
+    _decode(q.index_select(0, at), k_cache, v_cache, block_tables.index_select(0, sel),
+            torch.tensor(row_lens, dtype=torch.int32, device=dev), row_lens, scale, part)
+    out.index_copy_(0, at, part)
     return out
 
 

@@ -14,10 +14,13 @@ plans each verify item with ``k`` :data:`PROPOSED_IN_ENGINE` slots (so blocks, t
 are planned exactly as for n-gram drafts), and the engine's draft model fills them in before the target
 verifies them (:mod:`node.worker.draft_model`).
 
-When a verify step runs, the sequence's last token must be known, so the node does not overlap the step
-after it (:mod:`node.runtime.spec_decode`); speculation therefore stops above
+After a verify step the node does not know how many tokens it kept, so it plans nothing over it until it
+comes back (:mod:`node.runtime.spec_decode`); speculation therefore stops above
 :attr:`~node.core.spec_config.SpeculativeConfig.max_batch` sequences (running and waiting), where a step already
-fills the machine and the overlap pays more than the drafts.
+fills the machine and the overlap pays more than the drafts. Over a plain step in flight the node does plan:
+a decoding sequence's last token is then a placeholder, and its n-gram drafts are looked up as if the
+placeholder were the token the known prefix predicts (:func:`guessed_drafts`). Any drafts keep the output
+exact (the verify step keeps only tokens the target samples itself); a wrong guess costs the rejected drafts.
 """
 
 from __future__ import annotations
@@ -31,6 +34,13 @@ from node.core.spec_config import SpeculativeConfig
 
 PROPOSED_IN_ENGINE = -1
 """A draft slot whose token the engine's draft model proposes (never a token id: ids are ``>= 0``)."""
+
+
+def guessed_drafts(known: list[int], k: int, n_max: int, n_min: int) -> list[int]:
+    """N-gram drafts for a sequence whose last token is still being sampled (a placeholder after ``known``,
+    its known tokens): the lookup over ``known`` proposes ``k + 1`` tokens, the first being the guess for
+    the placeholder; the other ``k`` (or fewer, or none) are the drafts after it."""
+    return propose_ngram(known, k + 1, n_max, n_min)[1:]
 
 
 def speculates(seq: Sequence) -> bool:
@@ -97,8 +107,11 @@ class DraftPlanner:
         """Give each eligible decode item of ``plan`` (DECODE and MIXED steps) its drafts; returns the
         draft tokens added. Drafts stop at the sequence's ``max_len`` (the last accepted token may be the
         final one), at the step's token budget ``max_tokens``, and at the blocks the ledger can give
-        without preempting anyone (speculation never evicts a sequence). Changes block tables and the
-        items' ``num_tokens`` and ``draft``."""
+        without preempting anyone (speculation never evicts a sequence). A sequence whose last token is a
+        placeholder (a plain step in flight samples it) gets n-gram drafts after a guess of that token
+        (:func:`guessed_drafts`), and no draft-model slots (the engine's draft would run before the step in
+        flight has come back to the node, which learns the kept count only then). Changes block tables and
+        the items' ``num_tokens`` and ``draft``."""
         if plan.kind is StepKind.PREFILL:
             return 0
         cfg = self.config
@@ -110,12 +123,19 @@ class DraftPlanner:
                 break
             seq = it.seq
             toks = seq.token_ids
-            if it.num_tokens != 1 or seq.num_pending or not seq.is_decoding or not speculates(seq):
+            pending = seq.num_pending
+            if it.num_tokens != 1 or pending > 1 or (pending and self.in_engine) or not seq.is_decoding \
+                    or not speculates(seq):
                 continue
             k = min(self.k, room, seq.max_len - len(toks) - 1)
             if k <= 0:
                 continue
-            draft = [PROPOSED_IN_ENGINE] * k if self.in_engine else propose_ngram(toks, k, cfg.lookup_max, cfg.lookup_min)
+            if self.in_engine:
+                draft = [PROPOSED_IN_ENGINE] * k
+            elif pending:  # the last token is the placeholder: draft after a guess of it
+                draft = guessed_drafts(toks[:-1], k, cfg.lookup_max, cfg.lookup_min)
+            else:
+                draft = propose_ngram(toks, k, cfg.lookup_max, cfg.lookup_min)
             if not draft:
                 continue
             need = ledger.blocks_for(seq.num_computed + 1 + len(draft)) - len(seq.block_ids)

@@ -262,7 +262,7 @@ class DeviceEngine:
         residents = self.residents
         residents.apply_aborts()
         self.moves.start_overlapped(self._busy_seq_ids)
-        hold = self.spec is not None and self.spec.hold(self._inflight)  # a verify step needs every last token known
+        hold = self.spec is not None and self.spec.hold(self._inflight)  # a verify step in flight: its kept count is unknown
         if (residents.detaches_queued or self.moves.queued or self.jobs.queued or hold) and self._inflight:
             await self._complete()
             return
@@ -277,7 +277,7 @@ class DeviceEngine:
         chunk = self.roles.chunk_budget(kind)  # adaptive's MIXED role: the policy's chunk budget
         runnable = kind is not None and self.batcher.has_work(kind)
         plan = self.quarantine.schedule(self.batcher, kind, chunk) if runnable else None  # (node.core.quarantine)
-        if plan and hold:
+        if plan and self.spec is not None:
             self.spec.draft(plan)
         if plan:
             await self._send(plan)

@@ -1,17 +1,18 @@
 """Speculative decoding on one device (``--speculative-config``): the step loop's part.
 
 Per step, on the node's event loop: while speculation's rule holds (:meth:`DraftPlanner.active`: at
-most ``disable_by_batch_size`` sequences, running and waiting), the device does not plan a step while another is in
-flight (:meth:`SpecDecoding.hold`), so every decoding sequence's last token is known when it is planned;
-the planned step's decode items get n-gram drafts (:class:`~node.core.spec_plan.DraftPlanner`), the
-engine verifies them (:mod:`node.worker.spec_verify`) and replies with 1 to ``k + 1`` tokens per verify
+most ``disable_by_batch_size`` sequences, running and waiting), the planned step's decode items get drafts
+(:class:`~node.core.spec_plan.DraftPlanner`): n-gram lookups, after a guess of the last token where a plain
+step in flight is still sampling it, so such a step overlaps the one before it as a plain step would.
+The device plans nothing over a verify step in flight (:meth:`SpecDecoding.hold`): how many tokens it keeps is
+known only when it comes back. The engine verifies them (:mod:`node.worker.spec_verify`) and replies with 1 to ``k + 1`` tokens per verify
 item; :meth:`SpecDecoding.settle` appends the kept tokens, advances ``num_computed`` over them and
 frees the blocks that held only rejected drafts (:func:`~node.core.spec_plan.roll_back`), before
 anything else reads the sequence, so a move or a hand-off after it carries the accepted tokens' KV
 only. :func:`join_kept` streams the kept tokens as one delta and stops at the first that ends the
 choice (a stop token, EOS, ``max_tokens``, a stop string), dropping the tokens after it.
 
-Above the batch rule the loop overlaps steps as without speculation, and the drafts stop.
+Above the batch rule the drafts stop.
 """
 
 from __future__ import annotations
@@ -43,9 +44,6 @@ class SpecDecoding:
         self.rolled_back_blocks = 0  # blocks freed after verify steps (rejected drafts' KV)
         self._verifying: StepPlan | None = None  # the last step given drafts (at most one is ever in flight)
         self._kept: dict[str, tuple[list[int], list[TokenLogprobs]]] = {}  # the settled reply's, by seq id
-        # the last draft try found none: in text that does not repeat, every other step may overlap the one
-        # before it (it cannot draft: its last token is a placeholder), instead of all of them waiting
-        self._dry = False
 
     @property
     def stats(self) -> SpecStats:
@@ -54,31 +52,22 @@ class SpecDecoding:
     def hold(self, inflight) -> bool:
         """Whether the next step must wait for the steps in flight (``inflight``: their records, with
         ``plan``): a verify step is among them (its sequences' token counts are unknown until it comes
-        back, so no step may be planned over them), or speculation's rule holds now, unless the last try
-        to draft found nothing: then one step overlaps the one in flight (without drafts), and the step
-        after it tries again."""
-        if any(r.plan is self._verifying for r in inflight):
-            return True
-        b = self.batcher
-        if not self.planner.active(b.running, len(b.waiting)):
-            return False
-        if self._dry and inflight:  # the last try found no draft: let one step overlap before the next try
-            self._dry = False
-            return False
-        return True
+        back, so no step may be planned over them). Over plain steps the next one is planned at once,
+        and its drafts follow a guess of the tokens they sample (:func:`~node.core.spec_plan.guessed_drafts`)."""
+        return any(r.plan is self._verifying for r in inflight)
 
     def kept_of(self, seq_id: str) -> tuple[list[int], list[TokenLogprobs]]:
         """The tokens the last settled verify step kept after a sequence's first, and their logprobs."""
         return self._kept.get(seq_id, ([], []))
 
     def draft(self, plan: StepPlan) -> None:
-        """Add drafts to ``plan``'s decode items (only sequences with no step in flight get them)."""
+        """Add drafts to ``plan``'s decode items while speculation's rule holds on this device
+        (:meth:`DraftPlanner.active`); a plan given any is the verify step :meth:`hold` waits for."""
         b = self.batcher
+        if not self.planner.active(b.running, len(b.waiting)):
+            return
         if self.planner.add_drafts(plan, b.ledger, b.config.max_batched_tokens):
             self._verifying = plan
-            self._dry = False
-        else:
-            self._dry = True
 
     def settle(self, plan: StepPlan, reply: StepReply, held: dict) -> None:
         """A step's reply came back (its placeholders already hold the first tokens): each verify item's
