@@ -31,10 +31,13 @@ def decoding(tokens: list[int], ledger: BlockLedger, pending: bool) -> Sequence:
 
 def test_a_guessed_token_is_the_first_of_the_lookup_and_the_drafts_follow_it():
     assert propose_ngram(STORY, 4, 3, 2) == [8, 9, 10, 11]
-    assert guessed_drafts(STORY, 3, 3, 2) == [9, 10, 11]  # 8 is the guess for the placeholder
-    assert guessed_drafts(STORY, 0, 3, 2) == []
-    assert guessed_drafts([1, 2, 3, 4], 3, 3, 2) == []  # nothing repeats: no guess, no drafts
-    assert propose_ngram([2, 2, 2], 4, 2, 2) == [2] and guessed_drafts([2, 2, 2], 3, 2, 2) == []  # the guess only
+    assert guessed_drafts(STORY, 3, 3) == [9, 10, 11]  # 8 is the guess for the placeholder
+    assert guessed_drafts(STORY, 0, 3) == []
+    assert guessed_drafts([1, 2, 3, 4], 3, 3) == []  # nothing repeats: no guess, no drafts
+    assert propose_ngram([2, 2, 2], 4, 2, 2) == [2] and guessed_drafts([2, 2, 2], 3, 2) == []  # the guess only
+    # only the longest suffix counts: "6 7" matches (a known last token would draft after it), "31 6 7" does not
+    shorter = [5, 6, 7, 8, 9, 10, 11, 31, 6, 7]
+    assert propose_ngram(shorter, 4, 3, 2) == [8, 9, 10, 11] and guessed_drafts(shorter, 3, 3) == []
 
 
 @pytest.mark.parametrize("pending", [False, True])

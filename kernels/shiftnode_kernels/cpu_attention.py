@@ -56,10 +56,11 @@ the torch chunks otherwise; ``"torch"`` always runs the torch chunks. Read from
 
 SHORT_QUERY_TOKENS = 8
 """Sequences with at most this many new tokens run as decode rows (one per new token, module docstring):
-speculative decoding's verify items (``1 + num_speculative_tokens``) and tiny prompt chunks. Measured on
-stories260k (5 layers, 2 CPU cores): a 1+4-token verify step cost 1.41x a decode step's CPU time through
-the prefill path and 1.1x as decode rows (``python -m bench.load.spec_step``). Longer queries amortise one
-SDPA call over their quadratic work, and a decode row per token would read the context once per row."""
+speculative decoding's verify items (``1 + num_speculative_tokens``) and tiny prompt chunks. Measured at
+stories260k's heads on 2 loaded CPU cores (``python -m bench.load.spec_step``, CPU time of one layer): a
+1+4-token query over 30 / 100 / 250 tokens took 99 / 83 / 142 us through the prefill path and 55 / 63 / 152
+us as decode rows, against 25 / 25 / 50 us for one decode row. Each decode row reads its context once, so
+longer queries take the prefill path, whose one SDPA call amortises over their work."""
 
 MAX_CHUNK_TOKENS = 256
 """Upper bound of the decode chunk (tokens): past it a GEMM is already long enough to amortise its
