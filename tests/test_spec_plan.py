@@ -62,3 +62,28 @@ def test_draft_model_slots_wait_for_a_known_last_token():
     assert planner.add_drafts(busy, ledger, 64) == 0 and busy.items[0].draft == ()
     known = StepPlan(StepKind.DECODE, [ScheduledSeq(decoding(STORY, ledger, pending=False), 1)])
     assert planner.add_drafts(known, ledger, 64) == 2 and list(known.items[0].draft) == [PROPOSED_IN_ENGINE] * 2
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_only_a_verify_step_in_flight_holds_the_next_one_for_ngram_drafts(method):
+    """n-gram: a step is planned over a plain step in flight (its drafts follow a guess), never over a verify
+    step. Draft model: its slots need a known last token, so while speculation's rule holds every step waits."""
+    from types import SimpleNamespace
+
+    from node.core.batcher import BatchConfig, Batcher
+    from node.runtime.spec_decode import SpecDecoding
+    from node.runtime.step_encoder import StepEncoder
+
+    config = NGRAM if method == "ngram" else SpeculativeConfig(model="/draft", num_speculative_tokens=3)
+    ledger = BlockLedger(16, 4)
+    batcher = Batcher(ledger, BatchConfig())
+    seq = decoding(STORY + [8], ledger, pending=False)
+    batcher.running.append(seq)
+    spec = SpecDecoding(config, batcher, StepEncoder())
+    assert not spec.hold([])
+    verify = StepPlan(StepKind.DECODE, [ScheduledSeq(seq, 1)])
+    spec.draft(verify)
+    assert verify.items[0].draft  # drafts (or slots): a verify step
+    assert spec.hold([SimpleNamespace(plan=verify)])
+    plain = SimpleNamespace(plan=StepPlan(StepKind.DECODE, [ScheduledSeq(seq, 1)]))
+    assert spec.hold([plain]) is (method == "draft_model")

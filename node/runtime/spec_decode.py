@@ -52,9 +52,14 @@ class SpecDecoding:
     def hold(self, inflight) -> bool:
         """Whether the next step must wait for the steps in flight (``inflight``: their records, with
         ``plan``): a verify step is among them (its sequences' token counts are unknown until it comes
-        back, so no step may be planned over them). Over plain steps the next one is planned at once,
-        and its drafts follow a guess of the tokens they sample (:func:`~node.core.spec_plan.guessed_drafts`)."""
-        return any(r.plan is self._verifying for r in inflight)
+        back, so no step may be planned over them), or the drafts come from the engine's draft model and
+        speculation's rule holds (a sequence gets draft slots only once its last token is known to the
+        node: :meth:`DraftPlanner.add_drafts`). Over plain steps n-gram drafting plans the next step at
+        once, its drafts following a guess of the tokens they sample (:func:`~node.core.spec_plan.guessed_drafts`)."""
+        if any(r.plan is self._verifying for r in inflight):
+            return True
+        planner = self.planner
+        return planner.in_engine and bool(inflight) and planner.active(self.batcher.running, len(self.batcher.waiting))
 
     def kept_of(self, seq_id: str) -> tuple[list[int], list[TokenLogprobs]]:
         """The tokens the last settled verify step kept after a sequence's first, and their logprobs."""
