@@ -82,8 +82,39 @@ def test_only_a_verify_step_in_flight_holds_the_next_one_for_ngram_drafts(method
     spec = SpecDecoding(config, batcher, StepEncoder())
     assert not spec.hold([])
     verify = StepPlan(StepKind.DECODE, [ScheduledSeq(seq, 1)])
-    spec.draft(verify)
+    spec.draft(verify, known=True)
     assert verify.items[0].draft  # drafts (or slots): a verify step
     assert spec.hold([SimpleNamespace(plan=verify)])
     plain = SimpleNamespace(plan=StepPlan(StepKind.DECODE, [ScheduledSeq(seq, 1)]))
     assert spec.hold([plain]) is (method == "draft_model")
+
+
+def test_tries_on_known_tokens_back_off_while_they_find_nothing():
+    """n-gram in text that does not repeat: a try on known last tokens that finds nothing doubles the number of
+    steps planned over steps in flight before the next one (1, 2, 4, 8, 8 ...); a try that finds drafts resets it."""
+    from types import SimpleNamespace
+
+    from node.core.batcher import BatchConfig, Batcher
+    from node.runtime.spec_decode import MAX_EXACT_BACKOFF, SpecDecoding
+    from node.runtime.step_encoder import StepEncoder
+
+    ledger = BlockLedger(64, 4)
+    batcher = Batcher(ledger, BatchConfig())
+    seq = decoding([40 + i for i in range(12)], ledger, pending=False)  # nothing repeats
+    batcher.running.append(seq)
+    spec = SpecDecoding(NGRAM, batcher, StepEncoder())
+    busy = [SimpleNamespace(plan=StepPlan(StepKind.DECODE, []))]  # a plain step in flight
+    gaps = []
+    for _ in range(6):
+        assert spec.hold(busy)  # time for a try on known tokens: wait for the step in flight
+        spec.draft(StepPlan(StepKind.DECODE, [ScheduledSeq(seq, 1)]), known=True)
+        gap = 0
+        while not spec.hold(busy):
+            spec.draft(StepPlan(StepKind.DECODE, [ScheduledSeq(seq, 1)]), known=False)
+            gap += 1
+        gaps.append(gap)
+    assert gaps == [2, 4, 8, 8, 8, 8] and MAX_EXACT_BACKOFF == 8
+    seq.token_ids = [40, 41, 42, 43, 44, 45, 40, 41, 42]  # now it repeats: the next try finds drafts
+    seq.num_computed = len(seq.token_ids) - 1
+    spec.draft(StepPlan(StepKind.DECODE, [ScheduledSeq(seq, 1)]), known=True)
+    assert spec._backoff == 1

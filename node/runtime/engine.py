@@ -278,7 +278,7 @@ class DeviceEngine:
         runnable = kind is not None and self.batcher.has_work(kind)
         plan = self.quarantine.schedule(self.batcher, kind, chunk) if runnable else None  # (node.core.quarantine)
         if plan and self.spec is not None:
-            self.spec.draft(plan)
+            self.spec.draft(plan, known=not self._inflight)
         if plan:
             await self._send(plan)
         if self._inflight and (not plan or len(self._inflight) > 1):

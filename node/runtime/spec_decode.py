@@ -3,7 +3,9 @@
 Per step, on the node's event loop: while speculation's rule holds (:meth:`DraftPlanner.active`: at
 most ``disable_by_batch_size`` sequences, running and waiting), the planned step's decode items get drafts
 (:class:`~node.core.spec_plan.DraftPlanner`): n-gram lookups, after a guess of the last token where a plain
-step in flight is still sampling it, so such a step overlaps the one before it as a plain step would.
+step in flight is still sampling it, so such a step overlaps the one before it as a plain step would; where
+such guesses find nothing, the device waits for its steps now and then to try on known tokens
+(:data:`MAX_EXACT_BACKOFF`).
 The device plans nothing over a verify step in flight (:meth:`SpecDecoding.hold`): how many tokens it keeps is
 known only when it comes back. The engine verifies them (:mod:`node.worker.spec_verify`) and replies with 1 to ``k + 1`` tokens per verify
 item; :meth:`SpecDecoding.settle` appends the kept tokens, advances ``num_computed`` over them and
@@ -28,6 +30,13 @@ from node.worker.engine_core import StepReply
 from node.worker.sample_request import TokenLogprobs
 
 
+MAX_EXACT_BACKOFF = 8
+"""Most steps planned over steps in flight (with guessed drafts only) between two n-gram tries on known last
+tokens, for which the device waits for its steps in flight (:meth:`SpecDecoding.hold`). A try that finds no
+draft doubles the gap, up to this; one that finds drafts brings it back to 1. So text that stops repeating costs
+a wait once in 9 steps, not every other step, and a repeat of only ``prompt_lookup_min`` tokens is still found."""
+
+
 class SpecDecoding:
     """One device's speculative decoding.
 
@@ -44,6 +53,8 @@ class SpecDecoding:
         self.rolled_back_blocks = 0  # blocks freed after verify steps (rejected drafts' KV)
         self._verifying: StepPlan | None = None  # the last step given drafts (at most one is ever in flight)
         self._kept: dict[str, tuple[list[int], list[TokenLogprobs]]] = {}  # the settled reply's, by seq id
+        self._exact_in = 0  # steps to plan over steps in flight before the next try on known last tokens
+        self._backoff = 1  # the gap after the last such try (MAX_EXACT_BACKOFF)
 
     @property
     def stats(self) -> SpecStats:
@@ -52,27 +63,38 @@ class SpecDecoding:
     def hold(self, inflight) -> bool:
         """Whether the next step must wait for the steps in flight (``inflight``: their records, with
         ``plan``): a verify step is among them (its sequences' token counts are unknown until it comes
-        back, so no step may be planned over them), or the drafts come from the engine's draft model and
-        speculation's rule holds (a sequence gets draft slots only once its last token is known to the
-        node: :meth:`DraftPlanner.add_drafts`). Over plain steps n-gram drafting plans the next step at
-        once, its drafts following a guess of the tokens they sample (:func:`~node.core.spec_plan.guessed_drafts`)."""
+        back, so no step may be planned over them), or speculation's rule holds and the next step is to
+        draft on known last tokens: every step with a draft model (its slots are planned only then:
+        :meth:`DraftPlanner.add_drafts`), and n-gram tries after :data:`MAX_EXACT_BACKOFF`'s gap. Otherwise
+        the next step is planned over the steps in flight, its n-gram drafts following a guess of the tokens
+        they sample (:func:`~node.core.spec_plan.guessed_drafts`)."""
         if any(r.plan is self._verifying for r in inflight):
             return True
-        planner = self.planner
-        return planner.in_engine and bool(inflight) and planner.active(self.batcher.running, len(self.batcher.waiting))
+        planner, b = self.planner, self.batcher
+        if not inflight or not planner.active(b.running, len(b.waiting)):
+            return False
+        return planner.in_engine or self._exact_in <= 0
 
     def kept_of(self, seq_id: str) -> tuple[list[int], list[TokenLogprobs]]:
         """The tokens the last settled verify step kept after a sequence's first, and their logprobs."""
         return self._kept.get(seq_id, ([], []))
 
-    def draft(self, plan: StepPlan) -> None:
+    def draft(self, plan: StepPlan, known: bool) -> None:
         """Add drafts to ``plan``'s decode items while speculation's rule holds on this device
-        (:meth:`DraftPlanner.active`); a plan given any is the verify step :meth:`hold` waits for."""
+        (:meth:`DraftPlanner.active`); a plan given any is the verify step :meth:`hold` waits for. ``known``:
+        no step was in flight when ``plan`` was made (every last token is known): its n-gram try sets the
+        gap to the next such try (:data:`MAX_EXACT_BACKOFF`)."""
         b = self.batcher
         if not self.planner.active(b.running, len(b.waiting)):
             return
-        if self.planner.add_drafts(plan, b.ledger, b.config.max_batched_tokens):
+        found = self.planner.add_drafts(plan, b.ledger, b.config.max_batched_tokens)
+        if found:
             self._verifying = plan
+        if known:
+            self._backoff = 1 if found else min(2 * self._backoff, MAX_EXACT_BACKOFF)
+            self._exact_in = self._backoff
+        else:
+            self._exact_in -= 1
 
     def settle(self, plan: StepPlan, reply: StepReply, held: dict) -> None:
         """A step's reply came back (its placeholders already hold the first tokens): each verify item's

@@ -218,7 +218,9 @@ class ModelRunner:
             k = len(s.draft)
             rows.extend(range(cu[i + 1] - 1 - k, cu[i + 1]))
             reqs.extend(verify_requests(s.sample, list(s.draft)) if k else (s.sample,))
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        # a step of verify items only (one stream speculating): every row is sampled, in order, no gather
+        picked = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=self.device)]
+        logits = self.model.compute_logits(picked)
         mask = step.masks.result() if step.masks is not None else None
         tokens, logprobs = sample(logits, reqs, self.generator, mask)
         at = 0
