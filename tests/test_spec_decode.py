@@ -136,8 +136,9 @@ def test_stops_lengths_seeds_and_logprobs_are_those_without_speculation():
 def test_a_sequence_moved_after_verify_steps_goes_on_exactly():
     """Decoding with speculation, choice 0 moves cpu:0 → cpu:1 after 30 tokens and back after 90: each move
     carries the KV of the kept tokens only (the rejected drafts' blocks are gone), and the output is the
-    reference's, token for token."""
-    case = reference_cases()[0]
+    reference's, token for token. The case whose output repeats itself throughout (drafts are kept before,
+    between and after the moves, whether they are looked up on known tokens or after a guessed one)."""
+    case = reference_cases()[1]
 
     async def go():
         node = await Node.create(NodeConfig(model=str(STORIES), devices=["cpu:0", "cpu:1"], imbalance_threshold=0.0,
