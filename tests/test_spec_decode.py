@@ -201,33 +201,23 @@ def test_grammar_rows_decode_one_token_beside_verify_items():
     prompt = repeating_prompts()[1]
     # digits only: nothing the model would write unmasked, so a mask on the wrong row shows in both choices
     json_params = SamplingParams(max_tokens=40, temperature=0.0, grammar=GrammarSpec("regex", "[0-9]{1,30}"))
-    free = SamplingParams(max_tokens=80, temperature=0.0)
+    free = SamplingParams(max_tokens=160, temperature=0.0)
 
     async def both(node: Node, tag: str):
         # the free choice first; the grammar choice arrives once the free one is decoding (on the speculating node,
-        # once two verify steps in a row kept every draft: it copies its prompt, and the steps that come next
-        # verify drafts too), so its prompt chunk shares a step with verify items however slow the host
+        # once a step verified its drafts), and the free one goes on four times as long, so the grammar choice's
+        # tokens share steps with verify items however slow the host
         decoding = asyncio.Event()
-        spec = node.engines[0].spec
-        run = [0, 0]  # verify steps in a row that kept every draft; accepted tokens so far
-
-        def listen(e, plan, s):
-            if spec is None:
-                if any(it.num_tokens == 1 for it in plan.items):
-                    decoding.set()
-                return
-            drafted = sum(len(it.draft) for it in plan.items)
-            kept = spec.stats.accepted_tokens - run[1]
-            run[:] = [run[0] + 1 if drafted and kept == drafted else 0, spec.stats.accepted_tokens]
-            if run[0] >= 2:
-                decoding.set()
-
-        node.engines[0].step_listeners.append(listen)
+        node.engines[0].step_listeners.append(lambda e, plan, s: decoding.set() if any(
+            it.draft or (it.num_tokens == 1 and node.engines[0].spec is None) for it in plan.items) else None)
 
         async def grammar_after_decoding():
             await decoding.wait()
             return await collect(node, f"{tag}-j", prompt, json_params)
 
+        # the grammar compiled first (its cache): the grammar choice's prompt is scheduled as soon as it arrives,
+        # not after a compile that may outlast the free choice
+        await collect(node, f"{tag}-warm", prompt, SamplingParams(max_tokens=2, temperature=0.0, grammar=json_params.grammar))
         f, j = await asyncio.gather(collect(node, f"{tag}-f", prompt, free), grammar_after_decoding())
         return j, f
 
@@ -237,9 +227,15 @@ def test_grammar_rows_decode_one_token_beside_verify_items():
         spec = await Node.create(config("colocated", speculative_config=SPEC))
         plain.start()
         spec.start()
-        mixed = []  # steps that verified drafts beside a prompt chunk (a mixed step)
-        spec.engines[0].step_listeners.append(lambda e, plan, s: mixed.append(
-            any(it.draft for it in plan.items) and any(not it.draft and it.num_tokens > 1 for it in plan.items)))
+        # steps whose grammar row comes after a verify item's rows (its mask row's index counts them): the grammar
+        # choice's prompt chunk (a mixed step) or one of its decode tokens
+        mixed = []
+
+        def after_verify(e, plan, s):
+            kinds = [("verify" if it.draft else "grammar" if it.seq.params.grammar is not None else "") for it in plan.items]
+            mixed.append("verify" in kinds and "grammar" in kinds[kinds.index("verify"):])
+
+        spec.engines[0].step_listeners.append(after_verify)
         try:
             return await both(plain, "p"), await both(spec, "s"), spec.engines[0].spec.stats.accepted_tokens, any(mixed)
         finally:
@@ -247,7 +243,7 @@ def test_grammar_rows_decode_one_token_beside_verify_items():
             await spec.close()
 
     (pj, pf), (sj, sf), accepted, mixed = asyncio.run(go())
-    assert mixed, "no step verified drafts beside a prompt chunk"
+    assert mixed, "no step sampled a grammar row after a verify item's rows"
     assert sj[0]["ids"] == pj[0]["ids"] and sj[0]["text"] == pj[0]["text"] and sj[0]["text"].isdigit()
     assert sf[0]["ids"] == pf[0]["ids"]
     assert accepted > 0
