@@ -16,11 +16,11 @@ every draft kept, so it measures the draft's cost). Cells are interleaved (per r
 per client count, the plain node then the speculating one), each ``--duration`` seconds after a 2 s
 warm-up. ``tok_s``: streamed tokens / wall; ``itl_p50_ms``: median over chunks of the gap to the
 stream's previous chunk divided by the chunk's tokens (a verify step sends several tokens in one chunk);
-``tpot_ms``: mean per request of (last chunk - first chunk) / (tokens - 1); ``cpu_ms_per_tok``: CPU time of
-the node's process and its engine process (``/proc``) over the cell, warm-up included, per token streamed
-in it (estimated as ``tok_s`` times the cell's length), which a loaded machine changes less than latency. The
-speculating node's acceptance counts come from ``GET /v1/node``. Ratios are the speculating node's over the
-plain node's, per round; the summary gives their median and range.
+``tpot_ms``: mean per request of (last chunk - first chunk) / (tokens - 1); ``node_us_per_token``: the CPU
+time of the node's processes (its own, its engine's) over the cell's window per token streamed in it
+(:mod:`bench.load.stream_cells`), which a loaded machine changes less than latency. The speculating node's
+acceptance counts come from ``GET /v1/node``. Ratios are the speculating node's over the plain node's, per
+round; the summary gives their median and range.
 """
 
 from __future__ import annotations
@@ -30,10 +30,8 @@ import json
 import statistics
 from pathlib import Path
 
-import os
-
 from bench.load.node_process import NodeServer
-from bench.load.stream_cells import WARMUP_S, stream_cell
+from bench.load.stream_cells import stream_cell
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 STORIES = SHARED / "models" / "stories260k"
@@ -52,24 +50,6 @@ def _bodies() -> list[dict]:
              "return_token_ids": True} for p in repeating_prompts()]
 
 
-def process_cpu_s(pid: int) -> float:
-    """User plus system CPU seconds of process ``pid`` and its direct children (a node and its engine
-    processes), from ``/proc``; a child that exits meanwhile is left out."""
-    pids = [pid]
-    try:
-        pids += [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
-    except OSError:
-        pass
-    total = 0.0
-    for p in pids:
-        try:
-            fields = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
-
-
 def _ratios(p: list[dict], s: list[dict], key: str) -> list[float]:
     return [b[key] / a[key] for a, b in zip(p, s) if a.get(key) and b.get(key)]
 
@@ -86,10 +66,8 @@ def run(duration: float, rounds: int, counts: list[int], spec: str, label: str =
         for _ in range(rounds):
             for clients in counts:
                 for name, node in (("plain", plain), (label, ngram)):
-                    cpu0 = process_cpu_s(node.proc.pid)
-                    r = stream_cell(node.url, _bodies(), clients, duration)
-                    if r["tok_s"]:
-                        r["cpu_ms_per_tok"] = 1e3 * (process_cpu_s(node.proc.pid) - cpu0) / (r["tok_s"] * (duration + WARMUP_S))
+                    r = stream_cell(node.url, _bodies(), clients, duration, node.proc.pid)
+                    r.pop("lengths", None)
                     res["cells"].setdefault(f"c{clients}_{name}", []).append(r)
         res["speculative"] = ngram.get_json("/v1/node")["devices"][0].get("speculative")
     for c in counts:
@@ -101,7 +79,8 @@ def run(duration: float, rounds: int, counts: list[int], spec: str, label: str =
             if a and b:
                 summary |= {f"plain_{key}": statistics.median(a), f"{label}_{key}": statistics.median(b),
                             f"{key.rsplit('_', 1)[0]}_ratio": statistics.median(b) / statistics.median(a)}
-        for key, name in (("tok_s", "tok_s"), ("itl_p50_ms", "itl_p50"), ("tpot_ms", "tpot"), ("cpu_ms_per_tok", "cpu_per_tok")):
+        for key, name in (("tok_s", "tok_s"), ("itl_p50_ms", "itl_p50"), ("tpot_ms", "tpot"),
+                          ("node_us_per_token", "cpu_per_token")):
             ratios = _ratios(p, s, key)  # per round: the two cells ran back to back, on the same phase of a shared machine
             if ratios:
                 summary[f"{name}_ratio_rounds"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
