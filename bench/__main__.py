@@ -93,6 +93,8 @@ GROUPS: tuple[Group, ...] = (
              "the mask per token, a 50-field schema's compile, the grammar cache's bound?"),
         Tool("load.spec_decode", "Does n-gram speculative decoding pay: ITL, TPOT and tokens/s at 1 and 64 streams "
              "on outputs that repeat their prompts, with and without --speculative-config?"),
+        Tool("load.spec_step", "What does a speculative verify step of 1 + k tokens cost the engine against a "
+                               "decode step, and one layer's attention by path?"),
         Tool("load.membership", "How fast do peer sets follow a join, a kill -9 and a clean stop through etcd?"),
         Tool("load.chaos", "With engines killed at random while KV is in flight (moves, hand-offs to a peer), "
                            "does every request end, greedy-exact or with a clear error, with no KV block leaked or "
